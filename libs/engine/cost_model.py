@@ -1,0 +1,123 @@
+"""Step-time cost model: FLOPs and bytes a step must move, calibrated from measured steps.
+
+A step's time is estimated as ``overhead + max(flops / flop_rate, bytes / byte_rate)`` scaled
+by a factor learned online (exponential moving average of measured / predicted). The
+scheduler asks it how many prefill tokens fit a step's time budget; DeepInfer only logs
+MFU from a similar estimator, here it decides the chunk size.
+
+No torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step computes, per scheduled sequence: (new tokens, context length after)."""
+
+    seqs: tuple[tuple[int, int], ...] = ()
+
+    def add(self, q: int, ctx: int) -> StepShape:
+        return StepShape(self.seqs + ((q, ctx),))
+
+    @property
+    def tokens(self) -> int:
+        return sum(q for q, _ in self.seqs)
+
+
+@dataclass
+class CostModel:
+    flops_per_token: float  # non-attention matmul FLOPs per token
+    attn_flops_per_pair: float  # FLOPs per (query, key) pair over all layers
+    dense_weight_bytes: float  # weights every step reads (attention, dense MLPs, shared experts, head)
+    expert_bytes: float  # bytes of one routed expert in one layer
+    num_moe_layers: int
+    num_experts: int
+    experts_per_token: int
+    kv_bytes_per_token: float  # cache bytes read per context token (all layers)
+    flop_rate: float = 1e11
+    byte_rate: float = 2e10
+    overhead_s: float = 2e-3
+    scale: float = 1.0
+    alpha: float = 0.3
+    samples: int = field(default=0)
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, weight_dtype_bytes: int, kv_dtype_bytes: int,
+                  flop_rate: float, byte_rate: float) -> CostModel:
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        q_params = (h * nh * cfg.qk_head_dim if cfg.q_lora_rank is None
+                    else h * cfg.q_lora_rank + cfg.q_lora_rank * nh * cfg.qk_head_dim)
+        attn_params = (q_params + h * cfg.kv_cache_dim
+                       + cfg.kv_lora_rank * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+                       + nh * cfg.v_head_dim * h)
+        n_moe = cfg.num_hidden_layers - cfg.first_k_dense_replace
+        dense_mlp = 3 * h * cfg.intermediate_size
+        shared = 3 * h * cfg.moe_intermediate_size * cfg.n_shared_experts
+        expert = 3 * h * cfg.moe_intermediate_size
+        router = h * cfg.n_routed_experts
+        active = (cfg.num_hidden_layers * attn_params + cfg.first_k_dense_replace * dense_mlp
+                  + n_moe * (shared + router + cfg.num_experts_per_tok * expert) + h * cfg.vocab_size)
+        dense_weights = (cfg.num_hidden_layers * attn_params + cfg.first_k_dense_replace * dense_mlp
+                         + n_moe * (shared + router) + h * cfg.vocab_size)
+        return cls(
+            flops_per_token=2.0 * active,
+            attn_flops_per_pair=2.0 * cfg.num_hidden_layers * nh * (cfg.qk_head_dim + cfg.v_head_dim),
+            dense_weight_bytes=float(dense_weights * weight_dtype_bytes),
+            expert_bytes=float(expert * weight_dtype_bytes),
+            num_moe_layers=n_moe,
+            num_experts=cfg.n_routed_experts,
+            experts_per_token=cfg.num_experts_per_tok,
+            kv_bytes_per_token=float(cfg.num_hidden_layers * cfg.kv_cache_dim * kv_dtype_bytes),
+            flop_rate=flop_rate,
+            byte_rate=byte_rate,
+        )
+
+    # -- estimates ---------------------------------------------------------------------------
+    def flops(self, shape: StepShape) -> float:
+        pairs = sum(q * ctx - q * (q - 1) / 2 for q, ctx in shape.seqs)
+        return self.flops_per_token * shape.tokens + self.attn_flops_per_pair * pairs
+
+    def bytes(self, shape: StepShape) -> float:
+        t = shape.tokens
+        if t == 0:
+            return 0.0
+        e, k = self.num_experts, self.experts_per_token
+        # Expected distinct experts a layer touches when t tokens each pick k of e.
+        touched = e * (1.0 - (1.0 - k / e) ** t) if self.num_moe_layers else 0.0
+        kv = sum(ctx for _, ctx in shape.seqs) * self.kv_bytes_per_token
+        return self.dense_weight_bytes + self.num_moe_layers * touched * self.expert_bytes + kv
+
+    def raw_seconds(self, shape: StepShape) -> float:
+        if not shape.seqs:
+            return 0.0
+        return self.overhead_s + max(self.flops(shape) / self.flop_rate, self.bytes(shape) / self.byte_rate)
+
+    def seconds(self, shape: StepShape) -> float:
+        return self.scale * self.raw_seconds(shape)
+
+    def observe(self, shape: StepShape, measured_s: float) -> None:
+        """Fold one measured step time into the calibration factor."""
+        raw = self.raw_seconds(shape)
+        if raw <= 0 or measured_s <= 0:
+            return
+        ratio = min(max(measured_s / raw, 1e-3), 1e3)
+        self.scale = ratio if self.samples == 0 else (1 - self.alpha) * self.scale + self.alpha * ratio
+        self.samples += 1
+
+    def max_chunk(self, shape: StepShape, ctx_before: int, remaining: int, budget_s: float) -> int:
+        """Largest q <= remaining such that adding (q, ctx_before + q) keeps the step in budget."""
+        if self.seconds(shape.add(remaining, ctx_before + remaining)) <= budget_s:
+            return remaining
+        lo, hi = 0, remaining
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.seconds(shape.add(mid, ctx_before + mid)) <= budget_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo

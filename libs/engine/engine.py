@@ -1,0 +1,313 @@
+"""The engine: model + paged KV cache + scheduler + sampler behind add/step/abort/export/import.
+
+Single-threaded and synchronous: the service wrapping it owns the loop and the I/O. Each
+:meth:`Engine.step` runs one scheduled batch (prompt chunks and decodes together) and returns
+the token events it produced.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from libs.common.hashchain import chain_hashes
+
+from .cost_model import CostModel
+from .kv.block_manager import BlockManager, NoFreeBlocks
+from .kv.cache import DTYPE_NAMES, TORCH_DTYPES, PagedKVCache
+from .kv.layout import mla_cache_spec
+from .kv.transfer import KVFormatError, KVHeader, check_compatible, decode_frame, encode_frame
+from .loader import LoadedModel, load
+from .model.attention import AttentionMetadata, SeqAttention
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+from .scheduler import Request, Scheduler, SchedulerConfig, Status, StepPlan, TokenEvent
+
+__all__ = ["Engine", "EngineConfig", "InvalidRequest", "KVFormatError", "NoFreeBlocks", "TokenEvent"]
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses as given (recoverable by fixing the request)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny"  # preset name or checkpoint directory
+    device: str = "cpu"
+    dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
+    seed: int = 0  # preset weights
+    block_size: int = 128
+    num_kv_blocks: int | None = None  # None: as many as kv_cache_bytes holds
+    kv_cache_bytes: int | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
+    kv_cache_dtype: str | None = None  # None: the model dtype
+    max_tokens_per_step: int = 32768
+    time_budget_s: float | None = 1.0
+    max_running: int = 256
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    sampler_seed: int | None = None
+    absorb_decode: bool = True
+    with_mtp: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in TORCH_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(TORCH_DTYPES)}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        return TORCH_DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    request_id: str
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_computed_tokens: int
+    finished: bool
+    finish_reason: str | None
+    num_preemptions: int
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.device = torch.device(config.device)
+        dtype = config.torch_dtype
+        self.loaded = loaded or load(config.model, self.device, dtype, config.seed, config.with_mtp)
+        self.model = self.loaded.model
+        self.model.set_absorb_decode(config.absorb_decode)
+        self.model_config = cfg = self.model.cfg
+        self.model_id = self.loaded.model_id
+        kv_dtype = config.kv_cache_dtype or DTYPE_NAMES[dtype]
+        self.spec = mla_cache_spec(cfg, self.model_id, config.block_size, kv_dtype,
+                                   num_layers=self.model.num_cache_layers)
+        num_blocks = config.num_kv_blocks or self._blocks_for_memory()
+        self.cache = PagedKVCache(self.spec, num_blocks, self.device)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        max_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.scheduler_config = SchedulerConfig(config.max_tokens_per_step, config.time_budget_s,
+                                                config.max_running, max_len)
+        self.cost = CostModel.for_model(cfg, torch.finfo(dtype).bits // 8,
+                                        torch.finfo(TORCH_DTYPES[kv_dtype]).bits // 8,
+                                        *self._nominal_rates())
+        self.scheduler = Scheduler(self.scheduler_config, self.blocks, self.cost, cfg.eos_token_ids)
+        self.sampler = Sampler(self.device, config.sampler_seed)
+        self.last_step_seconds = 0.0
+        self.last_step_tokens = 0
+
+    # -- sizing -------------------------------------------------------------------------------
+    def _blocks_for_memory(self) -> int:
+        budget = self.config.kv_cache_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * 0.9)
+            else:
+                budget = 1 << 30
+        n = budget // self.spec.bytes_per_block
+        if n <= 0:
+            raise ValueError(f"kv_cache_bytes={budget} holds no {self.spec.bytes_per_block}-byte block")
+        return int(n)
+
+    def _nominal_rates(self) -> tuple[float, float]:
+        """Starting FLOP/s and bytes/s for the cost model; calibrated by measured steps."""
+        if self.device.type == "cuda":
+            return 6e14, 4e12  # H200-class bf16 dense / HBM; the calibration corrects the rest
+        return 5e10, 1e10
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                    params: SamplingParams | None = None, *, cache_salt: bytes = b"",
+                    kv: bytes | Sequence[bytes] | None = None, hold_kv: bool = False) -> None:
+        """Queue a request. ``kv``: frames from :meth:`export_kv` covering a prefix of the tokens.
+
+        Raises :class:`InvalidRequest` for bad input, :class:`KVFormatError` for KV that does
+        not belong to this model or these tokens, :class:`NoFreeBlocks` if imported KV does
+        not fit now.
+        """
+        params = params or SamplingParams()
+        tokens = [int(t) for t in prompt_token_ids]
+        self._validate(request_id, tokens, params)
+        req = Request(request_id, tokens, len(tokens), params, cache_salt, hold_kv)
+        if kv is not None:
+            self._import(req, [kv] if isinstance(kv, (bytes, bytearray, memoryview)) else list(kv))
+        try:
+            self.scheduler.add(req)
+        except ValueError as exc:
+            self.blocks.release(req.blocks)
+            raise InvalidRequest(str(exc)) from None
+
+    def _validate(self, request_id: str, tokens: list[int], params: SamplingParams) -> None:
+        if not request_id:
+            raise InvalidRequest("request_id must be a non-empty string")
+        if request_id in self.scheduler.requests:
+            raise InvalidRequest(f"request_id {request_id!r} is already in use")
+        if not tokens:
+            raise InvalidRequest("prompt_token_ids must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt_token_ids holds {bad}, outside the vocabulary [0, {vocab})")
+        limit = self.scheduler_config.max_model_len
+        if len(tokens) >= limit:
+            raise InvalidRequest(f"prompt has {len(tokens)} tokens; the context limit is {limit}")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must lie in [0, {vocab})")
+
+    def abort(self, request_id: str) -> TokenEvent | None:
+        return self.scheduler.abort(request_id)
+
+    def release(self, request_id: str) -> None:
+        """Free a finished request kept with ``hold_kv``."""
+        req = self.scheduler.requests.get(request_id)
+        if req is not None and req.status is Status.FINISHED:
+            self.scheduler.free(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def info(self, request_id: str) -> RequestInfo:
+        req = self.scheduler.requests[request_id]
+        return RequestInfo(req.request_id, tuple(req.token_ids), req.num_prompt_tokens,
+                           req.num_cached_tokens, req.num_computed, req.status is Status.FINISHED,
+                           req.finish_reason, req.num_preemptions)
+
+    # -- KV export / import -------------------------------------------------------------------
+    def export_kv(self, request_id: str, *, include_partial: bool = False, release: bool = False) -> bytes:
+        """One frame with the request's computed KV: its full blocks, plus the tail if asked."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"no request {request_id!r} (finished requests need hold_kv=True)")
+        bs = self.spec.block_size
+        covered = req.num_computed if include_partial else (req.num_computed // bs) * bs
+        hashes = chain_hashes(req.token_ids[:covered], bs, req.cache_salt, include_partial=True)
+        blocks = req.blocks[: len(hashes)]
+        header = KVHeader(self.model_id, self.spec.layout_hash(), bs, self.spec.dtype,
+                          self.spec.bytes_per_block, covered, 0, tuple(h.hex() for h in hashes))
+        frame = encode_frame(header, self.cache.read_blocks(blocks))
+        if release:
+            self.release(request_id)
+        return frame
+
+    def _import(self, req: Request, frames: list[bytes | bytearray | memoryview]) -> None:
+        bs = self.spec.block_size
+        headers, payloads = [], []
+        for data in frames:
+            header, payload = decode_frame(data)
+            check_compatible(header, self.spec)
+            expected_first = sum(h.num_blocks for h in headers)
+            if header.first_block != expected_first:
+                raise KVFormatError(f"KV frames are not contiguous: block {header.first_block} "
+                                    f"follows {expected_first} blocks")
+            headers.append(header)
+            payloads.append(payload)
+        covered = headers[-1].num_tokens if headers else 0
+        if covered > len(req.token_ids):
+            raise KVFormatError(f"KV covers {covered} tokens, the request has {len(req.token_ids)}")
+        given = [h for header in headers for h in header.block_hashes]
+        want = [h.hex() for h in chain_hashes(req.token_ids[:covered], bs, req.cache_salt,
+                                               include_partial=True)]
+        if given != want:
+            raise KVFormatError("KV does not belong to these tokens (chain hash mismatch)")
+        usable = min(covered, len(req.token_ids) - 1)  # the last token is computed to sample
+        n_blocks = -(-usable // bs)
+        n_full = usable // bs
+        names = chain_hashes(req.token_ids[: n_full * bs], bs, req.cache_salt)
+        hits = self.blocks.match_prefix(names)
+        fresh_needed = n_blocks - len(hits)
+        if fresh_needed > self.blocks.num_free:
+            raise NoFreeBlocks(f"importing {n_blocks} blocks needs {fresh_needed} free, "
+                               f"{self.blocks.num_free} available")
+        self.blocks.acquire(hits)
+        fresh = self.blocks.allocate(fresh_needed)
+        payload = b"".join(bytes(p) for p in payloads)
+        bpb = self.spec.bytes_per_block
+        self.cache.write_blocks(fresh, payload[len(hits) * bpb : n_blocks * bpb])
+        req.blocks = hits + fresh
+        req.block_hashes = list(names)
+        for i in range(len(hits), n_full):
+            self.blocks.register(req.blocks[i], names[i])
+        req.num_registered = n_full
+        req.num_computed = usable
+        req.num_cached_tokens = min(usable, req.num_prompt_tokens)
+        req.admitted = True
+        req.status = Status.RUNNING
+
+    # -- stepping -----------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        t0 = time.perf_counter()
+        sampled = self._run(plan)
+        self.last_step_seconds = time.perf_counter() - t0
+        self.last_step_tokens = plan.num_tokens
+        return self.scheduler.update(plan, sampled, self.last_step_seconds)
+
+    def _run(self, plan: StepPlan) -> dict[str, int]:
+        input_ids, positions, meta, sample_rows = self._prepare(plan)
+        hidden = self.model(input_ids, positions, meta, self.cache.tensors)
+        sampling = [s for s in plan.seqs if s.sample]
+        if not sampling:
+            return {}
+        logits = self.model.logits(hidden[sample_rows])
+        params = [self.scheduler.requests[s.request_id].params for s in sampling]
+        tokens = self.sampler.sample(logits, params, [s.output_index for s in sampling])
+        return {s.request_id: t for s, t in zip(sampling, tokens)}
+
+    def _prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        bs, dev = self.spec.block_size, self.device
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        seqs: list[SeqAttention] = []
+        dec_rows: list[int] = []
+        dec_tables: list[tuple[int, ...]] = []
+        dec_lens: list[int] = []
+        sample_rows: list[int] = []
+        for s in plan.seqs:
+            row0 = len(ids)
+            p = list(range(s.start, s.start + s.num_tokens))
+            ids.extend(s.token_ids)
+            pos.extend(p)
+            slots.extend(s.block_table[i // bs] * bs + i % bs for i in p)
+            ctx = s.start + s.num_tokens
+            if s.num_tokens == 1:
+                dec_rows.append(row0)
+                dec_tables.append(s.block_table)
+                dec_lens.append(ctx)
+            else:
+                seqs.append(SeqAttention(row0, s.num_tokens, self._ctx_slots(s.block_table, ctx),
+                                         torch.tensor(p, device=dev)))
+            if s.sample:
+                sample_rows.append(len(ids) - 1)
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=dev), seqs)
+        if dec_rows:
+            width = max(dec_lens)
+            padded = torch.zeros(len(dec_rows), width, dtype=torch.int64)
+            for r, (table, n) in enumerate(zip(dec_tables, dec_lens)):
+                padded[r, :n] = self._ctx_slots(table, n, "cpu")
+            meta.decode_rows = torch.tensor(dec_rows, dtype=torch.int64, device=dev)
+            meta.decode_slots = padded.to(dev)
+            meta.decode_mask = (torch.arange(width)[None, :] < torch.tensor(dec_lens)[:, None]).to(dev)
+        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, device=dev), meta,
+                torch.tensor(sample_rows, dtype=torch.int64, device=dev))
+
+    def _ctx_slots(self, table: tuple[int, ...], n: int, device: torch.device | str | None = None) -> torch.Tensor:
+        bs = self.spec.block_size
+        nb = -(-n // bs)
+        t = torch.tensor(table[:nb], dtype=torch.int64)
+        s = (t[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1)[:n]
+        return s.to(device or self.device)

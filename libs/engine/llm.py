@@ -1,0 +1,62 @@
+"""Offline generation: ``LLM(model).generate(prompts, params)`` drives an :class:`Engine` to the end."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .engine import Engine, EngineConfig
+from .sampling_params import SamplingParams
+from .tokenizer import load_tokenizer
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None
+    num_cached_tokens: int
+
+
+class LLM:
+    def __init__(self, model: str = "tiny", engine: Engine | None = None, **engine_kwargs: Any) -> None:
+        self.engine = engine or Engine(EngineConfig(model=model, **engine_kwargs))
+        self._next_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return list(load_tokenizer(self.engine.loaded.source).encode(text, add_special_tokens=False).ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(load_tokenizer(self.engine.loaded.source).decode(list(token_ids), skip_special_tokens=True))
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, decode_text: bool = True) -> list[GenerationOutput]:
+        """Run all prompts together (continuous batching) and return outputs in prompt order."""
+        plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        ids: list[str] = []
+        prompt_ids: list[list[int]] = []
+        for prompt, p in zip(prompts, plist):
+            tokens = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+            rid = f"llm-{self._next_id}"
+            self._next_id += 1
+            self.engine.add_request(rid, tokens, p, hold_kv=True)
+            ids.append(rid)
+            prompt_ids.append(tokens)
+        while self.engine.has_unfinished():
+            self.engine.step()
+        outs = []
+        for rid, tokens in zip(ids, prompt_ids):
+            info = self.engine.info(rid)
+            self.engine.release(rid)
+            gen = info.token_ids[len(tokens):]
+            outs.append(GenerationOutput(tuple(tokens), gen, self.decode(gen) if decode_text else "",
+                                         info.finish_reason, info.num_cached_tokens))
+        return outs
+
+
+__all__ = ["LLM", "GenerationOutput", "SamplingParams", "replace"]

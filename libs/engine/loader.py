@@ -1,0 +1,185 @@
+"""Build a model from a preset name or a Hugging Face checkpoint directory.
+
+Checkpoint directories hold ``config.json`` and safetensors files, one file or sharded
+with ``model.safetensors.index.json``. Routed experts may be stored per expert (the
+original ``mlp.experts.{e}.gate_proj.weight`` names, which transformers also writes) or fused
+(transformers' in-memory ``mlp.experts.gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I]).
+FP8 block-quantized weights (DeepSeek's release: ``weight`` in e4m3 with ``weight_scale_inv``
+per 128x128 tile) are dequantized while loading. MTP layers (``model.layers.{N+j}``) load
+into ``mtp.{j}`` when asked for, and are skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig
+from .model.model import DeepseekForCausalLM
+from .presets import PRESETS, init_random_weights
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+_FP8_TILE = 128
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory cannot be loaded as given (fatal; the message says why)."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: DeepseekForCausalLM
+    model_id: str  # names the weights: part of every KV frame's identity
+    source: str
+
+
+def load(source: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+         seed: int = 0, with_mtp: bool = False) -> LoadedModel:
+    if source in PRESETS:
+        cfg = PRESETS[source]
+        model = DeepseekForCausalLM(cfg, dtype, device, with_mtp=with_mtp)
+        init_random_weights(model, seed)
+        return LoadedModel(model, f"{source}-seed{seed}@{cfg.config_hash()}", source)
+    path = Path(source)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(
+            f"{source!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with config.json")
+    raw = json.loads((path / "config.json").read_text())
+    try:
+        cfg = ModelConfig.from_hf(raw)
+    except (KeyError, ValueError) as exc:
+        raise CheckpointError(f"{path / 'config.json'}: {exc}") from None
+    model = DeepseekForCausalLM(cfg, dtype, device, with_mtp=with_mtp)
+    load_weights(model, path)
+    return LoadedModel(model, f"{path.name}@{_checkpoint_digest(path)}", str(path))
+
+
+def _checkpoint_digest(path: Path) -> str:
+    """Names the weights by config and the safetensors files' names, sizes and headers."""
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            head_len = int.from_bytes(fh.read(8), "little")
+            h.update(f.name.encode() + f.stat().st_size.to_bytes(8, "little") + fh.read(min(head_len, 1 << 24)))
+    return h.hexdigest()[:16]
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"index names missing shard(s): {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no safetensors files in {path}")
+    return files
+
+
+def _iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]:
+    """Yield (name, tensor, file-local scale tensors) for every non-scale tensor."""
+    for f in _weight_files(path):
+        with safe_open(str(f), framework="pt") as st:
+            keys = list(st.keys())
+            scales = {k: st.get_tensor(k) for k in keys if k.endswith("_scale_inv")}
+            for k in keys:
+                if not k.endswith("_scale_inv"):
+                    yield k, st.get_tensor(k), scales
+
+
+def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    rows, cols = w.shape
+    s = scale_inv.float().repeat_interleave(_FP8_TILE, 0)[:rows].repeat_interleave(_FP8_TILE, 1)[:, :cols]
+    return w.float() * s
+
+
+def _target_name(name: str, cfg: ModelConfig, with_mtp: bool) -> str | None:
+    """Our parameter name for a checkpoint tensor name; None to skip it."""
+    m = _LAYER.match(name)
+    if m and int(m.group(1)) >= cfg.num_hidden_layers:
+        j = int(m.group(1)) - cfg.num_hidden_layers
+        if not with_mtp or j >= cfg.num_nextn_predict_layers:
+            return None
+        return f"mtp.{j}.{m.group(2)}"
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    return name
+
+
+def load_weights(model: DeepseekForCausalLM, path: Path) -> None:
+    cfg = model.cfg
+    params = dict(model.named_parameters())
+    with_mtp = len(model.mtp) > 0
+    loaded: set[str] = set()
+    expert_parts: dict[str, int] = {}
+    inter = cfg.moe_intermediate_size
+    for name, tensor, scales in _iter_tensors(path):
+        if tensor.dtype == torch.float8_e4m3fn:
+            scale = scales.get(name + "_scale_inv")
+            if scale is None:
+                raise CheckpointError(f"{name} is fp8 but has no {name}_scale_inv")
+            tensor = _dequant_fp8(tensor, scale)
+        target = _target_name(name, cfg, with_mtp)
+        if target is None:
+            continue
+        m = _EXPERT.match(target)
+        if m:  # one expert's projection into the fused tensors
+            base, e, proj = m.group(1), int(m.group(2)), m.group(3)
+            if proj == "down_proj":
+                dst, key = params.get(f"{base}.w2"), f"{base}.w2"
+                view = dst[e] if dst is not None else None
+            else:
+                dst, key = params.get(f"{base}.w13"), f"{base}.w13"
+                half = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+                view = dst[e, half] if dst is not None else None
+            if view is None or e >= cfg.n_routed_experts:
+                raise CheckpointError(f"unexpected tensor {name}")
+            _copy(view, tensor, name)
+            expert_parts[key] = expert_parts.get(key, 0) + 1
+            continue
+        target = target.replace(".mlp.experts.gate_up_proj", ".mlp.experts.w13")
+        target = target.replace(".mlp.experts.down_proj", ".mlp.experts.w2")
+        if target not in params:
+            raise CheckpointError(f"unexpected tensor {name} (no parameter {target})")
+        _copy(params[target], tensor, name)
+        loaded.add(target)
+    for key, count in expert_parts.items():
+        parts_per_expert = 2 if key.endswith(".w13") else 1
+        if count == parts_per_expert * cfg.n_routed_experts:
+            loaded.add(key)
+    _tie_defaults(model, params, loaded)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensor(s): {shown}")
+
+
+def _tie_defaults(model: DeepseekForCausalLM, params: dict[str, torch.Tensor], loaded: set[str]) -> None:
+    """Fill tensors a checkpoint may legitimately omit from the ones they are tied to."""
+    if model.cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
+        params["lm_head.weight"].copy_(params["model.embed_tokens.weight"])
+        loaded.add("lm_head.weight")
+    for j in range(len(model.mtp)):
+        for own, main in ((f"mtp.{j}.embed_tokens.weight", "model.embed_tokens.weight"),
+                          (f"mtp.{j}.shared_head.head.weight", "lm_head.weight")):
+            if own not in loaded:
+                params[own].copy_(params[main])
+                loaded.add(own)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise CheckpointError(f"{name}: shape {tuple(src.shape)} does not match the config's {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src.to(device=dst.device, dtype=dst.dtype))

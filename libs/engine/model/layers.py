@@ -1,0 +1,157 @@
+"""RMSNorm, the dense SwiGLU MLP and DeepSeekMoE (shared + routed experts, V3 and V2 routers)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _linear(out_f: int, in_f: int, bias: bool, dtype: torch.dtype, device: torch.device) -> nn.Linear:
+    layer = nn.Linear(in_f, out_f, bias=bias, dtype=dtype, device=device)
+    layer.requires_grad_(False)
+    return layer
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.gate_proj = _linear(inter, hidden, False, dtype, device)
+        self.up_proj = _linear(inter, hidden, False, dtype, device)
+        self.down_proj = _linear(hidden, inter, False, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Chooses ``num_experts_per_tok`` experts per token and their combine weights.
+
+    V3 (``scoring_func='sigmoid'``, ``topk_method='noaux_tc'``): sigmoid scores; selection on
+    scores + ``e_score_correction_bias``; groups ranked by the sum of their two best biased
+    scores, only the ``topk_group`` best groups are eligible; weights are the unbiased scores
+    of the chosen experts, normalized if ``norm_topk_prob``, times ``routed_scaling_factor``.
+
+    V2 (``scoring_func='softmax'``): softmax scores; ``group_limited_greedy`` ranks groups by
+    their best expert; ``greedy`` is plain top-k. Weights are normalized if ``norm_topk_prob``
+    (as DeepSeek-V2's own code does), else scaled by ``routed_scaling_factor``.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        e = cfg.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(e, cfg.hidden_size, dtype=dtype, device=device),
+                                   requires_grad=False)
+        if cfg.topk_method == "noaux_tc":
+            # Kept in fp32 whatever the model dtype: it shifts sigmoid scores near 1e-3 apart.
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(e, dtype=torch.float32, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        logits = F.linear(x.to(torch.float32), self.weight.to(torch.float32))
+        if cfg.scoring_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = logits.softmax(dim=-1)
+        k = cfg.num_experts_per_tok
+        per_group = cfg.n_routed_experts // cfg.n_group
+        if cfg.topk_method == "noaux_tc":
+            choice = scores + self.e_score_correction_bias
+            group_scores = choice.view(-1, cfg.n_group, per_group).topk(2, dim=-1)[0].sum(-1)
+            choice = _mask_groups(choice, group_scores, cfg.topk_group, per_group, float("-inf"))
+            idx = choice.topk(k, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, idx)
+        elif cfg.topk_method == "group_limited_greedy":
+            group_scores = scores.view(-1, cfg.n_group, per_group).max(dim=-1).values
+            masked = _mask_groups(scores, group_scores, cfg.topk_group, per_group, 0.0)
+            weights, idx = masked.topk(k, dim=-1, sorted=False)
+        else:
+            weights, idx = scores.topk(k, dim=-1, sorted=False)
+        if cfg.scoring_func == "sigmoid":
+            if cfg.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights * cfg.routed_scaling_factor
+        elif cfg.norm_topk_prob and k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        else:
+            weights = weights * cfg.routed_scaling_factor
+        return weights, idx
+
+
+def _mask_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_group: int,
+                 per_group: int, fill: float) -> torch.Tensor:
+    group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, -1, per_group).reshape(scores.shape)
+    return scores.masked_fill(~score_mask, fill)
+
+
+class Experts(nn.Module):
+    """Routed experts stored fused: ``w13`` [E, 2I, H] (gate rows then up rows), ``w2`` [E, H, I].
+
+    This is transformers' fused layout (``gate_up_proj``/``down_proj``); the loader stacks the
+    original per-expert tensors into it.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype, device=device), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Reference grouped path: tokens sorted by expert, one GEMM pair per expert hit."""
+        t, k = idx.shape
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        token_of = order // k
+        w_sorted = weights.reshape(-1)[order]
+        out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = token_of[start : start + n]
+            xe = x.index_select(0, rows)
+            gate, up = F.linear(xe, self.w13[expert]).chunk(2, dim=-1)
+            ye = F.linear(F.silu(gate) * up, self.w2[expert])
+            out.index_add_(0, rows, ye.to(torch.float32) * w_sorted[start : start + n, None])
+            start += n
+        return out.to(x.dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.gate = Router(cfg, dtype, device)
+        self.experts = Experts(cfg, dtype, device)
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, device)
+            if cfg.n_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, idx = self.gate(x)
+        out = self.experts(x, weights, idx)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

@@ -1,0 +1,123 @@
+"""The DeepSeek-V3 family as one PyTorch module tree.
+
+Parameter names mirror the Hugging Face checkpoints (``model.layers.3.self_attn.kv_b_proj.weight``)
+except the routed experts, which are stored fused (``mlp.experts.w13``/``w2``), and the MTP
+layers, which live under ``mtp.{j}`` (``model.layers.{num_hidden_layers + j}`` on disk).
+
+The model is single-device and runs over a flattened batch of tokens from many requests:
+the caller gives token ids, positions, the step's :class:`AttentionMetadata` and one cache
+tensor per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from .attention import AttentionMetadata, MLAttention
+from .layers import MLP, MoE, RMSNorm, _linear
+from .rope import Rotary
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, moe: bool, rotary: Rotary, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = MLAttention(cfg, rotary, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp: nn.Module = (MoE(cfg, dtype, device) if moe
+                               else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.head = _linear(cfg.vocab_size, cfg.hidden_size, False, dtype, device)
+
+
+class MTPLayer(DecoderLayer):
+    """DeepSeek-V3 multi-token prediction module (one per predicted depth).
+
+    Given the previous depth's hidden state ``h`` at position ``i`` and the embedding of
+    token ``i + 1``: ``x = eh_proj([enorm(emb); hnorm(h)])``, then one MoE decoder layer, then
+    ``shared_head`` (norm + vocabulary projection) predicts token ``i + 2``.
+    """
+
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(cfg, True, rotary, dtype, device)
+        h = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, h, dtype=dtype, device=device)
+        self.embed_tokens.requires_grad_(False)
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        self.eh_proj = _linear(h, 2 * h, False, dtype, device)
+        self.shared_head = SharedHead(cfg, dtype, device)
+
+    def predict(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this depth's hidden states, fp32 logits for the token after ``next_ids``)."""
+        emb = self.embed_tokens(next_ids)
+        x = self.eh_proj(torch.cat((self.enorm(emb), self.hnorm(hidden)), dim=-1))
+        cos, sin = self.self_attn.rotary.cos_sin(positions)
+        x = super().forward(x, cos, sin, meta, cache)
+        logits = self.shared_head.head(self.shared_head.norm(x)).float()
+        return x, logits
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, cfg.is_moe_layer(i), rotary, dtype, device)
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+
+class DeepseekForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", with_mtp: bool = False) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        self.rotary = Rotary(cfg, device)
+        self.model = Backbone(cfg, self.rotary, dtype, device)
+        self.lm_head = _linear(cfg.vocab_size, cfg.hidden_size, False, dtype, device)
+        n_mtp = cfg.num_nextn_predict_layers if with_mtp else 0
+        self.mtp = nn.ModuleList(MTPLayer(cfg, self.rotary, dtype, device) for _ in range(n_mtp))
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Attention layers that own cache pages: the decoder layers, then the MTP layers."""
+        return self.cfg.num_hidden_layers + len(self.mtp)
+
+    def set_absorb_decode(self, on: bool) -> None:
+        for module in self.modules():
+            if isinstance(module, MLAttention):
+                module.absorb_decode = on
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                caches: list[torch.Tensor]) -> torch.Tensor:
+        """Final-norm hidden states [tokens, hidden] of every input token."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions)
+        for layer, cache in zip(self.model.layers, caches):
+            x = layer(x, cos, sin, meta, cache)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,321 @@
+"""Continuous-batching scheduler as a step function, with no I/O.
+
+``schedule()`` returns a :class:`StepPlan` (which tokens of which requests to compute this
+step, which blocks they use); the engine runs the model; ``update(plan, outputs)`` applies
+the sampled tokens and returns :class:`TokenEvent` s. Policy:
+
+* running requests first, oldest first: decodes (one token) and unfinished prompt chunks;
+* then waiting requests in arrival order, each admitted with its longest cached prefix
+  (hash chain over full blocks, never the last prompt token, which must be computed to
+  sample from);
+* a per-step token budget (default 32,768) and a time budget: the :class:`CostModel`
+  decides how many prompt tokens still fit, so long prompts are prefilled in chunks;
+* when blocks run out, the most recently arrived running request is preempted: its blocks
+  are released (their cached names stay findable) and it is recomputed later from its
+  prompt plus the tokens it already produced.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from libs.common.hashchain import chain_hashes
+
+from .cost_model import CostModel, StepShape
+from .kv.block_manager import BlockManager
+from .sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_tokens_per_step: int = 32768
+    time_budget_s: float | None = 1.0
+    max_running: int = 256
+    max_model_len: int = 163840
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_per_step <= 0:
+            raise ValueError(f"max_tokens_per_step must be positive, got {self.max_tokens_per_step}")
+        if self.time_budget_s is not None and self.time_budget_s <= 0:
+            raise ValueError(f"time_budget_s must be positive or None, got {self.time_budget_s}")
+        if self.max_running <= 0:
+            raise ValueError(f"max_running must be positive, got {self.max_running}")
+        if self.max_model_len <= 1:
+            raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
+
+
+@dataclass
+class Request:
+    request_id: str
+    token_ids: list[int]  # prompt followed by the tokens generated so far
+    num_prompt_tokens: int
+    params: SamplingParams
+    cache_salt: bytes = b""
+    hold_kv: bool = False  # keep blocks after finishing, until the engine exports/frees them
+    arrival: int = 0
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens whose KV is in this request's blocks
+    blocks: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered: int = 0  # leading blocks named in the block manager
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache on first admission
+    admitted: bool = False
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def full_block_hashes(self, block_size: int, upto_tokens: int) -> list[bytes]:
+        """Chain digests of the full blocks among the first ``upto_tokens`` tokens."""
+        need = upto_tokens // block_size
+        if len(self.block_hashes) < need:
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            start = len(self.block_hashes)
+            self.block_hashes.extend(chain_hashes(
+                self.token_ids[: need * block_size], block_size, self.cache_salt,
+                start=start, parent=parent))
+        return self.block_hashes[:need]
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    request_id: str
+    start: int  # first position computed this step
+    num_tokens: int
+    token_ids: tuple[int, ...]
+    block_table: tuple[int, ...]
+    sample: bool  # this chunk reaches the end of the known tokens: sample the next one
+    output_index: int  # index of the output token to be sampled (for seeded sampling)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    seqs: tuple[ScheduledSeq, ...]
+    preempted: tuple[str, ...] = ()
+    shape: StepShape = StepShape()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: str
+    token_id: int | None  # None for events without a token (abort)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, cost: CostModel,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        self.config = config
+        self.bm = blocks
+        self.cost = cost
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+
+    # -- requests -----------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if len(req.token_ids) >= self.config.max_model_len:
+            raise ValueError(f"prompt of {len(req.token_ids)} tokens leaves no room under the "
+                             f"context limit of {self.config.max_model_len}")
+        req.arrival = next(self._arrivals)
+        self.requests[req.request_id] = req
+        if req.status is Status.RUNNING:  # KV imported by the engine: continue where it stopped
+            self.running.append(req)
+        else:
+            self.waiting.append(req)
+
+    def abort(self, request_id: str) -> TokenEvent | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req.status is Status.FINISHED:
+            self.free(req)
+            return None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        req.status, req.finish_reason = Status.FINISHED, "abort"
+        self.free(req)
+        return TokenEvent(request_id, None, True, "abort")
+
+    def free(self, req: Request) -> None:
+        """Release a finished request's blocks and forget it."""
+        self.bm.release(req.blocks)
+        req.blocks = []
+        self.requests.pop(req.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- schedule -----------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_tokens_per_step
+        shape = StepShape()
+        seqs: list[ScheduledSeq] = []
+        preempted: list[str] = []
+        scheduled: set[str] = set()
+
+        for req in list(self.running):
+            if req.status is not Status.RUNNING or budget <= 0:
+                continue
+            n = self._fit(shape, req, budget)
+            if n == 0:
+                break
+            if not self._reserve(req, n, scheduled, preempted):
+                continue  # the request itself was preempted
+            seqs.append(self._seq(req, n))
+            scheduled.add(req.request_id)
+            shape = shape.add(n, req.num_computed + n)
+            budget -= n
+
+        while (self.waiting and not preempted and budget > 0
+               and len(self.running) < self.config.max_running):
+            req = self.waiting[0]
+            hits = self._admit_prefix(req)
+            n = self._fit(shape, req, budget)
+            if n == 0 or not self._try_allocate(req, n):
+                self._undo_prefix(req, hits)
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            seqs.append(self._seq(req, n))
+            scheduled.add(req.request_id)
+            shape = shape.add(n, req.num_computed + n)
+            budget -= n
+        return StepPlan(tuple(seqs), tuple(preempted), shape)
+
+    def _fit(self, shape: StepShape, req: Request, budget: int) -> int:
+        remaining = min(len(req.token_ids) - req.num_computed, budget)
+        if self.config.time_budget_s is None or remaining <= 1:
+            return remaining
+        n = self.cost.max_chunk(shape, req.num_computed, remaining, self.config.time_budget_s)
+        if n == 0 and not shape.seqs:
+            n = min(remaining, self.bm.block_size)  # always make progress
+        return n
+
+    def _blocks_needed(self, req: Request, n: int) -> int:
+        return max(0, math.ceil((req.num_computed + n) / self.bm.block_size) - len(req.blocks))
+
+    def _try_allocate(self, req: Request, n: int) -> bool:
+        need = self._blocks_needed(req, n)
+        if need > self.bm.num_free:
+            return False
+        req.blocks.extend(self.bm.allocate(need))
+        return True
+
+    def _reserve(self, req: Request, n: int, scheduled: set[str], preempted: list[str]) -> bool:
+        """Allocate blocks for ``n`` more tokens of a running request, preempting if needed."""
+        while not self._try_allocate(req, n):
+            victim = next((r for r in reversed(self.running)
+                           if r.status is Status.RUNNING and r.request_id not in scheduled), None)
+            if victim is None:
+                raise RuntimeError("the KV cache cannot hold even one request; raise num_kv_blocks")
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.bm.release(req.blocks)
+        req.blocks, req.num_computed, req.num_registered = [], 0, 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        # Back in arrival order, so the oldest preempted request resumes first.
+        pos = next((i for i, w in enumerate(self.waiting) if w.arrival > req.arrival), len(self.waiting))
+        self.waiting.insert(pos, req)
+
+    def _admit_prefix(self, req: Request) -> list[int]:
+        if req.num_computed or req.blocks:
+            return []
+        hashes = req.full_block_hashes(self.bm.block_size, len(req.token_ids) - 1)
+        hits = self.bm.match_prefix(hashes)
+        self.bm.acquire(hits)
+        req.blocks = list(hits)
+        req.num_registered = len(hits)
+        req.num_computed = len(hits) * self.bm.block_size
+        if not req.admitted:
+            req.num_cached_tokens = min(req.num_computed, req.num_prompt_tokens)
+        return hits
+
+    def _undo_prefix(self, req: Request, hits: list[int]) -> None:
+        if hits:
+            self.bm.release(hits)
+            req.blocks, req.num_computed, req.num_registered = [], 0, 0
+
+    def _seq(self, req: Request, n: int) -> ScheduledSeq:
+        req.admitted = True
+        end = req.num_computed + n
+        return ScheduledSeq(
+            request_id=req.request_id, start=req.num_computed, num_tokens=n,
+            token_ids=tuple(req.token_ids[req.num_computed : end]),
+            block_table=tuple(req.blocks), sample=end == len(req.token_ids),
+            output_index=req.num_output_tokens)
+
+    # -- update -------------------------------------------------------------------------------
+    def update(self, plan: StepPlan, sampled: dict[str, int], step_seconds: float | None = None
+               ) -> list[TokenEvent]:
+        """Apply a step's results: advance computed counts, name full blocks, append tokens."""
+        if step_seconds is not None and not plan.empty:
+            self.cost.observe(plan.shape, step_seconds)
+        events: list[TokenEvent] = []
+        for seq in plan.seqs:
+            req = self.requests.get(seq.request_id)
+            if req is None or req.status is not Status.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed = seq.start + seq.num_tokens
+            self._register_full_blocks(req)
+            if seq.sample:
+                events.append(self._append(req, sampled[seq.request_id]))
+        return events
+
+    def _register_full_blocks(self, req: Request) -> None:
+        bs = self.bm.block_size
+        hashes = req.full_block_hashes(bs, req.num_computed)
+        for i in range(req.num_registered, len(hashes)):
+            self.bm.register(req.blocks[i], hashes[i])
+        req.num_registered = len(hashes)
+
+    def _append(self, req: Request, token: int) -> TokenEvent:
+        req.token_ids.append(token)
+        p = req.params
+        reason = None
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        elif req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.config.max_model_len:
+            reason = "length"
+        if reason is None:
+            return TokenEvent(req.request_id, token)
+        req.status, req.finish_reason = Status.FINISHED, reason
+        self.running.remove(req)
+        if not req.hold_kv:
+            self.free(req)
+        return TokenEvent(req.request_id, token, True, reason)

@@ -264,7 +264,7 @@ class Engine:
             return {}
         logits = self.model.logits(hidden[sample_rows])
         params = [self.scheduler.requests[s.request_id].params for s in sampling]
-        tokens = self.sampler.sample(logits, params, [s.output_index for s in sampling])
+        tokens = self.sampler.sample(logits, params, [s.sample_position for s in sampling])
         return {s.request_id: t for s, t in zip(sampling, tokens)}
 
     def _prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from .engine import Engine, EngineConfig
 from .sampling_params import SamplingParams
+from .scheduler import TokenEvent
 from .tokenizer import load_tokenizer
 
 
@@ -38,25 +39,27 @@ class LLM:
         plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
-        ids: list[str] = []
-        prompt_ids: list[list[int]] = []
+        order: list[str] = []
+        prompt_ids: dict[str, list[int]] = {}
         for prompt, p in zip(prompts, plist):
             tokens = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
             rid = f"llm-{self._next_id}"
             self._next_id += 1
-            self.engine.add_request(rid, tokens, p, hold_kv=True)
-            ids.append(rid)
-            prompt_ids.append(tokens)
+            self.engine.add_request(rid, tokens, p)
+            order.append(rid)
+            prompt_ids[rid] = tokens
+        generated: dict[str, list[int]] = {rid: [] for rid in order}
+        finals: dict[str, TokenEvent] = {}
         while self.engine.has_unfinished():
-            self.engine.step()
-        outs = []
-        for rid, tokens in zip(ids, prompt_ids):
-            info = self.engine.info(rid)
-            self.engine.release(rid)
-            gen = info.token_ids[len(tokens):]
-            outs.append(GenerationOutput(tuple(tokens), gen, self.decode(gen) if decode_text else "",
-                                         info.finish_reason, info.num_cached_tokens))
-        return outs
+            for ev in self.engine.step():
+                if ev.token_id is not None:
+                    generated[ev.request_id].append(ev.token_id)
+                if ev.finished:
+                    finals[ev.request_id] = ev
+        return [GenerationOutput(tuple(prompt_ids[rid]), tuple(generated[rid]),
+                                 self.decode(generated[rid]) if decode_text else "",
+                                 finals[rid].finish_reason, finals[rid].num_cached_tokens)
+                for rid in order]
 
 
-__all__ = ["LLM", "GenerationOutput", "SamplingParams", "replace"]
+__all__ = ["LLM", "GenerationOutput", "SamplingParams"]

@@ -1,9 +1,9 @@
 """Token sampling over a batch of logits with per-request settings.
 
 Sampling uses the exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d. draws the
-token with probability ``p``. For a seeded request the ``E`` vector of output position ``n``
-comes from a generator seeded with ``mix(seed, n)``, so its draw depends on nothing else in
-the batch and can be replayed anywhere (after preemption or KV import).
+token with probability ``p``. For a seeded request the ``E`` vector for the token at sequence
+position ``n`` comes from a generator seeded with ``mix(seed, n)``, so its draw depends on
+nothing else in the batch and can be replayed anywhere (after preemption or KV import).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .sampling_params import SamplingParams
 
 
 def position_seed(seed: int, position: int) -> int:
-    """63-bit seed for (request seed, output position), stable across processes."""
+    """63-bit seed for (request seed, token position), stable across processes."""
     digest = hashlib.sha256(struct.pack("<QQ", seed, position)).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
@@ -51,7 +51,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                positions: Sequence[int]) -> list[int]:
-        """One token per row. ``positions[i]``: output index (0 for the first generated token)."""
+        """One token per row. ``positions[i]``: sequence position of the token being sampled."""
         out = logits.float().argmax(dim=-1).tolist()
         for i, p in enumerate(params):
             if p.greedy:

@@ -11,7 +11,7 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy (argmax). Otherwise logits are divided by the temperature,
     cut to the ``top_k`` most likely tokens (0 = no cut) and to the smallest set whose
-    probability reaches ``top_p``, then sampled. With ``seed`` set, the draw for output
+    probability reaches ``top_p``, then sampled. With ``seed`` set, the draw for sequence
     position ``n`` depends only on (seed, n) and the logits: the same seed gives the same
     tokens whatever requests share the batch, and after a KV handoff or a preemption.
     """

@@ -97,7 +97,7 @@ class ScheduledSeq:
     token_ids: tuple[int, ...]
     block_table: tuple[int, ...]
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
-    output_index: int  # index of the output token to be sampled (for seeded sampling)
+    sample_position: int  # position of the token to be sampled (keys seeded sampling)
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,7 @@ class TokenEvent:
     token_id: int | None  # None for events without a token (abort)
     finished: bool = False
     finish_reason: str | None = None  # "stop", "length" or "abort"
+    num_cached_tokens: int = 0  # prompt tokens served from cache (prefix hit or KV import)
 
 
 class Scheduler:
@@ -134,6 +135,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
+        self.num_preemptions = 0  # since start, all requests
 
     # -- requests -----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -142,6 +144,10 @@ class Scheduler:
         if len(req.token_ids) >= self.config.max_model_len:
             raise ValueError(f"prompt of {len(req.token_ids)} tokens leaves no room under the "
                              f"context limit of {self.config.max_model_len}")
+        need = len(req.token_ids) // self.bm.block_size + 1
+        if need > self.bm.num_blocks:
+            raise ValueError(f"prompt of {len(req.token_ids)} tokens needs {need} KV blocks; "
+                             f"this engine's cache holds {self.bm.num_blocks}")
         req.arrival = next(self._arrivals)
         self.requests[req.request_id] = req
         if req.status is Status.RUNNING:  # KV imported by the engine: continue where it stopped
@@ -162,7 +168,7 @@ class Scheduler:
             self.running.remove(req)
         req.status, req.finish_reason = Status.FINISHED, "abort"
         self.free(req)
-        return TokenEvent(request_id, None, True, "abort")
+        return TokenEvent(request_id, None, True, "abort", req.num_cached_tokens)
 
     def free(self, req: Request) -> None:
         """Release a finished request's blocks and forget it."""
@@ -249,6 +255,7 @@ class Scheduler:
         req.blocks, req.num_computed, req.num_registered = [], 0, 0
         req.status = Status.WAITING
         req.num_preemptions += 1
+        self.num_preemptions += 1
         # Back in arrival order, so the oldest preempted request resumes first.
         pos = next((i for i, w in enumerate(self.waiting) if w.arrival > req.arrival), len(self.waiting))
         self.waiting.insert(pos, req)
@@ -278,7 +285,7 @@ class Scheduler:
             request_id=req.request_id, start=req.num_computed, num_tokens=n,
             token_ids=tuple(req.token_ids[req.num_computed : end]),
             block_table=tuple(req.blocks), sample=end == len(req.token_ids),
-            output_index=req.num_output_tokens)
+            sample_position=len(req.token_ids))
 
     # -- update -------------------------------------------------------------------------------
     def update(self, plan: StepPlan, sampled: dict[str, int], step_seconds: float | None = None
@@ -313,9 +320,9 @@ class Scheduler:
         elif req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.config.max_model_len:
             reason = "length"
         if reason is None:
-            return TokenEvent(req.request_id, token)
+            return TokenEvent(req.request_id, token, num_cached_tokens=req.num_cached_tokens)
         req.status, req.finish_reason = Status.FINISHED, reason
         self.running.remove(req)
         if not req.hold_kv:
             self.free(req)
-        return TokenEvent(req.request_id, token, True, reason)
+        return TokenEvent(req.request_id, token, True, reason, req.num_cached_tokens)

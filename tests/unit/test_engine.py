@@ -1,0 +1,250 @@
+"""Engine behaviour on the tiny preset: what a caller sees must not depend on how it was served."""
+
+from __future__ import annotations
+
+import pytest
+
+from libs.engine.engine import Engine, EngineConfig, InvalidRequest
+from libs.engine.kv.transfer import KVFormatError, decode_frame
+from libs.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=10, ignore_eos=True)
+
+
+def make(tiny_loaded, **kw) -> Engine:
+    base = dict(model="tiny", block_size=16, num_kv_blocks=512, time_budget_s=None)
+    base.update(kw)
+    return Engine(EngineConfig(**base), loaded=tiny_loaded)
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [(i * 7919 + salt * 104729) % 120000 + 3 for i in range(n)]
+
+
+def run(engine: Engine, reqs: dict[str, tuple[list[int], SamplingParams]], **add_kw) -> dict[str, list[int]]:
+    """Serve the requests together; the generated tokens as the caller sees them (events)."""
+    for rid, (p, sp) in reqs.items():
+        engine.add_request(rid, p, sp, **add_kw)
+    out: dict[str, list[int]] = {rid: [] for rid in reqs}
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.token_id is not None:
+                out[ev.request_id].append(ev.token_id)
+    return out
+
+
+def alone(tiny_loaded, p: list[int], sp: SamplingParams, **kw) -> list[int]:
+    return run(make(tiny_loaded, **kw), {"x": (p, sp)})["x"]
+
+
+REQS = {
+    "a": (prompt(5, 1), GREEDY),
+    "b": (prompt(40, 2), GREEDY),
+    "c": (prompt(77, 3), SEEDED),
+    "d": (prompt(16, 4), SamplingParams(temperature=0.8, seed=99, max_tokens=10, ignore_eos=True)),
+}
+
+
+def test_batched_equals_one_at_a_time(tiny_loaded) -> None:
+    together = run(make(tiny_loaded), REQS)
+    for rid, (p, sp) in REQS.items():
+        assert together[rid] == alone(tiny_loaded, p, sp), f"request {rid} changed when batched"
+    assert len(set(map(tuple, together.values()))) == len(REQS)
+
+
+def test_chunked_prefill_equals_whole_prefill(tiny_loaded) -> None:
+    p = prompt(150, 5)
+    whole = alone(tiny_loaded, p, GREEDY)
+    engine = make(tiny_loaded, max_tokens_per_step=32)
+    steps = []
+    engine.add_request("x", p, GREEDY, hold_kv=True)
+    while engine.has_unfinished():
+        engine.step()
+        steps.append(engine.last_step_tokens)
+    assert max(steps) <= 32 and steps[:4] == [32, 32, 32, 32]
+    assert list(engine.info("x").token_ids[150:]) == whole
+
+
+def test_prefix_hit_equals_miss_and_reports_cached_tokens(tiny_loaded) -> None:
+    shared = prompt(70, 6)
+    engine = make(tiny_loaded)
+    run(engine, {"first": (shared + [11, 12, 13], GREEDY)})
+    follow = shared + [21, 22, 23, 24]
+    engine.add_request("hit", follow, GREEDY, hold_kv=True)
+    while engine.has_unfinished():
+        engine.step()
+    info = engine.info("hit")
+    assert info.num_cached_tokens == 64  # 4 full 16-token blocks of the shared 70 tokens
+    miss = make(tiny_loaded)
+    miss.add_request("miss", follow, GREEDY, hold_kv=True)
+    while miss.has_unfinished():
+        miss.step()
+    assert miss.info("miss").num_cached_tokens == 0
+    assert info.token_ids == miss.info("miss").token_ids
+
+
+def test_cache_salt_separates_tenants(tiny_loaded) -> None:
+    engine = make(tiny_loaded)
+    p = prompt(40, 7)
+    run(engine, {"t1": (p, GREEDY)}, cache_salt=b"tenant-1")
+    engine.add_request("t2", p, GREEDY, cache_salt=b"tenant-2", hold_kv=True)
+    engine.add_request("t1b", p, GREEDY, cache_salt=b"tenant-1", hold_kv=True)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.info("t2").num_cached_tokens == 0
+    assert engine.info("t1b").num_cached_tokens == 32
+
+
+@pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_export_import_equals_uninterrupted(tiny_loaded, sp: SamplingParams) -> None:
+    p = prompt(45, 8)
+    full = alone(tiny_loaded, p, sp)
+    # "Prefill": compute the prompt and the first token, then hand the KV (with the tail) over.
+    pre = make(tiny_loaded)
+    pre.add_request("r", p, SamplingParams(**{**sp.__dict__, "max_tokens": 1}), hold_kv=True)
+    while pre.has_unfinished():
+        pre.step()
+    first = pre.info("r").token_ids[-1]
+    frame = pre.export_kv("r", include_partial=True, release=True)
+    header, _ = decode_frame(frame)
+    assert header.num_tokens == 45 and header.num_blocks == 3 and header.model_id == pre.model_id
+    assert pre.blocks.num_used == 0 or pre.blocks.num_cached >= 2
+    # "Decode": continue from the imported KV in another engine.
+    dec = make(tiny_loaded)
+    dec.add_request("r", p + [first], SamplingParams(**{**sp.__dict__, "max_tokens": sp.max_tokens - 1}),
+                    kv=frame, hold_kv=True)
+    assert dec.info("r").num_computed_tokens == 45
+    while dec.has_unfinished():
+        dec.step()
+    assert [first] + list(dec.info("r").token_ids[46:]) == full
+
+
+def test_import_of_full_blocks_recomputes_only_the_rest(tiny_loaded) -> None:
+    p = prompt(50, 9)
+    full = alone(tiny_loaded, p, GREEDY)
+    src = make(tiny_loaded)
+    run_kv = src.add_request("s", p, SamplingParams(max_tokens=1), hold_kv=True)
+    while src.has_unfinished():
+        src.step()
+    frame = src.export_kv("s")  # full blocks only: 48 tokens
+    assert decode_frame(frame)[0].num_tokens == 48 and run_kv is None
+    dst = make(tiny_loaded)
+    dst.add_request("d", p, GREEDY, kv=frame, hold_kv=True)
+    assert dst.info("d").num_cached_tokens == 48
+    while dst.has_unfinished():
+        dst.step()
+    assert list(dst.info("d").token_ids[50:]) == full
+
+
+def test_import_rejects_kv_of_other_tokens_or_models(tiny_loaded) -> None:
+    p = prompt(40, 10)
+    src = make(tiny_loaded)
+    src.add_request("s", p, SamplingParams(max_tokens=1), hold_kv=True)
+    while src.has_unfinished():
+        src.step()
+    frame = src.export_kv("s")
+    dst = make(tiny_loaded)
+    free_before = dst.blocks.num_free
+    with pytest.raises(KVFormatError, match="chain hash"):
+        dst.add_request("x", [5] + p[1:], GREEDY, kv=frame)
+    with pytest.raises(KVFormatError, match="chain hash"):
+        dst.add_request("y", p, GREEDY, kv=frame, cache_salt=b"other-tenant")
+    other_block = make(tiny_loaded, block_size=32, num_kv_blocks=64)
+    with pytest.raises(KVFormatError, match="block size"):
+        other_block.add_request("z", p, GREEDY, kv=frame)
+    with pytest.raises(KVFormatError):
+        dst.add_request("w", p, GREEDY, kv=frame[:-7])
+    with pytest.raises(KVFormatError, match="magic"):
+        dst.add_request("v", p, GREEDY, kv=b"XXXX" + frame[4:])
+    assert dst.blocks.num_free == free_before and not dst.has_unfinished()
+
+
+def test_preemption_by_recompute_equals_uninterrupted(tiny_loaded) -> None:
+    reqs = {f"r{i}": (prompt(30 + 9 * i, 20 + i), SamplingParams(
+        temperature=0.7, seed=i, max_tokens=40, ignore_eos=True) if i % 2 else
+        SamplingParams(max_tokens=40, ignore_eos=True)) for i in range(4)}
+    small = make(tiny_loaded, num_kv_blocks=14)  # 224 slots for ~4 x 80 tokens: must preempt
+    outputs = run(small, reqs)
+    assert small.scheduler.num_preemptions > 0, "the test must actually preempt"
+    for rid, (p, sp) in reqs.items():
+        assert outputs[rid] == alone(tiny_loaded, p, sp), rid
+    assert small.blocks.num_free == 14
+    small.blocks.check()
+
+
+def test_seed_gives_same_sample_whatever_the_companions(tiny_loaded) -> None:
+    target = (prompt(20, 30), SamplingParams(temperature=1.0, seed=42, max_tokens=12, ignore_eos=True))
+    solo = run(make(tiny_loaded), {"t": target})["t"]
+    crowd = {"t": target, **{f"o{i}": (prompt(10 + 13 * i, 40 + i), SamplingParams(
+        temperature=1.0, seed=None if i % 2 else 1000 + i, max_tokens=12, ignore_eos=True)) for i in range(4)}}
+    assert run(make(tiny_loaded), crowd)["t"] == solo
+    other_seed = SamplingParams(temperature=1.0, seed=43, max_tokens=12, ignore_eos=True)
+    assert run(make(tiny_loaded), {"t": (target[0], other_seed)})["t"] != solo
+
+
+def test_stop_conditions_and_finish_reasons(tiny_loaded) -> None:
+    p = prompt(12, 50)
+    free_run = alone(tiny_loaded, p, GREEDY)
+    stop_at = free_run[3]
+    engine = make(tiny_loaded)
+    engine.add_request("s", p, SamplingParams(max_tokens=10, stop_token_ids=(stop_at,), ignore_eos=True),
+                       hold_kv=True)
+    engine.add_request("l", p, SamplingParams(max_tokens=4, ignore_eos=True), hold_kv=True)
+    events = []
+    while engine.has_unfinished():
+        events += engine.step()
+    s, l = engine.info("s"), engine.info("l")
+    assert list(s.token_ids[12:]) == free_run[: free_run.index(stop_at) + 1] and s.finish_reason == "stop"
+    assert len(l.token_ids) == 16 and l.finish_reason == "length"
+    finals = [e for e in events if e.finished]
+    assert {(e.request_id, e.finish_reason) for e in finals} == {("s", "stop"), ("l", "length")}
+
+
+def test_eos_finishes_unless_ignored(tiny_loaded) -> None:
+    p = prompt(12, 51)
+    first = alone(tiny_loaded, p, SamplingParams(max_tokens=1))[0]
+    engine = make(tiny_loaded)
+    engine.scheduler.eos_token_ids = frozenset({first})  # pretend that token is EOS
+    out = run(engine, {"e": (p, SamplingParams(max_tokens=10)), "i": (p, GREEDY)})
+    assert out["e"] == [first]
+    assert len(out["i"]) == 10 and out["i"][0] == first
+
+
+def test_abort_frees_every_block(tiny_loaded) -> None:
+    engine = make(tiny_loaded, num_kv_blocks=64)
+    engine.add_request("a", prompt(100, 60), GREEDY)
+    engine.add_request("b", prompt(30, 61), GREEDY)
+    engine.step()
+    assert engine.blocks.num_free < 64
+    ev = engine.abort("a")
+    assert ev is not None and ev.finish_reason == "abort"
+    engine.abort("b")
+    assert engine.blocks.num_free == 64 and not engine.has_unfinished()
+    assert engine.abort("a") is None
+    engine.blocks.check()
+
+
+@pytest.mark.parametrize("tokens,match", [
+    ([], "must not be empty"),
+    ([1, 2, 129280], "outside the vocabulary"),
+    ([-1], "outside the vocabulary"),
+])
+def test_invalid_requests_are_refused_and_leave_nothing(tiny_loaded, tokens, match) -> None:
+    engine = make(tiny_loaded)
+    with pytest.raises(InvalidRequest, match=match):
+        engine.add_request("bad", tokens, GREEDY)
+    assert not engine.has_unfinished() and engine.blocks.num_free == 512
+
+
+def test_context_limit_and_duplicate_ids(tiny_loaded) -> None:
+    engine = make(tiny_loaded, max_model_len=64)
+    with pytest.raises(InvalidRequest, match="context limit"):
+        engine.add_request("long", prompt(64), GREEDY)
+    engine.add_request("ok", prompt(60), SamplingParams(max_tokens=50, ignore_eos=True), hold_kv=True)
+    with pytest.raises(InvalidRequest, match="already in use"):
+        engine.add_request("ok", prompt(3), GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+    info = engine.info("ok")
+    assert len(info.token_ids) == 64 and info.finish_reason == "length"

@@ -94,16 +94,20 @@ def save_hf(model: torch.nn.Module, out: Path, layout: str = "per-expert") -> Pa
     return out
 
 
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 def hf_logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        return model(torch.tensor([prompt])).logits[0].float()
+        return model(torch.tensor([prompt], device=_device(model))).logits[0].float()
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+        out = model.generate(torch.tensor([prompt], device=_device(model)), max_new_tokens=n, do_sample=False)
     return [int(t) for t in out[0, len(prompt):]]
 
 

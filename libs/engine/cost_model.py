@@ -31,7 +31,8 @@ class StepShape:
 
 @dataclass
 class CostModel:
-    flops_per_token: float  # non-attention matmul FLOPs per token
+    flops_per_token: float  # non-attention matmul FLOPs per token, vocabulary head excluded
+    head_flops: float  # vocabulary projection, paid once per sequence that samples
     attn_flops_per_pair: float  # FLOPs per (query, key) pair over all layers
     dense_weight_bytes: float  # weights every step reads (attention, dense MLPs, shared experts, head)
     expert_bytes: float  # bytes of one routed expert in one layer
@@ -61,11 +62,12 @@ class CostModel:
         expert = 3 * h * cfg.moe_intermediate_size
         router = h * cfg.n_routed_experts
         active = (cfg.num_hidden_layers * attn_params + cfg.first_k_dense_replace * dense_mlp
-                  + n_moe * (shared + router + cfg.num_experts_per_tok * expert) + h * cfg.vocab_size)
+                  + n_moe * (shared + router + cfg.num_experts_per_tok * expert))
         dense_weights = (cfg.num_hidden_layers * attn_params + cfg.first_k_dense_replace * dense_mlp
                          + n_moe * (shared + router) + h * cfg.vocab_size)
         return cls(
             flops_per_token=2.0 * active,
+            head_flops=2.0 * h * cfg.vocab_size,
             attn_flops_per_pair=2.0 * cfg.num_hidden_layers * nh * (cfg.qk_head_dim + cfg.v_head_dim),
             dense_weight_bytes=float(dense_weights * weight_dtype_bytes),
             expert_bytes=float(expert * weight_dtype_bytes),
@@ -80,7 +82,8 @@ class CostModel:
     # -- estimates ---------------------------------------------------------------------------
     def flops(self, shape: StepShape) -> float:
         pairs = sum(q * ctx - q * (q - 1) / 2 for q, ctx in shape.seqs)
-        return self.flops_per_token * shape.tokens + self.attn_flops_per_pair * pairs
+        return (self.flops_per_token * shape.tokens + self.head_flops * len(shape.seqs)
+                + self.attn_flops_per_pair * pairs)
 
     def bytes(self, shape: StepShape) -> float:
         t = shape.tokens

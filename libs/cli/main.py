@@ -1,0 +1,99 @@
+"""The ``deepserve`` command line.
+
+    deepserve generate --model PRESET_OR_DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N
+                       [--temperature T --top-p P --top-k K --seed S] [--device D] [--json]
+    deepserve bench engine --preset tiny --device cpu --json OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--prompt-ids must name at least one token id")
+    return ids
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate from one prompt in this process")
+    p.add_argument("--model", default="tiny", help="preset name (tiny, v2-lite, v3-slice) or checkpoint dir")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (encoded with the model's tokenizer)")
+    src.add_argument("--prompt-ids", type=_ids, help="comma-separated prompt token ids")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--weights-seed", type=int, default=0, help="seed of a preset's random weights")
+    p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from libs.engine.engine import InvalidRequest
+    from libs.engine.llm import LLM
+    from libs.engine.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.weights_seed)
+        out = llm.generate([args.prompt if args.prompt is not None else args.prompt_ids], params)[0]
+    except (ValueError, InvalidRequest) as exc:
+        print(f"deepserve generate: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"token_ids": list(out.token_ids), "text": out.text,
+                          "finish_reason": out.finish_reason}, ensure_ascii=False))
+    else:
+        print(out.text)
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks that print figures")
+    bsub = p.add_subparsers(dest="what", required=True)
+    e = bsub.add_parser("engine", help="prefill and decode throughput of the engine")
+    e.add_argument("--preset", default="tiny")
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--dtype", default="auto")
+    e.add_argument("--prefill-tokens", default=None, help="comma-separated tokens per prefill step")
+    e.add_argument("--decode-batches", default=None, help="comma-separated decode batch sizes")
+    e.add_argument("--context", type=int, default=None, help="decode context length per request")
+    e.add_argument("--decode-steps", type=int, default=8)
+    e.add_argument("--json", dest="json_out", default=None, help="write the result JSON here")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.what == "engine":
+        from libs.bench.engine import main as bench_engine
+
+        return bench_engine(args)
+    raise AssertionError(args.what)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="deepserve")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_bench(sub)
+    args = parser.parse_args(argv)
+    if args.command == "generate":
+        return _generate(args)
+    return _bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -201,6 +201,25 @@ class Engine:
             self.release(request_id)
         return frame
 
+    def export_blocks(self, request_id: str, start_block: int = 0) -> list[tuple[bytes, bytes, bytes]]:
+        """The request's full blocks from ``start_block`` on, one single-block frame each.
+
+        Returns (chain digest, parent digest or b"", frame) per block: the kvstore's unit.
+        Frames for blocks ``0..k`` passed together to :meth:`add_request` import as one prefix.
+        """
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"no request {request_id!r} (finished requests need hold_kv=True)")
+        bs = self.spec.block_size
+        hashes = req.full_block_hashes(bs, req.num_computed)
+        out = []
+        for i in range(start_block, len(hashes)):
+            header = KVHeader(self.model_id, self.spec.layout_hash(), bs, self.spec.dtype,
+                              self.spec.bytes_per_block, (i + 1) * bs, i, (hashes[i].hex(),))
+            frame = encode_frame(header, self.cache.read_blocks([req.blocks[i]]))
+            out.append((hashes[i], hashes[i - 1] if i else b"", frame))
+        return out
+
     def _import(self, req: Request, frames: list[bytes | bytearray | memoryview]) -> None:
         bs = self.spec.block_size
         headers, payloads = [], []

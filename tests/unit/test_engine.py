@@ -248,3 +248,22 @@ def test_context_limit_and_duplicate_ids(tiny_loaded) -> None:
         engine.step()
     info = engine.info("ok")
     assert len(info.token_ids) == 64 and info.finish_reason == "length"
+
+
+def test_single_block_frames_import_as_one_prefix(tiny_loaded) -> None:
+    p = prompt(60, 70)
+    full = alone(tiny_loaded, p, GREEDY)
+    src = make(tiny_loaded)
+    src.add_request("s", p, SamplingParams(max_tokens=1), hold_kv=True)
+    while src.has_unfinished():
+        src.step()
+    blocks = src.export_blocks("s")
+    assert len(blocks) == 3 and blocks[0][1] == b"" and blocks[1][1] == blocks[0][0]
+    dst = make(tiny_loaded)
+    dst.add_request("d", p, GREEDY, kv=[b[2] for b in blocks[:2]], hold_kv=True)  # a 2-block prefix
+    assert dst.info("d").num_cached_tokens == 32
+    while dst.has_unfinished():
+        dst.step()
+    assert list(dst.info("d").token_ids[60:]) == full
+    with pytest.raises(KVFormatError, match="contiguous"):
+        make(tiny_loaded).add_request("x", p, GREEDY, kv=[blocks[1][2]])

@@ -1,0 +1,83 @@
+"""Health, Prometheus metrics and OpenTelemetry context for every service.
+
+:class:`OpsServer` serves ``GET /healthz`` (200 when the service says it is ready, 503 with
+the reason otherwise) and ``GET /metrics`` (Prometheus text) on one small HTTP port.
+Trace context travels as a W3C ``traceparent`` string inside proto messages and gRPC
+metadata, so one request's spans join up across every hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+HealthFn = Callable[[], tuple[bool, str]]
+
+
+class OpsServer:
+    def __init__(self, host: str, port: int, health: HealthFn) -> None:
+        self.host, self.port, self.health = host, port, health
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await asyncio.wait_for(reader.readline(), 5)
+            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
+                pass
+            parts = line.decode("latin-1").split()
+            path = parts[1] if len(parts) > 1 else "/"
+            if path.startswith("/metrics"):
+                status, ctype, body = 200, CONTENT_TYPE_LATEST, generate_latest(REGISTRY)
+            elif path.startswith("/healthz"):
+                ok, why = self.health()
+                status, ctype = (200 if ok else 503), "application/json"
+                body = json.dumps({"status": "ok" if ok else "unavailable", "detail": why}).encode()
+            else:
+                status, ctype, body = 404, "text/plain", b"not found\n"
+            reason = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}[status]
+            writer.write(f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\n"
+                         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+            await writer.drain()
+        except (asyncio.TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+_PROVIDERS: dict[str, TracerProvider] = {}
+
+
+def tracer(service: str) -> trace.Tracer:
+    """A tracer for this service; spans export only where an exporter is configured."""
+    provider = _PROVIDERS.get(service)
+    if provider is None:
+        provider = TracerProvider(resource=Resource.create({"service.name": service}))
+        _PROVIDERS[service] = provider
+    return provider.get_tracer(service)
+
+
+def inject_traceparent() -> str:
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier.get("traceparent", "")
+
+
+def extract_context(traceparent: str) -> Context:
+    return propagate.extract({"traceparent": traceparent} if traceparent else {})

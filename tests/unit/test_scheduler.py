@@ -1,0 +1,94 @@
+"""The scheduler as a pure step function (no model): budgets, chunking, cost calibration."""
+
+from __future__ import annotations
+
+from libs.engine.cost_model import CostModel, StepShape
+from libs.engine.kv.block_manager import BlockManager
+from libs.engine.presets import PRESETS
+from libs.engine.sampling_params import SamplingParams
+from libs.engine.scheduler import Request, Scheduler, SchedulerConfig
+
+
+def cost() -> CostModel:
+    return CostModel.for_model(PRESETS["v3-slice"], 2, 2, flop_rate=5e14, byte_rate=4e12)
+
+
+def sched(**kw) -> Scheduler:
+    cfg = SchedulerConfig(**{"time_budget_s": None, **kw})
+    return Scheduler(cfg, BlockManager(4096, 128), cost(), (1,))
+
+
+def req(rid: str, n: int, max_tokens: int = 4) -> Request:
+    return Request(rid, list(range(10, 10 + n)), n, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def drive(s: Scheduler, plan, token: int = 7, seconds: float | None = None):
+    return s.update(plan, {q.request_id: token for q in plan.seqs if q.sample}, seconds)
+
+
+def test_token_budget_chunks_a_long_prompt() -> None:
+    s = sched(max_tokens_per_step=1000)
+    s.add(req("a", 2500))
+    sizes = []
+    while s.has_unfinished():
+        plan = s.schedule()
+        sizes.append(plan.num_tokens)
+        drive(s, plan)
+    assert sizes[:3] == [1000, 1000, 500] and sizes[3:] == [1, 1, 1]
+
+
+def test_decodes_go_first_and_prompts_fill_the_rest() -> None:
+    s = sched(max_tokens_per_step=300)
+    s.add(req("a", 100, max_tokens=10))
+    drive(s, s.schedule())
+    s.add(req("b", 1000))
+    plan = s.schedule()
+    assert [(q.request_id, q.num_tokens) for q in plan.seqs] == [("a", 1), ("b", 299)]
+
+
+def test_time_budget_limits_prefill_tokens_by_the_cost_model() -> None:
+    s = sched(max_tokens_per_step=32768, time_budget_s=0.05)
+    s.add(req("a", 32000))
+    plan = s.schedule()
+    n = plan.num_tokens
+    assert 128 <= n < 32000
+    assert s.cost.seconds(plan.shape) <= 0.05 < s.cost.seconds(StepShape(((n + 256, n + 256),)))
+
+
+def test_measured_slow_steps_shrink_the_next_chunk() -> None:
+    s = sched(max_tokens_per_step=32768, time_budget_s=0.05)
+    s.add(req("a", 32000))
+    first = s.schedule()
+    predicted = s.cost.seconds(first.shape)
+    drive(s, first, seconds=predicted * 4)  # the machine is 4x slower than assumed
+    second = s.schedule()
+    assert second.num_tokens < first.num_tokens * 0.5
+    assert 3.0 < s.cost.scale < 5.0
+
+
+def test_prefix_admission_never_counts_the_last_token() -> None:
+    s = sched()
+    s.add(req("a", 256, max_tokens=1))
+    while s.has_unfinished():
+        drive(s, s.schedule())
+    s.add(req("b", 256, max_tokens=1))  # same tokens: both blocks cached, but one must run
+    plan = s.schedule()
+    (q,) = plan.seqs
+    assert q.start == 128 and q.num_tokens == 128 and s.requests["b"].num_cached_tokens == 128
+
+
+def test_max_running_caps_the_batch() -> None:
+    s = sched(max_running=2)
+    for i in range(4):
+        s.add(req(f"r{i}", 10))
+    assert len(s.schedule().seqs) == 2
+
+
+def test_cost_model_counts_expert_bytes_by_distinct_experts() -> None:
+    c = cost()
+    one = c.bytes(StepShape(((1, 1),)))
+    many = c.bytes(StepShape(((4096, 4096),)))
+    # one token touches 8 of 256 experts per layer; 4096 tokens touch nearly all of them
+    expert_all = c.num_moe_layers * c.num_experts * c.expert_bytes
+    assert one < c.dense_weight_bytes + 0.05 * expert_all
+    assert many > c.dense_weight_bytes + 0.99 * expert_all

@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"
 DEFAULT_OUT = ROOT / "libs" / "proto"
-_IMPORT = re.compile(r"^from deepserve\.v1 import ", re.M)
+_IMPORT = re.compile(r"^from deepserve\.v1 import ", re.MULTILINE)
 
 
 def generate(out: Path) -> list[Path]:

@@ -25,7 +25,7 @@ def wait_port(host: str, port: int, timeout: float, proc: subprocess.Popen[bytes
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} before listening on {port}")
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode} before listening on {port}")
         try:
             with socket.create_connection((host, port), timeout=0.5):
                 return

@@ -222,9 +222,10 @@ class Engine:
 
     def _import(self, req: Request, frames: list[bytes | bytearray | memoryview]) -> None:
         bs = self.spec.block_size
-        headers, payloads = [], []
+        headers: list[KVHeader] = []
+        payloads: list[memoryview] = []
         for data in frames:
-            header, payload = decode_frame(data)
+            header, payload = decode_frame(bytes(data) if isinstance(data, bytearray) else data)
             check_compatible(header, self.spec)
             expected_first = sum(h.num_blocks for h in headers)
             if header.first_block != expected_first:
@@ -251,9 +252,9 @@ class Engine:
                                f"{self.blocks.num_free} available")
         self.blocks.acquire(hits)
         fresh = self.blocks.allocate(fresh_needed)
-        payload = b"".join(bytes(p) for p in payloads)
+        joined = b"".join(bytes(p) for p in payloads)
         bpb = self.spec.bytes_per_block
-        self.cache.write_blocks(fresh, payload[len(hits) * bpb : n_blocks * bpb])
+        self.cache.write_blocks(fresh, joined[len(hits) * bpb : n_blocks * bpb])
         req.blocks = hits + fresh
         req.block_hashes = list(names)
         for i in range(len(hits), n_full):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,7 +165,7 @@ def load_weights(model: DeepseekForCausalLM, path: Path) -> None:
         raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensor(s): {shown}")
 
 
-def _tie_defaults(model: DeepseekForCausalLM, params: dict[str, torch.Tensor], loaded: set[str]) -> None:
+def _tie_defaults(model: DeepseekForCausalLM, params: Mapping[str, torch.Tensor], loaded: set[str]) -> None:
     """Fill tensors a checkpoint may legitimately omit from the ones they are tied to."""
     if model.cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
         params["lm_head.weight"].copy_(params["model.embed_tokens.weight"])

@@ -102,11 +102,11 @@ def uniform_block(key: int, start: int, n: int, device: torch.device) -> torch.T
         x = np.arange(lo, lo + n, dtype=np.uint32)
         x *= np.uint32(0x9E3779B1)
         x += np.uint32(hi)
-        x = _hash32_np(x) >> np.uint32(8)
-        return torch.from_numpy(x.astype(np.float32)) * (2.0 ** -23) - 1.0
+        top = _hash32_np(x) >> np.uint32(8)
+        return torch.from_numpy(top.astype(np.float32)) * (2.0 ** -23) - 1.0
     i = torch.arange(lo, lo + n, dtype=torch.int64, device=device)
-    x = _hash32((i * 0x9E3779B1 + hi) & _M32)
-    return (x >> 8).to(torch.float32) * (2.0 ** -23) - 1.0
+    h = _hash32((i * 0x9E3779B1 + hi) & _M32)
+    return (h >> 8).to(torch.float32) * (2.0 ** -23) - 1.0
 
 
 def _fill(param: torch.Tensor, key: int, scale: float, offset: float = 0.0) -> None:

@@ -119,13 +119,14 @@ class MLAttention(nn.Module):
             else:
                 o = self._expanded_padded(q_nope[r], q_pe[r], meta.decode_slots, meta.decode_mask, cache)
             out[r] = o
-        return self.o_proj(out.flatten(1))
+        result: torch.Tensor = self.o_proj(out.flatten(1))
+        return result
 
     def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, seq: SeqAttention,
                   cache: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         ctx = cache.index_select(0, seq.ctx_slots).to(q_nope.dtype)
-        latent, k_pe = ctx.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        latent, k_pe = torch.split(ctx, [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         kv = self.kv_b_proj(latent).view(-1, cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         k_nope_f, k_pe_f, v_f = k_nope.float(), k_pe.float(), v.float()
@@ -147,7 +148,7 @@ class MLAttention(nn.Module):
         cfg = self.cfg
         w_uk, w_uv = self._kv_b()
         ctx = cache[slots].float()  # [B, L, r + rope]
-        latent, k_pe = ctx.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        latent, k_pe = torch.split(ctx, [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         q_lat = torch.einsum("bhn,hnr->bhr", q_nope.float(), w_uk.float())
         scores = torch.einsum("bhr,blr->bhl", q_lat, latent) + torch.einsum("bhd,bld->bhl", q_pe.float(), k_pe)
         scores = (scores * self.scale).masked_fill(~mask[:, None, :], float("-inf"))
@@ -158,7 +159,7 @@ class MLAttention(nn.Module):
                          mask: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         ctx = cache[slots].to(q_nope.dtype)
-        latent, k_pe = ctx.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        latent, k_pe = torch.split(ctx, [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         kv = self.kv_b_proj(latent).view(*latent.shape[:2], cfg.num_attention_heads, -1)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         scores = (torch.einsum("bhd,blhd->bhl", q_nope.float(), k_nope.float())

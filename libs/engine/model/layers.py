@@ -18,7 +18,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.to(torch.float32)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        out: torch.Tensor = self.weight * xf.to(x.dtype)
+        return out
 
 
 def _linear(out_f: int, in_f: int, bias: bool, dtype: torch.dtype, device: torch.device) -> nn.Linear:
@@ -37,7 +38,8 @@ class MLP(nn.Module):
         self.down_proj = _linear(hidden, inter, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
 
 
 class Router(nn.Module):
@@ -154,4 +156,4 @@ class MoE(nn.Module):
         out = self.experts(x, weights, idx)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return out  # type: ignore[no-any-return]

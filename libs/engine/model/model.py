@@ -33,7 +33,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
 
 
 class SharedHead(nn.Module):
@@ -116,8 +117,10 @@ class DeepseekForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions)
         for layer, cache in zip(self.model.layers, caches):
             x = layer(x, cos, sin, meta, cache)
-        return self.model.norm(x)
+        out: torch.Tensor = self.model.norm(x)
+        return out
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        out: torch.Tensor = self.lm_head(hidden).float()
+        return out

@@ -54,7 +54,7 @@ def softmax_scale(cfg: ModelConfig) -> float:
     if rope.type != "default" and rope.mscale_all_dim:
         m = _yarn_mscale(rope.factor, rope.mscale_all_dim)
         scale = scale * m * m
-    return scale
+    return float(scale)
 
 
 class Rotary:

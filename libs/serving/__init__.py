@@ -1,0 +1,11 @@
+"""Serving glue shared by the engine-wrapping services (prefill, decode).
+
+* :mod:`.engine_loop` -- the engine in its own thread, driven from asyncio;
+* :mod:`.model_flags` -- the model/engine flags both services take;
+* :mod:`.convert` -- proto <-> engine conversions (no I/O);
+* :mod:`.runtime` -- NATS connection and heartbeat helpers.
+"""
+
+from .engine_loop import EngineFailed, EngineLoop, EngineLoopClosed, EngineStats, RequestStream
+
+__all__ = ["EngineFailed", "EngineLoop", "EngineLoopClosed", "EngineStats", "RequestStream"]

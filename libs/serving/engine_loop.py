@@ -1,0 +1,298 @@
+"""Run a synchronous :class:`Engine` in one dedicated thread, driven from asyncio.
+
+The engine is single-threaded by contract, so exactly one thread ever touches it: the
+engine thread. It loops::
+
+    apply queued commands (add / abort / export / anything via call) in arrival order
+    -> engine.step() if the engine has unfinished work, else wait for a command
+    -> hand the step's TokenEvents to the asyncio loop (call_soon_threadsafe)
+
+Commands therefore run *between* steps, never during one, and see a consistent engine.
+The asyncio side gets one :class:`RequestStream` per request; events reach it in the order
+the engine produced them, and a command's result is delivered after every event the engine
+produced before the command ran (both go through ``call_soon_threadsafe``, which is FIFO).
+
+Who owns what: the stream dictionary lives on the asyncio thread; the engine and everything
+it holds live on the engine thread; :attr:`EngineLoop.stats` is an immutable snapshot the
+engine thread replaces after every iteration, safe to read from anywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from libs.engine.engine import Engine, InvalidRequest
+from libs.engine.sampling_params import SamplingParams
+from libs.engine.scheduler import TokenEvent
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineLoopClosed(RuntimeError):
+    """The engine loop is stopped (or never started); no more work is taken."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine raised while stepping; every request in flight at the time fails with this."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Load of the engine after its latest iteration (what heartbeats report)."""
+
+    running: int = 0
+    waiting: int = 0
+    queued_tokens: int = 0  # prompt/recompute tokens of waiting requests not yet computed
+    free_kv_blocks: int = 0
+    total_kv_blocks: int = 0
+    steps: int = 0
+
+
+def engine_stats(engine: Engine, steps: int = 0) -> EngineStats:
+    """Snapshot of ``engine``'s load; call on the engine thread only."""
+    sched = engine.scheduler
+    queued = sum(len(r.token_ids) - r.num_computed for r in sched.waiting)
+    return EngineStats(len(sched.running), len(sched.waiting), queued, engine.blocks.num_free,
+                       engine.blocks.num_blocks, steps)
+
+
+class RequestStream:
+    """The events of one request, in engine order; iteration ends after the finishing event.
+
+    ``async for ev in stream`` yields :class:`TokenEvent` s; an abort ends the stream with an
+    event whose ``finish_reason`` is ``"abort"`` and ``token_id`` is None. If the engine fails,
+    iteration raises :class:`EngineFailed`.
+    """
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def _put(self, item: TokenEvent | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    async def next(self) -> TokenEvent | None:
+        """The next event, or None once the stream has ended."""
+        if self.finished and self._queue.empty():
+            return None
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[TokenEvent]:
+        while (ev := await self.next()) is not None:
+            yield ev
+
+
+_Command = tuple[Callable[[Engine], Any], "concurrent.futures.Future[Any]"]
+
+
+class EngineLoop:
+    """Owns an :class:`Engine` and the one thread that runs it.
+
+    Use from one asyncio event loop::
+
+        loop = EngineLoop(engine)
+        loop.start()                                   # binds to the running asyncio loop
+        stream = await loop.add("r1", prompt, params)  # raises InvalidRequest, KVFormatError, ...
+        async for ev in stream: ...
+        await loop.abort("r1")
+        frame = await loop.call(lambda e: e.export_kv("r1"))
+        await loop.close()
+
+    After :meth:`start`, no other code may touch ``engine`` except through :meth:`call`.
+    """
+
+    def __init__(self, engine: Engine, *, name: str = "engine") -> None:
+        self.engine = engine
+        self.name = name
+        self.stats = engine_stats(engine)
+        self._cond = threading.Condition()
+        self._commands: deque[_Command] = deque()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._aio: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, RequestStream] = {}  # asyncio thread only
+        self._steps = 0
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("engine loop already started")
+        self._aio = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name=f"{self.name}-thread", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def num_streams(self) -> int:
+        """Requests whose stream has not delivered its finishing event yet."""
+        return len(self._streams)
+
+    async def close(self) -> None:
+        """Abort what is left (each open stream gets an abort event), stop and join the thread."""
+        thread = self._thread
+        if thread is None:
+            return
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        await asyncio.to_thread(thread.join)
+        self._thread = None
+
+    # -- commands -----------------------------------------------------------------------------
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between steps; its result or exception.
+
+        Cancelling the awaiting task before the command starts skips the command; once it has
+        started it runs to the end (its result is then dropped).
+        """
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping or self._thread is None:
+                raise EngineLoopClosed(f"{self.name} loop is not running")
+            self._commands.append((fn, fut))
+            self._cond.notify()
+        return await asyncio.wrap_future(fut)
+
+    async def add(self, request_id: str, prompt_token_ids: Sequence[int],
+                  params: SamplingParams | None = None, *, cache_salt: bytes = b"",
+                  kv: bytes | Sequence[bytes] | None = None, hold_kv: bool = False) -> RequestStream:
+        """Queue a request; returns its event stream once the engine accepted it.
+
+        Raises what :meth:`Engine.add_request` raises (InvalidRequest, KVFormatError,
+        NoFreeBlocks), unchanged.
+        """
+        if request_id in self._streams:
+            raise InvalidRequest(f"request_id {request_id!r} is already in use")
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream  # before the command: its events may follow at once
+        tokens = list(prompt_token_ids)
+        try:
+            await self.call(lambda e: e.add_request(request_id, tokens, params, cache_salt=cache_salt,
+                                                    kv=kv, hold_kv=hold_kv))
+        except BaseException:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+            raise
+        return stream
+
+    async def abort(self, request_id: str) -> bool:
+        """Drop the request (and free its blocks, also if held after finishing).
+
+        Returns True if a running or waiting request was aborted; its stream then ends with an
+        abort event. Unknown or already finished requests: False.
+        """
+        def _abort(engine: Engine) -> bool:
+            ev = engine.abort(request_id)
+            if ev is not None:
+                self._emit([ev])
+            return ev is not None
+
+        return await self.call(_abort)
+
+    # -- engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._commands and not self._stopping and not self.engine.has_unfinished():
+                    self._cond.wait()
+                commands = list(self._commands)
+                self._commands.clear()
+                stopping = self._stopping
+            for fn, fut in commands:
+                self._apply(fn, fut)
+            if stopping:
+                self._shutdown()
+                return
+            events = self._step() if self.engine.has_unfinished() else []
+            # Snapshot before handing events over: whoever sees an event sees load after it.
+            self.stats = engine_stats(self.engine, self._steps)
+            if events:
+                self._emit(events)
+
+    def _apply(self, fn: Callable[[Engine], Any], fut: concurrent.futures.Future[Any]) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            result = fn(self.engine)
+        except BaseException as exc:  # noqa: BLE001 - the caller gets it; the loop goes on
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def _step(self) -> list[TokenEvent]:
+        try:
+            events = self.engine.step()
+        except Exception as exc:
+            log.exception("%s: engine step failed; failing every request in flight", self.name)
+            self._fail_all(exc)
+            return []
+        self._steps += 1
+        return events
+
+    def _fail_all(self, exc: Exception) -> None:
+        sched = self.engine.scheduler
+        failed = [r.request_id for r in (*sched.running, *sched.waiting)]
+        for rid in failed:
+            self.engine.abort(rid)
+        self._call_soon(self._fail_streams, failed, EngineFailed(f"engine step failed: {exc!r}"))
+
+    def _shutdown(self) -> None:
+        sched = self.engine.scheduler
+        events = [ev for rid in list(sched.requests) if (ev := self.engine.abort(rid)) is not None]
+        if events:
+            self._emit(events)
+        with self._cond:  # commands that raced with close(): refuse them
+            late = list(self._commands)
+            self._commands.clear()
+        for _, fut in late:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineLoopClosed(f"{self.name} loop stopped"))
+        self.stats = engine_stats(self.engine, self._steps)
+
+    def _emit(self, events: list[TokenEvent]) -> None:
+        self._call_soon(self._deliver, events)
+
+    def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._aio is not None
+        try:
+            self._aio.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the asyncio loop is closed: nobody is listening any more
+            pass
+
+    # -- asyncio thread -----------------------------------------------------------------------
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        for ev in events:
+            stream = self._streams.get(ev.request_id)
+            if stream is None:
+                continue
+            stream._put(ev)
+            if ev.finished:
+                del self._streams[ev.request_id]
+
+    def _fail_streams(self, request_ids: list[str], err: EngineFailed) -> None:
+        for rid in request_ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream._put(err)

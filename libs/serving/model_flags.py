@@ -1,0 +1,58 @@
+"""The model/engine flags every engine-wrapping service takes, as one frozen config."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from libs.common.config import flag
+
+if TYPE_CHECKING:
+    from libs.engine.engine import EngineConfig
+
+
+@dataclass(frozen=True)
+class ModelFlags:
+    model: str = "tiny"  # preset name or checkpoint directory
+    device: str = "cpu"
+    dtype: str = "auto"
+    model_name: str = "deepseek-tiny"  # the served name (heartbeats, routing)
+    num_kv_blocks: int = 2048
+    block_size: int = 128
+    weights_seed: int = 0
+    max_tokens_per_step: int = 32768
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("--model must name a preset or a checkpoint directory")
+        if not self.model_name:
+            raise ValueError("--model-name must not be empty")
+        for name in ("num_kv_blocks", "block_size", "max_tokens_per_step"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+
+    def engine_config(self) -> EngineConfig:
+        from libs.engine.engine import EngineConfig  # torch: only when an engine is built
+
+        return EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
+                            seed=self.weights_seed, block_size=self.block_size,
+                            num_kv_blocks=self.num_kv_blocks,
+                            max_tokens_per_step=self.max_tokens_per_step)
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    flag(parser, "--model", default="tiny", help="model preset (tiny, v2-lite, v3-slice) or checkpoint dir")
+    flag(parser, "--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
+    flag(parser, "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
+    flag(parser, "--model-name", default="deepseek-tiny", help="served model name")
+    flag(parser, "--num-kv-blocks", type=int, default=2048, help="KV cache size in blocks")
+    flag(parser, "--block-size", type=int, default=128, help="tokens per KV block")
+    flag(parser, "--weights-seed", type=int, default=0, help="seed of a preset's random weights")
+    flag(parser, "--max-tokens-per-step", type=int, default=32768, help="token budget of one engine step")
+
+
+def model_flags_from(args: argparse.Namespace) -> ModelFlags:
+    return ModelFlags(model=args.model, device=args.device, dtype=args.dtype, model_name=args.model_name,
+                      num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+                      weights_seed=args.weights_seed, max_tokens_per_step=args.max_tokens_per_step)

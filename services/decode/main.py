@@ -1,0 +1,192 @@
+"""decode service: ``python -m services.decode --grpc-port 50061 --nats-url nats://...``.
+
+Serves ``deepserve.v1.KVTransfer`` (and grpc.health.v1) on ``--grpc-port``, publishes the
+tokens it generates on each request's events subject, heartbeats every second on
+``ds.heartbeat.decode.<id>``, drops requests named on ``ds.abort``. SIGTERM: heartbeat
+``draining``, refuse new pushes, finish running requests for up to ``--drain-seconds``, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from libs.common import subjects
+from libs.common.config import common_flags, flag
+from libs.common.lifecycle import install_stop_handlers, new_instance_id, setup_logging
+from libs.common.telemetry import OpsServer, tracer
+from libs.proto.deepserve.v1 import control_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
+from libs.serving.engine_loop import EngineLoop
+from libs.serving.model_flags import ModelFlags, add_model_flags, model_flags_from
+from libs.serving.runtime import advertise_host, connect_nats, heartbeat_loop, publish_status
+
+from .handlers import DecodeHandler
+
+SERVICE = "decode"
+MAX_MESSAGE_BYTES = 8 << 20  # KV arrives in chunks of <= 1 MiB; leave room
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    model: ModelFlags
+    nats_url: str
+    host: str
+    grpc_port: int
+    http_port: int
+    instance_id: str
+    drain_seconds: float
+    heartbeat_interval: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.grpc_port < 65536:
+            raise ValueError(f"--grpc-port must lie in [0, 65535], got {self.grpc_port}")
+        if not 0 <= self.http_port < 65536:
+            raise ValueError(f"--http-port must lie in [0, 65535], got {self.http_port}")
+        if self.drain_seconds < 0:
+            raise ValueError(f"--drain-seconds must be >= 0, got {self.drain_seconds}")
+        if self.heartbeat_interval <= 0:
+            raise ValueError(f"--heartbeat-interval must be positive, got {self.heartbeat_interval}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m services.decode", description=__doc__.splitlines()[0])
+    common_flags(parser, SERVICE)
+    add_model_flags(parser)
+    flag(parser, "--grpc-port", type=int, default=0, help="KVTransfer gRPC port (0: any free)")
+    flag(parser, "--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
+    return parser
+
+
+def config_from(args: argparse.Namespace) -> DecodeConfig:
+    return DecodeConfig(model=model_flags_from(args), nats_url=args.nats_url, host=args.host,
+                        grpc_port=args.grpc_port, http_port=args.http_port,
+                        instance_id=new_instance_id(SERVICE, args.instance_id),
+                        drain_seconds=args.drain_seconds, heartbeat_interval=args.heartbeat_interval)
+
+
+class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
+    """``Push``: the DecodeTask first, then the KV frame in chunks; the handler does the rest."""
+
+    def __init__(self, handler: DecodeHandler) -> None:
+        self.handler = handler
+
+    async def Push(self, request_iterator: AsyncIterator[kv_transfer_pb2.KVPush],
+                   context: grpc.aio.ServicerContext) -> kv_transfer_pb2.KVPushReply:
+        task: control_pb2.DecodeTask | None = None
+        frame = bytearray()
+        async for part in request_iterator:
+            which = part.WhichOneof("part")
+            if task is None:
+                if which != "task":
+                    return kv_transfer_pb2.KVPushReply(
+                        accepted=False, error="the first KVPush message must carry the DecodeTask")
+                task = part.task
+            elif which == "chunk":
+                frame += part.chunk
+            else:
+                return kv_transfer_pb2.KVPushReply(accepted=False, error="KVPush.task sent twice")
+        if task is None:
+            return kv_transfer_pb2.KVPushReply(accepted=False, error="empty KVPush stream")
+        meta = dict(context.invocation_metadata() or ())
+        return await self.handler.accept(task, bytes(frame), str(meta.get("traceparent", "")))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    log = setup_logging(args.log_level, SERVICE)
+    try:
+        cfg = config_from(args)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    return asyncio.run(serve(cfg, log))
+
+
+async def serve(cfg: DecodeConfig, log: logging.Logger) -> int:
+    stop = asyncio.Event()
+    install_stop_handlers(stop)
+    state: dict[str, object] = {"model": False, "nats": None}
+
+    def healthy() -> tuple[bool, str]:
+        nc = state["nats"]
+        if not state["model"]:
+            return False, "loading the model"
+        if nc is None or not nc.is_connected:  # type: ignore[attr-defined]
+            return False, "NATS is not connected"
+        return True, f"{cfg.instance_id} serving {cfg.model.model_name}"
+
+    async with AsyncExitStack() as stack:
+        ops = OpsServer(cfg.host, cfg.http_port, healthy)
+        log.info("ops on %s:%d", cfg.host, await ops.start())
+        stack.push_async_callback(ops.stop)
+
+        from libs.engine.engine import Engine  # torch: after the ops port answers
+
+        try:
+            engine = await asyncio.to_thread(Engine, cfg.model.engine_config())
+        except (ValueError, OSError) as exc:
+            log.error("cannot load model %r: %s", cfg.model.model, exc)
+            return 1
+        loop = EngineLoop(engine, name=SERVICE)
+        loop.start()
+        stack.push_async_callback(loop.close)
+        state["model"] = True
+        log.info("model %s loaded (%s), %d KV blocks of %d tokens", cfg.model.model, engine.model_id,
+                 engine.blocks.num_blocks, cfg.model.block_size)
+
+        nc = await connect_nats(cfg.nats_url, cfg.instance_id, stop, log)
+        if nc is None:
+            return 0
+        stack.push_async_callback(nc.close)
+
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        address = f"{advertise_host(cfg.host)}:{port}"
+        handler = DecodeHandler(loop, nc.publish, instance_id=cfg.instance_id,
+                                model_name=cfg.model.model_name, address=address,
+                                block_size=cfg.model.block_size, tracer=tracer(SERVICE))
+        kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(  # type: ignore[no-untyped-call]
+            KVTransferServicer(handler), server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        await server.start()
+        stack.push_async_callback(server.stop, 5.0)
+        for name in ("", "deepserve.v1.KVTransfer"):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("KVTransfer on %s (instance %s)", address, cfg.instance_id)
+
+        async def on_abort(msg: object) -> None:
+            abort = control_pb2.Abort.FromString(msg.data)  # type: ignore[attr-defined]
+            await handler.on_abort(abort)
+
+        abort_sub = await nc.subscribe(subjects.ABORT, cb=on_abort)
+        hb_subject = subjects.heartbeat("decode", cfg.instance_id)
+        await nc.flush()  # the server has our subscriptions before we call ourselves ready
+        state["nats"] = nc  # ready: subscribed (and serving gRPC), so /healthz may say 200
+        hb_stop = asyncio.Event()
+        hb = asyncio.create_task(heartbeat_loop(nc, hb_subject, handler.status, hb_stop, log,
+                                                cfg.heartbeat_interval))
+
+        await stop.wait()
+        log.info("stopping: draining for up to %.1f s", cfg.drain_seconds)
+        handler.draining = True
+        await health_servicer.enter_graceful_shutdown()
+        await publish_status(nc, hb_subject, handler.status(), log)
+        await handler.drain(cfg.drain_seconds)
+        await abort_sub.unsubscribe()
+        hb_stop.set()
+        await hb
+        await publish_status(nc, hb_subject, handler.status(), log)
+        try:
+            await nc.flush(timeout=2)
+        except Exception as exc:  # noqa: BLE001 - leaving anyway; the balancer times the instance out
+            log.warning("NATS flush on exit failed: %s", exc)
+    log.info("stopped")
+    return 0

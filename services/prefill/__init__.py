@@ -1,0 +1,1 @@
+"""prefill: computes a prompt (loading cached prefix blocks), the first token, and hands the KV to decode."""

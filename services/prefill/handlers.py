@@ -1,0 +1,317 @@
+"""Prefill: compute a prompt and its first token, hand the KV to decode, keep new blocks.
+
+:class:`PrefillHandler` holds the logic; the transports come in as small interfaces
+(``publish`` for TokenEvents, a :class:`KVPusher` for decode, an optional :class:`KVStore`),
+so tests wire it to a decode handler in the same process.
+
+One task, in order:
+
+1. cached prefix: ``cached_blocks`` leading blocks the entrypoint found in the kvstore are
+   fetched and imported (any failure: compute from scratch -- the cache is an optimisation);
+2. the engine computes the rest with ``max_tokens=1`` and keeps the KV (``hold_kv``);
+3. TokenEvent index 0 with the first token (finished if it is EOS/stop, or max_tokens == 1);
+4. the KV (including the partial last block) is exported, the new full blocks too, and the
+   engine's copy released at once -- the transfer does not hold engine memory;
+5. ``KVTransfer.Push`` to the decode instance (failure: an error event, retryable);
+6. new full blocks go to the kvstore in the background (failures are logged, not fatal).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from opentelemetry import trace
+from prometheus_client import Counter, Histogram
+
+from libs.common import subjects
+from libs.common.hashchain import chain_hashes
+from libs.common.telemetry import extract_context, inject_traceparent
+from libs.engine.engine import Engine, InvalidRequest, KVFormatError, NoFreeBlocks
+from libs.engine.sampling_params import SamplingParams
+from libs.proto.deepserve.v1 import control_pb2
+from libs.serving.aborts import RecentAborts
+from libs.serving.convert import error_event, sampling_from_proto, with_max_tokens
+from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed, RequestStream
+
+log = logging.getLogger("prefill")
+
+Publish = Callable[[str, bytes], Awaitable[None]]
+Block = tuple[bytes, bytes, bytes]  # (chain digest, parent digest or b"", single-block frame)
+
+REQUESTS = Counter("deepserve_prefill_requests_total", "prefill tasks by outcome", ["outcome"])
+ERRORS = Counter("deepserve_prefill_errors_total", "prefill failures by stage", ["stage"])
+LATENCY = Histogram("deepserve_prefill_seconds", "task received -> KV handed to decode",
+                    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+CACHED_BLOCKS = Counter("deepserve_prefill_kvstore_blocks_loaded_total", "prefix blocks loaded from the kvstore")
+STORED_BLOCKS = Counter("deepserve_prefill_kvstore_blocks_put_total", "blocks sent to the kvstore")
+
+
+class PushFailed(Exception):
+    """The decode instance did not take the KV (unreachable, refused, timed out)."""
+
+
+class KVPusher(Protocol):
+    async def push(self, address: str, task: control_pb2.DecodeTask, frame: bytes) -> None:
+        """Deliver ``task`` and its KV ``frame`` to the decode instance at ``address``.
+
+        Raises :class:`PushFailed` with a message a person can act on.
+        """
+
+
+class KVStore(Protocol):
+    async def get(self, hashes: list[bytes]) -> list[bytes]:
+        """Frames of the leading ``hashes`` that are stored, in chain order (may be fewer)."""
+
+    async def put(self, blocks: list[Block], tenant: str, traffic_class: int) -> None:
+        """Store the blocks; raises on failure (the caller logs it)."""
+
+
+class PrefillHandler:
+    def __init__(self, loop: EngineLoop, publish: Publish, pusher: KVPusher, *, instance_id: str,
+                 model_name: str, block_size: int, max_model_len: int, kvstore: KVStore | None = None,
+                 tracer: trace.Tracer | None = None) -> None:
+        self.loop = loop
+        self.publish = publish
+        self.pusher = pusher
+        self.kvstore = kvstore
+        self.instance_id = instance_id
+        self.model_name = model_name
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.tracer = tracer or trace.get_tracer("prefill")
+        self.draining = False
+        self.aborted = RecentAborts()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._cut: dict[str, str] = {}  # request id -> why it was cancelled ("abort", "shutdown")
+        self._background: set[asyncio.Task[None]] = set()
+
+    # -- entry points -------------------------------------------------------------------------
+    def submit(self, task: control_pb2.PrefillTask) -> asyncio.Task[None] | None:
+        """Start serving ``task`` in its own asyncio task (None if it is refused outright)."""
+        rid = task.request_id
+        if rid in self._tasks:
+            log.warning("duplicate PrefillTask for %s ignored", rid)
+            return None
+        t = asyncio.create_task(self.handle(task), name=f"prefill-{rid}")
+        self._tasks[rid] = t
+
+        def forget(_: asyncio.Task[None]) -> None:
+            if self._tasks.get(rid) is t:
+                del self._tasks[rid]
+
+        t.add_done_callback(forget)
+        return t
+
+    async def handle(self, task: control_pb2.PrefillTask) -> None:
+        rid = task.request_id
+        subject = task.events_subject or subjects.token_events(rid)
+        if self.draining:
+            REQUESTS.labels("refused").inc()
+            await self._send(subject, error_event(
+                rid, f"prefill instance {self.instance_id} is draining; retry on another instance",
+                retryable=True))
+            return
+        if rid in self.aborted:
+            return
+        with self.tracer.start_as_current_span("prefill", context=extract_context(task.traceparent)) as span:
+            span.set_attribute("deepserve.request_id", rid)
+            span.set_attribute("deepserve.prompt_tokens", len(task.prompt_token_ids))
+            try:
+                await self._serve(task, subject)
+            except asyncio.CancelledError:
+                reason = self._cut.pop(rid, "shutdown")
+                REQUESTS.labels(reason).inc()
+                if reason != "abort":
+                    await self._send(subject, error_event(
+                        rid, f"prefill instance {self.instance_id} stopped ({reason}) before the KV "
+                        "was handed over", retryable=True))
+            except (EngineFailed, EngineLoopClosed) as exc:
+                ERRORS.labels("engine").inc()
+                await self._send(subject, error_event(rid, f"prefill engine failed: {exc}", retryable=True))
+            except Exception as exc:  # a bug: fail this request visibly, keep serving others
+                ERRORS.labels("internal").inc()
+                log.exception("request %s failed", rid)
+                await self._send(subject, error_event(rid, f"prefill failed: {exc!r}", retryable=True))
+            finally:
+                await self._forget(rid)
+
+    async def on_abort(self, abort: control_pb2.Abort) -> None:
+        rid = abort.request_id
+        self.aborted.add(rid)
+        t = self._tasks.get(rid)
+        if t is not None and not t.done():
+            self._cut[rid] = "abort"
+            t.cancel()
+
+    # -- the task -----------------------------------------------------------------------------
+    async def _serve(self, task: control_pb2.PrefillTask, subject: str) -> None:
+        rid, prompt = task.request_id, list(task.prompt_token_ids)
+        t0 = time.perf_counter()
+        refusal = self._check(task)
+        try:
+            params = sampling_from_proto(task.sampling)
+        except ValueError as exc:
+            refusal = refusal or f"PrefillTask.sampling: {exc}"
+        if refusal:
+            REQUESTS.labels("invalid").inc()
+            await self._send(subject, error_event(rid, refusal, retryable=False))
+            return
+        stream, loaded = await self._add(task, prompt, with_max_tokens(params, 1))
+        if stream is None:
+            return
+        ev = await stream.next()
+        if ev is None or ev.token_id is None:  # aborted inside the engine: the loop is closing
+            raise asyncio.CancelledError
+        first = ev.token_id
+        reason = self._first_token_reason(ev.finish_reason, params.max_tokens, len(prompt))
+        await self._send(subject, control_pb2.TokenEvent(
+            request_id=rid, index=0, token_ids=[first], finished=reason is not None,
+            finish_reason=reason or "", prompt_tokens=len(prompt), cached_tokens=ev.num_cached_tokens))
+        frame, blocks = await self.loop.call(self._exporter(rid, need_frame=reason is None, start_block=loaded))
+        if blocks and self.kvstore is not None:
+            self._spawn(self._store(task, blocks))
+        if reason is not None:
+            REQUESTS.labels("finished").inc()
+            return
+        assert frame is not None
+        decode_task = control_pb2.DecodeTask(
+            request_id=rid, token_ids=prompt + [first], num_prompt_tokens=len(prompt),
+            sampling=task.sampling, cache_salt=task.cache_salt, events_subject=subject,
+            cached_tokens=ev.num_cached_tokens, traceparent=inject_traceparent())
+        try:
+            with self.tracer.start_as_current_span("prefill.push_kv") as span:
+                span.set_attribute("deepserve.kv_bytes", len(frame))
+                await self.pusher.push(task.decode_address, decode_task, frame)
+        except PushFailed as exc:
+            ERRORS.labels("push").inc()
+            REQUESTS.labels("push_failed").inc()
+            log.warning("request %s: %s", rid, exc)
+            await self._send(subject, error_event(rid, str(exc), retryable=True, index=1))
+            return
+        REQUESTS.labels("handed_over").inc()
+        LATENCY.observe(time.perf_counter() - t0)
+
+    def _check(self, task: control_pb2.PrefillTask) -> str:
+        if not task.request_id:
+            return "PrefillTask.request_id must not be empty"
+        if not task.prompt_token_ids:
+            return "PrefillTask.prompt_token_ids must not be empty"
+        if not task.decode_address:
+            return "PrefillTask.decode_address must name the decode instance (host:port)"
+        return ""
+
+    def _first_token_reason(self, engine_reason: str | None, max_tokens: int, prompt_len: int) -> str | None:
+        """Why the request ends at its first token, or None if decode continues it."""
+        if engine_reason == "stop":
+            return "stop"
+        if max_tokens == 1 or prompt_len + 1 >= self.max_model_len:
+            return "length"
+        return None
+
+    async def _add(self, task: control_pb2.PrefillTask, prompt: list[int],
+                   params: SamplingParams) -> tuple[RequestStream | None, int]:
+        """Queue the prompt (with cached KV if any); returns its stream and the blocks loaded."""
+        rid = task.request_id
+        frames = await self._load_cached(task, prompt)
+        salt = task.cache_salt
+        try:
+            if frames:
+                try:
+                    stream = await self.loop.add(rid, prompt, params, cache_salt=salt, kv=frames, hold_kv=True)
+                    return stream, len(frames)
+                except (KVFormatError, NoFreeBlocks) as exc:
+                    ERRORS.labels("kv_import").inc()
+                    log.warning("request %s: cached KV not usable (%s); computing it", rid, exc)
+            return await self.loop.add(rid, prompt, params, cache_salt=salt, hold_kv=True), 0
+        except InvalidRequest as exc:
+            REQUESTS.labels("invalid").inc()
+            await self._send(task.events_subject or subjects.token_events(rid),
+                             error_event(rid, f"prefill refused the request: {exc}", retryable=False))
+            return None, 0
+
+    async def _load_cached(self, task: control_pb2.PrefillTask, prompt: list[int]) -> list[bytes]:
+        if self.kvstore is None or task.cached_blocks <= 0:
+            return []
+        usable = min(task.cached_blocks, (len(prompt) - 1) // self.block_size)
+        if usable <= 0:
+            return []
+        hashes = chain_hashes(prompt[: usable * self.block_size], self.block_size, task.cache_salt)
+        try:
+            frames = await self.kvstore.get(hashes)
+        except Exception as exc:  # noqa: BLE001 - the kvstore is an optimisation: compute instead
+            ERRORS.labels("kvstore_get").inc()
+            log.warning("request %s: kvstore Get failed (%s); computing the prefix", task.request_id, exc)
+            return []
+        CACHED_BLOCKS.inc(len(frames))
+        return frames
+
+    @staticmethod
+    def _exporter(rid: str, *, need_frame: bool, start_block: int
+                  ) -> Callable[[Engine], tuple[bytes | None, list[Block]]]:
+        def export(engine: Engine) -> tuple[bytes | None, list[Block]]:
+            try:
+                frame = engine.export_kv(rid, include_partial=True) if need_frame else None
+                blocks = engine.export_blocks(rid, start_block=start_block)
+            finally:
+                engine.release(rid)
+            return frame, blocks
+        return export
+
+    async def _store(self, task: control_pb2.PrefillTask, blocks: list[Block]) -> None:
+        assert self.kvstore is not None
+        try:
+            await self.kvstore.put(blocks, task.cache_salt.decode("utf-8", "replace"), task.traffic_class)
+            STORED_BLOCKS.inc(len(blocks))
+        except Exception as exc:  # noqa: BLE001 - a lost cache write only costs a future recompute
+            ERRORS.labels("kvstore_put").inc()
+            log.warning("request %s: kvstore Put of %d blocks failed: %s", task.request_id, len(blocks), exc)
+
+    # -- helpers ------------------------------------------------------------------------------
+    async def _forget(self, rid: str) -> None:
+        """Make sure the engine holds nothing for ``rid`` (abort frees held KV too)."""
+        try:
+            await asyncio.shield(self.loop.abort(rid))
+        except (EngineLoopClosed, asyncio.CancelledError):
+            pass
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        t: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._background.add(t)
+        t.add_done_callback(self._background.discard)
+
+    async def _send(self, subject: str, msg: control_pb2.TokenEvent) -> None:
+        try:
+            await self.publish(subject, msg.SerializeToString())
+        except Exception as exc:  # noqa: BLE001 - the entrypoint's timeout covers a lost event
+            log.warning("publishing %s for %s failed: %s", subject, msg.request_id, exc)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._tasks)
+
+    def status(self) -> control_pb2.InstanceStatus:
+        s = self.loop.stats
+        return control_pb2.InstanceStatus(
+            instance_id=self.instance_id, role=control_pb2.ROLE_PREFILL, model=self.model_name,
+            running=s.running, waiting=s.waiting, queued_tokens=s.queued_tokens,
+            free_kv_blocks=s.free_kv_blocks, total_kv_blocks=s.total_kv_blocks,
+            draining=self.draining, block_size=self.block_size)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Take nothing new; finish tasks for up to ``timeout_s``; cut the rest; flush cache writes."""
+        self.draining = True
+        pending = list(self._tasks.values())
+        if pending:
+            log.info("draining: %d prefill tasks in flight (up to %.1f s)", len(pending), timeout_s)
+            _, late = await asyncio.wait(pending, timeout=timeout_s)
+            for t in late:
+                t.cancel()
+            if late:
+                log.warning("drain deadline: cut %d tasks short", len(late))
+                await asyncio.wait(late, timeout=5.0)
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=5.0)

@@ -1,0 +1,170 @@
+"""prefill service: ``python -m services.prefill --nats-url nats://... [--kvstore-address host:port]``.
+
+Takes PrefillTasks on ``ds.prefill.<id>.task``, publishes each request's first token, pushes
+its KV to the chosen decode instance over gRPC, writes new prefix blocks to the kvstore,
+heartbeats every second on ``ds.heartbeat.prefill.<id>``, drops requests named on
+``ds.abort``. SIGTERM: heartbeat ``draining``, refuse new tasks (retryable error events),
+finish the ones in flight for up to ``--drain-seconds``, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+from libs.common import subjects
+from libs.common.config import common_flags, flag
+from libs.common.lifecycle import install_stop_handlers, new_instance_id, setup_logging
+from libs.common.telemetry import OpsServer, tracer
+from libs.proto.deepserve.v1 import control_pb2
+from libs.serving.engine_loop import EngineLoop
+from libs.serving.model_flags import ModelFlags, add_model_flags, model_flags_from
+from libs.serving.runtime import connect_nats, heartbeat_loop, publish_status
+
+from .clients import PUSH_TIMEOUT_S, GrpcKVPusher, GrpcKVStore
+from .handlers import PrefillHandler
+
+SERVICE = "prefill"
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    model: ModelFlags
+    nats_url: str
+    host: str
+    http_port: int
+    instance_id: str
+    drain_seconds: float
+    kvstore_address: str = ""  # empty: no kvstore (no cached prefixes, no block writes)
+    push_timeout_s: float = PUSH_TIMEOUT_S
+    heartbeat_interval: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.http_port < 65536:
+            raise ValueError(f"--http-port must lie in [0, 65535], got {self.http_port}")
+        if self.drain_seconds < 0:
+            raise ValueError(f"--drain-seconds must be >= 0, got {self.drain_seconds}")
+        if self.kvstore_address and ":" not in self.kvstore_address:
+            raise ValueError(f"--kvstore-address must be host:port, got {self.kvstore_address!r}")
+        if self.push_timeout_s <= 0:
+            raise ValueError(f"--push-timeout must be positive, got {self.push_timeout_s}")
+        if self.heartbeat_interval <= 0:
+            raise ValueError(f"--heartbeat-interval must be positive, got {self.heartbeat_interval}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m services.prefill", description=__doc__.splitlines()[0])
+    common_flags(parser, SERVICE)
+    add_model_flags(parser)
+    flag(parser, "--kvstore-address", default="", help="kvstore gRPC host:port (empty: no kvstore)")
+    flag(parser, "--push-timeout", type=float, default=PUSH_TIMEOUT_S, help="seconds for one KV push to decode")
+    flag(parser, "--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
+    return parser
+
+
+def config_from(args: argparse.Namespace) -> PrefillConfig:
+    return PrefillConfig(model=model_flags_from(args), nats_url=args.nats_url, host=args.host,
+                         http_port=args.http_port, instance_id=new_instance_id(SERVICE, args.instance_id),
+                         drain_seconds=args.drain_seconds, kvstore_address=args.kvstore_address,
+                         push_timeout_s=args.push_timeout, heartbeat_interval=args.heartbeat_interval)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    log = setup_logging(args.log_level, SERVICE)
+    try:
+        cfg = config_from(args)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    return asyncio.run(serve(cfg, log))
+
+
+async def serve(cfg: PrefillConfig, log: logging.Logger) -> int:
+    stop = asyncio.Event()
+    install_stop_handlers(stop)
+    state: dict[str, object] = {"model": False, "nats": None}
+
+    def healthy() -> tuple[bool, str]:
+        nc = state["nats"]
+        if not state["model"]:
+            return False, "loading the model"
+        if nc is None or not nc.is_connected:  # type: ignore[attr-defined]
+            return False, "NATS is not connected"
+        return True, f"{cfg.instance_id} serving {cfg.model.model_name}"
+
+    async with AsyncExitStack() as stack:
+        ops = OpsServer(cfg.host, cfg.http_port, healthy)
+        log.info("ops on %s:%d", cfg.host, await ops.start())
+        stack.push_async_callback(ops.stop)
+
+        from libs.engine.engine import Engine  # torch: after the ops port answers
+
+        try:
+            engine = await asyncio.to_thread(Engine, cfg.model.engine_config())
+        except (ValueError, OSError) as exc:
+            log.error("cannot load model %r: %s", cfg.model.model, exc)
+            return 1
+        loop = EngineLoop(engine, name=SERVICE)
+        loop.start()
+        stack.push_async_callback(loop.close)
+        state["model"] = True
+        log.info("model %s loaded (%s), %d KV blocks of %d tokens", cfg.model.model, engine.model_id,
+                 engine.blocks.num_blocks, cfg.model.block_size)
+
+        nc = await connect_nats(cfg.nats_url, cfg.instance_id, stop, log)
+        if nc is None:
+            return 0
+        stack.push_async_callback(nc.close)
+
+        pusher = GrpcKVPusher(cfg.push_timeout_s)
+        stack.push_async_callback(pusher.close)
+        kvstore = GrpcKVStore(cfg.kvstore_address) if cfg.kvstore_address else None
+        if kvstore is not None:
+            stack.push_async_callback(kvstore.close)
+        handler = PrefillHandler(loop, nc.publish, pusher, instance_id=cfg.instance_id,
+                                 model_name=cfg.model.model_name, block_size=cfg.model.block_size,
+                                 max_model_len=engine.scheduler_config.max_model_len,
+                                 kvstore=kvstore, tracer=tracer(SERVICE))
+
+        async def on_task(msg: object) -> None:
+            try:
+                task = control_pb2.PrefillTask.FromString(msg.data)  # type: ignore[attr-defined]
+            except Exception as exc:  # noqa: BLE001 - not ours to answer: we cannot even read the request id
+                log.warning("unreadable PrefillTask dropped: %s", exc)
+                return
+            handler.submit(task)  # its own task: the subscription keeps taking messages
+
+        async def on_abort(msg: object) -> None:
+            await handler.on_abort(control_pb2.Abort.FromString(msg.data))  # type: ignore[attr-defined]
+
+        task_sub = await nc.subscribe(subjects.prefill_task(cfg.instance_id), cb=on_task)
+        abort_sub = await nc.subscribe(subjects.ABORT, cb=on_abort)
+        hb_subject = subjects.heartbeat("prefill", cfg.instance_id)
+        await nc.flush()  # the server has our subscriptions before we call ourselves ready
+        state["nats"] = nc  # ready: subscribed, so /healthz may say 200
+        hb_stop = asyncio.Event()
+        hb = asyncio.create_task(heartbeat_loop(nc, hb_subject, handler.status, hb_stop, log,
+                                                cfg.heartbeat_interval))
+        log.info("taking tasks on %s (kvstore: %s)", subjects.prefill_task(cfg.instance_id),
+                 cfg.kvstore_address or "none")
+
+        await stop.wait()
+        log.info("stopping: draining for up to %.1f s", cfg.drain_seconds)
+        handler.draining = True
+        await publish_status(nc, hb_subject, handler.status(), log)
+        await handler.drain(cfg.drain_seconds)
+        await task_sub.unsubscribe()
+        await abort_sub.unsubscribe()
+        hb_stop.set()
+        await hb
+        await publish_status(nc, hb_subject, handler.status(), log)
+        try:
+            await nc.flush(timeout=2)
+        except Exception as exc:  # noqa: BLE001 - leaving anyway; the balancer times the instance out
+            log.warning("NATS flush on exit failed: %s", exc)
+    log.info("stopped")
+    return 0

@@ -1,0 +1,145 @@
+"""The engine thread: requests served through it see exactly what the engine alone produces."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from libs.engine.engine import Engine, EngineConfig, InvalidRequest
+from libs.engine.sampling_params import SamplingParams
+from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed, RequestStream
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True)
+
+
+def make(tiny_loaded) -> Engine:
+    return Engine(EngineConfig(model="tiny", block_size=16, num_kv_blocks=256, time_budget_s=None),
+                  loaded=tiny_loaded)
+
+
+def prompt(n: int, salt: int) -> list[int]:
+    return [(i * 7919 + salt * 104729) % 120000 + 3 for i in range(n)]
+
+
+REQS = {
+    "a": (prompt(5, 1), GREEDY),
+    "b": (prompt(40, 2), SEEDED),
+    "c": (prompt(21, 3), GREEDY),
+}
+
+
+def direct(tiny_loaded) -> dict[str, list[int]]:
+    engine = make(tiny_loaded)
+    out: dict[str, list[int]] = {rid: [] for rid in REQS}
+    for rid, (p, sp) in REQS.items():
+        engine.add_request(rid, p, sp)
+    while engine.has_unfinished():
+        for ev in engine.step():
+            out[ev.request_id].append(ev.token_id)
+    return out
+
+
+async def collect(stream: RequestStream) -> tuple[list[int], str | None]:
+    tokens, reason = [], None
+    async for ev in stream:
+        if ev.token_id is not None:
+            tokens.append(ev.token_id)
+        reason = ev.finish_reason
+    return tokens, reason
+
+
+async def test_concurrent_requests_match_the_engine_alone(tiny_loaded) -> None:
+    want = direct(tiny_loaded)
+    loop = EngineLoop(make(tiny_loaded))
+    loop.start()
+    try:
+        async def one(rid: str) -> tuple[list[int], str | None]:
+            p, sp = REQS[rid]
+            return await collect(await loop.add(rid, p, sp))
+
+        results = await asyncio.gather(*(one(rid) for rid in REQS))
+        for rid, (tokens, reason) in zip(REQS, results):
+            assert tokens == want[rid], f"request {rid} changed when served through the loop"
+            assert reason == "length"
+        assert loop.num_streams == 0
+        assert loop.stats.free_kv_blocks == loop.stats.total_kv_blocks == 256
+        assert loop.stats.running == loop.stats.waiting == 0
+    finally:
+        await loop.close()
+
+
+async def test_abort_midway_ends_the_stream_and_frees_blocks(tiny_loaded) -> None:
+    loop = EngineLoop(make(tiny_loaded))
+    loop.start()
+    try:
+        stream = await loop.add("long", prompt(50, 4), SamplingParams(max_tokens=10_000, ignore_eos=True))
+        first = await stream.next()
+        assert first is not None and first.token_id is not None and not first.finished
+        used = await loop.call(lambda e: e.blocks.num_used)
+        assert used >= 4  # 50 prompt tokens in 16-token blocks
+        assert await loop.abort("long") is True
+        _, reason = await collect(stream)
+        assert reason == "abort"
+        assert await loop.call(lambda e: (e.blocks.num_used, e.has_unfinished())) == (0, False)
+        assert await loop.abort("long") is False  # already gone
+    finally:
+        await loop.close()
+
+
+async def test_held_kv_is_exported_between_steps_and_released(tiny_loaded) -> None:
+    loop = EngineLoop(make(tiny_loaded))
+    loop.start()
+    try:
+        p = prompt(37, 5)
+        stream = await loop.add("h", p, SamplingParams(max_tokens=1), hold_kv=True)
+        tokens, _ = await collect(stream)
+        assert len(tokens) == 1
+        frame = await loop.call(lambda e: e.export_kv("h", include_partial=True))
+        assert frame[:4] == b"DSKV"
+        assert await loop.call(lambda e: e.blocks.num_used) == 3  # held: 37 tokens -> 3 blocks
+        await loop.call(lambda e: e.release("h"))
+        assert await loop.call(lambda e: e.blocks.num_used) == 0
+    finally:
+        await loop.close()
+
+
+async def test_errors_reach_the_caller_and_close_ends_open_streams(tiny_loaded) -> None:
+    loop = EngineLoop(make(tiny_loaded))
+    loop.start()
+    with pytest.raises(InvalidRequest):
+        await loop.add("bad", [], GREEDY)
+    assert loop.num_streams == 0
+    with pytest.raises(KeyError):
+        await loop.call(lambda e: e.export_kv("nope"))
+    stream = await loop.add("open", prompt(8, 6), SamplingParams(max_tokens=10_000, ignore_eos=True))
+    await stream.next()
+    await loop.close()
+    _, reason = await collect(stream)
+    assert reason == "abort"
+    with pytest.raises(EngineLoopClosed):
+        await loop.call(lambda e: None)
+
+
+async def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(tiny_loaded) -> None:
+    engine = make(tiny_loaded)
+    real_step = engine.step
+
+    def broken() -> list:
+        raise RuntimeError("device lost")
+
+    engine.step = broken  # type: ignore[method-assign]
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        stream = await loop.add("doomed", prompt(9, 7), GREEDY)
+        with pytest.raises(EngineFailed, match="device lost"):
+            await stream.next()
+        assert await loop.call(lambda e: (e.has_unfinished(), e.blocks.num_used)) == (False, 0)
+        engine.step = real_step  # type: ignore[method-assign]
+        p, sp = REQS["a"]
+        tokens, _ = await collect(await loop.add("after", p, sp))
+        assert tokens == direct(tiny_loaded)["a"]
+    finally:
+        await loop.close()

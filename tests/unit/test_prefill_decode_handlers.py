@@ -1,0 +1,207 @@
+"""Prefill and decode handlers wired in one process (no NATS, no gRPC): the tokens a client
+collects equal one engine's output, across the handoff, with and without the kvstore."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+
+import pytest
+
+from libs.common import subjects
+from libs.engine.engine import Engine, EngineConfig
+from libs.engine.sampling_params import SamplingParams
+from libs.proto.deepserve.v1 import control_pb2
+from libs.serving.convert import sampling_to_proto
+from libs.serving.engine_loop import EngineLoop
+from services.decode.handlers import DecodeHandler
+from services.prefill.handlers import Block, PrefillHandler, PushFailed
+
+BS = 16
+
+
+def make(tiny_loaded) -> Engine:
+    return Engine(EngineConfig(model="tiny", block_size=BS, num_kv_blocks=256, time_budget_s=None),
+                  loaded=tiny_loaded)
+
+
+def prompt(n: int, salt: int) -> list[int]:
+    return [(i * 7919 + salt * 104729) % 120000 + 3 for i in range(n)]
+
+
+def reference(tiny_loaded, p: list[int], sp: SamplingParams) -> list[int]:
+    engine = make(tiny_loaded)
+    engine.add_request("ref", p, sp)
+    out = []
+    while engine.has_unfinished():
+        out += [ev.token_id for ev in engine.step()]
+    return out
+
+
+class Bus:
+    """In-process stand-in for NATS: every published TokenEvent, by subject."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, list[control_pb2.TokenEvent]] = defaultdict(list)
+        self.changed = asyncio.Event()
+
+    async def publish(self, subject: str, data: bytes) -> None:
+        self.events[subject].append(control_pb2.TokenEvent.FromString(data))
+        self.changed.set()
+
+    async def wait_done(self, rid: str, timeout: float = 60.0) -> list[control_pb2.TokenEvent]:
+        async def done() -> None:
+            while not any(e.finished for e in self.events[subjects.token_events(rid)]):
+                self.changed.clear()
+                await self.changed.wait()
+        await asyncio.wait_for(done(), timeout)
+        return sorted(self.events[subjects.token_events(rid)], key=lambda e: e.index)
+
+
+class DirectPusher:
+    """Hands the KV straight to a decode handler, as KVTransfer.Push would."""
+
+    def __init__(self, decode: DecodeHandler) -> None:
+        self.decode = decode
+        self.pushed = 0
+
+    async def push(self, address: str, task: control_pb2.DecodeTask, frame: bytes) -> None:
+        self.pushed += 1
+        reply = await self.decode.accept(task, frame)
+        if not reply.accepted:
+            raise PushFailed(f"decode {address} refused the KV: {reply.error}")
+
+
+class MemoryKVStore:
+    def __init__(self) -> None:
+        self.blocks: dict[bytes, bytes] = {}
+        self.gets = 0
+
+    async def get(self, hashes: list[bytes]) -> list[bytes]:
+        self.gets += 1
+        out = []
+        for h in hashes:
+            if h not in self.blocks:
+                break
+            out.append(self.blocks[h])
+        return out
+
+    async def put(self, blocks: list[Block], tenant: str, traffic_class: int) -> None:
+        for digest, _, frame in blocks:
+            self.blocks[digest] = frame
+
+
+@pytest.fixture
+async def stack(tiny_loaded):
+    bus = Bus()
+    ploop, dloop = EngineLoop(make(tiny_loaded), name="p"), EngineLoop(make(tiny_loaded), name="d")
+    ploop.start()
+    dloop.start()
+    decode = DecodeHandler(dloop, bus.publish, instance_id="decode-0", model_name="m",
+                           address="inproc:0", block_size=BS)
+    pusher = DirectPusher(decode)
+    kv = MemoryKVStore()
+    prefill = PrefillHandler(ploop, bus.publish, pusher, instance_id="prefill-0", model_name="m",
+                             block_size=BS, max_model_len=163840, kvstore=kv)
+    yield bus, prefill, decode, pusher, kv
+    await ploop.close()
+    await dloop.close()
+
+
+def task(rid: str, p: list[int], sp: SamplingParams, cached_blocks: int = 0) -> control_pb2.PrefillTask:
+    return control_pb2.PrefillTask(request_id=rid, prompt_token_ids=p, sampling=sampling_to_proto(sp),
+                                   cached_blocks=cached_blocks, decode_instance="decode-0",
+                                   decode_address="inproc:0", events_subject=subjects.token_events(rid))
+
+
+async def test_handoff_gives_the_engines_tokens(stack, tiny_loaded) -> None:
+    bus, prefill, decode, _, _ = stack
+    cases = {
+        "greedy": (prompt(37, 1), SamplingParams(max_tokens=8, ignore_eos=True)),
+        "seeded": (prompt(20, 2), SamplingParams(temperature=0.9, top_k=40, seed=5, max_tokens=8, ignore_eos=True)),
+    }
+    for rid, (p, sp) in cases.items():
+        prefill.submit(task(rid, p, sp))
+    for rid, (p, sp) in cases.items():
+        events = await bus.wait_done(rid)
+        assert [e.index for e in events] == list(range(8))
+        assert [t for e in events for t in e.token_ids] == reference(tiny_loaded, p, sp)
+        assert events[0].prompt_tokens == len(p) and events[-1].finish_reason == "length"
+        assert not any(e.error for e in events)
+    await asyncio.sleep(0)  # let the prefill tasks finish their bookkeeping
+    assert prefill.loop.stats.free_kv_blocks == 256  # prefill let go of the KV after the push
+    assert decode.num_active == 0
+
+
+async def test_max_tokens_one_finishes_at_prefill(stack, tiny_loaded) -> None:
+    bus, prefill, _, pusher, _ = stack
+    p, sp = prompt(10, 3), SamplingParams(max_tokens=1, ignore_eos=True)
+    prefill.submit(task("one", p, sp))
+    events = await bus.wait_done("one")
+    assert len(events) == 1 and events[0].finish_reason == "length"
+    assert list(events[0].token_ids) == reference(tiny_loaded, p, sp)
+    assert pusher.pushed == 0
+
+
+async def test_cached_prefix_from_kvstore_gives_the_same_tokens(stack, tiny_loaded) -> None:
+    bus, prefill, _, _, kv = stack
+    shared = prompt(50, 4)  # 3 full 16-token blocks
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    prefill.submit(task("warm", shared + [5, 6], sp))
+    await bus.wait_done("warm")
+    await asyncio.sleep(0.05)  # the block write runs in the background
+    assert len(kv.blocks) == 3
+    # A fresh prefill engine has no local prefix cache: the blocks can only come from the kvstore.
+    ploop = EngineLoop(make(tiny_loaded), name="p2")
+    ploop.start()
+    try:
+        cold = PrefillHandler(ploop, bus.publish, prefill.pusher, instance_id="prefill-1",
+                              model_name="m", block_size=BS, max_model_len=163840, kvstore=kv)
+        follow = shared + [7, 8, 9]
+        cold.submit(task("hit", follow, sp, cached_blocks=3))
+        events = await bus.wait_done("hit")
+        assert kv.gets == 1
+        assert events[0].cached_tokens == 48
+        assert [t for e in events for t in e.token_ids] == reference(tiny_loaded, follow, sp)
+    finally:
+        await ploop.close()
+
+
+async def test_refused_push_is_a_retryable_error(stack) -> None:
+    bus, prefill, decode, _, _ = stack
+    decode.draining = True
+    prefill.submit(task("refused", prompt(12, 5), SamplingParams(max_tokens=5, ignore_eos=True)))
+    events = await bus.wait_done("refused")
+    assert events[-1].error and events[-1].retryable
+    assert "draining" in events[-1].error
+
+
+async def test_abort_stops_decode_and_frees_its_blocks(stack) -> None:
+    bus, prefill, decode, _, _ = stack
+    rid = "long"
+    prefill.submit(task(rid, prompt(30, 6), SamplingParams(max_tokens=10_000, ignore_eos=True)))
+    subject = subjects.token_events(rid)
+    while len(bus.events[subject]) < 3:
+        bus.changed.clear()
+        await asyncio.wait_for(bus.changed.wait(), 30)
+    busy = decode.status()
+    assert busy.running == 1 and busy.free_kv_blocks < busy.total_kv_blocks == 256
+    assert busy.role == control_pb2.ROLE_DECODE and busy.address == "inproc:0"
+    abort = control_pb2.Abort(request_id=rid, reason="client went away")
+    await prefill.on_abort(abort)
+    await decode.on_abort(abort)
+    for _ in range(100):
+        if decode.num_active == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert decode.num_active == 0
+    n = len(bus.events[subject])
+    await asyncio.sleep(0.1)
+    assert len(bus.events[subject]) == n  # nothing after the abort settled
+    assert not any(e.finished for e in bus.events[subject])  # client aborts get no answer
+    assert await decode.loop.call(lambda e: e.blocks.num_used) == 0
+    # A push that arrives after its abort is refused.
+    late = control_pb2.DecodeTask(request_id=rid, token_ids=[1, 2, 3], num_prompt_tokens=2,
+                                  sampling=sampling_to_proto(SamplingParams(max_tokens=5)))
+    reply = await decode.accept(late, b"")
+    assert not reply.accepted and "aborted" in reply.error

@@ -1,0 +1,1 @@
+"""The entrypoint: the public token-level gRPC API (see main.py)."""

@@ -1,0 +1,342 @@
+"""``deepserve.v1.Generate``: validate, look up the cached prefix, route, relay token events.
+
+The handler talks to the world through two small interfaces, :class:`Bus` (NATS in
+production) and :class:`PrefixLookup` (the kvstore), so tests drive it with in-process fakes.
+Errors are typed here and mapped to gRPC status codes once, in :meth:`Generate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
+
+import grpc
+from google.protobuf.message import DecodeError
+from opentelemetry import trace
+from prometheus_client import Counter, Gauge, Histogram
+
+from libs.common import subjects
+from libs.common.hashchain import chain_hashes
+from libs.common.telemetry import extract_context, inject_traceparent, tracer
+from libs.proto.deepserve.v1 import (
+    common_pb2,
+    control_pb2,
+    generate_pb2,
+    generate_pb2_grpc,
+)
+
+from .policy import (
+    Chunk,
+    Finish,
+    InvalidArgument,
+    Limits,
+    Output,
+    Ready,
+    ReorderOverflow,
+    RequestStream,
+    Tokens,
+    UnknownModel,
+    ValidRequest,
+    lookup_prefix,
+    validate_request,
+)
+
+log = logging.getLogger("entrypoint")
+TRACER = tracer("entrypoint")
+
+REQUESTS = Counter("deepserve_entrypoint_requests_total", "Generate calls by outcome", ["outcome"])
+INFLIGHT = Gauge("deepserve_entrypoint_inflight_requests", "Generate calls in progress")
+REQUEST_SECONDS = Histogram("deepserve_entrypoint_request_seconds", "Generate call duration",
+                            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+TTFT_SECONDS = Histogram("deepserve_entrypoint_time_to_first_token_seconds",
+                         "From the call to the first token sent",
+                         buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+TOKENS = Counter("deepserve_entrypoint_tokens_total", "Tokens by kind", ["kind"])
+LOOKUP_ERRORS = Counter("deepserve_entrypoint_kvstore_lookup_errors_total",
+                        "kvstore lookups that failed (treated as a miss)")
+
+# Route requests carry the leading chain digests for cache-aware routing; 256 blocks (32K
+# tokens, 8 KiB) say where a prompt's prefix lives without shipping a 160K-token chain.
+MAX_ROUTE_HASHES = 256
+# Hash long prompts off the event loop: 160K tokens take ~20 ms of SHA-256 and packing.
+INLINE_HASH_TOKENS = 16384
+
+
+class BusUnavailable(Exception):
+    """A request on the bus found no responder, or none answered in time."""
+
+
+class LookupFailed(Exception):
+    """The kvstore could not answer (treated as a miss)."""
+
+
+class Subscription(Protocol):
+    async def next(self, timeout: float) -> bytes:
+        """The next payload; raises TimeoutError after ``timeout`` seconds without one."""
+
+    async def close(self) -> None: ...
+
+
+class Bus(Protocol):
+    async def request(self, subject: str, data: bytes, timeout: float) -> bytes:
+        """The reply's payload; raises BusUnavailable if none comes."""
+
+    async def publish(self, subject: str, data: bytes) -> None: ...
+
+    async def subscribe(self, subject: str) -> Subscription:
+        """A subscription that is live at the server when this returns."""
+
+
+class PrefixLookup(Protocol):
+    async def lookup(self, hashes: list[bytes]) -> int:
+        """How many leading ``hashes`` the kvstore holds; raises LookupFailed."""
+
+
+@dataclass(frozen=True)
+class HandlerConfig:
+    limits: Limits = field(default_factory=Limits)
+    route_timeout: float = 2.0
+    request_timeout: float = 60.0  # longest silence between two token events
+
+    def __post_init__(self) -> None:
+        if not self.route_timeout > 0:
+            raise ValueError(f"route_timeout must be > 0 seconds, got {self.route_timeout}")
+        if not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
+
+
+class GenerateError(Exception):
+    """Ends a Generate call with ``code``; ``outcome`` labels the requests metric."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, outcome: str) -> None:
+        super().__init__(message)
+        self.code, self.message, self.outcome = code, message, outcome
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex}"
+
+
+def to_proto(out: Output, request_id: str) -> generate_pb2.GenerateEvent:
+    if isinstance(out, Ready):
+        return generate_pb2.GenerateEvent(ready=generate_pb2.Ready(
+            request_id=request_id, prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens))
+    if isinstance(out, Tokens):
+        return generate_pb2.GenerateEvent(tokens=generate_pb2.Tokens(token_ids=out.token_ids))
+    assert isinstance(out, Finish)
+    usage = common_pb2.Usage(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
+                             completion_tokens=out.completion_tokens)
+    return generate_pb2.GenerateEvent(finish=generate_pb2.Finish(reason=out.reason, usage=usage))
+
+
+def sampling_proto(valid: ValidRequest) -> common_pb2.SamplingParams:
+    s = valid.sampling
+    msg = common_pb2.SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
+        stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos)
+    if s.seed is not None:
+        msg.seed = s.seed
+    return msg
+
+
+class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
+    def __init__(self, config: HandlerConfig, bus: Bus, kv: PrefixLookup) -> None:
+        self.config, self.bus, self.kv = config, bus, kv
+        self.draining = False
+        self._active: set[str] = set()
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def inflight(self) -> int:
+        return len(self._active)
+
+    async def Generate(self, request: generate_pb2.GenerateRequest,
+                       context: Any) -> AsyncIterator[generate_pb2.GenerateEvent]:
+        started = time.monotonic()
+        INFLIGHT.inc()
+        outcome = "cancelled"  # stays so only if the client goes away (CancelledError)
+        try:
+            valid, rid = self._admit(request)
+            try:
+                metadata = dict(context.invocation_metadata() or ())
+                parent = extract_context(str(metadata.get("traceparent", "")))
+                async with contextlib.aclosing(self._generate(valid, rid, parent, started)) as events:
+                    async for event in events:
+                        yield event
+            finally:
+                self._active.discard(rid)
+            outcome = "ok"
+        except GenerateError as exc:
+            outcome = exc.outcome
+            log.info("request failed (%s): %s", exc.code.name, exc.message)
+            await context.abort(exc.code, exc.message)
+        except Exception:
+            outcome = "error"
+            log.exception("request failed")
+            raise
+        finally:
+            INFLIGHT.dec()
+            REQUESTS.labels(outcome).inc()
+            REQUEST_SECONDS.observe(time.monotonic() - started)
+
+    def _admit(self, request: generate_pb2.GenerateRequest) -> tuple[ValidRequest, str]:
+        if self.draining:
+            raise GenerateError(grpc.StatusCode.UNAVAILABLE,
+                                "this entrypoint is shutting down; retry on another", "unavailable")
+        try:
+            valid = validate_request(request, self.config.limits)
+        except InvalidArgument as exc:
+            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid") from None
+        except UnknownModel as exc:
+            raise GenerateError(grpc.StatusCode.NOT_FOUND, str(exc), "invalid") from None
+        rid = valid.request_id or new_request_id()
+        if rid in self._active:
+            raise GenerateError(grpc.StatusCode.ALREADY_EXISTS,
+                                f"request_id {rid!r} is already in flight; use a new one", "invalid")
+        self._active.add(rid)
+        return valid, rid
+
+    async def _generate(self, valid: ValidRequest, rid: str, parent: Any,
+                        started: float) -> AsyncGenerator[generate_pb2.GenerateEvent, None]:
+        span = TRACER.start_span("entrypoint.generate", context=parent, attributes={
+            "deepserve.request_id": rid, "deepserve.prompt_tokens": len(valid.prompt_token_ids)})
+        sub: Subscription | None = None
+        finished_upstream = False
+        abort_reason = "cancelled"  # the client went away, or shutdown ran out of grace
+        try:
+            hashes = await self._hashes(valid)
+            cached_blocks = await self._lookup(rid, hashes)
+            decision = await self._route(valid, rid, hashes, cached_blocks)
+            span.set_attributes({"deepserve.cached_blocks": cached_blocks,
+                                 "deepserve.prefill": decision.prefill_instance,
+                                 "deepserve.decode": decision.decode_instance})
+            sub = await self.bus.subscribe(subjects.token_events(rid))  # before the task goes out
+            with trace.use_span(span, end_on_exit=False):
+                traceparent = inject_traceparent()
+            task = control_pb2.PrefillTask(
+                request_id=rid, prompt_token_ids=valid.prompt_token_ids,
+                sampling=sampling_proto(valid), cache_salt=valid.tenant.encode(),
+                traffic_class=cast(Any, valid.traffic_class), cached_blocks=cached_blocks,
+                decode_instance=decision.decode_instance, decode_address=decision.decode_address,
+                events_subject=subjects.token_events(rid), traceparent=traceparent)
+            await self.bus.publish(subjects.prefill_task(decision.prefill_instance),
+                                   task.SerializeToString())
+            stream = RequestStream(prompt_tokens=len(valid.prompt_token_ids),
+                                   max_tokens=valid.sampling.max_tokens)
+            first_token_sent = False
+            while not stream.done:
+                try:
+                    outputs = stream.push(await self._next_chunk(sub, rid))
+                except GenerateError as exc:
+                    abort_reason = exc.outcome
+                    raise
+                except ReorderOverflow as exc:
+                    abort_reason = "error"
+                    raise GenerateError(grpc.StatusCode.INTERNAL, f"request {rid}: {exc}", "error") from None
+                for out in outputs:
+                    if isinstance(out, Tokens) and not first_token_sent:
+                        first_token_sent = True
+                        TTFT_SECONDS.observe(time.monotonic() - started)
+                    yield to_proto(out, rid)
+            finished_upstream = not stream.truncated
+            abort_reason = "completion past max_tokens"
+            TOKENS.labels("prompt").inc(stream.prompt_tokens)
+            TOKENS.labels("cached").inc(stream.cached_tokens)
+            TOKENS.labels("completion").inc(stream.completion_tokens)
+        finally:
+            if sub is not None:
+                if not finished_upstream:
+                    log.info("request %s: aborting upstream (%s)", rid, abort_reason)
+                    self._spawn(self._abort_upstream(rid, abort_reason))
+                await sub.close()
+            span.end()
+
+    async def _hashes(self, valid: ValidRequest) -> list[bytes]:
+        size = self.config.limits.block_size
+        prefix = valid.prompt_token_ids[: lookup_prefix(len(valid.prompt_token_ids), size)]
+        salt = valid.tenant.encode()
+        if len(prefix) <= INLINE_HASH_TOKENS:
+            return chain_hashes(prefix, size, salt=salt)
+        return await asyncio.to_thread(chain_hashes, prefix, size, salt)
+
+    async def _lookup(self, rid: str, hashes: list[bytes]) -> int:
+        if not hashes:
+            return 0
+        try:
+            return await self.kv.lookup(hashes)
+        except LookupFailed:
+            LOOKUP_ERRORS.inc()
+            return 0
+
+    async def _route(self, valid: ValidRequest, rid: str, hashes: list[bytes],
+                     cached_blocks: int) -> control_pb2.RouteDecision:
+        req = control_pb2.RouteRequest(
+            request_id=rid, model=valid.model, prompt_tokens=len(valid.prompt_token_ids),
+            cached_blocks=cached_blocks, block_hashes=hashes[:MAX_ROUTE_HASHES])
+        try:
+            reply = await self.bus.request(subjects.ROUTE, req.SerializeToString(),
+                                           self.config.route_timeout)
+        except BusUnavailable as exc:
+            raise GenerateError(grpc.StatusCode.UNAVAILABLE,
+                                f"no balancer answered ({exc}); retry in a few seconds",
+                                "unavailable") from None
+        try:
+            decision = cast(control_pb2.RouteDecision, control_pb2.RouteDecision.FromString(reply))
+        except DecodeError:
+            raise GenerateError(grpc.StatusCode.INTERNAL, "the balancer sent an unreadable reply",
+                                "error") from None
+        if decision.error or not decision.prefill_instance:
+            raise GenerateError(grpc.StatusCode.UNAVAILABLE, "no instance can take the request: "
+                                f"{decision.error or 'empty decision'}", "unavailable")
+        return decision
+
+    async def _next_chunk(self, sub: Subscription, rid: str) -> Chunk:
+        timeout = self.config.request_timeout
+        while True:
+            try:
+                data = await sub.next(timeout)
+            except TimeoutError:
+                raise GenerateError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"request {rid}: no token for {timeout:g}s from the serving "
+                                    "instances; aborted", "timeout") from None
+            try:
+                ev = control_pb2.TokenEvent.FromString(data)
+            except DecodeError:
+                log.warning("request %s: unreadable token event ignored", rid)
+                continue
+            if ev.error:
+                if ev.retryable:
+                    raise GenerateError(grpc.StatusCode.UNAVAILABLE,
+                                        f"request {rid} failed: {ev.error}; retry", "unavailable")
+                raise GenerateError(grpc.StatusCode.INTERNAL, f"request {rid} failed: {ev.error}",
+                                    "error")
+            return Chunk(ev.index, tuple(ev.token_ids), ev.finished, ev.finish_reason,
+                         ev.prompt_tokens, ev.cached_tokens)
+
+    async def _abort_upstream(self, rid: str, reason: str) -> None:
+        try:
+            await self.bus.publish(subjects.ABORT,
+                                   control_pb2.Abort(request_id=rid, reason=reason).SerializeToString())
+        except Exception as exc:  # noqa: BLE001 - best effort; instances also time requests out
+            log.warning("request %s: could not publish abort: %s", rid, exc)
+
+    def _spawn(self, coro: Any) -> None:
+        # Not awaited inline: the caller may be a cancelled task, and the abort must still go out.
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def wait_idle(self, timeout: float) -> None:
+        """Shutdown: wait for handlers to finish (gRPC may return from ``stop`` while
+        cancelled handlers still run their cleanup) and for pending aborts to go out."""
+        deadline = time.monotonic() + timeout
+        while self._active and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=max(0.1, deadline - time.monotonic()))

@@ -1,0 +1,268 @@
+"""Entrypoint policy: request validation and the ordered token stream. No I/O.
+
+:func:`validate_request` turns a ``GenerateRequest`` into a :class:`ValidRequest` or raises
+:class:`InvalidArgument` naming the offending field (mapped to gRPC INVALID_ARGUMENT at the
+service edge). :class:`TokenReorderBuffer` puts token events back in output order: the first
+token comes from the prefill instance and the rest from a decode instance, over different
+NATS connections, so index 1 can overtake index 0. :class:`RequestStream` turns the ordered
+events into what the client sees: Ready once, Tokens, Finish once.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from libs.proto.deepserve.v1 import common_pb2, generate_pb2
+
+REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")  # becomes part of a NATS subject
+MAX_TENANT_BYTES = 256
+MAX_SEED = 2**63  # the engine's sampler keys draws by a signed 64-bit seed
+
+
+class InvalidArgument(ValueError):
+    """The request is wrong as sent; ``field`` names the proto field to fix."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class UnknownModel(LookupError):
+    """The request names a model this entrypoint does not serve."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    model_name: str = "deepseek-tiny"
+    vocab_size: int = 129280
+    max_context: int = 163840  # prompt + completion tokens
+    block_size: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "max_context", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.model_name:
+            raise ValueError("model_name must not be empty")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Validated sampling settings (``top_p`` 0 on the wire already turned into 1)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    max_tokens: int
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    request_id: str  # "" = the entrypoint assigns one
+    prompt_token_ids: tuple[int, ...]
+    sampling: Sampling
+    model: str
+    tenant: str
+    traffic_class: int
+
+
+def _check_ids(name: str, ids: Sequence[int], vocab: int) -> None:
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab:
+            raise InvalidArgument(f"{name}[{i}]", f"token id {t} is outside the vocabulary [0, {vocab})")
+
+
+def validate_sampling(s: common_pb2.SamplingParams, prompt_len: int, limits: Limits) -> Sampling:
+    if not math.isfinite(s.temperature) or s.temperature < 0:
+        raise InvalidArgument("sampling.temperature", f"must be a finite number >= 0 (0 = greedy), got {s.temperature}")
+    if not math.isfinite(s.top_p) or not 0 <= s.top_p <= 1:
+        raise InvalidArgument("sampling.top_p", f"must lie in (0, 1] (0 means 1), got {s.top_p}")
+    if s.top_k < 0:
+        raise InvalidArgument("sampling.top_k", f"must be >= 0 (0 = off), got {s.top_k}")
+    if s.max_tokens <= 0:
+        raise InvalidArgument("sampling.max_tokens", f"must be > 0, got {s.max_tokens}")
+    room = limits.max_context - prompt_len
+    if s.max_tokens > room:
+        raise InvalidArgument("sampling.max_tokens", f"prompt ({prompt_len} tokens) + max_tokens "
+                              f"({s.max_tokens}) exceeds the context limit of {limits.max_context}; "
+                              f"at most {room} here")
+    seed = s.seed if s.HasField("seed") else None
+    if seed is not None and seed >= MAX_SEED:
+        raise InvalidArgument("sampling.seed", f"must lie in [0, 2**63), got {seed}")
+    _check_ids("sampling.stop_token_ids", s.stop_token_ids, limits.vocab_size)
+    return Sampling(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, seed=seed,
+                    max_tokens=s.max_tokens, stop_token_ids=tuple(s.stop_token_ids),
+                    ignore_eos=s.ignore_eos)
+
+
+def validate_request(req: generate_pb2.GenerateRequest, limits: Limits) -> ValidRequest:
+    """A checked copy of ``req``; InvalidArgument (naming the field) or UnknownModel otherwise."""
+    if req.request_id and not REQUEST_ID_RE.match(req.request_id):
+        raise InvalidArgument("request_id", "must be 1-128 characters of A-Z a-z 0-9 _ - "
+                              f"(or empty to get one assigned), got {req.request_id[:64]!r}")
+    model = req.model or limits.model_name
+    if model != limits.model_name:
+        raise UnknownModel(f"model {req.model!r} is not served here; available: {limits.model_name!r}")
+    if len(req.tenant.encode()) > MAX_TENANT_BYTES:
+        raise InvalidArgument("tenant", f"must be at most {MAX_TENANT_BYTES} bytes")
+    prompt = tuple(req.prompt_token_ids)
+    if not prompt:
+        raise InvalidArgument("prompt_token_ids", "must not be empty")
+    _check_ids("prompt_token_ids", prompt, limits.vocab_size)
+    if len(prompt) >= limits.max_context:
+        raise InvalidArgument("prompt_token_ids", f"has {len(prompt)} tokens; the context limit "
+                              f"is {limits.max_context} (prompt + completion)")
+    sampling = validate_sampling(req.sampling, len(prompt), limits)
+    return ValidRequest(request_id=req.request_id, prompt_token_ids=prompt, sampling=sampling,
+                        model=model, tenant=req.tenant, traffic_class=int(req.traffic_class))
+
+
+def lookup_prefix(prompt_len: int, block_size: int) -> int:
+    """Tokens whose blocks may come from the cache: full blocks inside ``prompt[:-1]``.
+
+    The last prompt token is always computed (its logits give the first output token), so a
+    prompt of exactly 2 blocks looks up only 1.
+    """
+    return ((prompt_len - 1) // block_size) * block_size
+
+
+# -- token stream -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Chunk:
+    """One token event: ``token_ids`` start at output position ``index``."""
+
+    index: int
+    token_ids: tuple[int, ...] = ()
+    finished: bool = False
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class ReorderOverflow(RuntimeError):
+    """Too many events wait for a gap that never fills (a lost event)."""
+
+
+@dataclass
+class TokenReorderBuffer:
+    """Releases chunks in output order, each exactly once.
+
+    A chunk whose ``index`` is the next position is released, along with any held chunks it
+    unblocks; a later one is held; tokens already released (a duplicate or an overlap) are
+    cut off. An empty chunk (say, a bare finish) is released once its position is reached.
+    Nothing is released after a finished chunk.
+    """
+
+    max_pending: int = 4096
+    next_index: int = 0
+    finished: bool = False
+    _held: dict[int, list[Chunk]] = field(default_factory=dict)
+
+    @property
+    def pending(self) -> int:
+        return sum(len(v) for v in self._held.values())
+
+    def push(self, chunk: Chunk) -> list[Chunk]:
+        if self.finished:
+            return []
+        if chunk.index > self.next_index:
+            if self.pending >= self.max_pending:
+                raise ReorderOverflow(f"{self.pending} token events wait for position "
+                                      f"{self.next_index}, which never arrived")
+            self._held.setdefault(chunk.index, []).append(chunk)
+            return []
+        out: list[Chunk] = []
+        self._release(chunk, out)
+        while not self.finished:  # release what the new position unblocks, lowest first
+            reached = [i for i in self._held if i <= self.next_index]
+            if not reached:
+                break
+            for held in self._held.pop(min(reached)):
+                self._release(held, out)
+        return out
+
+    def _release(self, chunk: Chunk, out: list[Chunk]) -> None:
+        if self.finished:
+            return
+        skip = self.next_index - chunk.index  # >= 0: already released tokens
+        if skip >= len(chunk.token_ids) and chunk.token_ids and not chunk.finished:
+            return  # a pure duplicate
+        skip = min(skip, len(chunk.token_ids))
+        fresh = chunk.token_ids[skip:]
+        trimmed = Chunk(self.next_index, fresh, chunk.finished, chunk.finish_reason,
+                        chunk.prompt_tokens, chunk.cached_tokens)
+        self.next_index += len(fresh)
+        self.finished = chunk.finished
+        out.append(trimmed)
+
+
+@dataclass(frozen=True)
+class Ready:
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Tokens:
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Finish:
+    reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+Output = Ready | Tokens | Finish
+
+
+@dataclass
+class RequestStream:
+    """What the client sees, from token events in any order: Ready, Tokens..., Finish.
+
+    Ready carries the prompt/cached counts of the first event in order (the prefill
+    instance's). At most ``max_tokens`` tokens go out: a stray extra token from an instance
+    ends the stream with "length" and sets ``truncated`` (the caller then aborts upstream).
+    """
+
+    prompt_tokens: int
+    max_tokens: int
+    buffer: TokenReorderBuffer = field(default_factory=TokenReorderBuffer)
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ready_sent: bool = False
+    done: bool = False
+    truncated: bool = False
+
+    def push(self, chunk: Chunk) -> list[Output]:
+        out: list[Output] = []
+        for c in self.buffer.push(chunk):
+            if self.done:
+                break
+            if not self.ready_sent:
+                self.prompt_tokens = c.prompt_tokens or self.prompt_tokens
+                self.cached_tokens = c.cached_tokens
+                self.ready_sent = True
+                out.append(Ready(self.prompt_tokens, self.cached_tokens))
+            room = self.max_tokens - self.completion_tokens
+            ids = c.token_ids[:room]
+            if ids:
+                self.completion_tokens += len(ids)
+                out.append(Tokens(ids))
+            reason = c.finish_reason or "stop"
+            if len(c.token_ids) > room or (self.completion_tokens >= self.max_tokens and not c.finished):
+                self.truncated, reason = True, "length"
+            if c.finished or self.truncated:
+                self.done = True
+                out.append(Finish(reason, self.prompt_tokens, self.cached_tokens,
+                                  self.completion_tokens))
+        return out

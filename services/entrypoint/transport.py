@@ -1,0 +1,98 @@
+"""The entrypoint's transports: the NATS control bus and the kvstore lookup client.
+
+Each has an in-process twin in the tests (a fake bus / lookup), so the handler runs without
+servers; these are the real ones that ``main.py`` wires in.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.subscription import Subscription as NatsSub
+
+from libs.proto.deepserve.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+from .handlers import BusUnavailable, LookupFailed
+
+log = logging.getLogger("entrypoint")
+
+
+class NatsSubscription:
+    def __init__(self, sub: NatsSub) -> None:
+        self._sub = sub
+
+    async def next(self, timeout: float) -> bytes:
+        """The next message's payload; TimeoutError after ``timeout`` seconds of silence."""
+        try:
+            msg = await self._sub.next_msg(timeout=timeout)
+        except nats.errors.TimeoutError:
+            raise TimeoutError(f"no message for {timeout:.1f}s") from None
+        return msg.data
+
+    async def close(self) -> None:
+        try:
+            await self._sub.unsubscribe()
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError,
+                nats.errors.BadSubscriptionError):
+            pass  # shutting down: the server drops the subscription with the connection
+
+
+class NatsBus:
+    def __init__(self, nc: Client) -> None:
+        self.nc = nc
+
+    async def request(self, subject: str, data: bytes, timeout: float) -> bytes:
+        try:
+            msg = await self.nc.request(subject, data, timeout=timeout)
+        except nats.errors.NoRespondersError:
+            raise BusUnavailable(f"nothing listens on {subject}") from None
+        except nats.errors.TimeoutError:
+            raise BusUnavailable(f"no answer on {subject} within {timeout:.1f}s") from None
+        return msg.data
+
+    async def publish(self, subject: str, data: bytes) -> None:
+        await self.nc.publish(subject, data)
+
+    async def subscribe(self, subject: str) -> NatsSubscription:
+        sub = await self.nc.subscribe(subject)
+        # The subscription must be live at the server before anyone publishes to it (the
+        # prefill task goes out next, and its first token may come back within milliseconds).
+        await self.nc.flush()
+        return NatsSubscription(sub)
+
+
+class NoLookup:
+    """No kvstore configured: nothing is ever cached."""
+
+    async def lookup(self, hashes: list[bytes]) -> int:
+        return 0
+
+    async def close(self) -> None:
+        pass
+
+
+class GrpcLookup:
+    """``KVStore.Lookup`` over gRPC; a failure is logged and raised as :class:`LookupFailed`."""
+
+    def __init__(self, address: str, timeout: float) -> None:
+        self.address, self.timeout = address, timeout
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)  # type: ignore[no-untyped-call]
+
+    async def lookup(self, hashes: list[bytes]) -> int:
+        if not hashes:
+            return 0
+        try:
+            reply = await self._stub.Lookup(kvstore_pb2.LookupRequest(hashes=hashes),
+                                            timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("kvstore %s lookup failed (%s: %s); computing the prompt from scratch",
+                        self.address, exc.code().name, exc.details())
+            raise LookupFailed(str(exc)) from None
+        return max(0, min(int(reply.num_present), len(hashes)))
+
+    async def close(self) -> None:
+        await self._channel.close()

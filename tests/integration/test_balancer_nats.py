@@ -1,0 +1,107 @@
+"""The balancer process over a real nats-server: heartbeats in, round-robin routes out."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import nats
+import pytest
+
+from libs.common import procs, subjects
+from libs.proto.deepserve.v1 import control_pb2
+
+from .svc import service
+
+MODEL = "deepseek-tiny"
+
+
+@pytest.fixture
+def nats_url(tmp_path: Path) -> Iterator[str]:
+    port = procs.free_port()
+    proc = procs.start_nats(port, tmp_path / "nats", log=tmp_path / "nats.log")
+    try:
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        procs.stop(proc)
+
+
+@pytest.fixture
+def balancer(nats_url: str, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with service("balancer", ["--nats-url", nats_url, "--heartbeat-timeout", "3.0",
+                              "--warmup-seconds", "0.2", "--drain-seconds", "2"], tmp_path) as proc:
+        yield proc
+
+
+def status(name: str, role: int) -> bytes:
+    return control_pb2.InstanceStatus(
+        instance_id=name, role=role, model=MODEL,
+        address=f"127.0.0.1:{5000 + int(name[1:])}" if role == control_pb2.ROLE_DECODE else "",
+        free_kv_blocks=100, total_kv_blocks=100, sent_unix_ms=int(time.time() * 1000),
+    ).SerializeToString()
+
+
+@pytest.fixture
+async def client(nats_url: str) -> AsyncIterator[nats.aio.client.Client]:
+    nc = await nats.connect(nats_url)
+    try:
+        yield nc
+    finally:
+        await nc.close()
+
+
+async def route(nc: nats.aio.client.Client, i: int) -> control_pb2.RouteDecision:
+    req = control_pb2.RouteRequest(request_id=f"r{i}", model=MODEL, prompt_tokens=10)
+    msg = await nc.request(subjects.ROUTE, req.SerializeToString(), timeout=2)
+    return control_pb2.RouteDecision.FromString(msg.data)
+
+
+async def test_routes_alternate_and_silent_instances_drop_out(
+        balancer: subprocess.Popen[bytes], client: nats.aio.client.Client) -> None:
+    nc = client
+    beating = {"p1": control_pb2.ROLE_PREFILL, "p2": control_pb2.ROLE_PREFILL,
+               "d1": control_pb2.ROLE_DECODE, "d2": control_pb2.ROLE_DECODE}
+
+    stop = asyncio.Event()
+
+    async def heartbeats() -> None:
+        # Ends on ``stop``, not only on cancel: Python 3.11's wait_for (inside nats-py) can
+        # swallow a cancellation, and then the test would wait on this task forever.
+        while not stop.is_set():
+            for name, role in list(beating.items()):
+                r = "prefill" if role == control_pb2.ROLE_PREFILL else "decode"
+                await nc.publish(subjects.heartbeat(r, name), status(name, role))
+            await asyncio.sleep(0.5)
+
+    task = asyncio.create_task(heartbeats())
+    try:
+        await asyncio.sleep(0.3)
+        got = [await route(nc, i) for i in range(6)]
+        assert all(not d.error for d in got), [d.error for d in got]
+        pre = [d.prefill_instance for d in got]
+        dec = [d.decode_instance for d in got]
+        assert set(pre) == {"p1", "p2"} and set(dec) == {"d1", "d2"}
+        assert all(a != b for a, b in itertools.pairwise(pre)), pre  # alternates
+        assert all(a != b for a, b in itertools.pairwise(dec)), dec
+        assert all(d.decode_address == f"127.0.0.1:{5000 + int(d.decode_instance[1:])}" for d in got)
+
+        del beating["p2"], beating["d2"]  # these two go silent
+        await asyncio.sleep(3.6)
+        got = [await route(nc, i) for i in range(4)]
+        assert {(d.prefill_instance, d.decode_instance) for d in got} == {("p1", "d1")}
+
+        del beating["d1"]
+        await asyncio.sleep(3.6)
+        d = await route(nc, 99)
+        assert "no live decode instance" in d.error and not d.prefill_instance
+    finally:
+        stop.set()
+        task.cancel()
+        await asyncio.wait({task}, timeout=5)
+
+    balancer.terminate()  # SIGTERM: drains and exits cleanly
+    assert balancer.wait(10) == 0

@@ -1,0 +1,150 @@
+"""The entrypoint and balancer processes over real NATS and gRPC, with scripted instances.
+
+The prefill/decode twins here heartbeat like real instances and answer a PrefillTask with
+token events (prefill: index 0; decode: the rest, deliberately out of order), so the test
+checks the entrypoint's wiring -- route, task dispatch, relay, aborts, health, drain --
+without a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import nats
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from libs.common import procs, subjects
+from libs.proto.deepserve.v1 import common_pb2, control_pb2, generate_pb2, generate_pb2_grpc
+
+from .svc import service
+
+MODEL = "deepseek-tiny"
+HANG = 999  # a prompt starting with this token never finishes (decode goes quiet)
+
+
+@pytest.fixture
+def nats_url(tmp_path: Path) -> Iterator[str]:
+    port = procs.free_port()
+    proc = procs.start_nats(port, tmp_path / "nats", log=tmp_path / "nats.log")
+    try:
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        procs.stop(proc)
+
+
+@pytest.fixture
+def entrypoint(nats_url: str, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    grpc_port = procs.free_port()
+    with (service("balancer", ["--nats-url", nats_url, "--warmup-seconds", "0"], tmp_path),
+          service("entrypoint", ["--nats-url", nats_url, "--grpc-port", str(grpc_port),
+                                 "--model-name", MODEL, "--drain-seconds", "2"], tmp_path) as proc):
+        yield proc, f"127.0.0.1:{grpc_port}"
+
+
+class Instances:
+    """Scripted prefill p1 and decode d1; records the tasks and aborts they see."""
+
+    def __init__(self, nc: nats.aio.client.Client) -> None:
+        self.nc = nc
+        self.tasks: list[control_pb2.PrefillTask] = []
+        self.aborts: list[control_pb2.Abort] = []
+
+    async def on_task(self, msg: nats.aio.msg.Msg) -> None:
+        task = control_pb2.PrefillTask.FromString(msg.data)
+        self.tasks.append(task)
+        n, last = task.sampling.max_tokens, task.prompt_token_ids[-1]
+        out = [(last + 1 + i) % 1000 for i in range(n)]
+
+        def ev(i: int) -> bytes:
+            return control_pb2.TokenEvent(
+                request_id=task.request_id, index=i, token_ids=[out[i]], finished=i == n - 1,
+                finish_reason="length" if i == n - 1 else "",
+                prompt_tokens=len(task.prompt_token_ids)).SerializeToString()
+
+        subject = task.events_subject
+        if task.prompt_token_ids[0] == HANG:
+            await self.nc.publish(subject, ev(0))
+            return
+        order = [0] + ([2, 1] if n >= 3 else []) + list(range(3 if n >= 3 else 1, n))
+        for i in order:
+            await self.nc.publish(subject, ev(i))
+
+    async def on_abort(self, msg: nats.aio.msg.Msg) -> None:
+        self.aborts.append(control_pb2.Abort.FromString(msg.data))
+
+    async def heartbeat_until(self, stop: asyncio.Event) -> None:
+        # Ends on ``stop``, not only on cancel: Python 3.11's wait_for (inside nats-py) can
+        # swallow a cancellation, and then the fixture would wait on this task forever.
+        while not stop.is_set():
+            for name, role, r in (("p1", control_pb2.ROLE_PREFILL, "prefill"),
+                                  ("d1", control_pb2.ROLE_DECODE, "decode")):
+                status = control_pb2.InstanceStatus(instance_id=name, role=role, model=MODEL,
+                                                    address="127.0.0.1:1")
+                await self.nc.publish(subjects.heartbeat(r, name), status.SerializeToString())
+            await asyncio.sleep(0.5)
+
+
+@pytest.fixture
+async def instances(nats_url: str) -> AsyncIterator[Instances]:
+    nc = await nats.connect(nats_url)
+    inst = Instances(nc)
+    await nc.subscribe(subjects.prefill_task("p1"), cb=inst.on_task)
+    await nc.subscribe(subjects.ABORT, cb=inst.on_abort)
+    stop = asyncio.Event()
+    beat = asyncio.create_task(inst.heartbeat_until(stop))
+    try:
+        await asyncio.sleep(0.3)  # the balancer hears both before the first request
+        yield inst
+    finally:
+        stop.set()
+        beat.cancel()
+        await asyncio.wait({beat}, timeout=5)
+        await nc.close()
+
+
+def request(prompt: list[int], max_tokens: int, rid: str = "") -> generate_pb2.GenerateRequest:
+    return generate_pb2.GenerateRequest(
+        request_id=rid, prompt_token_ids=prompt, model=MODEL,
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
+
+
+async def test_generate_over_nats_and_grpc(entrypoint: tuple[subprocess.Popen[bytes], str],
+                                           instances: Instances) -> None:
+    proc, address = entrypoint
+    async with grpc.aio.insecure_channel(address) as channel:
+        health = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+        stub = generate_pb2_grpc.GenerateStub(channel)
+        events = [ev async for ev in stub.Generate(request([5, 6, 7], 5, "rid-1"), timeout=10)]
+        assert [e.WhichOneof("event") for e in events] == ["ready"] + ["tokens"] * 5 + ["finish"]
+        assert [t for e in events[1:-1] for t in e.tokens.token_ids] == [8, 9, 10, 11, 12]
+        assert events[-1].finish.reason == "length"
+        assert events[-1].finish.usage.completion_tokens == 5
+        (task,) = instances.tasks
+        assert (task.request_id, task.decode_instance, task.decode_address) == ("rid-1", "d1", "127.0.0.1:1")
+
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in stub.Generate(request([5, 6, 7], 0), timeout=5):
+                pass
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "sampling.max_tokens" in (info.value.details() or "")
+
+        call = stub.Generate(request([HANG, 1], 5, "rid-hang"), timeout=10)
+        got = [await call.read(), await call.read()]
+        assert [e.WhichOneof("event") for e in got] == ["ready", "tokens"]
+        call.cancel()  # the client goes away mid-stream
+        for _ in range(50):
+            if instances.aborts:
+                break
+            await asyncio.sleep(0.05)
+        assert [a.request_id for a in instances.aborts] == ["rid-hang"]
+
+    proc.terminate()  # SIGTERM: drains and exits cleanly
+    assert await asyncio.to_thread(proc.wait, 10) == 0

@@ -1,0 +1,266 @@
+"""The Generate handler over an in-process bus and kvstore: no NATS, no gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from libs.common import subjects
+from libs.common.hashchain import chain_hashes
+from libs.proto.deepserve.v1 import common_pb2, control_pb2, generate_pb2
+from services.entrypoint.handlers import (
+    BusUnavailable,
+    EntrypointHandlers,
+    HandlerConfig,
+    LookupFailed,
+)
+from services.entrypoint.policy import Limits
+
+LIMITS = Limits(model_name="tiny", vocab_size=1000, max_context=4096, block_size=4)
+
+
+class Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details = code, details
+
+
+class FakeContext:
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return []
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Aborted(code, details)
+
+
+class FakeSub:
+    def __init__(self, bus: FakeBus, subject: str) -> None:
+        self.bus, self.subject = bus, subject
+        self.queue: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def next(self, timeout: float) -> bytes:
+        return await asyncio.wait_for(self.queue.get(), timeout)
+
+    async def close(self) -> None:
+        self.bus.subs.pop(self.subject, None)
+
+
+Prefill = Callable[[control_pb2.PrefillTask], list[control_pb2.TokenEvent]]
+
+
+class FakeBus:
+    """Balancer and prefill/decode twins: a task in gives scripted token events out."""
+
+    def __init__(self, prefill: Prefill | None = None) -> None:
+        self.subs: dict[str, FakeSub] = {}
+        self.published: list[tuple[str, bytes]] = []
+        self.routes: list[control_pb2.RouteRequest] = []
+        self.decision = control_pb2.RouteDecision(prefill_instance="p1", decode_instance="d1",
+                                                  decode_address="127.0.0.1:7001")
+        self.balancer_up = True
+        self.prefill = prefill or (lambda task: greedy_events(task, [7, 8, 9]))
+
+    async def request(self, subject: str, data: bytes, timeout: float) -> bytes:
+        assert subject == subjects.ROUTE
+        if not self.balancer_up:
+            raise BusUnavailable(f"nothing listens on {subject}")
+        self.routes.append(control_pb2.RouteRequest.FromString(data))
+        return self.decision.SerializeToString()
+
+    async def publish(self, subject: str, data: bytes) -> None:
+        self.published.append((subject, data))
+        if subject == subjects.prefill_task("p1"):
+            task = control_pb2.PrefillTask.FromString(data)
+            sub = self.subs[task.events_subject]  # subscribed before the task went out
+            for ev in self.prefill(task):
+                sub.queue.put_nowait(ev.SerializeToString())
+
+    async def subscribe(self, subject: str) -> FakeSub:
+        self.subs[subject] = FakeSub(self, subject)
+        return self.subs[subject]
+
+    def aborts(self) -> list[control_pb2.Abort]:
+        return [control_pb2.Abort.FromString(d) for s, d in self.published if s == subjects.ABORT]
+
+    def tasks(self) -> list[control_pb2.PrefillTask]:
+        return [control_pb2.PrefillTask.FromString(d) for s, d in self.published
+                if s.startswith("ds.prefill.")]
+
+
+def greedy_events(task: control_pb2.PrefillTask, out: list[int],
+                  order: list[int] | None = None) -> list[control_pb2.TokenEvent]:
+    evs = [control_pb2.TokenEvent(request_id=task.request_id, index=i, token_ids=[t],
+                                  prompt_tokens=len(task.prompt_token_ids),
+                                  cached_tokens=task.cached_blocks * LIMITS.block_size,
+                                  finished=i == len(out) - 1,
+                                  finish_reason="length" if i == len(out) - 1 else "")
+           for i, t in enumerate(out)]
+    return [evs[i] for i in order] if order else evs
+
+
+class FakeLookup:
+    def __init__(self, present: int = 0, fail: bool = False) -> None:
+        self.present, self.fail = present, fail
+        self.calls: list[list[bytes]] = []
+
+    async def lookup(self, hashes: list[bytes]) -> int:
+        self.calls.append(hashes)
+        if self.fail:
+            raise LookupFailed("down")
+        return min(self.present, len(hashes))
+
+
+def make(bus: FakeBus, kv: FakeLookup | None = None, **cfg: Any) -> EntrypointHandlers:
+    return EntrypointHandlers(HandlerConfig(limits=LIMITS, **cfg), bus, kv or FakeLookup())
+
+
+def req(prompt: list[int], max_tokens: int = 3, **kw: Any) -> generate_pb2.GenerateRequest:
+    return generate_pb2.GenerateRequest(
+        prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens), **kw)
+
+
+async def collect(h: EntrypointHandlers, r: generate_pb2.GenerateRequest) -> list[Any]:
+    return [ev async for ev in h.Generate(r, FakeContext())]
+
+
+async def test_generate_relays_tokens_in_order_with_ready_and_usage() -> None:
+    bus = FakeBus(lambda t: greedy_events(t, [7, 8, 9], order=[2, 1, 0]))
+    kv = FakeLookup(present=1)
+    prompt = list(range(1, 11))  # 10 tokens, blocks of 4: prompt[:-1] holds 2 full blocks
+    events = await collect(make(bus, kv), req(prompt, tenant="acme", request_id="r1"))
+    kinds = [e.WhichOneof("event") for e in events]
+    assert kinds == ["ready", "tokens", "tokens", "tokens", "finish"]
+    assert (events[0].ready.request_id, events[0].ready.prompt_tokens,
+            events[0].ready.cached_tokens) == ("r1", 10, 4)
+    assert [t for e in events[1:4] for t in e.tokens.token_ids] == [7, 8, 9]
+    assert events[-1].finish.reason == "length"
+    assert (events[-1].finish.usage.prompt_tokens, events[-1].finish.usage.cached_tokens,
+            events[-1].finish.usage.completion_tokens) == (10, 4, 3)
+
+    hashes = chain_hashes(prompt[:8], 4, salt=b"acme")
+    assert kv.calls == [hashes]
+    (route,) = bus.routes
+    assert (route.request_id, route.model, route.prompt_tokens, route.cached_blocks) == ("r1", "tiny", 10, 1)
+    (task,) = bus.tasks()
+    assert list(task.prompt_token_ids) == prompt and task.cache_salt == b"acme"
+    assert (task.cached_blocks, task.decode_instance, task.decode_address) == (1, "d1", "127.0.0.1:7001")
+    assert task.events_subject == subjects.token_events("r1")
+    assert task.sampling.max_tokens == 3 and task.sampling.top_p == 1.0
+    assert not bus.aborts() and not bus.subs  # clean finish: no abort, unsubscribed
+
+
+async def test_request_id_is_assigned_when_empty() -> None:
+    bus = FakeBus()
+    events = await collect(make(bus), req([1, 2, 3]))
+    rid = events[0].ready.request_id
+    assert rid.startswith("req-") and bus.tasks()[0].request_id == rid
+
+
+async def test_invalid_request_is_refused_before_any_routing() -> None:
+    bus = FakeBus()
+    with pytest.raises(Aborted) as info:
+        await collect(make(bus), req([1, 5000]))
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt_token_ids[1]" in info.value.details
+    assert not bus.routes and not bus.published
+
+
+async def test_unknown_model_is_not_found() -> None:
+    with pytest.raises(Aborted) as info:
+        await collect(make(FakeBus()), req([1], model="other"))
+    assert info.value.code == grpc.StatusCode.NOT_FOUND
+
+
+async def test_no_balancer_is_unavailable() -> None:
+    bus = FakeBus()
+    bus.balancer_up = False
+    with pytest.raises(Aborted) as info:
+        await collect(make(bus), req([1, 2]))
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE and "retry" in info.value.details
+
+
+async def test_no_instance_is_unavailable_with_the_balancers_reason() -> None:
+    bus = FakeBus()
+    bus.decision = control_pb2.RouteDecision(error="no live decode instance (0 live)")
+    with pytest.raises(Aborted) as info:
+        await collect(make(bus), req([1, 2]))
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "no live decode instance" in info.value.details
+
+
+async def test_kvstore_down_is_a_miss_not_an_error() -> None:
+    bus = FakeBus()
+    events = await collect(make(bus, FakeLookup(present=5, fail=True)), req(list(range(20))))
+    assert events[0].ready.cached_tokens == 0 and bus.tasks()[0].cached_blocks == 0
+
+
+async def test_retryable_instance_error_is_unavailable_and_aborts() -> None:
+    def failing(task: control_pb2.PrefillTask) -> list[control_pb2.TokenEvent]:
+        first = greedy_events(task, [7, 8, 9])[0]
+        return [first, control_pb2.TokenEvent(request_id=task.request_id, index=1,
+                                              error="KV push to d1 failed", retryable=True)]
+    bus = FakeBus(failing)
+    got: list[Any] = []
+    with pytest.raises(Aborted) as info:
+        async for ev in make(bus).Generate(req([1, 2], request_id="r2"), FakeContext()):
+            got.append(ev)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE and "KV push to d1 failed" in info.value.details
+    assert [e.WhichOneof("event") for e in got] == ["ready", "tokens"]
+    await asyncio.sleep(0)  # the abort goes out on its own task
+    assert [a.request_id for a in bus.aborts()] == ["r2"]
+
+
+async def test_silence_past_the_request_timeout_is_deadline_exceeded() -> None:
+    bus = FakeBus(lambda task: greedy_events(task, [7, 8, 9])[:1])  # decode never answers
+    with pytest.raises(Aborted) as info:
+        await collect(make(bus, request_timeout=0.2), req([1, 2], request_id="r3"))
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    await asyncio.sleep(0)
+    assert [(a.request_id, a.reason) for a in bus.aborts()] == [("r3", "timeout")]
+
+
+async def test_client_going_away_aborts_upstream() -> None:
+    bus = FakeBus(lambda task: greedy_events(task, [7, 8, 9])[:1])
+    h = make(bus)
+    gen = h.Generate(req([1, 2], request_id="r4"), FakeContext())
+    assert (await gen.__anext__()).WhichOneof("event") == "ready"
+    assert (await gen.__anext__()).WhichOneof("event") == "tokens"
+    await gen.aclose()  # what a cancelled RPC does to the handler
+    await asyncio.sleep(0)
+    assert [a.request_id for a in bus.aborts()] == ["r4"]
+    assert not bus.subs and h.inflight == 0
+
+
+async def test_cancelled_task_aborts_upstream() -> None:
+    bus = FakeBus(lambda task: [])  # nothing ever comes back
+
+    async def consume(h: EntrypointHandlers) -> None:
+        async for _ in h.Generate(req([1, 2], request_id="r5"), FakeContext()):
+            pass
+
+    task = asyncio.create_task(consume(make(bus)))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0)
+    assert [a.request_id for a in bus.aborts()] == ["r5"]
+
+
+async def test_same_request_id_twice_in_flight_is_refused() -> None:
+    bus = FakeBus(lambda task: [])
+    h = make(bus)
+    first = h.Generate(req([1, 2], request_id="dup"), FakeContext())
+    pending = asyncio.ensure_future(first.__anext__())
+    await asyncio.sleep(0.05)
+    with pytest.raises(Aborted) as info:
+        await collect(h, req([1, 2], request_id="dup"))
+    assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
+    pending.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await pending
+    await first.aclose()

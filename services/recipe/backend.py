@@ -1,0 +1,88 @@
+"""The recipe's view of the entrypoint: a ``Generate`` stream it can cancel.
+
+:class:`GenerateBackend` is the seam the app depends on; :class:`GrpcGenerateBackend` is the
+real one (gRPC to the entrypoint) and tests pass a deterministic in-process fake. Failures
+surface as :class:`BackendError` with the gRPC status code, mapped to HTTP once, in the app.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from libs.proto.deepserve.v1 import generate_pb2, generate_pb2_grpc
+
+
+class BackendError(Exception):
+    """The entrypoint refused or failed a request (``code`` is the gRPC status)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code, self.message = code, message
+
+
+class GenerateCall(Protocol):
+    """One running ``Generate``: iterate its events; ``cancel()`` stops it (idempotent)."""
+
+    def __aiter__(self) -> AsyncIterator[generate_pb2.GenerateEvent]: ...
+
+    def cancel(self) -> None: ...
+
+
+class GenerateBackend(Protocol):
+    def generate(self, request: generate_pb2.GenerateRequest, traceparent: str = "") -> GenerateCall:
+        """Start a request; errors (also at start) surface while iterating, as BackendError."""
+        ...
+
+    async def check(self) -> tuple[bool, str]:
+        """Whether the entrypoint can take requests now, and why not."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class _GrpcCall:
+    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+        self._call = call
+
+    async def __aiter__(self) -> AsyncIterator[generate_pb2.GenerateEvent]:
+        try:
+            async for event in self._call:
+                yield event
+        except grpc.aio.AioRpcError as exc:
+            raise BackendError(exc.code(), exc.details() or "") from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class GrpcGenerateBackend:
+    def __init__(self, address: str, max_message_bytes: int = 64 << 20) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes)])
+        self.stub = generate_pb2_grpc.GenerateStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def generate(self, request: generate_pb2.GenerateRequest, traceparent: str = "") -> GenerateCall:
+        metadata = (("traceparent", traceparent),) if traceparent else None
+        return _GrpcCall(self.stub.Generate(request, metadata=metadata))
+
+    async def check(self) -> tuple[bool, str]:
+        try:
+            reply = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return True, f"entrypoint at {self.address} answers (no health service)"
+            return False, f"entrypoint at {self.address} unreachable: {exc.code().name} {exc.details()}"
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            state = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            return False, f"entrypoint at {self.address} is {state}"
+        return True, f"entrypoint at {self.address} serving"
+
+    async def close(self) -> None:
+        await self.channel.close()

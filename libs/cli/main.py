@@ -3,6 +3,7 @@
     deepserve generate --model PRESET_OR_DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N
                        [--temperature T --top-p P --top-k K --seed S] [--device D] [--json]
     deepserve bench engine --preset tiny --device cpu --json OUT
+    deepserve up [--port 8000] [--prefill N] [--decode N] [--model M] [--model-name NAME] [--run-dir .run]
 """
 
 from __future__ import annotations
@@ -84,14 +85,35 @@ def _bench(args: argparse.Namespace) -> int:
     raise AssertionError(args.what)
 
 
+def _add_up(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="run the whole stack (NATS, Redis, every service) until Ctrl-C")
+    p.add_argument("--port", type=int, default=8000, help="port of the OpenAI-compatible API")
+    p.add_argument("--prefill", type=int, default=1, help="prefill instances")
+    p.add_argument("--decode", type=int, default=1, help="decode instances")
+    p.add_argument("--model", default="tiny", help="preset name or checkpoint dir")
+    p.add_argument("--model-name", default="deepseek-tiny", help="served model name")
+    p.add_argument("--run-dir", default=".run", help="logs, NATS/Redis/kvstore data")
+    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
+
+
+def _up(args: argparse.Namespace) -> int:
+    from libs.cli.up import run_up
+
+    return run_up(args.port, args.prefill, args.decode, args.model, args.model_name, args.run_dir,
+                  ready_timeout=args.ready_timeout)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deepserve")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_bench(sub)
+    _add_up(sub)
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "up":
+        return _up(args)
     return _bench(args)
 
 

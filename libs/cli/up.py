@@ -1,0 +1,430 @@
+"""``deepserve up``: the whole stack on one machine, each service its own process.
+
+:class:`Stack` starts nats-server (JetStream) and redis-server on free ports -- or uses
+``NATS_URL`` / ``REDIS_URL`` from the environment -- then the services in dependency order:
+
+    kvstore, balancer  ->  prefill x N, decode x M  ->  entrypoint  ->  recipe
+
+Each stage waits until every process in it answers ``GET /healthz`` with 200, and the model
+stage also until every prefill/decode instance has heartbeated once (the balancer is already
+subscribed by then, so the first request can be routed). Ports are picked free and passed as
+explicit flags; each child logs to ``<run_dir>/logs/<name>.log`` and runs in its own process
+group, so a terminal's Ctrl-C reaches only the supervisor, which then drains the children.
+
+``stop()`` sends SIGTERM to every service (reverse order), waits up to the drain time, kills
+what is left (the whole process group), then stops redis and nats. ``<run_dir>/stack.json``
+names every process started, for tools and tests that check nothing outlives the stack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Self
+
+from libs.common import procs
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HOST = "127.0.0.1"
+
+
+class StackError(RuntimeError):
+    """The stack could not start: a service exited, or was not ready in time."""
+
+
+@dataclass
+class Child:
+    """One service process: how it was started, where it logs, where its health is."""
+
+    name: str  # log name: "kvstore", "prefill-0", ...
+    service: str  # python -m services.<service>
+    argv: list[str]
+    health_port: int
+    log_path: Path
+    instance_id: str = ""
+    grpc_port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+    _log: IO[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
+
+
+def port_is_free(port: int, host: str = HOST) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def healthz(port: int, timeout: float = 1.0) -> tuple[bool, str]:
+    """(ready, detail) from ``GET /healthz`` on ``port``."""
+    try:
+        with urllib.request.urlopen(f"http://{HOST}:{port}/healthz", timeout=timeout) as resp:
+            return resp.status == 200, resp.read(200).decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return False, f"HTTP {exc.code}: {exc.read(200).decode(errors='replace')}"
+    except (OSError, ValueError) as exc:
+        return False, str(exc)
+
+
+async def _await_heartbeats(nats_url: str, instance_ids: set[str], timeout: float) -> set[str]:
+    """Instance ids not heard on ``ds.heartbeat.>`` within ``timeout`` (empty: all heard)."""
+    import nats
+
+    from libs.common import subjects
+    from libs.proto.deepserve.v1 import control_pb2
+
+    missing = set(instance_ids)
+    done = asyncio.Event()
+
+    async def on_msg(msg: Any) -> None:
+        status = control_pb2.InstanceStatus.FromString(msg.data)
+        missing.discard(status.instance_id)
+        if not missing:
+            done.set()
+
+    nc = await nats.connect(nats_url, connect_timeout=5, max_reconnect_attempts=0)
+    try:
+        await nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_msg)
+        try:
+            await asyncio.wait_for(done.wait(), timeout)
+        except TimeoutError:
+            pass
+    finally:
+        await nc.close()
+    return missing
+
+
+class Stack:
+    """The deepserve stack as child processes; a context manager that always cleans up.
+
+    ``extra_args`` adds flags per service (key: service name such as ``"prefill"``).
+    ``recipe_port`` 0 picks a free port. After :meth:`start`, :attr:`api_url`,
+    :attr:`grpc_address`, :attr:`nats_url`, :attr:`redis_url` and :attr:`instance_ids` are set.
+    """
+
+    def __init__(self, run_dir: str | Path, *, prefill: int = 1, decode: int = 1,
+                 model: str = "tiny", model_name: str = "deepseek-tiny", recipe_port: int = 0,
+                 device: str = "cpu", ready_timeout: float = 120.0, drain_seconds: float = 10.0,
+                 extra_args: Mapping[str, Sequence[str]] | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        if prefill < 1 or decode < 1:
+            raise ValueError(f"need at least one prefill and one decode instance, "
+                             f"got {prefill}/{decode}")
+        self.run_dir = Path(run_dir).resolve()
+        self.prefill, self.decode = prefill, decode
+        self.model, self.model_name, self.device = model, model_name, device
+        self.recipe_port = recipe_port
+        self.ready_timeout, self.drain_seconds = ready_timeout, drain_seconds
+        self.extra_args = {k: list(v) for k, v in (extra_args or {}).items()}
+        self.env = dict(os.environ if env is None else env)
+        self.stack_id = secrets.token_hex(3)
+        self.children: list[Child] = []
+        self.nats_proc: subprocess.Popen[bytes] | None = None
+        self.redis_proc: subprocess.Popen[bytes] | None = None
+        self.nats_url = ""
+        self.redis_url = ""
+        self.grpc_address = ""
+        self.api_base = ""  # http://host:port
+        self._stopped = False
+        self.killed: list[str] = []  # services that did not exit within the drain time
+
+    # -- public surface ----------------------------------------------------------------
+    @property
+    def api_url(self) -> str:
+        """OpenAI base URL, e.g. ``http://127.0.0.1:8000/v1``."""
+        return f"{self.api_base}/v1"
+
+    @property
+    def instance_ids(self) -> dict[str, list[str]]:
+        ids: dict[str, list[str]] = {}
+        for c in self.children:
+            ids.setdefault(c.service, []).append(c.instance_id)
+        return ids
+
+    def exited(self) -> list[Child]:
+        """Services that have exited (while the stack should be up, that is a failure)."""
+        return [c for c in self.children if c.proc is not None and c.proc.poll() is not None]
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- start -------------------------------------------------------------------------
+    def start(self) -> Self:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self._start_backends()
+        kv_port = procs.free_port()
+        self._write_state()
+        # kvstore and balancer need only NATS/Redis; the balancer must listen to heartbeats
+        # before any engine starts, and the engines must be routable before the entrypoint.
+        stages = [[self._plan("kvstore", "kvstore", grpc_port=kv_port,
+                              args=["--redis-url", self.redis_url,
+                                    "--data-dir", str(self.run_dir / "kvstore")]),
+                   self._plan("balancer", "balancer")]]
+        kv_addr = f"{HOST}:{kv_port}"
+        model_args = ["--model", self.model, "--model-name", self.model_name,
+                      "--device", self.device]
+        stages.append(
+            [self._plan(f"prefill-{i}", "prefill", args=["--kvstore-address", kv_addr, *model_args])
+             for i in range(self.prefill)]
+            + [self._plan(f"decode-{i}", "decode", grpc_port=procs.free_port(), args=model_args)
+               for i in range(self.decode)])
+        ep_port = procs.free_port()
+        self.grpc_address = f"{HOST}:{ep_port}"
+        stages.append([self._plan("entrypoint", "entrypoint", grpc_port=ep_port,
+                                  args=["--kvstore-address", kv_addr,
+                                        "--model-name", self.model_name])])
+        recipe_port = self.recipe_port or procs.free_port()
+        self.api_base = f"http://{HOST}:{recipe_port}"
+        stages.append([self._plan_recipe(recipe_port)])
+        for stage in stages:
+            for c in stage:
+                self._spawn(c)
+            self._write_state()
+            self._await_ready(stage)
+        self._write_state()
+
+    def _start_backends(self) -> None:
+        logs = self.run_dir / "logs"
+        self.nats_url = self.env.get("NATS_URL", "")
+        if not self.nats_url:
+            port = procs.free_port()
+            self.nats_proc = procs.start_nats(port, self.run_dir / "nats", logs / "nats.log")
+            self.nats_url = f"nats://{HOST}:{port}"
+        self.redis_url = self.env.get("REDIS_URL", "")
+        if not self.redis_url:
+            # Our redis keeps nothing across runs (--save ""), so block files left by an
+            # earlier run would have no metadata: start the kvstore's data dir empty too.
+            shutil.rmtree(self.run_dir / "kvstore", ignore_errors=True)
+            port = procs.free_port()
+            self.redis_proc = procs.start_redis(port, self.run_dir / "redis", logs / "redis.log")
+            self.redis_url = f"redis://{HOST}:{port}/0"
+
+    def _plan(self, name: str, service: str, *, grpc_port: int = 0,
+              args: Sequence[str] = ()) -> Child:
+        ops_port = procs.free_port()
+        instance_id = f"{name}-{self.stack_id}"
+        argv = ["--nats-url", self.nats_url, "--http-port", str(ops_port),
+                "--instance-id", instance_id, "--drain-seconds", str(self.drain_seconds)]
+        if grpc_port:
+            argv += ["--grpc-port", str(grpc_port)]
+        argv += [*args, *self.extra_args.get(service, [])]
+        return Child(name, service, argv, ops_port, self.run_dir / "logs" / f"{name}.log",
+                     instance_id=instance_id, grpc_port=grpc_port)
+
+    def _plan_recipe(self, port: int) -> Child:
+        # The recipe's health is on its main HTTP port.
+        c = self._plan("recipe", "recipe", args=["--port", str(port),
+                                                 "--entrypoint-address", self.grpc_address,
+                                                 "--model-name", self.model_name])
+        c.health_port = port
+        return c
+
+    def _spawn(self, c: Child) -> None:
+        env = dict(self.env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        # Open for the child's whole life; stop() closes it.
+        c._log = open(c.log_path, "ab")  # noqa: SIM115
+        cmd = [sys.executable, "-m", f"services.{c.service}", *c.argv]
+        c._log.write(f"# {time.strftime('%F %T')} {' '.join(cmd)}\n".encode())
+        c._log.flush()
+        self.children.append(c)
+        c.proc = subprocess.Popen(cmd, stdout=c._log, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, cwd=REPO_ROOT, env=env,
+                                  start_new_session=True)
+
+    def _await_ready(self, stage: list[Child]) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        pending = {c.name: c for c in stage}
+        detail: dict[str, str] = {}
+        while pending:
+            for name, c in list(pending.items()):
+                assert c.proc is not None
+                if c.proc.poll() is not None:
+                    raise StackError(f"{name} exited with code {c.proc.returncode} while starting; "
+                                     f"last lines of {c.log_path}:\n{log_tail(c.log_path)}")
+                ok, detail[name] = healthz(c.health_port)
+                if ok:
+                    del pending[name]
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                c = next(iter(pending.values()))
+                raise StackError(f"{', '.join(pending)} not ready after {self.ready_timeout:.0f}s "
+                                 f"(/healthz: {detail[c.name]}); last lines of {c.log_path}:\n"
+                                 f"{log_tail(c.log_path)}")
+            time.sleep(0.2)
+        engines = {c.instance_id for c in stage if c.service in ("prefill", "decode")}
+        if engines:
+            missing = asyncio.run(_await_heartbeats(self.nats_url, engines,
+                                                    max(5.0, deadline - time.monotonic())))
+            if missing:
+                raise StackError(f"no heartbeat on NATS from {', '.join(sorted(missing))}")
+
+    def _write_state(self) -> None:
+        state = {
+            "api_url": self.api_url if self.api_base else "",
+            "grpc_address": self.grpc_address,
+            "nats_url": self.nats_url,
+            "redis_url": self.redis_url,
+            "supervisor_pid": os.getpid(),
+            "pids": {
+                **({"nats": self.nats_proc.pid} if self.nats_proc else {}),
+                **({"redis": self.redis_proc.pid} if self.redis_proc else {}),
+                **{c.name: c.pid for c in self.children if c.proc is not None},
+            },
+            "instance_ids": self.instance_ids,
+        }
+        tmp = self.run_dir / "stack.json.tmp"
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(self.run_dir / "stack.json")
+
+    # -- stop --------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Drain and stop everything started; afterwards no process of the stack runs."""
+        if self._stopped:
+            return
+        self._stopped = True
+        live = [c for c in self.children if c.running()]
+        for c in reversed(live):
+            _signal_group(c, signal.SIGTERM)
+        deadline = time.monotonic() + self.drain_seconds + 5.0  # drain, then exit bookkeeping
+        for c in reversed(live):
+            assert c.proc is not None
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for c in self.children:
+            if c.proc is not None:
+                # Also ends anything the service itself started in its group.
+                _signal_group(c, signal.SIGKILL)
+                if c.proc.poll() is None:
+                    c.proc.wait(10)
+            if c._log is not None:
+                c._log.close()
+        self.killed = [c.name for c in self.children
+                       if c.proc is not None and c.proc.returncode == -signal.SIGKILL]
+        for proc in (self.redis_proc, self.nats_proc):
+            if proc is not None:
+                procs.stop(proc)
+        leftover = [c.name for c in self.children if c.proc is not None and c.proc.poll() is None]
+        leftover += [name for name, p in (("redis", self.redis_proc), ("nats", self.nats_proc))
+                     if p is not None and p.poll() is None]
+        if leftover:  # cannot happen after SIGKILL + wait, but say so loudly if it does
+            raise StackError(f"still running after stop: {', '.join(leftover)}")
+
+
+def _signal_group(c: Child, sig: signal.Signals) -> None:
+    """Signal the child's process group (it leads its own session)."""
+    assert c.proc is not None
+    try:
+        os.killpg(c.proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class _Interrupted(BaseException):
+    """SIGINT/SIGTERM while the stack was still starting."""
+
+
+def run_up(port: int, prefill: int, decode: int, model: str, model_name: str, run_dir: str,
+           ready_timeout: float = 300.0) -> int:
+    """``deepserve up``: start the stack, print its URL, serve until SIGINT/SIGTERM, stop it."""
+    if not port_is_free(port):
+        print(f"deepserve up: port {port} on {HOST} is already in use; pick another with --port",
+              file=sys.stderr)
+        return 2
+    stop_requested: list[int] = []
+    starting = True
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop_requested.append(signum)
+        if starting and len(stop_requested) == 1:  # abandon the start; start() cleans up
+            raise _Interrupted(signum)
+
+    try:
+        stack = Stack(run_dir, prefill=prefill, decode=decode, model=model, model_name=model_name,
+                      recipe_port=port, ready_timeout=ready_timeout)
+    except ValueError as exc:
+        print(f"deepserve up: {exc}", file=sys.stderr)
+        return 2
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    code = 0
+    try:
+        print(f"deepserve: starting {prefill} prefill + {decode} decode ({model}); logs in "
+              f"{stack.run_dir / 'logs'}", flush=True)
+        try:
+            stack.start()
+        except _Interrupted:
+            print("deepserve: interrupted while starting; stopped", flush=True)
+            return 0  # start() already stopped what it had started
+        except (StackError, OSError) as exc:
+            print(f"deepserve up: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            starting = False
+        print(f"deepserve is up: {stack.api_url}  (model {model_name})", flush=True)
+        print(f"  gRPC Generate: {stack.grpc_address}   NATS: {stack.nats_url}   "
+              f"Redis: {stack.redis_url}", flush=True)
+        while not stop_requested:
+            dead = stack.exited()
+            if dead:
+                c = dead[0]
+                code_of = c.proc.returncode if c.proc else "?"
+                print(f"deepserve up: {c.name} exited with code {code_of}; stopping. "
+                      f"Last lines of {c.log_path}:\n{log_tail(c.log_path)}", file=sys.stderr)
+                code = 1
+                break
+            time.sleep(0.5)
+        print("deepserve: stopping ...", flush=True)
+    finally:
+        stack.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    print("deepserve: stopped", flush=True)
+    return code

@@ -1,0 +1,129 @@
+"""The real stack for integration tests: nats-server, redis-server and every service as its
+own process on free ports (``libs.cli.up.Stack``), plus helpers to talk to it.
+
+One stack (tiny model, 1 prefill + 1 decode) serves a whole test module; it is always
+stopped, and its logs stay under the test's tmp dir (pytest prints the path on failure).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from libs.cli.up import REPO_ROOT, Stack, log_tail
+from libs.proto.deepserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+
+MODEL_NAME = "deepseek-tiny"
+READY_TIMEOUT = 240.0  # two CPU cores load several tiny models at once
+
+
+def start_stack(run_dir: Path, **kwargs: object) -> Stack:
+    """A started stack; on failure the exception carries the failing service's log tail."""
+    kwargs.setdefault("ready_timeout", READY_TIMEOUT)
+    kwargs.setdefault("drain_seconds", 5.0)
+    return Stack(run_dir, model="tiny", model_name=MODEL_NAME, **kwargs).start()  # type: ignore[arg-type]
+
+
+def dump_logs(stack: Stack) -> str:
+    return "\n".join(f"--- {c.name} ({c.log_path})\n{log_tail(c.log_path, 30)}"
+                     for c in stack.children)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    run_dir = tmp_path_factory.mktemp("stack")
+    s = Stack(run_dir, prefill=1, decode=1, model="tiny", model_name=MODEL_NAME,
+              ready_timeout=READY_TIMEOUT, drain_seconds=5.0)
+    try:
+        s.start()
+        yield s
+        dead = s.exited()
+        assert not dead, f"services died during the tests: {[c.name for c in dead]}\n{dump_logs(s)}"
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def grpc_stub(stack: Stack) -> Iterator[generate_pb2_grpc.GenerateStub]:
+    channel = grpc.insecure_channel(stack.grpc_address)
+    try:
+        yield generate_pb2_grpc.GenerateStub(channel)
+    finally:
+        channel.close()
+
+
+@dataclass
+class Generation:
+    ready: generate_pb2.Ready | None
+    token_ids: list[int]
+    finish: generate_pb2.Finish | None
+
+
+def sampling(max_tokens: int, temperature: float = 0.0,
+             seed: int | None = None) -> common_pb2.SamplingParams:
+    params = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=1.0)
+    if seed is not None:
+        params.seed = seed
+    return params
+
+
+def grpc_generate(stub: generate_pb2_grpc.GenerateStub, prompt_ids: Sequence[int], max_tokens: int,
+                  temperature: float = 0.0, seed: int | None = None, request_id: str = "",
+                  timeout: float = 120.0) -> Generation:
+    """One ``Generate`` call, its events collected (Ready, then Tokens..., then Finish)."""
+    req = generate_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt_ids),
+                                       sampling=sampling(max_tokens, temperature, seed), model=MODEL_NAME)
+    out = Generation(None, [], None)
+    for event in stub.Generate(req, timeout=timeout):
+        kind = event.WhichOneof("event")
+        if kind == "ready":
+            assert out.ready is None and not out.token_ids, "Ready must come once, first"
+            out.ready = event.ready
+        elif kind == "tokens":
+            out.token_ids.extend(event.tokens.token_ids)
+        elif kind == "finish":
+            assert out.finish is None, "Finish must come once"
+            out.finish = event.finish
+    return out
+
+
+class ReferenceRuns:
+    """``deepserve generate --json`` in its own process (the single-process answer), several
+    launched at once so their model loads overlap."""
+
+    def __init__(self) -> None:
+        self._procs: dict[str, subprocess.Popen[str]] = {}
+        self._results: dict[str, dict[str, object]] = {}
+
+    def launch(self, name: str, prompt_ids: Sequence[int], max_tokens: int, temperature: float = 0.0,
+               seed: int | None = None) -> None:
+        cmd = [sys.executable, "-m", "libs.cli.main", "generate", "--model", "tiny",
+               "--prompt-ids", ",".join(map(str, prompt_ids)), "--max-tokens", str(max_tokens),
+               "--temperature", str(temperature), "--json"]
+        if seed is not None:
+            cmd += ["--seed", str(seed)]
+        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+        self._procs[name] = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, text=True,
+                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def result(self, name: str) -> dict[str, object]:
+        if name not in self._results:
+            proc = self._procs[name]
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, f"deepserve generate ({name}) failed:\n{err[-2000:]}"
+            self._results[name] = json.loads(out.strip().splitlines()[-1])
+        return self._results[name]
+
+    def close(self) -> None:
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()

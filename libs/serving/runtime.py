@@ -8,7 +8,6 @@ import socket
 import time
 from collections.abc import Callable
 
-import nats
 from nats.aio.client import Client as NATS
 
 from libs.proto.deepserve.v1 import control_pb2
@@ -21,41 +20,6 @@ def now_ms() -> int:
 def advertise_host(bind_host: str) -> str:
     """The host others should dial: the bind address unless it is a wildcard."""
     return socket.gethostname() if bind_host in ("", "0.0.0.0", "::") else bind_host
-
-
-async def connect_nats(url: str, name: str, stop: asyncio.Event, log: logging.Logger) -> NATS | None:
-    """Connect, retrying every second until connected or ``stop`` is set (then None).
-
-    Once connected the client reconnects by itself forever; /healthz reports the gaps.
-    """
-    async def on_error(exc: Exception) -> None:
-        log.warning("NATS: %s", exc)
-
-    client: list[NATS] = []
-
-    async def on_disconnect() -> None:
-        if client and client[0].is_closed:  # our own close(), not an outage
-            return
-        log.warning("NATS disconnected from %s; reconnecting", url)
-
-    async def on_reconnect() -> None:
-        log.info("NATS reconnected to %s", url)
-
-    while not stop.is_set():
-        try:
-            nc = await nats.connect(servers=[url], name=name, error_cb=on_error,
-                                    disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
-                                    max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                    connect_timeout=2)
-            client.append(nc)
-            return nc
-        except Exception as exc:  # noqa: BLE001 - nats raises several kinds for "not there yet"
-            log.warning("NATS at %s not reachable (%s); retrying in 1 s", url, exc)
-            try:
-                await asyncio.wait_for(stop.wait(), 1.0)
-            except TimeoutError:
-                pass
-    return None
 
 
 async def heartbeat_loop(nc: NATS, subject: str, status: Callable[[], control_pb2.InstanceStatus],

@@ -13,13 +13,13 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
-import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from libs.common import subjects
 from libs.common.config import common_flags, flag
 from libs.common.lifecycle import install_stop_handlers, new_instance_id, setup_logging
+from libs.common.natsutil import connect_nats
 from libs.common.telemetry import OpsServer
 
 from .handlers import BalancerHandlers
@@ -66,26 +66,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[BalancerConfig, str]:
     except ValueError as exc:
         parser.error(str(exc))
     return config, args.log_level
-
-
-async def connect_nats(url: str, name: str, stop: asyncio.Event, log: logging.Logger,
-                       drain_timeout: float) -> Client | None:
-    """Connect, retrying until NATS is up; None if told to stop first. Reconnects forever."""
-    async def on_error(exc: Exception) -> None:
-        log.warning("NATS %s: %s", url, exc)
-
-    connecting = asyncio.ensure_future(nats.connect(
-        url, name=name, error_cb=on_error, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-        connect_timeout=2, drain_timeout=max(1, int(drain_timeout))))
-    stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    stopping.cancel()
-    if not connecting.done():
-        connecting.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await connecting
-        return None
-    return connecting.result()
 
 
 async def _prune_loop(handlers: BalancerHandlers, stop: asyncio.Event) -> None:

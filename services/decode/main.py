@@ -21,11 +21,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from libs.common import subjects
 from libs.common.config import common_flags, flag
 from libs.common.lifecycle import install_stop_handlers, new_instance_id, setup_logging
+from libs.common.natsutil import connect_nats
 from libs.common.telemetry import OpsServer, tracer
 from libs.proto.deepserve.v1 import control_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 from libs.serving.engine_loop import EngineLoop
 from libs.serving.model_flags import ModelFlags, add_model_flags, model_flags_from
-from libs.serving.runtime import advertise_host, connect_nats, heartbeat_loop, publish_status
+from libs.serving.runtime import advertise_host, heartbeat_loop, publish_status
 
 from .handlers import DecodeHandler
 
@@ -141,7 +142,7 @@ async def serve(cfg: DecodeConfig, log: logging.Logger) -> int:
         log.info("model %s loaded (%s), %d KV blocks of %d tokens", cfg.model.model, engine.model_id,
                  engine.blocks.num_blocks, cfg.model.block_size)
 
-        nc = await connect_nats(cfg.nats_url, cfg.instance_id, stop, log)
+        nc = await connect_nats(cfg.nats_url, cfg.instance_id, stop, log, cfg.drain_seconds)
         if nc is None:
             return 0
         stack.push_async_callback(nc.close)

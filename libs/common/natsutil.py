@@ -1,0 +1,45 @@
+"""Connecting to NATS the same way in every service."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import nats
+from nats.aio.client import Client
+
+
+async def connect_nats(url: str, name: str, stop: asyncio.Event, log: logging.Logger,
+                       drain_timeout: float = 10.0) -> Client | None:
+    """Connect, retrying every second until connected or ``stop`` is set (then None).
+
+    Once connected the client reconnects by itself forever; each service's /healthz reports
+    the gaps. ``drain_timeout`` bounds ``drain()`` at shutdown.
+    """
+    closing: list[Client] = []
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("NATS %s: %s", url, exc)
+
+    async def on_disconnect() -> None:
+        if not (closing and closing[0].is_closed):  # our own close() is not an outage
+            log.warning("NATS disconnected from %s; reconnecting", url)
+
+    async def on_reconnect() -> None:
+        log.info("NATS reconnected to %s", url)
+
+    while not stop.is_set():
+        try:
+            nc = await nats.connect(servers=[url], name=name, error_cb=on_error,
+                                    disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
+                                    max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                                    connect_timeout=2, drain_timeout=max(1, int(drain_timeout)))
+            closing.append(nc)
+            return nc
+        except Exception as exc:  # noqa: BLE001 - nats raises several kinds for "not there yet"
+            log.warning("NATS at %s not reachable (%s); retrying in 1 s", url, exc)
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except TimeoutError:
+                pass
+    return None

@@ -62,7 +62,10 @@ class GrpcKVStore:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address)
+        # One DeepSeek-V3 block is ~9 MB (61 layers x 128 tokens x 576 bf16): above gRPC's 4 MiB default.
+        limit = 64 << 20
+        self._channel = grpc.aio.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)  # type: ignore[no-untyped-call]
 
     async def get(self, hashes: list[bytes]) -> list[bytes]:

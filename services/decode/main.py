@@ -20,13 +20,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from libs.common import subjects
 from libs.common.config import common_flags, flag
-from libs.common.lifecycle import install_stop_handlers, new_instance_id, setup_logging
-from libs.common.natsutil import connect_nats
-from libs.common.telemetry import OpsServer, tracer
+from libs.common.lifecycle import new_instance_id, setup_logging
+from libs.common.telemetry import tracer
 from libs.proto.deepserve.v1 import control_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
-from libs.serving.engine_loop import EngineLoop
+from libs.serving.instance import InstanceRuntime
 from libs.serving.model_flags import ModelFlags, add_model_flags, model_flags_from
-from libs.serving.runtime import advertise_host, heartbeat_loop, publish_status
+from libs.serving.runtime import advertise_host
 
 from .handlers import DecodeHandler
 
@@ -111,46 +110,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def serve(cfg: DecodeConfig, log: logging.Logger) -> int:
-    stop = asyncio.Event()
-    install_stop_handlers(stop)
-    state: dict[str, object] = {"model": False, "nats": None}
-
-    def healthy() -> tuple[bool, str]:
-        nc = state["nats"]
-        if not state["model"]:
-            return False, "loading the model"
-        if nc is None or not nc.is_connected:  # type: ignore[attr-defined]
-            return False, "NATS is not connected"
-        return True, f"{cfg.instance_id} serving {cfg.model.model_name}"
-
+    rt = InstanceRuntime(SERVICE, cfg.instance_id, cfg.model, host=cfg.host, http_port=cfg.http_port,
+                         nats_url=cfg.nats_url, drain_seconds=cfg.drain_seconds,
+                         heartbeat_interval=cfg.heartbeat_interval, log=log)
     async with AsyncExitStack() as stack:
-        ops = OpsServer(cfg.host, cfg.http_port, healthy)
-        log.info("ops on %s:%d", cfg.host, await ops.start())
-        stack.push_async_callback(ops.stop)
-
-        from libs.engine.engine import Engine  # torch: after the ops port answers
-
-        try:
-            engine = await asyncio.to_thread(Engine, cfg.model.engine_config())
-        except (ValueError, OSError) as exc:
-            log.error("cannot load model %r: %s", cfg.model.model, exc)
-            return 1
-        loop = EngineLoop(engine, name=SERVICE)
-        loop.start()
-        stack.push_async_callback(loop.close)
-        state["model"] = True
-        log.info("model %s loaded (%s), %d KV blocks of %d tokens", cfg.model.model, engine.model_id,
-                 engine.blocks.num_blocks, cfg.model.block_size)
-
-        nc = await connect_nats(cfg.nats_url, cfg.instance_id, stop, log, cfg.drain_seconds)
-        if nc is None:
-            return 0
-        stack.push_async_callback(nc.close)
-
+        rc = await rt.start(stack)
+        if rc is not None:
+            return rc
+        assert rt.loop is not None and rt.nc is not None
+        nc = rt.nc
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
         address = f"{advertise_host(cfg.host)}:{port}"
-        handler = DecodeHandler(loop, nc.publish, instance_id=cfg.instance_id,
+        handler = DecodeHandler(rt.loop, nc.publish, instance_id=cfg.instance_id,
                                 model_name=cfg.model.model_name, address=address,
                                 block_size=cfg.model.block_size, tracer=tracer(SERVICE))
         kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(  # type: ignore[no-untyped-call]
@@ -164,30 +136,11 @@ async def serve(cfg: DecodeConfig, log: logging.Logger) -> int:
         log.info("KVTransfer on %s (instance %s)", address, cfg.instance_id)
 
         async def on_abort(msg: object) -> None:
-            abort = control_pb2.Abort.FromString(msg.data)  # type: ignore[attr-defined]
-            await handler.on_abort(abort)
+            await handler.on_abort(control_pb2.Abort.FromString(msg.data))  # type: ignore[attr-defined]
 
-        abort_sub = await nc.subscribe(subjects.ABORT, cb=on_abort)
-        hb_subject = subjects.heartbeat("decode", cfg.instance_id)
-        await nc.flush()  # the server has our subscriptions before we call ourselves ready
-        state["nats"] = nc  # ready: subscribed (and serving gRPC), so /healthz may say 200
-        hb_stop = asyncio.Event()
-        hb = asyncio.create_task(heartbeat_loop(nc, hb_subject, handler.status, hb_stop, log,
-                                                cfg.heartbeat_interval))
-
-        await stop.wait()
-        log.info("stopping: draining for up to %.1f s", cfg.drain_seconds)
-        handler.draining = True
-        await health_servicer.enter_graceful_shutdown()
-        await publish_status(nc, hb_subject, handler.status(), log)
-        await handler.drain(cfg.drain_seconds)
-        await abort_sub.unsubscribe()
-        hb_stop.set()
-        await hb
-        await publish_status(nc, hb_subject, handler.status(), log)
-        try:
-            await nc.flush(timeout=2)
-        except Exception as exc:  # noqa: BLE001 - leaving anyway; the balancer times the instance out
-            log.warning("NATS flush on exit failed: %s", exc)
+        subs = [await nc.subscribe(subjects.ABORT, cb=on_abort)]
+        await rt.ready(handler.status)  # subscribed and serving gRPC: /healthz may say 200
+        await rt.stop.wait()
+        await rt.leave(handler, subs, before_drain=health_servicer.enter_graceful_shutdown)
     log.info("stopped")
     return 0

@@ -17,13 +17,11 @@ from dataclasses import dataclass
 
 from libs.common import subjects
 from libs.common.config import common_flags, flag
-from libs.common.lifecycle import install_stop_handlers, new_instance_id, setup_logging
-from libs.common.natsutil import connect_nats
-from libs.common.telemetry import OpsServer, tracer
+from libs.common.lifecycle import new_instance_id, setup_logging
+from libs.common.telemetry import tracer
 from libs.proto.deepserve.v1 import control_pb2
-from libs.serving.engine_loop import EngineLoop
+from libs.serving.instance import InstanceRuntime
 from libs.serving.model_flags import ModelFlags, add_model_flags, model_flags_from
-from libs.serving.runtime import heartbeat_loop, publish_status
 
 from .clients import PUSH_TIMEOUT_S, GrpcKVPusher, GrpcKVStore
 from .handlers import PrefillHandler
@@ -85,50 +83,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def serve(cfg: PrefillConfig, log: logging.Logger) -> int:
-    stop = asyncio.Event()
-    install_stop_handlers(stop)
-    state: dict[str, object] = {"model": False, "nats": None}
-
-    def healthy() -> tuple[bool, str]:
-        nc = state["nats"]
-        if not state["model"]:
-            return False, "loading the model"
-        if nc is None or not nc.is_connected:  # type: ignore[attr-defined]
-            return False, "NATS is not connected"
-        return True, f"{cfg.instance_id} serving {cfg.model.model_name}"
-
+    rt = InstanceRuntime(SERVICE, cfg.instance_id, cfg.model, host=cfg.host, http_port=cfg.http_port,
+                         nats_url=cfg.nats_url, drain_seconds=cfg.drain_seconds,
+                         heartbeat_interval=cfg.heartbeat_interval, log=log)
     async with AsyncExitStack() as stack:
-        ops = OpsServer(cfg.host, cfg.http_port, healthy)
-        log.info("ops on %s:%d", cfg.host, await ops.start())
-        stack.push_async_callback(ops.stop)
-
-        from libs.engine.engine import Engine  # torch: after the ops port answers
-
-        try:
-            engine = await asyncio.to_thread(Engine, cfg.model.engine_config())
-        except (ValueError, OSError) as exc:
-            log.error("cannot load model %r: %s", cfg.model.model, exc)
-            return 1
-        loop = EngineLoop(engine, name=SERVICE)
-        loop.start()
-        stack.push_async_callback(loop.close)
-        state["model"] = True
-        log.info("model %s loaded (%s), %d KV blocks of %d tokens", cfg.model.model, engine.model_id,
-                 engine.blocks.num_blocks, cfg.model.block_size)
-
-        nc = await connect_nats(cfg.nats_url, cfg.instance_id, stop, log, cfg.drain_seconds)
-        if nc is None:
-            return 0
-        stack.push_async_callback(nc.close)
-
+        rc = await rt.start(stack)
+        if rc is not None:
+            return rc
+        assert rt.loop is not None and rt.nc is not None
+        nc = rt.nc
         pusher = GrpcKVPusher(cfg.push_timeout_s)
         stack.push_async_callback(pusher.close)
         kvstore = GrpcKVStore(cfg.kvstore_address) if cfg.kvstore_address else None
         if kvstore is not None:
             stack.push_async_callback(kvstore.close)
-        handler = PrefillHandler(loop, nc.publish, pusher, instance_id=cfg.instance_id,
+        handler = PrefillHandler(rt.loop, nc.publish, pusher, instance_id=cfg.instance_id,
                                  model_name=cfg.model.model_name, block_size=cfg.model.block_size,
-                                 max_model_len=engine.scheduler_config.max_model_len,
+                                 max_model_len=rt.loop.engine.scheduler_config.max_model_len,
                                  kvstore=kvstore, tracer=tracer(SERVICE))
 
         async def on_task(msg: object) -> None:
@@ -142,30 +113,12 @@ async def serve(cfg: PrefillConfig, log: logging.Logger) -> int:
         async def on_abort(msg: object) -> None:
             await handler.on_abort(control_pb2.Abort.FromString(msg.data))  # type: ignore[attr-defined]
 
-        task_sub = await nc.subscribe(subjects.prefill_task(cfg.instance_id), cb=on_task)
-        abort_sub = await nc.subscribe(subjects.ABORT, cb=on_abort)
-        hb_subject = subjects.heartbeat("prefill", cfg.instance_id)
-        await nc.flush()  # the server has our subscriptions before we call ourselves ready
-        state["nats"] = nc  # ready: subscribed, so /healthz may say 200
-        hb_stop = asyncio.Event()
-        hb = asyncio.create_task(heartbeat_loop(nc, hb_subject, handler.status, hb_stop, log,
-                                                cfg.heartbeat_interval))
+        subs = [await nc.subscribe(subjects.prefill_task(cfg.instance_id), cb=on_task),
+                await nc.subscribe(subjects.ABORT, cb=on_abort)]
+        await rt.ready(handler.status)
         log.info("taking tasks on %s (kvstore: %s)", subjects.prefill_task(cfg.instance_id),
                  cfg.kvstore_address or "none")
-
-        await stop.wait()
-        log.info("stopping: draining for up to %.1f s", cfg.drain_seconds)
-        handler.draining = True
-        await publish_status(nc, hb_subject, handler.status(), log)
-        await handler.drain(cfg.drain_seconds)
-        await task_sub.unsubscribe()
-        await abort_sub.unsubscribe()
-        hb_stop.set()
-        await hb
-        await publish_status(nc, hb_subject, handler.status(), log)
-        try:
-            await nc.flush(timeout=2)
-        except Exception as exc:  # noqa: BLE001 - leaving anyway; the balancer times the instance out
-            log.warning("NATS flush on exit failed: %s", exc)
+        await rt.stop.wait()
+        await rt.leave(handler, subs)
     log.info("stopped")
     return 0

@@ -26,7 +26,7 @@ from libs.common.natsutil import connect_nats
 from libs.common.telemetry import OpsServer
 from libs.proto.deepserve.v1 import control_pb2
 
-from .engine_loop import EngineLoop
+from .engine_loop import EngineLoop, EngineStats
 from .model_flags import ModelFlags
 from .runtime import heartbeat_loop, publish_status
 
@@ -116,3 +116,26 @@ class InstanceRuntime:
             await self.nc.flush(timeout=2)
         except Exception as exc:  # noqa: BLE001 - leaving anyway; the balancer times the instance out
             self.log.warning("NATS flush on exit failed: %s", exc)
+
+
+def instance_status(stats: EngineStats, *, instance_id: str, role: int, model: str, address: str,
+                    draining: bool, block_size: int) -> control_pb2.InstanceStatus:
+    """The heartbeat payload from the engine thread's latest load snapshot."""
+    return control_pb2.InstanceStatus(
+        instance_id=instance_id, role=role, model=model, address=address, running=stats.running,  # type: ignore[arg-type]
+        waiting=stats.waiting, queued_tokens=stats.queued_tokens, free_kv_blocks=stats.free_kv_blocks,
+        total_kv_blocks=stats.total_kv_blocks, draining=draining, block_size=block_size)
+
+
+async def drain_tasks(tasks: Sequence[asyncio.Task[Any]], timeout_s: float, what: str,
+                      log: logging.Logger) -> None:
+    """Let ``tasks`` finish for up to ``timeout_s``; cancel the rest (they report their own errors)."""
+    if not tasks:
+        return
+    log.info("draining: %d %s in flight (up to %.1f s)", len(tasks), what, timeout_s)
+    _, late = await asyncio.wait(tasks, timeout=timeout_s)
+    for t in late:
+        t.cancel()
+    if late:
+        log.warning("drain deadline: cut %d %s short", len(late), what)
+        await asyncio.wait(late, timeout=5.0)

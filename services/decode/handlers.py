@@ -25,6 +25,7 @@ from libs.proto.deepserve.v1 import control_pb2, kv_transfer_pb2
 from libs.serving.aborts import RecentAborts
 from libs.serving.convert import error_event, sampling_from_proto
 from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed, RequestStream
+from libs.serving.instance import drain_tasks, instance_status
 
 log = logging.getLogger("decode")
 
@@ -170,22 +171,11 @@ class DecodeHandler:
         return len(self._relays)
 
     def status(self) -> control_pb2.InstanceStatus:
-        s = self.loop.stats
-        return control_pb2.InstanceStatus(
-            instance_id=self.instance_id, role=control_pb2.ROLE_DECODE, model=self.model_name,
-            address=self.address, running=s.running, waiting=s.waiting,
-            queued_tokens=s.queued_tokens, free_kv_blocks=s.free_kv_blocks,
-            total_kv_blocks=s.total_kv_blocks, draining=self.draining, block_size=self.block_size)
+        return instance_status(self.loop.stats, instance_id=self.instance_id, role=control_pb2.ROLE_DECODE,
+                               model=self.model_name, address=self.address, draining=self.draining,
+                               block_size=self.block_size)
 
     async def drain(self, timeout_s: float) -> None:
         """Take nothing new; let running requests finish for up to ``timeout_s``; cut the rest."""
         self.draining = True
-        pending = list(self._relays.values())
-        if pending:
-            log.info("draining: %d requests still decoding (up to %.1f s)", len(pending), timeout_s)
-            _, late = await asyncio.wait(pending, timeout=timeout_s)
-            for t in late:
-                t.cancel()
-            if late:
-                log.warning("drain deadline: cut %d requests short", len(late))
-                await asyncio.wait(late, timeout=5.0)
+        await drain_tasks(list(self._relays.values()), timeout_s, "decoding requests", log)

@@ -36,6 +36,7 @@ from libs.proto.deepserve.v1 import control_pb2
 from libs.serving.aborts import RecentAborts
 from libs.serving.convert import error_event, sampling_from_proto, with_max_tokens
 from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed, RequestStream
+from libs.serving.instance import drain_tasks, instance_status
 
 log = logging.getLogger("prefill")
 
@@ -294,24 +295,13 @@ class PrefillHandler:
         return len(self._tasks)
 
     def status(self) -> control_pb2.InstanceStatus:
-        s = self.loop.stats
-        return control_pb2.InstanceStatus(
-            instance_id=self.instance_id, role=control_pb2.ROLE_PREFILL, model=self.model_name,
-            running=s.running, waiting=s.waiting, queued_tokens=s.queued_tokens,
-            free_kv_blocks=s.free_kv_blocks, total_kv_blocks=s.total_kv_blocks,
-            draining=self.draining, block_size=self.block_size)
+        return instance_status(self.loop.stats, instance_id=self.instance_id, role=control_pb2.ROLE_PREFILL,
+                               model=self.model_name, address="", draining=self.draining,
+                               block_size=self.block_size)
 
     async def drain(self, timeout_s: float) -> None:
         """Take nothing new; finish tasks for up to ``timeout_s``; cut the rest; flush cache writes."""
         self.draining = True
-        pending = list(self._tasks.values())
-        if pending:
-            log.info("draining: %d prefill tasks in flight (up to %.1f s)", len(pending), timeout_s)
-            _, late = await asyncio.wait(pending, timeout=timeout_s)
-            for t in late:
-                t.cancel()
-            if late:
-                log.warning("drain deadline: cut %d tasks short", len(late))
-                await asyncio.wait(late, timeout=5.0)
+        await drain_tasks(list(self._tasks.values()), timeout_s, "prefill tasks", log)
         if self._background:
             await asyncio.wait(list(self._background), timeout=5.0)

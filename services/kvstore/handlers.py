@@ -1,7 +1,8 @@
 """gRPC ``deepserve.v1.KVStore`` over a :class:`BlockStore`: errors mapped to status codes here, once.
 
 * :class:`InvalidBlock` -> ``INVALID_ARGUMENT`` (the message names the field; nothing stored);
-* :class:`StoreUnavailable` (Redis down) -> ``UNAVAILABLE`` (retry later);
+* :class:`StoreUnavailable` (Redis down, or a block with more than 2 of its shards on targets
+  that are down) and :class:`TargetDown` (a put cannot reach a target) -> ``UNAVAILABLE``;
 * disk errors -> ``INTERNAL`` with the OS error.
 """
 
@@ -20,6 +21,7 @@ from libs.common.telemetry import extract_context, tracer
 from libs.proto.deepserve.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 
 from .store import BlockPut, BlockStore, InvalidBlock, StoreUnavailable
+from .targets import TargetDown
 
 log = logging.getLogger("kvstore.handlers")
 
@@ -67,7 +69,7 @@ class KVStoreHandlers(kvstore_pb2_grpc.KVStoreServicer):
         except InvalidBlock as exc:
             code = grpc.StatusCode.INVALID_ARGUMENT
             raise _Abort(code, str(exc)) from None
-        except StoreUnavailable as exc:
+        except (StoreUnavailable, TargetDown) as exc:
             code = grpc.StatusCode.UNAVAILABLE
             raise _Abort(code, str(exc)) from None
         except OSError as exc:

@@ -2,6 +2,12 @@
 
 Serves ``deepserve.v1.KVStore`` and gRPC health on ``--grpc-port``; ``/healthz`` and ``/metrics``
 on ``--http-port``. Ready (``/healthz`` 200, gRPC health SERVING) only while Redis answers.
+
+Storage targets: ``--target DIR_OR_S3`` (repeated) or ``--targets a,b,...``; at least 12
+(10 data + 2 parity shards per block, each on a distinct target). Without any, 12 directories
+``<data-dir>/targets/t00..t11`` are used. ``s3://bucket`` targets go through boto3 to
+``--s3-endpoint`` (credentials from the usual AWS variables). The process keeps no state of
+its own: several may serve the same targets and Redis.
 """
 
 from __future__ import annotations
@@ -23,7 +29,11 @@ from libs.common.telemetry import OpsServer
 from libs.proto.deepserve.v1 import kvstore_pb2_grpc
 
 from .handlers import KVStoreHandlers, Metrics
+from libs.kvstore.policy import DAY_S, Retention
+
+from .ec import Codec
 from .store import BlockStore, StoreUnavailable
+from .targets import open_targets
 
 SERVICE = "kvstore"
 GRPC_SERVICE_NAME = "deepserve.v1.KVStore"
@@ -41,8 +51,21 @@ class KVStoreConfig:
     drain_seconds: float = 10.0
     log_level: str = "INFO"
     max_message_bytes: int = 64 << 20
+    targets: tuple[str, ...] = ()
+    s3_endpoint: str = ""
+    capacity_bytes: int = 0
+    chat_ttl: float = 7 * DAY_S
+    agent_ttl: float = 3 * DAY_S
+    sweep_interval: float = 60.0
+    ec_backend: str = ""
 
     def __post_init__(self) -> None:
+        if self.targets and len(set(self.targets)) < 12:
+            raise ValueError(f"10+2 erasure coding needs at least 12 distinct targets, got "
+                             f"{len(set(self.targets))}: {', '.join(self.targets)}")
+        if self.sweep_interval <= 0:
+            raise ValueError(f"--sweep-interval must be > 0 seconds, got {self.sweep_interval}")
+        self.retention()  # validates TTLs and capacity
         if not 0 <= self.grpc_port < 65536:
             raise ValueError(f"--grpc-port must lie in [0, 65535], got {self.grpc_port}")
         if not 0 <= self.http_port < 65536:
@@ -55,13 +78,29 @@ class KVStoreConfig:
         if self.max_message_bytes < (1 << 20):
             raise ValueError(f"--max-message-bytes must be at least 1 MiB, got {self.max_message_bytes}")
 
+    def retention(self) -> Retention:
+        return Retention({"chat": self.chat_ttl, "agent": self.agent_ttl}, self.capacity_bytes)
+
+    def target_specs(self) -> list[str]:
+        return list(self.targets) or [str(self.data_dir / "targets" / f"t{i:02d}") for i in range(12)]
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.kvstore", description=__doc__)
     flag(p, "--grpc-port", type=int, default=0, help="gRPC port of KVStore and health (0: any free)")
     flag(p, "--redis-url", default="redis://127.0.0.1:6379/0", help="Redis holding block metadata",
          env="REDIS_URL")
-    flag(p, "--data-dir", default=".run/kvstore", help="directory of block files")
+    flag(p, "--data-dir", default=".run/kvstore", help="base of the default 12 target directories")
+    p.add_argument("--target", action="append", default=[],
+                   help="a storage target: a directory (one per SSD/server) or s3://bucket; repeat")
+    flag(p, "--targets", default="", help="comma-separated storage targets (adds to --target)")
+    flag(p, "--s3-endpoint", default="", help="S3 endpoint URL of s3:// targets (empty: AWS)")
+    flag(p, "--capacity-bytes", type=int, default=0,
+         help="evict least recently used chain tails past this many block bytes (0: no limit)")
+    flag(p, "--chat-ttl", type=float, default=7 * DAY_S, help="seconds a chat block lives after last use")
+    flag(p, "--agent-ttl", type=float, default=3 * DAY_S, help="seconds an agent block lives after last use")
+    flag(p, "--sweep-interval", type=float, default=60.0, help="seconds between retention sweeps")
+    flag(p, "--ec-backend", default="", help="pyeclib backend (default: isa_l_rs_vand, then fallbacks)")
     # A DeepSeek-V3 block is 61 layers x 576 x 2 bytes x 128 tokens = 9 MB: past gRPC's 4 MiB default.
     flag(p, "--max-message-bytes", type=int, default=64 << 20, help="largest gRPC message (one block)")
     common_flags(p, SERVICE)
@@ -74,7 +113,11 @@ def parse_config(argv: list[str] | None = None) -> KVStoreConfig:
         return KVStoreConfig(grpc_port=a.grpc_port, redis_url=a.redis_url, data_dir=Path(a.data_dir),
                              host=a.host, http_port=a.http_port, instance_id=a.instance_id,
                              drain_seconds=a.drain_seconds, log_level=a.log_level,
-                             max_message_bytes=a.max_message_bytes)
+                             max_message_bytes=a.max_message_bytes,
+                             targets=tuple(a.target + [t for t in a.targets.split(",") if t]),
+                             s3_endpoint=a.s3_endpoint, capacity_bytes=a.capacity_bytes,
+                             chat_ttl=a.chat_ttl, agent_ttl=a.agent_ttl,
+                             sweep_interval=a.sweep_interval, ec_backend=a.ec_backend)
     except ValueError as exc:
         raise SystemExit(f"kvstore: {exc}") from None
 
@@ -111,6 +154,20 @@ class RedisMonitor:
             await asyncio.sleep(PING_INTERVAL_S)
 
 
+async def _sweep_forever(store: BlockStore, interval: float) -> None:
+    """Retention every ``interval`` seconds; several processes sweeping at once is harmless
+    (deletes are idempotent Lua scripts)."""
+    log = logging.getLogger("kvstore.retention")
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await store.sweep()
+        except StoreUnavailable as exc:
+            log.warning("retention sweep skipped: %s", exc)
+        except Exception:
+            log.exception("retention sweep failed")
+
+
 def _redacted(url: str) -> str:
     """The URL without a password, for logs and /healthz."""
     if "@" not in url:
@@ -125,7 +182,8 @@ async def serve(cfg: KVStoreConfig) -> int:
     stop = asyncio.Event()
     install_stop_handlers(stop)
     redis = aioredis.from_url(cfg.redis_url, socket_timeout=5, socket_connect_timeout=2)
-    store = BlockStore(redis, cfg.data_dir)
+    store = BlockStore(redis, open_targets(cfg.target_specs(), cfg.s3_endpoint),
+                       Codec(backend=cfg.ec_backend or None), cfg.retention())
     await asyncio.to_thread(store.prepare)
     opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes)]
@@ -142,8 +200,10 @@ async def serve(cfg: KVStoreConfig) -> int:
     ops = OpsServer(cfg.host, cfg.http_port, monitor.status)
     http_port = await ops.start()
     pinger = asyncio.create_task(monitor.run())
-    log.info("%s serving KVStore on %s:%d (ops http %d), data %s, redis %s", instance, cfg.host,
-             grpc_port, http_port, cfg.data_dir, _redacted(cfg.redis_url))
+    sweeper = asyncio.create_task(_sweep_forever(store, cfg.sweep_interval))
+    log.info("%s serving KVStore on %s:%d (ops http %d), %d targets (%s), redis %s", instance,
+             cfg.host, grpc_port, http_port, len(store.targets), store.codec.backend,
+             _redacted(cfg.redis_url))
     try:
         await stop.wait()
         log.info("stopping: draining for up to %.1fs", cfg.drain_seconds)
@@ -151,8 +211,10 @@ async def serve(cfg: KVStoreConfig) -> int:
         await server.stop(grace=cfg.drain_seconds)
     finally:
         pinger.cancel()
+        sweeper.cancel()
         await ops.stop()
         await redis.aclose()
+        store.close()
     log.info("stopped")
     return 0
 

@@ -1,33 +1,35 @@
-"""KV blocks as files, their metadata in Redis: the kvstore's storage logic, without gRPC.
+"""KV blocks erasure-coded over storage targets, their metadata in Redis: the kvstore's storage
+logic, without gRPC.
 
 A block is one engine-exported single-block KV frame, named by its chain digest
-(``libs.common.hashchain``). Layout and visibility rules:
+(``libs.common.hashchain``); the header is validated, the rest is opaque. Layout and rules:
 
-* data: ``<data_dir>/blocks/<hex[:2]>/<hex>``, written to a temporary file in the same
-  directory, fsynced, renamed into place (atomic) and the directory fsynced;
-* metadata: ``HSET ds:kv:<hex> size tenant class parent last_access created``, written only
-  after every file of a ``Put`` is in place, by one Lua script (atomic: all blocks of a put
-  become visible together, or none does). Redis metadata is what makes a block exist:
-  ``Lookup`` and ``Get`` never serve a file without it, so a crash at any point leaves at
-  worst an orphan file (invisible; collected by fsck, a later issue), never a half-written
-  block that can be read;
-* counters ``blocks``/``bytes`` live in the hash ``ds:kv:_stats``, updated by the same scripts
-  that add or remove metadata, so concurrent puts of one block count it once.
+* data: RS(10, 2) shards (``ec.py``), one per target, on 12 distinct targets chosen by
+  rendezvous hashing (``libs.kvstore.policy.place``); shard ``i`` is ``<hex[:2]>/<hex>.<i>`` on
+  its target, written by temp file + fsync + rename (directories) or one PUT (S3);
+* metadata: ``HSET ds:kv:<hex> size tenant class parent last_access created targets checksum``,
+  written only after every shard of every block of a ``Put`` is in place, by one Lua script
+  (atomic: all blocks of a put become visible together, or none does), together with the
+  block's entry in the LRU index ``ds:kv:_lru`` (score: last use). Metadata is what makes a
+  block exist: a crash at any moment leaves at worst orphan shards (invisible; ``fsck``
+  collects them), never a block that can be half read;
+* counters ``blocks``/``bytes`` live in ``ds:kv:_stats``, updated by the same scripts that add
+  or remove metadata, so concurrent puts of one block (several kvstore processes) count it once.
 
+Reads use the 10 data shards when they are healthy and rebuild from any 10 when up to 2 are
+down or fail their CRC; a rebuilt block is checked against its SHA-256 before it is returned.
 No torch: frames are checked with ``libs.engine.kv.transfer.decode_frame`` (header only).
-Erasure coding, checksums, TTLs and LRU eviction come later; this is the simplest honest form.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
-import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -35,62 +37,93 @@ from redis.exceptions import RedisError
 
 from libs.common.hashchain import DIGEST_SIZE
 from libs.engine.kv.transfer import KVFormatError, decode_frame
+from libs.kvstore.policy import BlockInfo, Reclaim, Retention, place, plan_reclaim
+
+from .ec import Codec
+from .shards import BlockUnreadable, ShardIO
+from .targets import Target, shard_key
 
 log = logging.getLogger("kvstore.store")
 
 KEY_PREFIX = "ds:kv:"
 STATS_KEY = "ds:kv:_stats"  # not a 64-hex name, so it never collides with a block key
+LRU_KEY = "ds:kv:_lru"
 MAX_HASHES = 1 << 16  # per request: 8.4M tokens of 128-token blocks, far past any context
 
 T = TypeVar("T")
 
-# KEYS: the block keys, then STATS_KEY. ARGV: 5 per block (size, tenant, class, parent, now).
+# KEYS: block keys, STATS_KEY, LRU_KEY. ARGV: 7 per block (size, tenant, class, parent, now,
+# targets, checksum).
 _COMMIT = """
+local n = #KEYS - 2
 local stored, added = 0, 0
-for i = 1, #KEYS - 1 do
-  local b = (i - 1) * 5
+for i = 1, n do
+  local b = (i - 1) * 7
+  local hex = string.sub(KEYS[i], 7)
   if redis.call('EXISTS', KEYS[i]) == 1 then
     redis.call('HSET', KEYS[i], 'last_access', ARGV[b + 5])
   else
     redis.call('HSET', KEYS[i], 'size', ARGV[b + 1], 'tenant', ARGV[b + 2], 'class', ARGV[b + 3],
-               'parent', ARGV[b + 4], 'last_access', ARGV[b + 5], 'created', ARGV[b + 5])
+               'parent', ARGV[b + 4], 'last_access', ARGV[b + 5], 'created', ARGV[b + 5],
+               'targets', ARGV[b + 6], 'checksum', ARGV[b + 7])
     stored = stored + 1
     added = added + tonumber(ARGV[b + 1])
   end
+  redis.call('ZADD', KEYS[n + 2], ARGV[b + 5], hex)
 end
 if stored > 0 then
-  redis.call('HINCRBY', KEYS[#KEYS], 'blocks', stored)
-  redis.call('HINCRBY', KEYS[#KEYS], 'bytes', added)
+  redis.call('HINCRBY', KEYS[n + 1], 'blocks', stored)
+  redis.call('HINCRBY', KEYS[n + 1], 'bytes', added)
 end
 return stored
 """
 
-# KEYS: the block keys, then STATS_KEY. Returns how many existed (and are now gone).
+# KEYS: block keys, STATS_KEY, LRU_KEY. Returns the targets of each block that existed ("" if not).
 _DELETE = """
-local deleted, removed = 0, 0
-for i = 1, #KEYS - 1 do
-  local size = redis.call('HGET', KEYS[i], 'size')
-  if size then
+local n = #KEYS - 2
+local deleted, removed, out = 0, 0, {}
+for i = 1, n do
+  local v = redis.call('HMGET', KEYS[i], 'size', 'targets')
+  out[i] = ''
+  if v[1] then
     redis.call('DEL', KEYS[i])
     deleted = deleted + 1
-    removed = removed + tonumber(size)
+    removed = removed + tonumber(v[1])
+    out[i] = v[2] or ''
   end
+  redis.call('ZREM', KEYS[n + 2], string.sub(KEYS[i], 7))
 end
 if deleted > 0 then
-  redis.call('HINCRBY', KEYS[#KEYS], 'blocks', -deleted)
-  redis.call('HINCRBY', KEYS[#KEYS], 'bytes', -removed)
+  redis.call('HINCRBY', KEYS[n + 1], 'blocks', -deleted)
+  redis.call('HINCRBY', KEYS[n + 1], 'bytes', -removed)
 end
-return deleted
+return out
 """
 
-# KEYS: block keys. ARGV[1]: now. Refresh last use of the blocks that still exist.
+# KEYS: block keys, LRU_KEY. ARGV[1]: now. Refresh last use of the blocks that still exist.
 _TOUCH = """
-for i = 1, #KEYS do
+local n = #KEYS - 1
+for i = 1, n do
   if redis.call('EXISTS', KEYS[i]) == 1 then
     redis.call('HSET', KEYS[i], 'last_access', ARGV[1])
+    redis.call('ZADD', KEYS[n + 1], ARGV[1], string.sub(KEYS[i], 7))
   end
 end
 return 0
+"""
+
+# KEYS: a chain's block keys. ARGV: now, default TTL, then class/TTL pairs. Returns how many
+# leading blocks exist and have not expired: the whole Lookup in one round trip.
+_LOOKUP = """
+local now, ttl = tonumber(ARGV[1]), {}
+for j = 3, #ARGV, 2 do ttl[ARGV[j]] = tonumber(ARGV[j + 1]) end
+for i = 1, #KEYS do
+  local v = redis.call('HMGET', KEYS[i], 'class', 'last_access')
+  if not v[2] then return i - 1 end
+  local t = ttl[v[1]] or tonumber(ARGV[2])
+  if now - tonumber(v[2]) >= t then return i - 1 end
+end
+return #KEYS
 """
 
 
@@ -122,8 +155,8 @@ class PutResult:
 @dataclass
 class _PutState:
     seen: set[bytes] = field(default_factory=set)
-    written: list[Path] = field(default_factory=list)  # files this put created, not yet committed
-    commit: list[BlockPut] = field(default_factory=list)
+    written: list[tuple[bytes, list[tuple[str, str]]]] = field(default_factory=list)  # uncommitted
+    commit: list[tuple[BlockPut, list[str], str]] = field(default_factory=list)  # placement, sha256
     skipped: int = 0
 
 
@@ -161,34 +194,44 @@ def validate_block(block: BlockPut) -> None:
 
 
 class BlockStore:
-    """Blocks by chain digest. Safe for many concurrent calls on one event loop.
+    """Blocks by chain digest. Safe for many concurrent calls on one event loop, and for several
+    processes sharing the same targets and Redis (every cross-block decision is a Lua script).
 
     Contract: a block is visible (``lookup``/``get``) only once its metadata exists, and its
-    metadata is written only after its file is complete and renamed into place.
+    metadata is written only after all its shards are complete on their targets.
     """
 
-    def __init__(self, redis: aioredis.Redis, data_dir: Path,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, redis: aioredis.Redis, targets: list[Target], codec: Codec | None = None,
+                 retention: Retention | None = None, clock: Callable[[], float] = time.time) -> None:
         self.redis = redis
-        self.data_dir = Path(data_dir)
-        self.blocks_dir = self.data_dir / "blocks"
+        self.codec = codec or Codec()
+        self.target_names = [t.name for t in targets]
+        if len(set(self.target_names)) < self.codec.n:
+            raise ValueError(f"{self.codec.k}+{self.codec.m} erasure coding needs {self.codec.n} "
+                             f"distinct storage targets, {len(set(self.target_names))} given")
+        self.targets = targets
+        self.io = ShardIO(targets, self.codec)
+        self.retention = retention or Retention()
         self.clock = clock
         self._commit = redis.register_script(_COMMIT)
         self._delete = redis.register_script(_DELETE)
         self._touch_script = redis.register_script(_TOUCH)
+        self._lookup = redis.register_script(_LOOKUP)
+        self._ttl_args: list[Any] = [self.retention.ttl(self.retention.default_class)]
+        for cls, ttl in self.retention.ttls.items():
+            self._ttl_args += [cls, ttl]
 
     def prepare(self) -> None:
-        """Create the data directory (blocking; call once at startup)."""
-        self.blocks_dir.mkdir(parents=True, exist_ok=True)
+        """Create the targets (directories, buckets) that do not exist yet (blocking; once)."""
+        for t in self.targets:
+            t.prepare()
 
-    # -- names ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        self.io.close()
+
     @staticmethod
     def key(h: bytes) -> str:
         return KEY_PREFIX + h.hex()
-
-    def path(self, h: bytes) -> Path:
-        hx = h.hex()
-        return self.blocks_dir / hx[:2] / hx
 
     async def _redis(self, op: Awaitable[T]) -> T:
         try:
@@ -209,22 +252,21 @@ class BlockStore:
         return [bool(x) for x in found]
 
     async def lookup(self, hashes: Sequence[bytes]) -> int:
-        """How many leading hashes of a chain are stored (metadata only; one round trip)."""
+        """How many leading hashes of a chain are stored and unexpired: metadata only, one Redis
+        round trip (a Lua script) whatever the chain's length."""
         check_hashes(hashes)
-        n = 0
-        for ok in await self.present(hashes):
-            if not ok:
-                break
-            n += 1
-        return n
+        if not hashes:
+            return 0
+        keys = [self.key(h) for h in hashes]
+        return int(await self._redis(self._lookup(keys=keys, args=[self.clock(), *self._ttl_args])))
 
     # -- put -----------------------------------------------------------------------------------
     async def put(self, blocks: AsyncIterator[BlockPut] | Sequence[BlockPut]) -> PutResult:
         """Store blocks; all of them become visible together at the end, or none does.
 
         Each block is validated as it arrives (:class:`InvalidBlock` aborts the whole put and
-        removes the files it wrote). Blocks already present are skipped (their last use is
-        refreshed).
+        removes the shards it wrote). Blocks already present are skipped (their last use is
+        refreshed). A target that is down fails the put (``TargetDown``, retry later).
         """
         state = _PutState()
         try:
@@ -239,6 +281,10 @@ class BlockStore:
             await self._discard(state.written)
             raise
         total = len(state.commit) + state.skipped
+        if stored and self.retention.capacity_bytes:
+            _, used = await self.stats()
+            if used > self.retention.capacity_bytes:
+                await self.sweep()
         return PutResult(stored, total - stored)
 
     async def _put_one(self, block: BlockPut, state: _PutState) -> None:
@@ -251,112 +297,131 @@ class BlockStore:
             state.skipped += 1
             await self._touch([block.hash])
             return
-        path = self.path(block.hash)
-        await asyncio.to_thread(_write_atomic, path, block.data)
-        state.written.append(path)
-        state.commit.append(block)
+        hx = block.hash.hex()
+        placement = place(block.hash, self.target_names, self.codec.n)
+        written = await asyncio.to_thread(self.io.write, hx, block.data, placement)
+        state.written.append((block.hash, written))
+        checksum = await asyncio.to_thread(lambda: hashlib.sha256(block.data).hexdigest())
+        state.commit.append((block, placement, checksum))
 
-    async def _commit_blocks(self, blocks: list[BlockPut]) -> int:
-        now = self._now()
-        keys = [self.key(b.hash) for b in blocks] + [STATS_KEY]
+    async def _commit_blocks(self, blocks: list[tuple[BlockPut, list[str], str]]) -> int:
+        now = self.clock()
+        keys = [self.key(b.hash) for b, _, _ in blocks] + [STATS_KEY, LRU_KEY]
         args: list[Any] = []
-        for b in blocks:
-            args += [len(b.data), b.tenant, b.traffic_class, b.parent.hex(), now]
+        for b, placement, checksum in blocks:
+            args += [len(b.data), b.tenant, b.traffic_class, b.parent.hex(), now,
+                     json.dumps(placement), checksum]
         return int(await self._redis(self._commit(keys=keys, args=args)))
 
-    async def _discard(self, paths: list[Path]) -> None:
-        """Remove files of a failed put, unless another put has since made them visible."""
-        if not paths:
+    async def _discard(self, written: list[tuple[bytes, list[tuple[str, str]]]]) -> None:
+        """Remove shards of a failed put, unless another put has since made the block visible."""
+        if not written:
             return
         try:
-            visible = await self.present([bytes.fromhex(p.name) for p in paths])
+            visible = await self.present([h for h, _ in written])
         except StoreUnavailable:
-            log.warning("failed put: Redis is down, leaving %d unreferenced files", len(paths))
+            log.warning("failed put: Redis is down, leaving %d blocks of orphan shards (fsck)",
+                        len(written))
             return
-        orphans = [p for p, v in zip(paths, visible) if not v]
-        await asyncio.to_thread(_unlink_all, orphans)
+        pairs = [p for (_, ps), v in zip(written, visible) if not v for p in ps]
+        await asyncio.to_thread(self.io.remove, pairs)
 
     # -- get -----------------------------------------------------------------------------------
     async def get(self, hashes: Sequence[bytes]) -> AsyncIterator[tuple[bytes, bytes]]:
         """Yield (hash, frame) for the leading stored blocks, in order; stop at the first missing.
 
-        A block whose file is gone or damaged (metadata without a readable frame of that name)
-        counts as missing: its metadata is removed so ``lookup`` stops promising it.
+        Up to ``m`` shards may be down or damaged; damaged ones are rewritten on the way. A block
+        that lost more than ``m`` shards on healthy targets is gone: its metadata is removed so
+        ``lookup`` stops promising it, and the stream stops there. When targets are *down*,
+        :class:`BlockUnreadable` (a :class:`StoreUnavailable`) is raised instead: nothing is
+        deleted, and no wrong bytes are ever yielded.
         """
         check_hashes(hashes)
-        leading = []
-        for h, ok in zip(hashes, await self.present(hashes)):
-            if not ok:
-                break
-            leading.append(h)
-        if leading:
-            await self._touch(leading)
+        leading = hashes[: await self.lookup(hashes)] if hashes else []
+        if not leading:
+            return
+        await self._touch(leading)
+        pipe = self.redis.pipeline(transaction=False)
         for h in leading:
-            data = await asyncio.to_thread(_read, self.path(h))
-            if data is None or not _frame_named(data, h):
-                log.error("block %s has metadata but no readable frame; dropping it", h.hex())
+            pipe.hmget(self.key(h), ["targets", "checksum"])
+        metas = await self._redis(pipe.execute())
+        for h, (targets, checksum) in zip(leading, metas):
+            if targets is None:  # deleted since the lookup
+                return
+            placement = json.loads(targets)
+            try:
+                data, scan = await asyncio.to_thread(self.io.read, h.hex(), placement,
+                                                     checksum.decode())
+            except BlockUnreadable as exc:
+                if not exc.damaged:
+                    raise StoreUnavailable(str(exc)) from None
+                log.error("%s; dropping it", exc)
                 await self.delete([h])
                 return
+            if not _frame_named(data, h):
+                log.error("block %s decodes to a frame of another name; dropping it", h.hex())
+                await self.delete([h])
+                return
+            if scan.bad:
+                try:
+                    await asyncio.to_thread(self.io.repair, h.hex(), placement, scan)
+                except (OSError, RuntimeError) as exc:
+                    log.warning("block %s: repair failed (%s); fsck --repair retries", h.hex(), exc)
             yield h, data
 
     async def _touch(self, hashes: Sequence[bytes]) -> None:
         """Refresh last use; a block deleted meanwhile is not brought back as a bare key."""
-        await self._redis(self._touch_script(keys=[self.key(h) for h in hashes], args=[self._now()]))
+        keys = [self.key(h) for h in hashes] + [LRU_KEY]
+        await self._redis(self._touch_script(keys=keys, args=[self.clock()]))
 
-    # -- delete / stats ------------------------------------------------------------------------
+    # -- delete / stats / retention --------------------------------------------------------------
     async def delete(self, hashes: Sequence[bytes]) -> int:
-        """Remove blocks: metadata first (invisible at once), then files. Returns how many existed."""
+        """Remove blocks: metadata first (invisible at once), then shards. Returns how many existed."""
         check_hashes(hashes)
         unique = list(dict.fromkeys(hashes))
         if not unique:
             return 0
-        keys = [self.key(h) for h in unique] + [STATS_KEY]
-        deleted = int(await self._redis(self._delete(keys=keys, args=[])))
-        await asyncio.to_thread(_unlink_all, [self.path(h) for h in unique])
-        return deleted
+        keys = [self.key(h) for h in unique] + [STATS_KEY, LRU_KEY]
+        placements = await self._redis(self._delete(keys=keys, args=[]))
+        pairs = []
+        for h, targets in zip(unique, placements):
+            if targets:
+                pairs += [(t, shard_key(h.hex(), i)) for i, t in enumerate(json.loads(targets))]
+        if pairs:
+            await asyncio.to_thread(self.io.remove, pairs)
+        return sum(1 for t in placements if t)
 
     async def stats(self) -> tuple[int, int]:
-        """(blocks, bytes) stored."""
+        """(blocks, bytes) stored; bytes are block bytes (shards take (k+m)/k of that on disk)."""
         blocks, size = await self._redis(self.redis.hmget(STATS_KEY, ["blocks", "bytes"]))
         return int(blocks or 0), int(size or 0)
 
+    async def blocks(self) -> list[BlockInfo]:
+        """Every stored block, as retention sees it (two Redis round trips)."""
+        hexes = [m.decode() for m in await self._redis(self.redis.zrange(LRU_KEY, 0, -1))]
+        pipe = self.redis.pipeline(transaction=False)
+        for hx in hexes:
+            pipe.hmget(KEY_PREFIX + hx, ["parent", "size", "class", "last_access"])
+        out = []
+        for hx, (parent, size, cls, last) in zip(hexes, await self._redis(pipe.execute())):
+            if size is not None:
+                out.append(BlockInfo(hx, (parent or b"").decode(), int(size),
+                                     (cls or b"chat").decode(), float(last or 0)))
+        return out
+
+    async def sweep(self) -> Reclaim:
+        """Apply retention now: remove expired, unreachable and (over capacity) LRU-tail blocks."""
+        plan = plan_reclaim(await self.blocks(), self.retention, self.clock())
+        doomed = [bytes.fromhex(h) for h in plan.all]
+        for i in range(0, len(doomed), 1024):
+            await self.delete(doomed[i:i + 1024])
+        if doomed:
+            log.info("retention: %d expired, %d unreachable, %d evicted", len(plan.expired),
+                     len(plan.unreachable), len(plan.evicted))
+        return plan
+
     async def ping(self) -> None:
         await self._redis(self.redis.ping())
-
-    def _now(self) -> str:
-        return f"{self.clock():.3f}"
-
-
-# -- blocking file helpers (run in a worker thread) ---------------------------------------------
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a power cut before metadata is written
-    finally:
-        os.close(dir_fd)
-
-
-def _read(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        return None
-
-
-def _unlink_all(paths: list[Path]) -> None:
-    for p in paths:
-        p.unlink(missing_ok=True)
 
 
 def _frame_named(data: bytes, h: bytes) -> bool:

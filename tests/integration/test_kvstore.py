@@ -53,7 +53,12 @@ class KVStoreProc:
         return redis.Redis(port=self.redis_port)
 
     def block_files(self) -> list[Path]:
-        return sorted(p for p in (self.data_dir / "blocks").rglob("*") if p.is_file())
+        """Every shard file on the 12 default targets (``<data_dir>/targets/tNN``)."""
+        return sorted(p for p in (self.data_dir / "targets").rglob("*")
+                      if p.is_file() and not p.name.startswith(".deepserve"))
+
+    def shard_files(self, h: bytes) -> list[Path]:
+        return sorted(self.data_dir.glob(f"targets/t*/{h.hex()[:2]}/{h.hex()}.*"))
 
 
 def start_kvstore(tmp: Path, redis_port: int) -> KVStoreProc:
@@ -231,7 +236,7 @@ def test_delete(kv: KVStoreProc, tiny_loaded) -> None:
     assert reply.deleted == 2
     assert lookup(kv.stub, hashes) == 0 and get(kv.stub, hashes) == []
     assert stats(kv.stub) == before
-    assert not any(p.name in {h.hex() for h in hashes} for p in kv.block_files())
+    assert not any(p.name.split(".")[0] in {h.hex() for h in hashes} for p in kv.block_files())
 
 
 def test_invisible_without_metadata_and_damaged_files_drop_out(kv: KVStoreProc, tiny_loaded) -> None:
@@ -239,15 +244,18 @@ def test_invisible_without_metadata_and_damaged_files_drop_out(kv: KVStoreProc, 
     e.add_request("o", prompt(2 * BS + 1, 17), SamplingParams(max_tokens=1), hold_kv=True)
     drain(e)
     (h0, p0, f0), (h1, p1, f1) = e.export_blocks("o")
-    orphan = kv.data_dir / "blocks" / h0.hex()[:2] / h0.hex()  # a crash after rename, before metadata
-    orphan.parent.mkdir(parents=True, exist_ok=True)
-    orphan.write_bytes(f0)
+    put(kv.stub, [(h0, p0, f0)])
+    shards = {p: p.read_bytes() for p in kv.shard_files(h0)}
+    assert len(shards) == 12
+    kv.stub.Delete(kvstore_pb2.DeleteRequest(hashes=[h0]), timeout=10)
+    for p, data in shards.items():  # a crash after the shards were written, before metadata
+        p.write_bytes(data)
     assert lookup(kv.stub, [h0]) == 0 and get(kv.stub, [h0]) == []
 
     put(kv.stub, [(h0, p0, f0), (h1, p1, f1)])
     before = stats(kv.stub)
-    path1 = kv.data_dir / "blocks" / h1.hex()[:2] / h1.hex()
-    path1.write_bytes(f1[: len(f1) // 2])  # damaged behind the store's back
+    for p in kv.shard_files(h1)[:3]:  # 3 of 12 shards damaged behind the store's back: lost
+        p.write_bytes(p.read_bytes()[:100])
     assert [b.hash for b in get(kv.stub, [h0, h1])] == [h0]
     assert lookup(kv.stub, [h0, h1]) == 1, "a damaged block must stop being promised"
     assert stats(kv.stub) == (before[0] - 1, before[1] - len(f1))

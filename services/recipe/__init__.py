@@ -1,1 +1,1 @@
-"""recipe: the OpenAI-compatible HTTP front (chat completions) over the entrypoint's token API."""
+"""recipe: the OpenAI (Chat Completions, Responses) and Anthropic (Messages) HTTP front over the entrypoint's token API."""

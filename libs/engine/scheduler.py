@@ -192,7 +192,7 @@ class Scheduler:
                 continue
             n = self._fit(shape, req, budget)
             if n == 0:
-                break
+                continue  # out of time for a prompt chunk; later decodes may still fit
             if not self._reserve(req, n, scheduled, preempted):
                 continue  # the request itself was preempted
             seqs.append(self._seq(req, n))
@@ -317,7 +317,9 @@ class Scheduler:
         reason = None
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             reason = "stop"
-        elif req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.config.max_model_len:
+        elif (req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.config.max_model_len
+              or len(req.token_ids) >= self.bm.num_blocks * self.bm.block_size):
+            # The last bound: alone in the cache a request can always run; past it, it never could.
             reason = "length"
         if reason is None:
             return TokenEvent(req.request_id, token, num_cached_tokens=req.num_cached_tokens)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections import deque
@@ -191,9 +192,13 @@ class EngineLoop:
         try:
             await self.call(lambda e: e.add_request(request_id, tokens, params, cache_salt=cache_salt,
                                                     kv=kv, hold_kv=hold_kv))
-        except BaseException:
+        except BaseException as exc:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
+            if isinstance(exc, asyncio.CancelledError) and not self._stopping:
+                # The command may already have run: nobody will read this request, so drop it.
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(self.call(lambda e: e.abort(request_id)))
             raise
         return stream
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from libs.engine.engine import Engine, EngineConfig, InvalidRequest
+from libs.engine.engine import Engine, EngineConfig, InvalidRequest, NoFreeBlocks
 from libs.engine.kv.transfer import KVFormatError, decode_frame
 from libs.engine.sampling_params import SamplingParams
 
@@ -267,3 +267,28 @@ def test_single_block_frames_import_as_one_prefix(tiny_loaded) -> None:
     assert list(dst.info("d").token_ids[60:]) == full
     with pytest.raises(KVFormatError, match="contiguous"):
         make(tiny_loaded).add_request("x", p, GREEDY, kv=[blocks[1][2]])
+
+
+def test_refused_import_takes_no_blocks_with_it(tiny_loaded) -> None:
+    p = prompt(80, 80)
+    src = make(tiny_loaded, num_kv_blocks=64)
+    src.add_request("b", p, SamplingParams(max_tokens=1), hold_kv=True)
+    while src.has_unfinished():
+        src.step()
+    frame = src.export_kv("b", include_partial=True, release=True)  # 5 blocks
+    e = make(tiny_loaded, num_kv_blocks=6)
+    run(e, {"a": (p[:48], SamplingParams(max_tokens=1))})  # 3 named blocks, free but cached
+    e.add_request("c", prompt(20, 81), SamplingParams(max_tokens=100, ignore_eos=True))
+    e.step()  # c holds 2 blocks: 4 free, 3 of them the import's prefix hits
+    with pytest.raises(NoFreeBlocks):
+        e.add_request("b", p + [7], SamplingParams(max_tokens=5), kv=frame)
+    e.abort("c")
+    assert e.blocks.num_free == 6 and not e.scheduler.requests
+    e.blocks.check()
+
+
+def test_a_request_never_outgrows_the_cache(tiny_loaded) -> None:
+    e = make(tiny_loaded, num_kv_blocks=4)  # 64 token slots
+    out = run(e, {"a": (prompt(10, 82), SamplingParams(max_tokens=100, ignore_eos=True))})
+    assert len(out["a"]) == 64 - 10  # finished with "length" at the cache's size, never stuck
+    assert not e.has_unfinished() and e.blocks.num_free == 4

@@ -143,3 +143,32 @@ async def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(tiny_loade
         assert tokens == direct(tiny_loaded)["a"]
     finally:
         await loop.close()
+
+
+async def test_an_add_cancelled_after_the_engine_took_it_leaves_nothing_behind(tiny_loaded) -> None:
+    import threading
+    import time
+
+    engine = make(tiny_loaded)
+    took_it = threading.Event()
+    original = engine.add_request
+
+    def slow_add(*args, **kwargs):  # the engine thread is busy right after taking the request
+        original(*args, **kwargs)
+        took_it.set()
+        time.sleep(0.3)
+
+    engine.add_request = slow_add  # type: ignore[method-assign]
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        task = asyncio.create_task(loop.add("r", prompt(30, 9), SamplingParams(max_tokens=500, ignore_eos=True)))
+        await asyncio.to_thread(took_it.wait, 5)
+        task.cancel()  # e.g. the gRPC Push that carried it was cancelled
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.5)
+        left = await loop.call(lambda e: (list(e.scheduler.requests), e.blocks.num_used))
+        assert left == ([], 0)
+    finally:
+        await loop.close()

@@ -6,7 +6,7 @@ from libs.engine.cost_model import CostModel, StepShape
 from libs.engine.kv.block_manager import BlockManager
 from libs.engine.presets import PRESETS
 from libs.engine.sampling_params import SamplingParams
-from libs.engine.scheduler import Request, Scheduler, SchedulerConfig
+from libs.engine.scheduler import Request, Scheduler, SchedulerConfig, Status
 
 
 def cost() -> CostModel:
@@ -92,3 +92,21 @@ def test_cost_model_counts_expert_bytes_by_distinct_experts() -> None:
     expert_all = c.num_moe_layers * c.num_experts * c.expert_bytes
     assert one < c.dense_weight_bytes + 0.05 * expert_all
     assert many > c.dense_weight_bytes + 0.99 * expert_all
+
+
+def test_a_prompt_chunk_out_of_time_does_not_stall_later_decodes() -> None:
+    s = sched(max_tokens_per_step=32768, time_budget_s=0.05)
+    s.add(req("d1", 100, max_tokens=50))
+    drive(s, s.schedule())
+    s.add(req("p", 60000))
+    plan = s.schedule()
+    drive(s, plan)
+    d2 = req("d2", 100, max_tokens=50)  # as a KV import arrives: running, one token to compute
+    d2.blocks, d2.num_computed = s.bm.allocate(1), 99
+    d2.status = Status.RUNNING
+    s.add(d2)
+    s.cost.observe(plan.shape, 2.0)  # steps measured far slower than assumed: no room for p
+    for _ in range(3):
+        plan = s.schedule()
+        assert {q.request_id for q in plan.seqs} >= {"d1", "d2"}
+        drive(s, plan)

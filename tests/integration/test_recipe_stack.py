@@ -1,0 +1,127 @@
+"""The recipe's three protocols through the real stack, driven by the official openai and
+anthropic SDKs, with API keys configured (one from the flag, one from a key file).
+
+The tiny model emits random tokens, so these tests check shapes, usage, errors and that the
+key's tenant travels (it salts the kvstore's prefix hashes); parsing of thinking, tool calls
+and JSON is tested against scripted tokens in tests/unit/test_recipe.py.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import anthropic
+import openai
+import pytest
+
+from libs.cli.up import Stack
+
+from .conftest import MODEL_NAME, READY_TIMEOUT, dump_logs
+
+pytestmark = pytest.mark.timeout(600)
+LONG_TEXT = " ".join(f"w{i}" for i in range(400))  # > 2 full 128-token blocks
+
+
+@pytest.fixture(scope="module")
+def keyed_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    run_dir = tmp_path_factory.mktemp("recipe-stack")
+    keys_file = run_dir / "keys"
+    keys_file.write_text("# tenant globex\nsk-beta=globex\n")
+    s = Stack(run_dir, prefill=1, decode=1, model="tiny", model_name=MODEL_NAME,
+              ready_timeout=READY_TIMEOUT, drain_seconds=5.0, env=dict(os.environ),
+              extra_args={"recipe": ["--api-keys", "sk-alpha=acme", "--api-keys-file", str(keys_file),
+                                          "--max-body-bytes", str(1 << 20)]})
+    try:
+        s.start()
+        yield s
+        assert not s.exited(), dump_logs(s)
+    finally:
+        s.stop()
+
+
+def oai(stack: Stack, key: str = "sk-alpha") -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.api_url, api_key=key, max_retries=0, timeout=120)
+
+
+def claude(stack: Stack, key: str = "sk-beta") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=stack.api_base, api_key=key, max_retries=0, timeout=120)
+
+
+def test_chat_completions_shapes_and_usage(keyed_stack: Stack) -> None:
+    c = oai(keyed_stack)
+    out = c.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hello"}],
+                                    max_tokens=6, temperature=0)
+    u = out.usage
+    assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert 1 <= u.completion_tokens <= 6 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert (u.model_extra or {})["prompt_cache_miss_tokens"] == u.prompt_tokens - u.prompt_tokens_details.cached_tokens
+    parts = list(c.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=0,
+        stream=True, stream_options={"include_usage": True}))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert [p.usage for p in parts if p.usage][-1].prompt_tokens == u.prompt_tokens
+    thinking = c.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                         max_tokens=4, extra_body={"thinking": {"type": "enabled"}})
+    assert thinking.usage.completion_tokens >= 1
+
+
+def test_responses_and_messages(keyed_stack: Stack) -> None:
+    r = oai(keyed_stack).responses.create(model=MODEL_NAME, input="Hello", max_output_tokens=5)
+    assert r.status in ("completed", "incomplete") and r.usage.output_tokens >= 1
+    events = list(oai(keyed_stack).responses.create(model=MODEL_NAME, input="Hello", max_output_tokens=5,
+                                                    stream=True))
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed",
+                                                                       "response.incomplete")
+    m = claude(keyed_stack).messages.create(model=MODEL_NAME, max_tokens=5,
+                                            messages=[{"role": "user", "content": "Hello"}])
+    assert m.type == "message" and m.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    assert m.usage.input_tokens > 0 and m.usage.output_tokens >= 1
+    with claude(keyed_stack).messages.stream(model=MODEL_NAME, max_tokens=5, thinking={
+            "type": "enabled", "budget_tokens": 1024}, messages=[{"role": "user", "content": "Hi"}]) as s:
+        types = [e.type for e in s]
+    assert types[0] == "message_start" and types[-1] == "message_stop"
+    n = claude(keyed_stack).messages.count_tokens(model=MODEL_NAME,
+                                                  messages=[{"role": "user", "content": "Hello"}])
+    assert n.input_tokens > 0
+
+
+def test_errors(keyed_stack: Stack) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        oai(keyed_stack, "sk-wrong").chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    with pytest.raises(anthropic.AuthenticationError):
+        claude(keyed_stack, "sk-wrong").messages.create(
+            model=MODEL_NAME, max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.NotFoundError):
+        oai(keyed_stack).chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(anthropic.NotFoundError):
+        claude(keyed_stack).messages.create(model="claude-x", max_tokens=2,
+                                            messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError):
+        oai(keyed_stack).chat.completions.create(model=MODEL_NAME, messages=[])
+    with pytest.raises(anthropic.BadRequestError):
+        claude(keyed_stack).messages.create(model=MODEL_NAME, max_tokens=2, messages=[])
+    with pytest.raises(openai.APIStatusError) as e:
+        oai(keyed_stack).chat.completions.create(model=MODEL_NAME, messages=[
+            {"role": "user", "content": "x" * (2 << 20)}])
+    assert e.value.status_code == 413
+
+
+def test_tenant_salts_the_kvstore(keyed_stack: Stack) -> None:
+    """The same long prompt hits the cache for its own tenant only."""
+    def cached(c: openai.OpenAI) -> int:
+        out = c.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": LONG_TEXT}],
+                                        max_tokens=2, temperature=0)
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    alpha, beta = oai(keyed_stack, "sk-alpha"), oai(keyed_stack, "sk-beta")
+    assert cached(alpha) == 0
+    deadline = time.monotonic() + 20  # the prefill writes blocks to the kvstore after handing off
+    hit = 0
+    while not hit and time.monotonic() < deadline:
+        hit = cached(alpha)
+        time.sleep(0.3)
+    assert hit >= 256, dump_logs(keyed_stack)
+    assert cached(beta) == 0, "another tenant must not hit acme's cached prefix"

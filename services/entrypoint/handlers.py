@@ -123,6 +123,15 @@ def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex}"
 
 
+def attempt_id(request_id: str) -> str:
+    """The id one attempt at a request carries upstream (subjects, tasks, aborts).
+
+    Unique per attempt, so instances that remember an earlier attempt's abort never mistake
+    a client's retry under the same request id for it.
+    """
+    return f"{request_id}-{uuid.uuid4().hex[:8]}"
+
+
 def to_proto(out: Output, request_id: str) -> generate_pb2.GenerateEvent:
     if isinstance(out, Ready):
         return generate_pb2.GenerateEvent(ready=generate_pb2.Ready(
@@ -209,22 +218,23 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         sub: Subscription | None = None
         finished_upstream = False
         abort_reason = "cancelled"  # the client went away, or shutdown ran out of grace
+        wire = attempt_id(rid)
         try:
             hashes = await self._hashes(valid)
-            cached_blocks = await self._lookup(rid, hashes)
-            decision = await self._route(valid, rid, hashes, cached_blocks)
+            cached_blocks = await self._lookup(wire, hashes)
+            decision = await self._route(valid, wire, hashes, cached_blocks)
             span.set_attributes({"deepserve.cached_blocks": cached_blocks,
                                  "deepserve.prefill": decision.prefill_instance,
                                  "deepserve.decode": decision.decode_instance})
-            sub = await self.bus.subscribe(subjects.token_events(rid))  # before the task goes out
+            sub = await self.bus.subscribe(subjects.token_events(wire))  # before the task goes out
             with trace.use_span(span, end_on_exit=False):
                 traceparent = inject_traceparent()
             task = control_pb2.PrefillTask(
-                request_id=rid, prompt_token_ids=valid.prompt_token_ids,
+                request_id=wire, prompt_token_ids=valid.prompt_token_ids,
                 sampling=sampling_proto(valid), cache_salt=valid.tenant.encode(),
                 traffic_class=cast(Any, valid.traffic_class), cached_blocks=cached_blocks,
                 decode_instance=decision.decode_instance, decode_address=decision.decode_address,
-                events_subject=subjects.token_events(rid), traceparent=traceparent)
+                events_subject=subjects.token_events(wire), traceparent=traceparent)
             await self.bus.publish(subjects.prefill_task(decision.prefill_instance),
                                    task.SerializeToString())
             stream = RequestStream(prompt_tokens=len(valid.prompt_token_ids),
@@ -232,7 +242,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             first_token_sent = False
             while not stream.done:
                 try:
-                    outputs = stream.push(await self._next_chunk(sub, rid))
+                    outputs = stream.push(await self._next_chunk(sub, wire))
                 except GenerateError as exc:
                     abort_reason = exc.outcome
                     raise
@@ -252,8 +262,8 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         finally:
             if sub is not None:
                 if not finished_upstream:
-                    log.info("request %s: aborting upstream (%s)", rid, abort_reason)
-                    self._spawn(self._abort_upstream(rid, abort_reason))
+                    log.info("request %s: aborting upstream (%s)", wire, abort_reason)
+                    self._spawn(self._abort_upstream(wire, abort_reason))
                 await sub.close()
             span.end()
 

@@ -144,11 +144,13 @@ async def test_generate_relays_tokens_in_order_with_ready_and_usage() -> None:
     hashes = chain_hashes(prompt[:8], 4, salt=b"acme")
     assert kv.calls == [hashes]
     (route,) = bus.routes
-    assert (route.request_id, route.model, route.prompt_tokens, route.cached_blocks) == ("r1", "tiny", 10, 1)
     (task,) = bus.tasks()
+    wire = task.request_id  # this attempt's upstream id: the client's id plus a unique suffix
+    assert wire.startswith("r1-") and len(wire) == len("r1-") + 8
+    assert (route.request_id, route.model, route.prompt_tokens, route.cached_blocks) == (wire, "tiny", 10, 1)
     assert list(task.prompt_token_ids) == prompt and task.cache_salt == b"acme"
     assert (task.cached_blocks, task.decode_instance, task.decode_address) == (1, "d1", "127.0.0.1:7001")
-    assert task.events_subject == subjects.token_events("r1")
+    assert task.events_subject == subjects.token_events(wire)
     assert task.sampling.max_tokens == 3 and task.sampling.top_p == 1.0
     assert not bus.aborts() and not bus.subs  # clean finish: no abort, unsubscribed
 
@@ -157,7 +159,7 @@ async def test_request_id_is_assigned_when_empty() -> None:
     bus = FakeBus()
     events = await collect(make(bus), req([1, 2, 3]))
     rid = events[0].ready.request_id
-    assert rid.startswith("req-") and bus.tasks()[0].request_id == rid
+    assert rid.startswith("req-") and bus.tasks()[0].request_id.startswith(rid + "-")
 
 
 async def test_invalid_request_is_refused_before_any_routing() -> None:
@@ -211,7 +213,7 @@ async def test_retryable_instance_error_is_unavailable_and_aborts() -> None:
     assert info.value.code == grpc.StatusCode.UNAVAILABLE and "KV push to d1 failed" in info.value.details
     assert [e.WhichOneof("event") for e in got] == ["ready", "tokens"]
     await asyncio.sleep(0)  # the abort goes out on its own task
-    assert [a.request_id for a in bus.aborts()] == ["r2"]
+    assert [a.request_id for a in bus.aborts()] == [t.request_id for t in bus.tasks()]
 
 
 async def test_silence_past_the_request_timeout_is_deadline_exceeded() -> None:
@@ -220,7 +222,7 @@ async def test_silence_past_the_request_timeout_is_deadline_exceeded() -> None:
         await collect(make(bus, request_timeout=0.2), req([1, 2], request_id="r3"))
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     await asyncio.sleep(0)
-    assert [(a.request_id, a.reason) for a in bus.aborts()] == [("r3", "timeout")]
+    assert [(a.request_id, a.reason) for a in bus.aborts()] == [(bus.tasks()[0].request_id, "timeout")]
 
 
 async def test_client_going_away_aborts_upstream() -> None:
@@ -231,7 +233,7 @@ async def test_client_going_away_aborts_upstream() -> None:
     assert (await gen.__anext__()).WhichOneof("event") == "tokens"
     await gen.aclose()  # what a cancelled RPC does to the handler
     await asyncio.sleep(0)
-    assert [a.request_id for a in bus.aborts()] == ["r4"]
+    assert [a.request_id for a in bus.aborts()] == [t.request_id for t in bus.tasks()]
     assert not bus.subs and h.inflight == 0
 
 
@@ -248,7 +250,7 @@ async def test_cancelled_task_aborts_upstream() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     await asyncio.sleep(0)
-    assert [a.request_id for a in bus.aborts()] == ["r5"]
+    assert [a.request_id for a in bus.aborts()] == [t.request_id for t in bus.tasks()]
 
 
 async def test_same_request_id_twice_in_flight_is_refused() -> None:
@@ -264,3 +266,12 @@ async def test_same_request_id_twice_in_flight_is_refused() -> None:
     with pytest.raises(asyncio.CancelledError):
         await pending
     await first.aclose()
+
+
+async def test_a_retry_under_the_same_request_id_is_a_new_attempt_upstream() -> None:
+    """Instances remember aborted ids for a while; a client's retry must not look like one."""
+    bus = FakeBus()
+    await collect(make(bus), req([1, 2, 3], request_id="same"))
+    await collect(make(bus), req([1, 2, 3], request_id="same"))
+    first, second = (t.request_id for t in bus.tasks())
+    assert first != second and first.startswith("same-") and second.startswith("same-")

@@ -9,6 +9,7 @@ and JSON is tested against scripted tokens in tests/unit/test_recipe.py.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterator
 
@@ -125,3 +126,24 @@ def test_tenant_salts_the_kvstore(keyed_stack: Stack) -> None:
         time.sleep(0.3)
     assert hit >= 256, dump_logs(keyed_stack)
     assert cached(beta) == 0, "another tenant must not hit acme's cached prefix"
+
+
+def test_disconnect_aborts_downstream_within_a_second(keyed_stack: Stack) -> None:
+    import httpx
+
+    body = {"model": MODEL_NAME, "max_tokens": 4000, "stream": True, "temperature": 1.0,
+            "messages": [{"role": "user", "content": "Tell me a long story."}]}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{keyed_stack.api_url}/chat/completions", json=body,
+                         headers={"authorization": "Bearer sk-alpha"}) as r:
+            assert r.status_code == 200
+            rid = r.headers["x-request-id"]
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass
+        gone = time.monotonic()  # leaving the block closed the connection
+    log = next(c.log_path for c in keyed_stack.children if c.name == "entrypoint")
+    aborted = re.compile(rf"request {rid}(-\w+)?: aborting upstream")  # the entrypoint may suffix ids
+    while time.monotonic() - gone < 1.0 and not aborted.search(log.read_text()):
+        time.sleep(0.05)
+    assert aborted.search(log.read_text()), f"the entrypoint did not abort {rid} within 1 s"

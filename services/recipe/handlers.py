@@ -271,6 +271,11 @@ class Frontend:
             gen = proto.request_cls.chunk_generator(conv, proto.id_prefix + rid, model)
         except (dr.ConversionError, ValueError, TypeError, OverflowError) as exc:
             raise conversion_error(exc) from None
+        # Images: the V4 conversion itself replaces them with "[Unsupported Image]" text.
+        if conv.inference_options.logprobs:
+            raise invalid("logprobs are not supported yet", "logprobs", "unsupported_value")
+        # conv.inference_options.output_constraint (JSON schema, regex, tool calls) is not
+        # enforced by constrained decoding: the engine samples freely and the parser reads it.
         if extra is not None:
             gen = gen.with_namespace_tool_map(extra[0]).with_echo(extra[1])
         return model, conv, gen

@@ -147,3 +147,28 @@ def test_disconnect_aborts_downstream_within_a_second(keyed_stack: Stack) -> Non
     while time.monotonic() - gone < 1.0 and not aborted.search(log.read_text()):
         time.sleep(0.05)
     assert aborted.search(log.read_text()), f"the entrypoint did not abort {rid} within 1 s"
+
+
+@pytest.mark.parametrize("keys, expected", [("", "the API is OPEN"), ("k1=t1,k2=t2", "API keys required: 2 keys")])
+def test_startup_log_says_whether_the_api_is_open(keys: str, expected: str) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from libs.cli.up import REPO_ROOT
+
+    env = {**os.environ, "DEEPSERVE_API_KEYS": keys, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "services.recipe", "--port", "0",
+                             "--entrypoint-address", "127.0.0.1:9"], cwd=REPO_ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            if expected in line or len(seen) > 50:
+                break
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert any(expected in line for line in seen), "".join(seen)

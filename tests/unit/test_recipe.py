@@ -264,6 +264,8 @@ def test_errors_openai_shape(oai: openai.OpenAI, backend: FakeBackend) -> None:
         oai.responses.create(model=MODEL, input=5)  # type: ignore[arg-type]
     with pytest.raises(openai.NotFoundError):
         oai.responses.create(model="nope", input="x")
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], logprobs=True)
     assert not backend.requests, "a refused request must not reach the backend"
 
 

@@ -9,9 +9,8 @@ key 401, unknown model 404, body too large 413, backend at capacity 429 / unavai
 (+ Retry-After); never a 500 for bad input. A client that goes away cancels the gRPC call
 (before the first token, while collecting a non-streamed answer, or mid-stream).
 
-Sharp edges of the library handled here: the EOS id is taken out of the token stream (it
-would reach the ``StreamProcessor`` as text); the backend's finish reason is sent instead. A
-chunk is serialized *before* ``accumulate`` consumes it.
+Backend events become library chunks and protocol output in ``events.py`` (where the
+library's sharp edges are handled).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import deepseek_recipe as dr
@@ -50,6 +49,7 @@ from .api import CHAT, MESSAGES, RESPONSES, APIError, Protocol, conversion_error
 from .auth import KeyTable
 from .backend import BackendError, GenerateBackend, GenerateCall
 from .encoding import PromptEncoder
+from .events import Job, api_error
 
 log = logging.getLogger("recipe")
 T = TypeVar("T")
@@ -65,7 +65,7 @@ class AppConfig:
     max_context: int = 163840  # prompt + completion tokens (the entrypoint's default)
     max_body_bytes: int = 32 << 20
     retry_after_s: int = 1
-    keys: KeyTable = KeyTable()
+    keys: KeyTable = field(default_factory=KeyTable)
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -102,58 +102,11 @@ class ClientGone(Exception):
     """The HTTP client disconnected; the generation was cancelled."""
 
 
-_STATUS_OF = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", "invalid_value"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", None),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error", None),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", None),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", "service_unavailable"),
-    grpc.StatusCode.CANCELLED: (503, "service_unavailable", "service_unavailable"),
-    grpc.StatusCode.ABORTED: (503, "service_unavailable", "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout", "timeout"),
-}
-
-
-def api_error(exc: BackendError, retry_after: int) -> APIError:
-    """A gRPC failure of the entrypoint as the HTTP error a client can act on."""
-    status, type_, code = _STATUS_OF.get(exc.code, (502, "server_error", "upstream_error"))
-    message = exc.message or exc.code.name
-    if status == 503:
-        message = f"the model backend is unavailable ({message}); retry in {retry_after} s"
-    elif status == 429:
-        message = f"the server is at capacity ({message}); retry in {retry_after} s"
-    elif status == 502:
-        message = f"the model backend failed ({exc.code.name}: {message})"
-    return APIError(status, message, type_, code=code,
-                    retry_after=retry_after if status in (429, 503) else None)
-
-
 def error_response(proto: Protocol, err: APIError, request_id: str = "") -> JSONResponse:
     headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else {}
     if request_id:
         headers["X-Request-Id"] = request_id
     return JSONResponse(proto.error_body(err), status_code=err.status, headers=headers)
-
-
-def inference_chunks(ev: generate_pb2.GenerateEvent, eos: int) -> list[dr.InferenceChunk]:
-    """A Generate event as the library's input. The EOS id never reaches the processor as text."""
-    kind = ev.WhichOneof("event")
-    if kind == "ready":
-        return [dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(
-            prompt_tokens=ev.ready.prompt_tokens, prompt_cache_hit_tokens=ev.ready.cached_tokens))]
-    if kind == "tokens":
-        ids = [int(t) for t in ev.tokens.token_ids if t != eos]
-        return [dr.InferenceChunk.tokens(ids)] if ids else []
-    if kind == "finish":
-        if ev.finish.reason == "abort":
-            raise BackendError(grpc.StatusCode.ABORTED, "the backend aborted the request")
-        reason = dr.InferenceFinishReason.Length if ev.finish.reason == "length" \
-            else dr.InferenceFinishReason.Stop
-        return [dr.InferenceChunk.finish(reason)]
-    return []
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -174,47 +127,6 @@ class _CancellingStream(StreamingResponse):
         finally:
             self._call.cancel()
             await self._content.aclose()  # type: ignore[attr-defined]
-
-
-@dataclass
-class _Job:
-    """One converted request on its way through the backend."""
-
-    proto: Protocol
-    rid: str
-    model: str
-    tenant: str
-    conv: dr.ConversationRequest
-    processor: dr.StreamProcessor
-    response: Any = None  # the protocol's Response accumulator, built at Ready
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    finished: bool = False
-
-    def push(self, ev: generate_pb2.GenerateEvent, eos: int) -> list[tuple[str | None, str]]:
-        """Feed one event; the (SSE event name, JSON) of every output chunk, serialized before
-        ``accumulate`` consumes it."""
-        kind = ev.WhichOneof("event")
-        if kind == "ready":
-            self.prompt_tokens, self.cached_tokens = ev.ready.prompt_tokens, ev.ready.cached_tokens
-            self.response = self.proto.response_cls(self.rid, self.model, int(time.time()),
-                                                     self.prompt_tokens, self.cached_tokens)
-        elif kind == "tokens":
-            self.completion_tokens += len(ev.tokens.token_ids)
-        out: list[tuple[str | None, str]] = []
-        for chunk in inference_chunks(ev, eos):
-            if self.response is None:
-                raise BackendError(grpc.StatusCode.INTERNAL, "tokens arrived before Ready")
-            produced = self.processor.push(chunk)
-            if kind == "finish":
-                produced += self.processor.finish()
-            for c in produced:
-                out.append((self.proto.response_cls.sse_event_name(c), c.to_json()))
-                self.response.accumulate(c)
-        # A stop sequence ends the answer inside the processor before the backend is done.
-        self.finished = self.finished or kind == "finish" or self.processor.finished
-        return out
 
 
 class Frontend:
@@ -334,7 +246,7 @@ class Frontend:
             request_id=rid, prompt_token_ids=prompt, sampling=self._sampling(conv, len(prompt)),
             model=self.cfg.model_name, tenant="" if tenant == "-" else tenant,
             traffic_class=common_pb2.TRAFFIC_CLASS_AGENT if agent else common_pb2.TRAFFIC_CLASS_CHAT)
-        job = _Job(proto, proto.id_prefix + rid, model, tenant, conv,
+        job = Job(proto, proto.id_prefix + rid, model, tenant, conv,
                    dr.StreamProcessor(gen, conv.parsing_options, self.encoder.tokenizer))
         span = self.tracer.start_span(f"recipe.{proto.name}",
                                       context=extract_context(request.headers.get("traceparent", "")))
@@ -364,7 +276,7 @@ class Frontend:
                 call.cancel()
                 span.end()
 
-    def _push(self, job: _Job, ev: generate_pb2.GenerateEvent) -> list[tuple[str | None, str]]:
+    def _push(self, job: Job, ev: generate_pb2.GenerateEvent) -> list[tuple[str | None, str]]:
         try:
             return job.push(ev, self.encoder.eos)
         except BackendError as exc:
@@ -382,7 +294,7 @@ class Frontend:
             raise APIError(502, "the model backend ended the request without an answer",
                            "server_error", code="upstream_error") from None
 
-    async def _collect(self, job: _Job, events: AsyncIterator[generate_pb2.GenerateEvent]) -> None:
+    async def _collect(self, job: Job, events: AsyncIterator[generate_pb2.GenerateEvent]) -> None:
         try:
             async for ev in events:
                 self._push(job, ev)
@@ -409,7 +321,7 @@ class Frontend:
         call.cancel()
         raise ClientGone()
 
-    async def _stream(self, job: _Job, events: AsyncIterator[generate_pb2.GenerateEvent],
+    async def _stream(self, job: Job, events: AsyncIterator[generate_pb2.GenerateEvent],
                       pending: list[tuple[str | None, str]], call: GenerateCall, span: trace.Span,
                       t0: float) -> AsyncIterator[bytes]:
         proto, ended = job.proto, False
@@ -440,7 +352,7 @@ class Frontend:
             self.metrics.latency.labels("true").observe(time.perf_counter() - t0)
             span.end()
 
-    def _count(self, job: _Job) -> None:
+    def _count(self, job: Job) -> None:
         self.metrics.tokens.labels("prompt", job.tenant).inc(job.prompt_tokens)
         self.metrics.tokens.labels("cached", job.tenant).inc(job.cached_tokens)
         self.metrics.tokens.labels("completion", job.tenant).inc(job.completion_tokens)

@@ -17,8 +17,8 @@ import uvicorn
 from libs.common.config import common_flags, flag
 from libs.common.lifecycle import install_stop_handlers, new_instance_id, setup_logging
 
-from .backend import GrpcGenerateBackend
 from .auth import KeyTable, parse_keys
+from .backend import GrpcGenerateBackend
 from .encoding import PromptEncoder
 from .handlers import AppConfig, Metrics, build_app
 

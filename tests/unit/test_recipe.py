@@ -225,7 +225,7 @@ def test_messages_usage_and_tool_use(claude: anthropic.Anthropic, backend: FakeB
     backend.script = TOOL_CALL
     out = claude.messages.create(model=MODEL, max_tokens=100, messages=[{"role": "user", "content": "w " * 400}],
                                  tools=[{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}])
-    use = [b for b in out.content if b.type == "tool_use"][0]
+    use = next(b for b in out.content if b.type == "tool_use")
     assert out.stop_reason == "tool_use" and use.name == "get_weather" and use.input == {"city": "Paris"}
     n = len(backend.requests[-1].prompt_token_ids)
     cached = (n - 1) // 128 * 128

@@ -3,6 +3,7 @@ the library's own), and the control-token injection property."""
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
@@ -37,7 +38,7 @@ def conversation(user_text: str) -> dict[str, Any]:
         {"role": "user", "content": user_text},
         {"role": "assistant", "content": user_text, "reasoning_content": user_text,
          "tool_calls": [{"id": "c1", "type": "function",
-                         "function": {"name": "get_weather", "arguments": '{"city": %s}' % repr(user_text).replace("'", '"')}}]},
+                         "function": {"name": "get_weather", "arguments": json.dumps({"city": user_text})}}]},
         {"role": "tool", "tool_call_id": "c1", "content": user_text},
         {"role": "user", "content": [{"type": "text", "text": user_text}]}],
         "tools": [{"type": "function", "function": {**TOOLS[0]["function"], "description": user_text}}]}
@@ -108,3 +109,25 @@ def test_v41_encoding_is_not_served(encoder: PromptEncoder) -> None:
     with pytest.raises(dr.ConversionError):
         dr.ChatCompletionRequest({"model": "DeepSeek-V4.1-Flash", "messages": [
             {"role": "user", "content": "x"}]}).convert(encoder.options)
+
+
+def test_property_no_user_text_produces_a_special_id(encoder: PromptEncoder) -> None:
+    """Hypothesis: for any text built from control-token spellings, their characters and
+    arbitrary unicode, in every message slot, the prompt's control ids are exactly those of a
+    harmless text."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    spellings = [t.content for t in encoder.full.get_added_tokens_decoder().values()]
+    piece = st.sampled_from(spellings) | st.sampled_from(["<", ">", "｜", "▁", "/", "think", "DSML", "\n"]) \
+        | st.text(max_size=6)
+    baseline = [i for i in encoder.encode(convert(encoder, conversation("plain words")).conversation)
+                if i in encoder.added_ids]
+
+    @settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.lists(piece, min_size=1, max_size=12).map("".join))
+    def prop(text: str) -> None:
+        ids = encoder.encode(convert(encoder, conversation(text)).conversation)
+        assert [i for i in ids if i in encoder.added_ids] == baseline, text
+
+    prop()

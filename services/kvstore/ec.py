@@ -13,6 +13,8 @@ C, about half the speed) and ``jerasure_rs_vand`` where ISA-L cannot load.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import struct
 import zlib
@@ -25,6 +27,26 @@ log = logging.getLogger("kvstore.ec")
 SHARD_MAGIC = b"DSS1"
 _HEAD = struct.Struct("<4sI")
 BACKENDS = ("isa_l_rs_vand", "liberasurecode_rs_vand", "jerasure_rs_vand")
+
+
+def tune_allocator() -> bool:
+    """Keep large buffers in glibc's heap instead of fresh ``mmap``s (blocking; once at startup).
+
+    Every encode and decode allocates ~11 MB (pyeclib's fragments, then Python's bytes). Above
+    glibc's default 128 KiB threshold each is a new mmap whose pages fault in on first touch;
+    on this VM that made RS(10,2) encode 0.7 GB/s for a 9 MiB block against 3.3 GB/s for 1 MiB.
+    With the thresholds raised, freed buffers are reused: 1.75 GB/s at 9 MiB. The cost is
+    that the process keeps its peak heap (a few blocks in flight: tens of MB).
+    Returns False where the C library is not glibc (nothing changed).
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, 1 << 30)) and bool(mallopt(m_trim_threshold, 1 << 31))
 
 
 class NotEnoughShards(RuntimeError):
@@ -45,7 +67,7 @@ class Codec:
                 self.driver.encode(b"probe")  # some backends only fail on first use
                 self.backend = name
                 break
-            except Exception as exc:  # pyeclib raises its own ECDriverError family
+            except Exception as exc:  # noqa: BLE001 - pyeclib raises its own ECDriverError family
                 errors.append(f"{name}: {exc}")
         else:
             raise RuntimeError("no erasure-coding backend loads: " + "; ".join(errors))

@@ -21,8 +21,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .shards import BlockUnreadable
-from .store import KEY_PREFIX, LRU_KEY, BlockStore
-from .targets import TargetDown, parse_shard_key
+from .store import KEY_PREFIX, BlockStore
+from .targets import Target, TargetDown, parse_shard_key
 
 
 @dataclass
@@ -53,7 +53,7 @@ class FsckReport:
 
 async def fsck(store: BlockStore, repair: bool = False, grace_s: float = 600.0) -> FsckReport:
     report = FsckReport(repair=repair)
-    hexes = [m.decode() for m in await store._redis(store.redis.zrange(LRU_KEY, 0, -1))]
+    hexes = await store.block_hexes()
     pipe = store.redis.pipeline(transaction=False)
     for hx in hexes:
         pipe.hmget(KEY_PREFIX + hx, ["targets", "checksum"])
@@ -100,7 +100,7 @@ async def _orphans(store: BlockStore, placements: dict[str, list[str]], repair: 
     candidates: list[tuple[str, str, str]] = []  # (target, key, block hex or "")
     for target in store.targets:
         try:
-            listing = await asyncio.to_thread(lambda t=target: list(t.keys()))
+            listing = await asyncio.to_thread(_listing, target)
         except TargetDown:
             report.targets_down.append(target.name)
             continue
@@ -124,3 +124,7 @@ async def _orphans(store: BlockStore, placements: dict[str, list[str]], repair: 
     if repair and orphans:
         await asyncio.to_thread(store.io.remove, orphans)
         report.removed_orphans = len(orphans)
+
+
+def _listing(target: Target) -> list[tuple[str, float]]:
+    return list(target.keys())

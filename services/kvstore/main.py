@@ -26,12 +26,11 @@ from grpc_health.v1.health import aio as health_aio
 from libs.common.config import common_flags, flag
 from libs.common.lifecycle import install_stop_handlers, new_instance_id, setup_logging
 from libs.common.telemetry import OpsServer
+from libs.kvstore.policy import DAY_S, Retention
 from libs.proto.deepserve.v1 import kvstore_pb2_grpc
 
+from .ec import Codec, tune_allocator
 from .handlers import KVStoreHandlers, Metrics
-from libs.kvstore.policy import DAY_S, Retention
-
-from .ec import Codec
 from .store import BlockStore, StoreUnavailable
 from .targets import open_targets
 
@@ -182,6 +181,7 @@ def _redacted(url: str) -> str:
 
 async def open_store(cfg: KVStoreConfig) -> tuple[aioredis.Redis, BlockStore]:
     """Redis client and store of a config, targets created where missing."""
+    tune_allocator()
     redis = aioredis.from_url(cfg.redis_url, socket_timeout=5, socket_connect_timeout=2)
     store = BlockStore(redis, open_targets(cfg.target_specs(), cfg.s3_endpoint),
                        Codec(backend=cfg.ec_backend or None), cfg.retention())

@@ -396,9 +396,14 @@ class BlockStore:
         blocks, size = await self._redis(self.redis.hmget(STATS_KEY, ["blocks", "bytes"]))
         return int(blocks or 0), int(size or 0)
 
+    async def block_hexes(self) -> list[str]:
+        """Hex digests of every stored block (the LRU index)."""
+        members: list[Any] = list(await self._redis(self.redis.zrange(LRU_KEY, 0, -1)))
+        return [bytes(m).decode() for m in members]
+
     async def blocks(self) -> list[BlockInfo]:
         """Every stored block, as retention sees it (two Redis round trips)."""
-        hexes = [m.decode() for m in await self._redis(self.redis.zrange(LRU_KEY, 0, -1))]
+        hexes = await self.block_hexes()
         pipe = self.redis.pipeline(transaction=False)
         for hx in hexes:
             pipe.hmget(KEY_PREFIX + hx, ["parent", "size", "class", "last_access"])

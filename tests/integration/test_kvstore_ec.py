@@ -9,7 +9,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +19,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import redis as sync_redis
 import redis.asyncio as aioredis
 
 from libs.common.procs import free_port, start_redis, start_seaweedfs, stop, wait_port
@@ -30,7 +28,7 @@ from libs.proto.deepserve.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 from services.kvstore.ec import Codec
 from services.kvstore.fsck import fsck
 from services.kvstore.store import BlockPut, BlockStore, StoreUnavailable
-from services.kvstore.targets import MARKER, DirTarget, open_targets, shard_key
+from services.kvstore.targets import DirTarget, open_targets, shard_key
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_BYTES = 64 * 1024 + 7  # odd on purpose: shards need padding
@@ -194,7 +192,7 @@ async def test_capacity_evicts_least_recently_used_tails_first(env) -> None:
     await store.put(old)
     clock.t += 10
     await store.put(new)  # 8 blocks > 7: the put itself sweeps
-    hashes = lambda bs: [b.hash for b in bs]  # noqa: E731
+    hashes = lambda bs: [b.hash for b in bs]
     assert await store.lookup(hashes(old)) == 3, "the old chain lost its tail, not its prefix"
     assert await store.lookup(hashes(new)) == 4
     assert (await store.stats())[0] == 7
@@ -276,7 +274,7 @@ def fsck_cli(data_dir: Path, redis_port: int, *extra: str) -> subprocess.Complet
     return subprocess.run(
         [sys.executable, "-m", "libs.cli.main", "kvstore", "fsck", "--redis-url",
          f"redis://127.0.0.1:{redis_port}/0", "--data-dir", str(data_dir), "--grace", "0", *extra],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
 
 
 def test_kill_9_during_puts_leaves_whole_blocks_or_nothing(tmp_path: Path) -> None:
@@ -291,7 +289,8 @@ def test_kill_9_during_puts_leaves_whole_blocks_or_nothing(tmp_path: Path) -> No
             proc, channel = start_service(data, redis_port, tmp_path / "kv.log")
             stub = kvstore_pb2_grpc.KVStoreStub(channel)
 
-            def stream() -> None:
+            def stream(stub: kvstore_pb2_grpc.KVStoreStub = stub,
+                       todo: list[list[BlockPut]] = todo) -> None:
                 for g in todo:
                     try:
                         stub.Put(iter(to_msgs(g)), timeout=10)

@@ -150,15 +150,17 @@ def test_disconnect_aborts_downstream_within_a_second(keyed_stack: Stack) -> Non
 
 
 @pytest.mark.parametrize("keys, expected", [("", "the API is OPEN"), ("k1=t1,k2=t2", "API keys required: 2 keys")])
-def test_startup_log_says_whether_the_api_is_open(keys: str, expected: str) -> None:
+def test_startup_log_and_no_backend_is_503(keys: str, expected: str) -> None:
     import signal
     import subprocess
     import sys
 
     from libs.cli.up import REPO_ROOT
+    from libs.common.procs import free_port
 
+    port = free_port()
     env = {**os.environ, "DEEPSERVE_API_KEYS": keys, "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "services.recipe", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "services.recipe", "--port", str(port),
                              "--entrypoint-address", "127.0.0.1:9"], cwd=REPO_ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
@@ -168,6 +170,26 @@ def test_startup_log_says_whether_the_api_is_open(keys: str, expected: str) -> N
             seen.append(line)
             if expected in line or len(seen) > 50:
                 break
+        if not keys:  # no entrypoint behind it: 503 + Retry-After, in each protocol's shape
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    c = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30)
+                    c.chat.completions.create(model=MODEL_NAME, max_tokens=2,
+                                              messages=[{"role": "user", "content": "x"}])
+                except openai.APIConnectionError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+                    continue
+                except openai.APIStatusError as exc:
+                    assert exc.status_code == 503 and int(exc.response.headers["retry-after"]) >= 1
+                    break
+                raise AssertionError("a request with no entrypoint succeeded")
+            with pytest.raises(anthropic.APIStatusError) as err:
+                anthropic.Anthropic(base_url=base, api_key="x", max_retries=0).messages.create(
+                    model=MODEL_NAME, max_tokens=2, messages=[{"role": "user", "content": "x"}])
+            assert err.value.status_code == 503 and err.value.body["error"]["type"] == "overloaded_error"
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)

@@ -40,7 +40,7 @@ from libs.engine.kv.transfer import KVFormatError, decode_frame
 from libs.kvstore.policy import BlockInfo, Reclaim, Retention, place, plan_reclaim
 
 from .ec import Codec
-from .shards import BlockUnreadable, ShardIO
+from .shards import BlockUnreadable, ShardIO, ShardScan
 from .targets import Target, shard_key
 
 log = logging.getLogger("kvstore.store")
@@ -49,6 +49,7 @@ KEY_PREFIX = "ds:kv:"
 STATS_KEY = "ds:kv:_stats"  # not a 64-hex name, so it never collides with a block key
 LRU_KEY = "ds:kv:_lru"
 MAX_HASHES = 1 << 16  # per request: 8.4M tokens of 128-token blocks, far past any context
+READ_AHEAD = 2  # blocks a Get reads ahead of the one it sends (2 x 9 MiB of memory per Get)
 
 T = TypeVar("T")
 
@@ -345,29 +346,47 @@ class BlockStore:
         for h in leading:
             pipe.hmget(self.key(h), ["targets", "checksum"])
         metas = await self._redis(pipe.execute())
+        blocks: list[tuple[bytes, list[str], str]] = []
         for h, (targets, checksum) in zip(leading, metas):
             if targets is None:  # deleted since the lookup
-                return
-            placement = json.loads(targets)
-            try:
-                data, scan = await asyncio.to_thread(self.io.read, h.hex(), placement,
-                                                     checksum.decode())
-            except BlockUnreadable as exc:
-                if not exc.damaged:
-                    raise StoreUnavailable(str(exc)) from None
-                log.error("%s; dropping it", exc)
-                await self.delete([h])
-                return
-            if not _frame_named(data, h):
-                log.error("block %s decodes to a frame of another name; dropping it", h.hex())
-                await self.delete([h])
-                return
-            if scan.bad:
+                break
+            blocks.append((h, json.loads(targets), checksum.decode()))
+        # Read ahead: block i+1's shards are read and decoded in a worker thread while block i
+        # goes out, so disk waits overlap with CRC/decode/SHA-256 work and with the stream.
+        reads = [self._read_task(h, p, c) for h, p, c in blocks[:READ_AHEAD]]
+        try:
+            for i, (h, placement, _) in enumerate(blocks):
+                task = reads[i]
+                if i + READ_AHEAD < len(blocks):
+                    reads.append(self._read_task(*blocks[i + READ_AHEAD]))
                 try:
-                    await asyncio.to_thread(self.io.repair, h.hex(), placement, scan)
-                except (OSError, RuntimeError) as exc:
-                    log.warning("block %s: repair failed (%s); fsck --repair retries", h.hex(), exc)
-            yield h, data
+                    data, scan = await task
+                except BlockUnreadable as exc:
+                    if not exc.damaged:
+                        raise StoreUnavailable(str(exc)) from None
+                    log.error("%s; dropping it", exc)
+                    await self.delete([h])
+                    return
+                if not _frame_named(data, h):
+                    log.error("block %s decodes to a frame of another name; dropping it", h.hex())
+                    await self.delete([h])
+                    return
+                if scan.bad:
+                    try:
+                        await asyncio.to_thread(self.io.repair, h.hex(), placement, scan)
+                    except (OSError, RuntimeError) as exc:
+                        log.warning("block %s: repair failed (%s); fsck --repair retries",
+                                    h.hex(), exc)
+                yield h, data
+        finally:
+            for t in reads:
+                t.cancel()
+
+    def _read_task(self, h: bytes, placement: list[str],
+                   checksum: str) -> asyncio.Future[tuple[bytes, ShardScan]]:
+        task = asyncio.ensure_future(asyncio.to_thread(self.io.read, h.hex(), placement, checksum))
+        task.add_done_callback(_retrieve)  # a read-ahead nobody awaits must not warn
+        return task
 
     async def _touch(self, hashes: Sequence[bytes]) -> None:
         """Refresh last use; a block deleted meanwhile is not brought back as a bare key."""
@@ -427,6 +446,11 @@ class BlockStore:
 
     async def ping(self) -> None:
         await self._redis(self.redis.ping())
+
+
+def _retrieve(f: asyncio.Future[Any]) -> None:
+    if not f.cancelled():
+        f.exception()
 
 
 def _frame_named(data: bytes, h: bytes) -> bool:

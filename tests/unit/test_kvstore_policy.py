@@ -117,3 +117,26 @@ def test_codec_rebuilds_from_any_ten_and_catches_flipped_bytes() -> None:
     assert unwrap(bytes(flipped)) is None
     rebuilt = codec.rebuild({i: f for i, f in frags.items() if i != 4}, [4])
     assert rebuilt[4] == shards[4]
+
+
+def test_codec_falls_back_to_plain_liberasurecode_with_the_same_guarantees() -> None:
+    from services.kvstore.ec import Codec, unwrap
+
+    codec = Codec(backend="liberasurecode_rs_vand")
+    data = random.Random(1).randbytes(50_001)
+    frags = {i: unwrap(s) for i, s in enumerate(codec.encode(data))}
+    assert codec.decode({i: f for i, f in frags.items() if i not in (2, 7)}) == data
+
+
+def test_kvstore_flags_need_twelve_targets_and_sane_retention(tmp_path) -> None:
+    from services.kvstore.main import parse_config
+
+    cfg = parse_config(["--data-dir", str(tmp_path)])
+    assert len(cfg.target_specs()) == 12 and cfg.retention().ttl("agent") == 3 * DAY_S
+    many = [f"--target={tmp_path}/{i}" for i in range(13)]
+    cfg = parse_config(many + ["--chat-ttl", "60", "--capacity-bytes", "1000"])
+    assert len(cfg.target_specs()) == 13 and cfg.retention().ttl("chat") == 60
+    with pytest.raises(SystemExit, match="at least 12 distinct targets"):
+        parse_config(many[:11])
+    with pytest.raises(SystemExit, match="TTL"):
+        parse_config(["--agent-ttl", "0"])

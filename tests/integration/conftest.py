@@ -37,6 +37,19 @@ def dump_logs(stack: Stack) -> str:
                      for c in stack.children)
 
 
+@pytest.fixture
+def nats_url(tmp_path: Path) -> Iterator[str]:
+    """A nats-server of this test's own on a free port."""
+    from libs.common import procs
+
+    port = procs.free_port()
+    proc = procs.start_nats(port, tmp_path / "nats", log=tmp_path / "nats.log")
+    try:
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        procs.stop(proc)
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     run_dir = tmp_path_factory.mktemp("stack")

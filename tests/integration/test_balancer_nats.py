@@ -12,22 +12,12 @@ from pathlib import Path
 import nats
 import pytest
 
-from libs.common import procs, subjects
+from libs.common import subjects
 from libs.proto.deepserve.v1 import control_pb2
 
 from .svc import service
 
 MODEL = "deepseek-tiny"
-
-
-@pytest.fixture
-def nats_url(tmp_path: Path) -> Iterator[str]:
-    port = procs.free_port()
-    proc = procs.start_nats(port, tmp_path / "nats", log=tmp_path / "nats.log")
-    try:
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        procs.stop(proc)
 
 
 @pytest.fixture

@@ -28,16 +28,6 @@ HANG = 999  # a prompt starting with this token never finishes (decode goes quie
 
 
 @pytest.fixture
-def nats_url(tmp_path: Path) -> Iterator[str]:
-    port = procs.free_port()
-    proc = procs.start_nats(port, tmp_path / "nats", log=tmp_path / "nats.log")
-    try:
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        procs.stop(proc)
-
-
-@pytest.fixture
 def entrypoint(nats_url: str, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     grpc_port = procs.free_port()
     with (service("balancer", ["--nats-url", nats_url, "--warmup-seconds", "0"], tmp_path),

@@ -13,6 +13,7 @@ its engine thread, NATS, heartbeats and the SIGTERM drain.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
@@ -70,8 +71,14 @@ class InstanceRuntime:
 
         from libs.engine.engine import Engine  # torch: after the ops port answers
 
+        from .fake_engine import FAKE_MODEL, FakeEngine
+
+        make: Callable[[Any], Engine] = Engine
+        if self.model.model == FAKE_MODEL:
+            make = functools.partial(FakeEngine, step_seconds=self.model.fake_step_ms / 1e3,
+                                     token_seconds=self.model.fake_token_us / 1e6)
         try:
-            engine = await asyncio.to_thread(Engine, self.model.engine_config())
+            engine = await asyncio.to_thread(make, self.model.engine_config())
         except (ValueError, OSError) as exc:
             self.log.error("cannot load model %r: %s", self.model.model, exc)
             return 1

@@ -22,8 +22,12 @@ class ModelFlags:
     block_size: int = 128
     weights_seed: int = 0
     max_tokens_per_step: int = 32768
+    fake_step_ms: float = 2.0  # --model fake: cost of one step
+    fake_token_us: float = 2.0  # --model fake: and of each token computed in it
 
     def __post_init__(self) -> None:
+        if self.fake_step_ms < 0 or self.fake_token_us < 0:
+            raise ValueError("--fake-step-ms and --fake-token-us must be >= 0")
         if not self.model:
             raise ValueError("--model must name a preset or a checkpoint directory")
         if not self.model_name:
@@ -42,7 +46,8 @@ class ModelFlags:
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    flag(parser, "--model", default="tiny", help="model preset (tiny, v2-lite, v3-slice) or checkpoint dir")
+    flag(parser, "--model", default="tiny", help="model preset (tiny, v2-lite, v3-slice), checkpoint dir, "
+         "or fake (a deterministic hash, no model: load tests)")
     flag(parser, "--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
     flag(parser, "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
     flag(parser, "--model-name", default="deepseek-tiny", help="served model name")
@@ -50,9 +55,13 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     flag(parser, "--block-size", type=int, default=128, help="tokens per KV block")
     flag(parser, "--weights-seed", type=int, default=0, help="seed of a preset's random weights")
     flag(parser, "--max-tokens-per-step", type=int, default=32768, help="token budget of one engine step")
+    flag(parser, "--fake-step-ms", type=float, default=2.0, help="--model fake: milliseconds per step")
+    flag(parser, "--fake-token-us", type=float, default=2.0,
+         help="--model fake: microseconds per token computed in a step")
 
 
 def model_flags_from(args: argparse.Namespace) -> ModelFlags:
     return ModelFlags(model=args.model, device=args.device, dtype=args.dtype, model_name=args.model_name,
                       num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-                      weights_seed=args.weights_seed, max_tokens_per_step=args.max_tokens_per_step)
+                      weights_seed=args.weights_seed, max_tokens_per_step=args.max_tokens_per_step,
+                      fake_step_ms=args.fake_step_ms, fake_token_us=args.fake_token_us)

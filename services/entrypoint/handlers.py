@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
@@ -46,6 +47,7 @@ from .policy import (
     lookup_prefix,
     validate_request,
 )
+from .retry import Action, AttemptFailed, Liveness, Progress, Watch, decide, exact_continuation
 
 log = logging.getLogger("entrypoint")
 TRACER = tracer("entrypoint")
@@ -58,6 +60,10 @@ TTFT_SECONDS = Histogram("deepserve_entrypoint_time_to_first_token_seconds",
                          "From the call to the first token sent",
                          buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 TOKENS = Counter("deepserve_entrypoint_tokens_total", "Tokens by kind", ["kind"])
+RETRIES = Counter("deepserve_entrypoint_retries_total",
+                  "failed attempts by what followed (fresh, continue, gave_up)", ["action"])
+REJECTED = Counter("deepserve_entrypoint_rejected_total",
+                   "requests refused with RESOURCE_EXHAUSTED (over --max-inflight)")
 LOOKUP_ERRORS = Counter("deepserve_entrypoint_kvstore_lookup_errors_total",
                         "kvstore lookups that failed (treated as a miss)")
 
@@ -103,8 +109,31 @@ class HandlerConfig:
     limits: Limits = field(default_factory=Limits)
     route_timeout: float = 2.0
     request_timeout: float = 60.0  # longest silence between two token events
+    # Backpressure: at most max_inflight requests run (0 = no limit); up to max_waiting more
+    # wait up to admit_wait seconds for a slot; the rest get RESOURCE_EXHAUSTED at once with
+    # a retry hint of retry_after_ms (gRPC trailing metadata "retry-after-ms").
+    max_inflight: int = 256
+    max_waiting: int = 256
+    admit_wait: float = 1.0
+    retry_after_ms: int = 500
+    # Failures: attempts per request; an instance whose heartbeat (every 1 s) is silent longer
+    # than instance_dead_after counts as dead, checked every liveness_poll seconds of silence,
+    # so a kill -9 is noticed within instance_dead_after + liveness_poll (3.5 s by default).
+    max_attempts: int = 3
+    instance_dead_after: float = 3.0
+    liveness_poll: float = 0.5
 
     def __post_init__(self) -> None:
+        for name in ("max_inflight", "max_waiting", "retry_after_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.admit_wait < 0:
+            raise ValueError(f"admit_wait must be >= 0 seconds, got {self.admit_wait}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        for name in ("instance_dead_after", "liveness_poll"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if not self.route_timeout > 0:
             raise ValueError(f"route_timeout must be > 0 seconds, got {self.route_timeout}")
         if not self.request_timeout > 0:
@@ -114,9 +143,11 @@ class HandlerConfig:
 class GenerateError(Exception):
     """Ends a Generate call with ``code``; ``outcome`` labels the requests metric."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, outcome: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, outcome: str,
+                 retry_after_ms: int = 0) -> None:
         super().__init__(message)
         self.code, self.message, self.outcome = code, message, outcome
+        self.retry_after_ms = retry_after_ms
 
 
 def new_request_id() -> str:
@@ -144,10 +175,10 @@ def to_proto(out: Output, request_id: str) -> generate_pb2.GenerateEvent:
     return generate_pb2.GenerateEvent(finish=generate_pb2.Finish(reason=out.reason, usage=usage))
 
 
-def sampling_proto(valid: ValidRequest) -> common_pb2.SamplingParams:
+def sampling_proto(valid: ValidRequest, max_tokens: int) -> common_pb2.SamplingParams:
     s = valid.sampling
     msg = common_pb2.SamplingParams(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=max_tokens,
         stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos)
     if s.seed is not None:
         msg.seed = s.seed
@@ -155,10 +186,14 @@ def sampling_proto(valid: ValidRequest) -> common_pb2.SamplingParams:
 
 
 class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
-    def __init__(self, config: HandlerConfig, bus: Bus, kv: PrefixLookup) -> None:
-        self.config, self.bus, self.kv = config, bus, kv
+    def __init__(self, config: HandlerConfig, bus: Bus, kv: PrefixLookup,
+                 liveness: Liveness | None = None) -> None:
+        self.config, self.bus, self.kv, self.liveness = config, bus, kv, liveness
         self.draining = False
         self._active: set[str] = set()
+        self._running = 0  # requests holding a slot (<= max_inflight)
+        self._waiting = 0  # requests waiting for one (<= max_waiting)
+        self._slot_freed = asyncio.Condition()
         self._background: set[asyncio.Task[None]] = set()
 
     @property
@@ -173,17 +208,20 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         try:
             valid, rid = self._admit(request)
             try:
-                metadata = dict(context.invocation_metadata() or ())
-                parent = extract_context(str(metadata.get("traceparent", "")))
-                async with contextlib.aclosing(self._generate(valid, rid, parent, started)) as events:
-                    async for event in events:
-                        yield event
+                async with self._slot():
+                    metadata = dict(context.invocation_metadata() or ())
+                    parent = extract_context(str(metadata.get("traceparent", "")))
+                    async with contextlib.aclosing(self._generate(valid, rid, parent, started)) as events:
+                        async for event in events:
+                            yield event
             finally:
                 self._active.discard(rid)
             outcome = "ok"
         except GenerateError as exc:
             outcome = exc.outcome
             log.info("request failed (%s): %s", exc.code.name, exc.message)
+            if exc.retry_after_ms:
+                context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
             await context.abort(exc.code, exc.message)
         except Exception:
             outcome = "error"
@@ -211,66 +249,145 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         self._active.add(rid)
         return valid, rid
 
+    @contextlib.asynccontextmanager
+    async def _slot(self) -> AsyncIterator[None]:
+        """Hold one of ``max_inflight`` slots, waiting at most ``admit_wait`` for it."""
+        cfg = self.config
+        if cfg.max_inflight and self._running >= cfg.max_inflight:
+            if self._waiting >= cfg.max_waiting:
+                self._reject("its queue is full")
+            self._waiting += 1
+            try:
+                async with self._slot_freed:
+                    await asyncio.wait_for(self._slot_freed.wait_for(
+                        lambda: self._running < cfg.max_inflight), cfg.admit_wait)
+            except TimeoutError:
+                self._reject(f"no slot came free within {cfg.admit_wait:g}s")
+            finally:
+                self._waiting -= 1
+        self._running += 1
+        try:
+            yield
+        finally:
+            self._running -= 1
+            if cfg.max_inflight:
+                self._spawn(self._notify_slot())
+
+    async def _notify_slot(self) -> None:
+        async with self._slot_freed:
+            self._slot_freed.notify_all()
+
+    def _reject(self, why: str) -> None:
+        REJECTED.inc()
+        ms = self.config.retry_after_ms
+        raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"entrypoint overloaded: {self._running} requests in flight (limit "
+                            f"{self.config.max_inflight}) and {why}; retry after {ms} ms",
+                            "overloaded", retry_after_ms=ms)
+
     async def _generate(self, valid: ValidRequest, rid: str, parent: Any,
                         started: float) -> AsyncGenerator[generate_pb2.GenerateEvent, None]:
         span = TRACER.start_span("entrypoint.generate", context=parent, attributes={
             "deepserve.request_id": rid, "deepserve.prompt_tokens": len(valid.prompt_token_ids)})
+        progress = Progress(valid.prompt_token_ids, valid.sampling.max_tokens)
+        exact = exact_continuation(valid.sampling.temperature, valid.sampling.seed)
+        try:
+            for attempt in itertools.count(1):
+                try:
+                    async with contextlib.aclosing(
+                            self._attempt(valid, rid, span, progress, started)) as outputs:
+                        async for out in outputs:
+                            yield to_proto(out, rid)
+                    return
+                except AttemptFailed as exc:
+                    action = decide(retryable=True, attempt=attempt,
+                                    max_attempts=self.config.max_attempts,
+                                    tokens_sent=len(progress.sent), exact=exact)
+                    if action is Action.FAIL:
+                        RETRIES.labels("gave_up").inc()
+                        raise GenerateError(grpc.StatusCode.UNAVAILABLE, self._give_up(
+                            rid, exc, attempt, len(progress.sent), exact), "unavailable") from None
+                    RETRIES.labels(action.value).inc()
+                    progress.exclude(exc.instances)
+                    log.warning("request %s: attempt %d failed (%s); retrying (%s, %d tokens sent, "
+                                "excluding %s)", rid, attempt, exc, action.value, len(progress.sent),
+                                ", ".join(progress.excluded) or "none")
+        finally:
+            span.end()
+
+    @staticmethod
+    def _give_up(rid: str, exc: AttemptFailed, attempt: int, sent: int, exact: bool) -> str:
+        if sent and not exact:
+            why = (f"{sent} tokens were already sent and unseeded sampling cannot be continued "
+                   "exactly")
+        else:
+            why = f"after {attempt} attempt{'s' if attempt > 1 else ''}"
+        return f"request {rid} failed: {exc} ({why}); retry"
+
+    async def _attempt(self, valid: ValidRequest, rid: str, span: Any, progress: Progress,
+                       started: float) -> AsyncGenerator[Output, None]:
+        """One attempt on one prefill + decode pair; raises AttemptFailed if an instance fails."""
         sub: Subscription | None = None
         finished_upstream = False
         abort_reason = "cancelled"  # the client went away, or shutdown ran out of grace
         wire = attempt_id(rid)
+        prompt = progress.attempt_prompt
         try:
-            hashes = await self._hashes(valid)
+            hashes = await self._hashes(prompt, valid.tenant)
             cached_blocks = await self._lookup(wire, hashes)
-            decision = await self._route(valid, wire, hashes, cached_blocks)
-            span.set_attributes({"deepserve.cached_blocks": cached_blocks,
-                                 "deepserve.prefill": decision.prefill_instance,
-                                 "deepserve.decode": decision.decode_instance})
+            decision = await self._route(valid, wire, len(prompt), hashes, cached_blocks,
+                                         progress.excluded)
+            span.add_event("attempt", {"deepserve.attempt_id": wire,
+                                       "deepserve.cached_blocks": cached_blocks,
+                                       "deepserve.prefill": decision.prefill_instance,
+                                       "deepserve.decode": decision.decode_instance})
             sub = await self.bus.subscribe(subjects.token_events(wire))  # before the task goes out
             with trace.use_span(span, end_on_exit=False):
                 traceparent = inject_traceparent()
             task = control_pb2.PrefillTask(
-                request_id=wire, prompt_token_ids=valid.prompt_token_ids,
-                sampling=sampling_proto(valid), cache_salt=valid.tenant.encode(),
+                request_id=wire, prompt_token_ids=prompt,
+                sampling=sampling_proto(valid, progress.remaining), cache_salt=valid.tenant.encode(),
                 traffic_class=cast(Any, valid.traffic_class), cached_blocks=cached_blocks,
                 decode_instance=decision.decode_instance, decode_address=decision.decode_address,
                 events_subject=subjects.token_events(wire), traceparent=traceparent)
             await self.bus.publish(subjects.prefill_task(decision.prefill_instance),
                                    task.SerializeToString())
-            stream = RequestStream(prompt_tokens=len(valid.prompt_token_ids),
-                                   max_tokens=valid.sampling.max_tokens)
-            first_token_sent = False
+            stream = RequestStream(prompt_tokens=len(prompt), max_tokens=progress.remaining)
+            watch = Watch(self.liveness, decision.prefill_instance, decision.decode_instance)
             while not stream.done:
                 try:
-                    outputs = stream.push(await self._next_chunk(sub, wire))
-                except GenerateError as exc:
-                    abort_reason = exc.outcome
+                    chunk = await self._next_chunk(sub, wire, watch)
+                    watch.saw(chunk.index)
+                    outputs = stream.push(chunk)
+                except (GenerateError, AttemptFailed) as exc:
+                    abort_reason = getattr(exc, "outcome", "instance failed")
                     raise
                 except ReorderOverflow as exc:
                     abort_reason = "error"
                     raise GenerateError(grpc.StatusCode.INTERNAL, f"request {rid}: {exc}", "error") from None
                 for out in outputs:
-                    if isinstance(out, Tokens) and not first_token_sent:
-                        first_token_sent = True
+                    shown = progress.translate(out)
+                    if shown is None:
+                        continue
+                    if isinstance(shown, Tokens) and len(progress.sent) == len(shown.token_ids):
                         TTFT_SECONDS.observe(time.monotonic() - started)
-                    yield to_proto(out, rid)
+                    yield shown
             finished_upstream = not stream.truncated
             abort_reason = "completion past max_tokens"
-            TOKENS.labels("prompt").inc(stream.prompt_tokens)
-            TOKENS.labels("cached").inc(stream.cached_tokens)
-            TOKENS.labels("completion").inc(stream.completion_tokens)
+            TOKENS.labels("prompt").inc(len(progress.prompt))
+            TOKENS.labels("cached").inc(progress.cached_tokens)
+            TOKENS.labels("completion").inc(len(progress.sent))
         finally:
             if sub is not None:
                 if not finished_upstream:
                     log.info("request %s: aborting upstream (%s)", wire, abort_reason)
                     self._spawn(self._abort_upstream(wire, abort_reason))
                 await sub.close()
-            span.end()
 
-    async def _hashes(self, valid: ValidRequest) -> list[bytes]:
+    async def _hashes(self, prompt: tuple[int, ...], tenant: str) -> list[bytes]:
         size = self.config.limits.block_size
-        prefix = valid.prompt_token_ids[: lookup_prefix(len(valid.prompt_token_ids), size)]
-        salt = valid.tenant.encode()
+        prefix = prompt[: lookup_prefix(len(prompt), size)]
+        salt = tenant.encode()
         if len(prefix) <= INLINE_HASH_TOKENS:
             return chain_hashes(prefix, size, salt=salt)
         return await asyncio.to_thread(chain_hashes, prefix, size, salt)
@@ -284,11 +401,11 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             LOOKUP_ERRORS.inc()
             return 0
 
-    async def _route(self, valid: ValidRequest, rid: str, hashes: list[bytes],
-                     cached_blocks: int) -> control_pb2.RouteDecision:
+    async def _route(self, valid: ValidRequest, rid: str, prompt_tokens: int, hashes: list[bytes],
+                     cached_blocks: int, exclude: list[str]) -> control_pb2.RouteDecision:
         req = control_pb2.RouteRequest(
-            request_id=rid, model=valid.model, prompt_tokens=len(valid.prompt_token_ids),
-            cached_blocks=cached_blocks, block_hashes=hashes[:MAX_ROUTE_HASHES])
+            request_id=rid, model=valid.model, prompt_tokens=prompt_tokens,
+            cached_blocks=cached_blocks, block_hashes=hashes[:MAX_ROUTE_HASHES], exclude=exclude)
         try:
             reply = await self.bus.request(subjects.ROUTE, req.SerializeToString(),
                                            self.config.route_timeout)
@@ -306,15 +423,24 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                                 f"{decision.error or 'empty decision'}", "unavailable")
         return decision
 
-    async def _next_chunk(self, sub: Subscription, rid: str) -> Chunk:
+    async def _next_chunk(self, sub: Subscription, rid: str, watch: Watch) -> Chunk:
         timeout = self.config.request_timeout
+        silent_since = time.monotonic()
         while True:
-            try:
-                data = await sub.next(timeout)
-            except TimeoutError:
+            waited = time.monotonic() - silent_since
+            if waited >= timeout:
                 raise GenerateError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                     f"request {rid}: no token for {timeout:g}s from the serving "
-                                    "instances; aborted", "timeout") from None
+                                    "instances; aborted", "timeout")
+            try:
+                data = await sub.next(min(timeout - waited, self.config.liveness_poll))
+            except TimeoutError:
+                dead = watch.dead(self.config.instance_dead_after)
+                if dead:
+                    raise AttemptFailed(f"instance {dead} stopped heartbeating "
+                                        f"(silent > {self.config.instance_dead_after:g}s)",
+                                        (dead,)) from None
+                continue
             try:
                 ev = control_pb2.TokenEvent.FromString(data)
             except DecodeError:
@@ -322,8 +448,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                 continue
             if ev.error:
                 if ev.retryable:
-                    raise GenerateError(grpc.StatusCode.UNAVAILABLE,
-                                        f"request {rid} failed: {ev.error}; retry", "unavailable")
+                    raise AttemptFailed(ev.error, watch.serving)
                 raise GenerateError(grpc.StatusCode.INTERNAL, f"request {rid} failed: {ev.error}",
                                     "error")
             return Chunk(ev.index, tuple(ev.token_ids), ev.finished, ev.finish_reason,

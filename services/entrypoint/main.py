@@ -23,7 +23,7 @@ from libs.proto.deepserve.v1 import generate_pb2, generate_pb2_grpc
 
 from .handlers import EntrypointHandlers, HandlerConfig, PrefixLookup
 from .policy import Limits
-from .transport import GrpcLookup, NatsBus, NoLookup
+from .transport import GrpcLookup, HeartbeatWatch, NatsBus, NoLookup
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name
 
@@ -66,13 +66,29 @@ def parse_args(argv: list[str] | None = None) -> tuple[EntrypointConfig, str]:
     flag(parser, "--route-timeout", type=float, default=2.0, help="seconds to wait for the balancer")
     flag(parser, "--request-timeout", type=float, default=60.0,
          help="seconds without a token event after which a request is aborted")
+    flag(parser, "--max-inflight", type=int, default=256,
+         help="requests served at once (0: no limit); more wait, then get RESOURCE_EXHAUSTED")
+    flag(parser, "--max-waiting", type=int, default=256,
+         help="requests that may wait for a slot; past that RESOURCE_EXHAUSTED at once")
+    flag(parser, "--admit-wait", type=float, default=1.0,
+         help="seconds a request waits for a slot before RESOURCE_EXHAUSTED")
+    flag(parser, "--retry-after-ms", type=int, default=500,
+         help="retry hint sent with RESOURCE_EXHAUSTED (trailing metadata retry-after-ms)")
+    flag(parser, "--max-attempts", type=int, default=3,
+         help="attempts per request when instances fail (1: no retry)")
+    flag(parser, "--instance-dead-after", type=float, default=3.0,
+         help="seconds without a heartbeat after which a serving instance counts as dead")
     args = parser.parse_args(argv)
     try:
         limits = Limits(model_name=args.model_name, vocab_size=args.vocab_size,
                         max_context=args.max_context, block_size=args.block_size)
         config = EntrypointConfig(
             handler=HandlerConfig(limits=limits, route_timeout=args.route_timeout,
-                                  request_timeout=args.request_timeout),
+                                  request_timeout=args.request_timeout,
+                                  max_inflight=args.max_inflight, max_waiting=args.max_waiting,
+                                  admit_wait=args.admit_wait, retry_after_ms=args.retry_after_ms,
+                                  max_attempts=args.max_attempts,
+                                  instance_dead_after=args.instance_dead_after),
             nats_url=args.nats_url, host=args.host, grpc_port=args.grpc_port,
             http_port=args.http_port, kvstore_address=args.kvstore_address,
             kvstore_timeout=args.kvstore_timeout,
@@ -115,7 +131,9 @@ async def run(config: EntrypointConfig, log: logging.Logger) -> int:
     state.nc = nc
     kv: PrefixLookup = (GrpcLookup(config.kvstore_address, config.kvstore_timeout)
                         if config.kvstore_address else NoLookup())
-    handlers = EntrypointHandlers(config.handler, NatsBus(nc), kv)
+    liveness = HeartbeatWatch()
+    await liveness.start(nc)
+    handlers = EntrypointHandlers(config.handler, NatsBus(nc), kv, liveness)
 
     server = grpc.aio.server()
     generate_pb2_grpc.add_GenerateServicer_to_server(handlers, server)  # type: ignore[no-untyped-call]

@@ -7,12 +7,15 @@ servers; these are the real ones that ``main.py`` wires in.
 from __future__ import annotations
 
 import logging
+import time
+from typing import Any
 
 import grpc
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription as NatsSub
 
+from libs.common import subjects
 from libs.proto.deepserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 from .handlers import BusUnavailable, LookupFailed
@@ -62,6 +65,26 @@ class NatsBus:
         # prefill task goes out next, and its first token may come back within milliseconds).
         await self.nc.flush()
         return NatsSubscription(sub)
+
+
+class HeartbeatWatch:
+    """When each instance last heartbeated (``ds.heartbeat.<role>.<instance>``), for
+    :class:`~services.entrypoint.retry.Watch`: the subject names the instance, so payloads
+    are not even parsed."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, float] = {}
+        self._sub: NatsSub | None = None
+
+    async def start(self, nc: Client) -> None:
+        async def on_beat(msg: Any) -> None:
+            self._seen[msg.subject.rsplit(".", 1)[-1]] = time.monotonic()
+
+        self._sub = await nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
+
+    def silent_for(self, instance_id: str) -> float | None:
+        seen = self._seen.get(instance_id)
+        return None if seen is None else time.monotonic() - seen
 
 
 class NoLookup:

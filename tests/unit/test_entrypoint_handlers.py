@@ -30,8 +30,13 @@ class Aborted(Exception):
 
 
 class FakeContext:
+    trailing: tuple[tuple[str, str], ...] = ()
+
     def invocation_metadata(self) -> list[tuple[str, str]]:
         return []
+
+    def set_trailing_metadata(self, md: tuple[tuple[str, str], ...]) -> None:
+        self.trailing = md
 
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise Aborted(code, details)
@@ -208,7 +213,7 @@ async def test_retryable_instance_error_is_unavailable_and_aborts() -> None:
     bus = FakeBus(failing)
     got: list[Any] = []
     with pytest.raises(Aborted) as info:
-        async for ev in make(bus).Generate(req([1, 2], request_id="r2"), FakeContext()):
+        async for ev in make(bus, max_attempts=1).Generate(req([1, 2], request_id="r2"), FakeContext()):
             got.append(ev)
     assert info.value.code == grpc.StatusCode.UNAVAILABLE and "KV push to d1 failed" in info.value.details
     assert [e.WhichOneof("event") for e in got] == ["ready", "tokens"]

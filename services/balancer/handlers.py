@@ -14,7 +14,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from libs.proto.deepserve.v1 import control_pb2
 
-from .policy import DECODE, PREFILL, Instance, NoInstance, RoutingPolicy
+from .policy import DECODE, DIGEST_BYTES, PREFILL, Instance, NoInstance, RoutingPolicy
 
 log = logging.getLogger("balancer")
 
@@ -24,6 +24,9 @@ BAD_MESSAGES = Counter("deepserve_balancer_bad_messages_total", "Messages that f
 ROUTES = Counter("deepserve_balancer_routes_total", "Route requests answered", ["result"])
 ROUTE_SECONDS = Histogram("deepserve_balancer_route_seconds", "Time to answer a route request",
                           buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1))
+RESIDENT_BLOCKS = Histogram("deepserve_balancer_resident_blocks",
+                            "Leading blocks of a routed request resident on the chosen prefill",
+                            buckets=(0, 1, 4, 16, 64, 256))
 LIVE = Gauge("deepserve_balancer_live_instances", "Instances with a recent heartbeat", ["role"])
 
 _ROLE_NAMES = {control_pb2.ROLE_PREFILL: PREFILL, control_pb2.ROLE_DECODE: DECODE}
@@ -40,8 +43,9 @@ def instance_from_status(status: control_pb2.InstanceStatus) -> Instance:
         raise ValueError(f"heartbeat of {status.instance_id!r} has no role")
     return Instance(instance_id=status.instance_id, role=role, model=status.model,
                     address=status.address, running=status.running, waiting=status.waiting,
-                    free_kv_blocks=status.free_kv_blocks, total_kv_blocks=status.total_kv_blocks,
-                    draining=status.draining)
+                    queued_tokens=status.queued_tokens, free_kv_blocks=status.free_kv_blocks,
+                    total_kv_blocks=status.total_kv_blocks, draining=status.draining,
+                    resident=frozenset(bytes(p[:DIGEST_BYTES]) for p in status.resident_prefixes))
 
 
 class BalancerHandlers:
@@ -72,12 +76,15 @@ class BalancerHandlers:
                 ROUTES.labels("bad_request").inc()
                 return _reply(control_pb2.RouteDecision(error=f"unreadable RouteRequest: {exc}"))
             try:
-                decision = self.policy.route(req.model, req.exclude)
+                decision = self.policy.route(req.model, req.exclude, request_id=req.request_id,
+                                             prompt_tokens=req.prompt_tokens,
+                                             block_hashes=list(req.block_hashes))
             except NoInstance as exc:
                 ROUTES.labels("no_instance").inc()
                 log.warning("request %s: %s", req.request_id, exc)
                 return _reply(control_pb2.RouteDecision(error=str(exc)))
             ROUTES.labels("ok").inc()
+            RESIDENT_BLOCKS.observe(decision.resident_blocks)
             return _reply(control_pb2.RouteDecision(
                 prefill_instance=decision.prefill.instance_id,
                 decode_instance=decision.decode.instance_id,

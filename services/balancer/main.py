@@ -22,6 +22,7 @@ from libs.common.lifecycle import install_stop_handlers, new_instance_id, setup_
 from libs.common.natsutil import connect_nats
 from libs.common.telemetry import OpsServer
 
+from .buckets import DEFAULT_BOUNDS, check_bounds, parse_bounds
 from .handlers import BalancerHandlers
 from .policy import RoutingPolicy
 
@@ -37,6 +38,8 @@ class BalancerConfig:
     heartbeat_timeout: float
     warmup_seconds: float
     drain_seconds: float
+    prefill_buckets: tuple[int, ...] = DEFAULT_BOUNDS
+    rebalance_interval: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.heartbeat_timeout > 0:
@@ -45,6 +48,9 @@ class BalancerConfig:
             raise ValueError(f"--warmup-seconds must be >= 0, got {self.warmup_seconds}")
         if self.drain_seconds < 0:
             raise ValueError(f"--drain-seconds must be >= 0, got {self.drain_seconds}")
+        if not self.rebalance_interval > 0:
+            raise ValueError(f"--rebalance-interval must be > 0 seconds, got {self.rebalance_interval}")
+        check_bounds(self.prefill_buckets)
         if not 0 <= self.http_port < 65536:
             raise ValueError(f"--http-port must lie in [0, 65536), got {self.http_port}")
 
@@ -56,13 +62,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[BalancerConfig, str]:
          help="seconds without a heartbeat after which an instance is dead")
     flag(parser, "--warmup-seconds", type=float, default=1.0,
          help="listen to heartbeats this long before answering routes (one heartbeat interval)")
+    flag(parser, "--prefill-buckets", default=",".join(map(str, DEFAULT_BOUNDS)),
+         help="prompt-token bounds between prefill length buckets (comma-separated, increasing)")
+    flag(parser, "--rebalance-interval", type=float, default=10.0,
+         help="seconds between re-assignments of prefill instances to buckets by demand")
     args = parser.parse_args(argv)
     try:
         config = BalancerConfig(
             nats_url=args.nats_url, host=args.host, http_port=args.http_port,
             instance_id=new_instance_id("balancer", args.instance_id),
             heartbeat_timeout=args.heartbeat_timeout, warmup_seconds=args.warmup_seconds,
-            drain_seconds=args.drain_seconds)
+            drain_seconds=args.drain_seconds, prefill_buckets=parse_bounds(args.prefill_buckets),
+            rebalance_interval=args.rebalance_interval)
     except ValueError as exc:
         parser.error(str(exc))
     return config, args.log_level
@@ -78,7 +89,9 @@ async def _prune_loop(handlers: BalancerHandlers, stop: asyncio.Event) -> None:
 async def run(config: BalancerConfig, log: logging.Logger) -> int:
     stop = asyncio.Event()
     install_stop_handlers(stop)
-    handlers = BalancerHandlers(RoutingPolicy(heartbeat_timeout=config.heartbeat_timeout))
+    handlers = BalancerHandlers(RoutingPolicy(
+        heartbeat_timeout=config.heartbeat_timeout, bucket_bounds=config.prefill_buckets,
+        rebalance_interval=config.rebalance_interval))
     state: dict[str, object] = {"nc": None, "routing": False}
 
     def health() -> tuple[bool, str]:

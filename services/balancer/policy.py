@@ -1,29 +1,48 @@
-"""Which prefill and decode instance serve a request: liveness from heartbeats, round-robin.
+"""Which prefill and decode instance serve a request: liveness, buckets, cache locality, load.
 
 Pure policy (no I/O, no clock of its own): the service feeds it heartbeats and the time, and
 asks it for a decision. Liveness is judged by when a heartbeat *arrived* here, on this
 process's monotonic clock, never by the sender's wall clock, so clock skew between hosts
 cannot make a live instance look dead (or a dead one live).
 
-Choice: round-robin over the live, non-draining, non-excluded instances of the request's
-model, per role. The cursor remembers the last instance picked, not a position, so instances
-joining or leaving never make the rotation skip or repeat one. Load figures from heartbeats
-are up to one heartbeat interval (1 s) old; picking the least loaded instance on such stale
-numbers would send a whole burst of requests to the same one, while round-robin spreads any
-burst evenly. Length buckets and cache locality come later (they need more than one
-prefill pool to matter).
+Prefill, in this order:
+
+1. **Length bucket** (:mod:`.buckets`): only instances the balancer assigned to the request's
+   bucket (< 16K, 16K-64K, 64K-256K, >= 256K prompt tokens by default), so a 200K-token prompt
+   never queues in front of a stream of short chat turns. Assignment follows demand.
+2. **Cache locality, then load**, as one cost in tokens: the prompt tokens the instance would
+   have to compute (prompt minus the longest leading run of the request's block hashes its
+   heartbeat lists as resident in GPU memory) plus the tokens already queued on it. A long
+   resident prefix therefore beats a somewhat shorter queue, and with equal caches the shorter
+   queue wins. Costs are compared in whole blocks (128 tokens), so near-equal ones tie.
+3. **Running requests**, then a tie-break.
+
+Decode: KV memory in use (in 1/32 steps of the total), then running requests, then the
+tie-break.
+
+Load figures are up to one heartbeat (1 s) old. Picking the least loaded instance on such
+numbers alone would send a whole burst to the same one, so the policy also counts what it
+itself routed to each instance since that instance's last heartbeat (requests and prompt
+tokens) and adds it to the heartbeat's figures. Ties are broken by a hash of (request id,
+instance id), never by a per-process counter: several balancer replicas that saw the same
+heartbeats and the same requests make the same choices, and equal instances share a burst
+evenly instead of piling onto the first in id order.
 """
 
 from __future__ import annotations
 
-import bisect
+import hashlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+
+from . import buckets as bk
 
 PREFILL = "prefill"
 DECODE = "decode"
 ROLES = (PREFILL, DECODE)
+DIGEST_BYTES = 8  # resident-prefix summaries carry the first 8 bytes of each chain digest
+KV_STEPS = 32  # decode KV use is compared in 1/32 of the instance's blocks
 
 
 class NoInstance(Exception):
@@ -40,9 +59,11 @@ class Instance:
     address: str = ""  # decode: host:port of its KVTransfer server
     running: int = 0
     waiting: int = 0
+    queued_tokens: int = 0
     free_kv_blocks: int = 0
     total_kv_blocks: int = 0
     draining: bool = False
+    resident: frozenset[bytes] = frozenset()  # first DIGEST_BYTES of resident block digests
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -50,40 +71,71 @@ class Instance:
         if not self.instance_id:
             raise ValueError("instance_id must not be empty")
 
+    def resident_run(self, block_hashes: Sequence[bytes]) -> int:
+        """Leading blocks of ``block_hashes`` this instance holds in GPU memory."""
+        n = 0
+        for h in block_hashes:
+            if h[:DIGEST_BYTES] not in self.resident:
+                break
+            n += 1
+        return n
+
 
 @dataclass(frozen=True)
 class Decision:
     prefill: Instance
     decode: Instance
+    bucket: int = 0
+    resident_blocks: int = 0  # leading blocks resident on the chosen prefill instance
 
 
 @dataclass
 class _Entry:
     instance: Instance
     last_seen: float
+    sent_requests: int = 0  # routed here by this policy since the last heartbeat
+    sent_tokens: int = 0
+
+
+def tie_break(request_id: str, instance_id: str) -> bytes:
+    """Deterministic per (request, instance), the same in every process (no ``hash()``)."""
+    return hashlib.blake2b(f"{request_id}\x00{instance_id}".encode(), digest_size=8).digest()
 
 
 @dataclass
 class RoutingPolicy:
-    """Table of instances known from heartbeats, and the round-robin choice over it.
+    """Table of instances known from heartbeats, and the choice over it.
 
     ``clock`` returns seconds (monotonic); tests inject a fake one. An instance whose last
     heartbeat is more than ``heartbeat_timeout`` seconds old is dead: never chosen, and
-    forgotten by :meth:`prune`.
+    forgotten by :meth:`prune`. ``bucket_bounds`` split prompt lengths into buckets; the
+    assignment of prefill instances to buckets is re-evaluated every ``rebalance_interval``
+    seconds from demand decayed with ``demand_half_life``.
     """
 
     heartbeat_timeout: float = 3.0
     clock: Callable[[], float] = time.monotonic
+    bucket_bounds: tuple[int, ...] = bk.DEFAULT_BOUNDS
+    block_size: int = 128
+    rebalance_interval: float = 10.0
+    demand_half_life: float = 60.0
     _table: dict[tuple[str, str], _Entry] = field(default_factory=dict, init=False)
-    _last_pick: dict[tuple[str, str], str] = field(default_factory=dict, init=False)
+    _demand: dict[str, bk.Demand] = field(default_factory=dict, init=False)
+    _assigned: dict[str, tuple[float, tuple[str, ...], dict[str, int]]] = field(
+        default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         if not self.heartbeat_timeout > 0:
             raise ValueError(f"heartbeat_timeout must be > 0 seconds, got {self.heartbeat_timeout}")
+        bk.check_bounds(self.bucket_bounds)
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if not self.rebalance_interval > 0 or not self.demand_half_life > 0:
+            raise ValueError("rebalance_interval and demand_half_life must be > 0 seconds")
 
     # -- heartbeats -------------------------------------------------------------------------
     def observe(self, instance: Instance) -> None:
-        """Record a heartbeat, received now."""
+        """Record a heartbeat, received now (it supersedes what was routed there before it)."""
         self._table[(instance.role, instance.instance_id)] = _Entry(instance, self.clock())
 
     def prune(self) -> list[Instance]:
@@ -98,51 +150,95 @@ class RoutingPolicy:
 
     def live(self, role: str | None = None) -> list[Instance]:
         """Instances whose last heartbeat is recent enough (draining ones included)."""
+        return [e.instance for e in self._live_entries(role)]
+
+    def _live_entries(self, role: str | None) -> list[_Entry]:
         now = self.clock()
-        return [e.instance for (r, _), e in sorted(self._table.items())
+        return [e for (r, _), e in sorted(self._table.items())
                 if (role is None or r == role) and now - e.last_seen <= self.heartbeat_timeout]
 
+    # -- buckets ----------------------------------------------------------------------------
+    def assignment(self, model: str = "") -> dict[str, int]:
+        """Bucket index of each live prefill instance of ``model`` (absent: any bucket)."""
+        now = self.clock()
+        ids = tuple(e.instance.instance_id for e in self._live_entries(PREFILL)
+                    if _serves(e.instance, model))
+        cached = self._assigned.get(model)
+        if cached is not None and cached[1] == ids and now - cached[0] < self.rebalance_interval:
+            return cached[2]
+        demand = self._demand_of(model).snapshot(now)
+        out = bk.assign(ids, demand)
+        self._assigned[model] = (now, ids, out)
+        return out
+
+    def _demand_of(self, model: str) -> bk.Demand:
+        d = self._demand.get(model)
+        if d is None:
+            d = self._demand[model] = bk.Demand(len(self.bucket_bounds) + 1, self.demand_half_life)
+        return d
+
     # -- routing ----------------------------------------------------------------------------
-    def route(self, model: str = "", exclude: Iterable[str] = ()) -> Decision:
+    def route(self, model: str = "", exclude: Iterable[str] = (), *, request_id: str = "",
+              prompt_tokens: int = 0, block_hashes: Sequence[bytes] = ()) -> Decision:
         """One prefill and one decode instance for a request of ``model`` ("" = any model).
 
-        Raises :class:`NoInstance` with the reason when either role has no candidate. Only
-        a successful decision advances the rotation, so a failed one skews nothing.
+        Raises :class:`NoInstance` with the reason when either role has no candidate; a
+        failed decision changes no state.
         """
         excluded = frozenset(exclude)
-        prefill_id = self._pick(PREFILL, model, excluded)
-        decode_id = self._pick(DECODE, model, excluded)
-        self._last_pick[(PREFILL, model)] = prefill_id
-        self._last_pick[(DECODE, model)] = decode_id
-        return Decision(self._table[(PREFILL, prefill_id)].instance,
-                        self._table[(DECODE, decode_id)].instance)
+        bucket = bk.bucket_of(prompt_tokens, self.bucket_bounds)
+        pre = self._candidates(PREFILL, model, excluded)
+        dec = self._candidates(DECODE, model, excluded)
+        if not pre:
+            raise NoInstance(self._why_none(PREFILL, model, excluded))
+        if not dec:
+            raise NoInstance(self._why_none(DECODE, model, excluded))
+        self._demand_of(model).add(bucket, prompt_tokens, self.clock())
+        assigned = self.assignment(model)
+        in_bucket = [e for e in pre if assigned.get(e.instance.instance_id) == bucket]
+        p = min(in_bucket or pre, key=lambda e: self._prefill_key(e, request_id, prompt_tokens,
+                                                                  block_hashes))
+        d = min(dec, key=lambda e: self._decode_key(e, request_id))
+        resident = p.instance.resident_run(block_hashes)
+        p.sent_requests += 1
+        p.sent_tokens += max(prompt_tokens - resident * self.block_size, 0)
+        d.sent_requests += 1
+        return Decision(p.instance, d.instance, bucket, resident)
 
-    def _candidates(self, role: str, model: str, excluded: frozenset[str]) -> list[str]:
+    def _prefill_key(self, e: _Entry, request_id: str, prompt_tokens: int,
+                     hashes: Sequence[bytes]) -> tuple[int, int, bytes]:
+        inst = e.instance
+        to_compute = max(prompt_tokens - inst.resident_run(hashes) * self.block_size, 0)
+        cost = to_compute + inst.queued_tokens + e.sent_tokens
+        return (cost // self.block_size, inst.running + inst.waiting + e.sent_requests,
+                tie_break(request_id, inst.instance_id))
+
+    def _decode_key(self, e: _Entry, request_id: str) -> tuple[int, int, bytes]:
+        inst = e.instance
+        total = max(inst.total_kv_blocks, 1)
+        used = min(max(total - inst.free_kv_blocks, 0), total) if inst.total_kv_blocks else 0
+        return (used * KV_STEPS // total, inst.running + inst.waiting + e.sent_requests,
+                tie_break(request_id, inst.instance_id))
+
+    def _candidates(self, role: str, model: str, excluded: frozenset[str]) -> list[_Entry]:
         out = []
-        for inst in self.live(role):
-            if inst.draining or inst.instance_id in excluded:
-                continue
-            if model and inst.model and inst.model != model:
+        for e in self._live_entries(role):
+            inst = e.instance
+            if inst.draining or inst.instance_id in excluded or not _serves(inst, model):
                 continue
             if role == DECODE and not inst.address:
                 continue  # prefill could not push the KV anywhere
-            out.append(inst.instance_id)
-        return out  # sorted by instance id (live() sorts)
-
-    def _pick(self, role: str, model: str, excluded: frozenset[str]) -> str:
-        ids = self._candidates(role, model, excluded)
-        if not ids:
-            raise NoInstance(self._why_none(role, model, excluded))
-        last = self._last_pick.get((role, model))
-        if last is None:
-            return ids[0]
-        # The first id after the last one picked, wrapping round: stable under churn.
-        return ids[bisect.bisect_right(ids, last) % len(ids)]
+            out.append(e)
+        return out
 
     def _why_none(self, role: str, model: str, excluded: frozenset[str]) -> str:
-        live = [i for i in self.live(role) if not model or not i.model or i.model == model]
+        live = [i for i in self.live(role) if _serves(i, model)]
         draining = sum(i.draining for i in live)
         skipped = sum(i.instance_id in excluded for i in live)
         what = f"{role} instance" + (f" for model {model!r}" if model else "")
         detail = f"{len(live)} live, {draining} draining, {skipped} excluded"
         return f"no live {what} ({detail}); retry once one is up"
+
+
+def _serves(inst: Instance, model: str) -> bool:
+    return not model or not inst.model or inst.model == model

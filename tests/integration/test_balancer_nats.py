@@ -1,11 +1,11 @@
-"""The balancer process over a real nats-server: heartbeats in, round-robin routes out."""
+"""The balancer process over a real nats-server: heartbeats in, load-spread routes out."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import subprocess
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -50,7 +50,7 @@ async def route(nc: nats.aio.client.Client, i: int) -> control_pb2.RouteDecision
     return control_pb2.RouteDecision.FromString(msg.data)
 
 
-async def test_routes_alternate_and_silent_instances_drop_out(
+async def test_routes_spread_and_silent_instances_drop_out(
         balancer: subprocess.Popen[bytes], client: nats.aio.client.Client) -> None:
     nc = client
     beating = {"p1": control_pb2.ROLE_PREFILL, "p2": control_pb2.ROLE_PREFILL,
@@ -74,9 +74,10 @@ async def test_routes_alternate_and_silent_instances_drop_out(
         assert all(not d.error for d in got), [d.error for d in got]
         pre = [d.prefill_instance for d in got]
         dec = [d.decode_instance for d in got]
+        # Equal instances share the load (what a replica routed counts until the next heartbeat;
+        # ties go by a hash of the request id), so neither takes more than 4 of 6.
         assert set(pre) == {"p1", "p2"} and set(dec) == {"d1", "d2"}
-        assert all(a != b for a, b in itertools.pairwise(pre)), pre  # alternates
-        assert all(a != b for a, b in itertools.pairwise(dec)), dec
+        assert max(Counter(pre).values()) <= 4 and max(Counter(dec).values()) <= 4, (pre, dec)
         assert all(d.decode_address == f"127.0.0.1:{5000 + int(d.decode_instance[1:])}" for d in got)
 
         del beating["p2"], beating["d2"]  # these two go silent

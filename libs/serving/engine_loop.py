@@ -56,6 +56,26 @@ class EngineStats:
     free_kv_blocks: int = 0
     total_kv_blocks: int = 0
     steps: int = 0
+    # First RESIDENT_DIGEST_BYTES of chain digests resident in GPU memory, most recent first
+    # (running requests' blocks, then recently released cached ones); at most RESIDENT_SUMMARY.
+    resident_prefixes: tuple[bytes, ...] = ()
+
+
+RESIDENT_SUMMARY = 2048  # digests per heartbeat: 16 KiB, i.e. 256K prompt tokens of prefixes
+RESIDENT_DIGEST_BYTES = 8
+
+
+def resident_summary(engine: Engine, limit: int = RESIDENT_SUMMARY) -> tuple[bytes, ...]:
+    """Bounded summary of the prefixes this engine holds (cost O(limit), any pool size)."""
+    out: dict[bytes, None] = {}
+    for r in engine.scheduler.running:
+        for h in r.block_hashes[: r.num_registered]:
+            if len(out) >= limit:
+                break
+            out[h[:RESIDENT_DIGEST_BYTES]] = None
+    for h in engine.blocks.recent_names(limit - len(out)) if len(out) < limit else ():
+        out[h[:RESIDENT_DIGEST_BYTES]] = None
+    return tuple(out)
 
 
 def engine_stats(engine: Engine, steps: int = 0) -> EngineStats:
@@ -63,7 +83,7 @@ def engine_stats(engine: Engine, steps: int = 0) -> EngineStats:
     sched = engine.scheduler
     queued = sum(len(r.token_ids) - r.num_computed for r in sched.waiting)
     return EngineStats(len(sched.running), len(sched.waiting), queued, engine.blocks.num_free,
-                       engine.blocks.num_blocks, steps)
+                       engine.blocks.num_blocks, steps, resident_summary(engine))
 
 
 class RequestStream:

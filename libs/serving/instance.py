@@ -127,11 +127,17 @@ class InstanceRuntime:
 
 def instance_status(stats: EngineStats, *, instance_id: str, role: int, model: str, address: str,
                     draining: bool, block_size: int) -> control_pb2.InstanceStatus:
-    """The heartbeat payload from the engine thread's latest load snapshot."""
+    """The heartbeat payload from the engine thread's latest load snapshot.
+
+    Prefill heartbeats carry the resident-prefix summary (for the balancer's cache-locality
+    routing); decode ones do not, nobody routes on it.
+    """
+    resident = list(stats.resident_prefixes) if role == control_pb2.ROLE_PREFILL else []
     return control_pb2.InstanceStatus(
         instance_id=instance_id, role=role, model=model, address=address, running=stats.running,  # type: ignore[arg-type]
         waiting=stats.waiting, queued_tokens=stats.queued_tokens, free_kv_blocks=stats.free_kv_blocks,
-        total_kv_blocks=stats.total_kv_blocks, draining=draining, block_size=block_size)
+        total_kv_blocks=stats.total_kv_blocks, draining=draining, block_size=block_size,
+        resident_prefixes=resident)
 
 
 async def drain_tasks(tasks: Sequence[asyncio.Task[Any]], timeout_s: float, what: str,

@@ -71,6 +71,22 @@ class BlockManager:
             out.append(b)
         return out
 
+    def recent_names(self, n: int) -> list[bytes]:
+        """Names of up to ``n`` cached blocks no request holds, most recently released first.
+
+        These are the ones a prefix hit would find soonest evicted last; blocks in use are
+        not listed (their requests know them). Scans at most ``4 * n`` free blocks, so the
+        cost is bounded however large the pool is (it runs on every engine step).
+        """
+        out: list[bytes] = []
+        for i, b in enumerate(reversed(self._free)):
+            if len(out) >= n or i >= 4 * n:
+                break
+            name = self._hash_of[b]
+            if name is not None:
+                out.append(name)
+        return out
+
     # -- changes ------------------------------------------------------------------------------
     def acquire(self, blocks: Iterable[int]) -> None:
         """Take a reference on existing blocks (a prefix hit); pulls free ones out of the LRU."""

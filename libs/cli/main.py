@@ -5,6 +5,7 @@
     deepserve bench engine --preset tiny --device cpu --json OUT
     deepserve bench recipe [--prompt-tokens 220000] --json OUT
     deepserve bench kvstore --json OUT
+    deepserve bench route --trace agent|chat|mixed --json OUT
     deepserve kvstore fsck [--repair] [--grace S] --redis-url URL (--data-dir DIR | --target T ...)
     deepserve up [--port 8000] [--prefill N] [--decode N] [--model M] [--model-name NAME] [--run-dir .run]
 """
@@ -92,6 +93,16 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--s3-blocks", type=int, default=12, help="blocks per S3 phase (0: skip S3)")
     k.add_argument("--dir", default="", help="scratch directory (default: a temp dir)")
     k.add_argument("--json", dest="json_out", default=None, help="write the result JSON here")
+    rt = bsub.add_parser("route", help="replay a synthetic multi-tenant trace through the balancer "
+                         "policy, an oracle and round robin over simulated prefill instances")
+    rt.add_argument("--trace", choices=("agent", "chat", "mixed"), default="agent")
+    rt.add_argument("--seed", type=int, default=0)
+    rt.add_argument("--duration", type=float, default=300.0, help="seconds of simulated traffic")
+    rt.add_argument("--instances", type=int, default=8, help="simulated prefill instances")
+    rt.add_argument("--cache-blocks", type=int, default=4096, help="128-token blocks each caches")
+    rt.add_argument("--summary", type=int, default=2048, help="digests per heartbeat summary")
+    rt.add_argument("--prefill-buckets", default="16384,65536,262144", help="bucket bounds (tokens)")
+    rt.add_argument("--json", dest="json_out", default=None, help="write the result JSON here")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -103,6 +114,10 @@ def _bench(args: argparse.Namespace) -> int:
         from libs.bench.kvstore import main as bench_kvstore
 
         return bench_kvstore(args)
+    if args.what == "route":
+        from libs.bench.route import main as bench_route
+
+        return bench_route(args)
     if args.what == "recipe":
         from libs.bench.recipe import main as bench_recipe
 

@@ -1,0 +1,31 @@
+"""The routing simulator: the balancer policy keeps more prefixes in GPU cache than round robin."""
+
+from __future__ import annotations
+
+import itertools
+
+from libs.bench import route
+
+
+def test_traces_are_deterministic_and_sessions_share_prefixes() -> None:
+    a, b = route.trace("agent", 3, 60), route.trace("agent", 3, 60)
+    assert a == b and a != route.trace("agent", 4, 60)
+    first, later = a[0], [r for r in a if r.request_id.rsplit(".", 1)[0] == a[0].request_id.rsplit(".", 1)[0]]
+    assert len(later) > 1 and all(r.blocks[: len(first.blocks)] == first.blocks for r in later)
+    assert all(y.tokens > x.tokens for x, y in itertools.pairwise(later))  # turns grow
+
+
+def test_policy_beats_round_robin_and_oracle_is_at_least_as_good() -> None:
+    r = route.run("agent", seed=1, duration_s=90)
+    assert r["requests"] > 100
+    assert r["hit_rate"] > r["round_robin_hit_rate"] + 0.1
+    assert r["oracle_hit_rate"] >= r["hit_rate"]
+    assert set(r["routers"]["policy"]["queueing"]) <= {"<16K", "16K-64K", "64K-256K", ">=256K"}
+    assert r["max_mean_load"] >= 1.0
+
+
+def test_mixed_trace_keeps_short_prompts_from_queueing_behind_long_ones() -> None:
+    r = route.run("mixed", seed=2, duration_s=120)
+    short = r["routers"]
+    pol, rr = short["policy"]["queueing"]["<16K"], short["round_robin"]["queueing"]["<16K"]
+    assert pol["p99_wait_s"] <= rr["p99_wait_s"]

@@ -5,6 +5,7 @@
     deepserve bench engine --preset tiny --device cpu --json OUT
     deepserve bench recipe [--prompt-tokens 220000] --json OUT
     deepserve bench kvstore --json OUT
+    deepserve bench serve [--long-tokens 32768] --json OUT
     deepserve bench route --trace agent|chat|mixed --json OUT
     deepserve kvstore fsck [--repair] [--grace S] --redis-url URL (--data-dir DIR | --target T ...)
     deepserve up [--port 8000] [--prefill N] [--decode N] [--model M] [--model-name NAME] [--run-dir .run]
@@ -79,6 +80,17 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--context", type=int, default=None, help="decode context length per request")
     e.add_argument("--decode-steps", type=int, default=8)
     e.add_argument("--json", dest="json_out", default=None, help="write the result JSON here")
+    sv = bsub.add_parser("serve", help="the stack as processes: TTFT overhead of the hops, "
+                         "requests/s, lost requests (fake engine); cache hit vs miss TTFT (tiny)")
+    sv.add_argument("--prompt-tokens", type=int, default=512, help="prompt size of the fake phase")
+    sv.add_argument("--ttft-requests", type=int, default=100, help="sequential requests timed")
+    sv.add_argument("--load-requests", type=int, default=400, help="requests of the load phase")
+    sv.add_argument("--concurrency", type=int, default=16, help="clients of the load phase")
+    sv.add_argument("--max-tokens", type=int, default=16, help="completion tokens per load request")
+    sv.add_argument("--long-tokens", type=int, default=32768,
+                    help="tiny-model prompt for cache hit vs miss (0: skip that phase)")
+    sv.add_argument("--run-dir", default="", help="logs of the stacks (default: a temp dir)")
+    sv.add_argument("--json", dest="json_out", default=None, help="write the result JSON here")
     r = bsub.add_parser("recipe", help="parallel prompt encoding against single-threaded encoding")
     r.add_argument("--prompt-tokens", type=int, default=220_000, help="prompt size (>= 200K for the figure)")
     r.add_argument("--repeats", type=int, default=5, help="best of this many runs per method")
@@ -118,6 +130,10 @@ def _bench(args: argparse.Namespace) -> int:
         from libs.bench.route import main as bench_route
 
         return bench_route(args)
+    if args.what == "serve":
+        from libs.bench.serve import main as bench_serve
+
+        return bench_serve(args)
     if args.what == "recipe":
         from libs.bench.recipe import main as bench_recipe
 

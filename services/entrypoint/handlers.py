@@ -32,6 +32,7 @@ from libs.proto.deepserve.v1 import (
     generate_pb2_grpc,
 )
 
+from .admission import Admission, Overloaded
 from .policy import (
     Chunk,
     Finish,
@@ -191,9 +192,8 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         self.config, self.bus, self.kv, self.liveness = config, bus, kv, liveness
         self.draining = False
         self._active: set[str] = set()
-        self._running = 0  # requests holding a slot (<= max_inflight)
-        self._waiting = 0  # requests waiting for one (<= max_waiting)
-        self._slot_freed = asyncio.Condition()
+        self.admission = Admission(config.max_inflight, config.max_waiting, config.admit_wait,
+                                   config.retry_after_ms)
         self._background: set[asyncio.Task[None]] = set()
 
     @property
@@ -251,39 +251,13 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
 
     @contextlib.asynccontextmanager
     async def _slot(self) -> AsyncIterator[None]:
-        """Hold one of ``max_inflight`` slots, waiting at most ``admit_wait`` for it."""
-        cfg = self.config
-        if cfg.max_inflight and self._running >= cfg.max_inflight:
-            if self._waiting >= cfg.max_waiting:
-                self._reject("its queue is full")
-            self._waiting += 1
-            try:
-                async with self._slot_freed:
-                    await asyncio.wait_for(self._slot_freed.wait_for(
-                        lambda: self._running < cfg.max_inflight), cfg.admit_wait)
-            except TimeoutError:
-                self._reject(f"no slot came free within {cfg.admit_wait:g}s")
-            finally:
-                self._waiting -= 1
-        self._running += 1
         try:
-            yield
-        finally:
-            self._running -= 1
-            if cfg.max_inflight:
-                self._spawn(self._notify_slot())
-
-    async def _notify_slot(self) -> None:
-        async with self._slot_freed:
-            self._slot_freed.notify_all()
-
-    def _reject(self, why: str) -> None:
-        REJECTED.inc()
-        ms = self.config.retry_after_ms
-        raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"entrypoint overloaded: {self._running} requests in flight (limit "
-                            f"{self.config.max_inflight}) and {why}; retry after {ms} ms",
-                            "overloaded", retry_after_ms=ms)
+            async with self.admission.slot():
+                yield
+        except Overloaded as exc:
+            REJECTED.inc()
+            raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "overloaded",
+                                retry_after_ms=exc.retry_after_ms) from None
 
     async def _generate(self, valid: ValidRequest, rid: str, parent: Any,
                         started: float) -> AsyncGenerator[generate_pb2.GenerateEvent, None]:

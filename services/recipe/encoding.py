@@ -54,6 +54,7 @@ class PromptEncoder:
     """Conversations -> prompt ids, the way ``DeepseekV4Encoding.encode`` does it. Thread-safe."""
 
     def __init__(self, served_names: Sequence[str], default_thinking: bool = False) -> None:
+        self._served = list(served_names)
         path = str(bundled_tokenizer_path())
         self.tokenizer = dr.Tokenizer.from_file(path)  # the StreamProcessor decodes with it
         self.full = Tokenizer.from_file(path)
@@ -67,21 +68,50 @@ class PromptEncoder:
         eos = self.full.token_to_id(EOS)
         assert eos is not None, "the bundled tokenizer has no EOS"
         self.eos = int(eos)
+        self.structural = self._structural_tokens()
+
+    def _structural_tokens(self) -> frozenset[str]:
+        """Special tokens the renderer itself inserts, found by rendering harmless conversations
+        that use every structure (system, turns, thinking on and off, tools, tool calls and
+        results)."""
+        tool = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {
+            "type": "object", "properties": {"a": {"type": "string"}}}}}
+        turns = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                 {"role": "assistant", "content": "a", "reasoning_content": "r", "tool_calls": [
+                     {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                 {"role": "tool", "tool_call_id": "c", "content": "t"},
+                 {"role": "assistant", "content": "b"}, {"role": "user", "content": "v"}]
+        name = next(iter(self._served))
+        found: set[str] = {EOS}
+        for thinking in ("enabled", "disabled"):
+            body = {"model": name, "messages": turns, "tools": [tool], "thinking": {"type": thinking}}
+            conv = dr.ChatCompletionRequest(body).convert(self.options).conversation
+            rp = self.encoding.render_conversation(conv)
+            found.update(rp.prompt[s:e] for s, e in rp.special_ranges)
+        return frozenset(found)
 
     def render(self, conversation: dr.Conversation) -> Rendered:
         rp = self.encoding.render_conversation(conversation)
         return Rendered(rp.prompt, list(rp.special_ranges))
 
     def pieces(self, r: Rendered) -> list[str | int]:
-        """The prompt as plain-text strings and special-token ids, in order."""
+        """The prompt as plain-text strings and special-token ids, in order.
+
+        Only the renderer's structural tokens become ids. The library also marks some markup
+        tokens it finds inside assistant history (``<｜polygon｜>`` and the like) as special;
+        that text comes from the client, so it is encoded as plain text instead.
+        """
         out: list[str | int] = []
         pos = 0
         for start, end in r.special_ranges:
+            spelled = r.prompt[start:end]
+            if spelled not in self.structural:
+                continue  # stays inside the surrounding plain text
             if pos < start:
                 out.append(r.prompt[pos:start])
-            tid = self.full.token_to_id(r.prompt[start:end])
+            tid = self.full.token_to_id(spelled)
             if tid is None:
-                raise ValueError(f"the renderer emitted {r.prompt[start:end]!r}, which the "
+                raise ValueError(f"the renderer emitted {spelled!r}, which the "
                                  "tokenizer's vocabulary lacks")
             out.append(int(tid))
             pos = end

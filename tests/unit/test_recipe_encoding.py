@@ -131,3 +131,13 @@ def test_property_no_user_text_produces_a_special_id(encoder: PromptEncoder) -> 
         assert [i for i in ids if i in encoder.added_ids] == baseline, text
 
     prop()
+
+
+@pytest.mark.parametrize("text", ["<｜/polygon｜>", "a<｜polygon｜>b", "<｜ref｜>x<｜/ref｜>"])
+def test_markup_tokens_in_assistant_history_stay_plain_text(encoder: PromptEncoder, text: str) -> None:
+    """The library marks grounding markup inside assistant history as special; the client wrote
+    that history, so it must encode as plain text (found by the property test below)."""
+    baseline = [i for i in encoder.encode(convert(encoder, conversation("plain words")).conversation)
+                if i in encoder.added_ids]
+    ids = encoder.encode(convert(encoder, conversation(text)).conversation)
+    assert [i for i in ids if i in encoder.added_ids] == baseline

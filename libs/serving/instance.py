@@ -12,17 +12,18 @@ its engine thread, NATS, heartbeats and the SIGTERM drain.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from nats.aio.client import Client
 
 from libs.common import subjects
-from libs.common.lifecycle import install_stop_handlers
+from libs.common.lifecycle import install_stop_handlers, setup_logging
 from libs.common.natsutil import connect_nats
 from libs.common.telemetry import OpsServer
 from libs.proto.deepserve.v1 import control_pb2
@@ -31,6 +32,8 @@ from .engine_loop import EngineLoop, EngineStats
 from .model_flags import ModelFlags
 from .runtime import heartbeat_loop, publish_status
 
+C = TypeVar("C")
+
 
 class Drainable(Protocol):
     draining: bool
@@ -38,6 +41,21 @@ class Drainable(Protocol):
     def status(self) -> control_pb2.InstanceStatus: ...
 
     def drain(self, seconds: float) -> Awaitable[Any]: ...
+
+
+def run_instance(service: str, argv: list[str] | None,
+                 build_parser: Callable[[], argparse.ArgumentParser],
+                 config_from: Callable[[argparse.Namespace], C],
+                 serve: Callable[[C, logging.Logger], Awaitable[int]]) -> int:
+    """The ``main`` of an engine-wrapping service: parse, log, build config (exit 2 if bad), serve."""
+    args = build_parser().parse_args(argv)
+    log = setup_logging(args.log_level, service)
+    try:
+        cfg = config_from(args)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    return asyncio.run(serve(cfg, log))  # type: ignore[arg-type]
 
 
 class InstanceRuntime:

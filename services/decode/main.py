@@ -9,7 +9,6 @@ tokens it generates on each request's events subject, heartbeats every second on
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
@@ -20,10 +19,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from libs.common import subjects
 from libs.common.config import common_flags, flag
-from libs.common.lifecycle import new_instance_id, setup_logging
+from libs.common.lifecycle import new_instance_id
 from libs.common.telemetry import tracer
 from libs.proto.deepserve.v1 import control_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
-from libs.serving.instance import InstanceRuntime
+from libs.serving.instance import InstanceRuntime, run_instance
 from libs.serving.model_flags import ModelFlags, add_model_flags, model_flags_from
 from libs.serving.runtime import advertise_host
 
@@ -99,14 +98,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    log = setup_logging(args.log_level, SERVICE)
-    try:
-        cfg = config_from(args)
-    except ValueError as exc:
-        log.error("%s", exc)
-        return 2
-    return asyncio.run(serve(cfg, log))
+    return run_instance(SERVICE, argv, build_parser, config_from, serve)
 
 
 async def serve(cfg: DecodeConfig, log: logging.Logger) -> int:

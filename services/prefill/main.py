@@ -10,17 +10,16 @@ finish the ones in flight for up to ``--drain-seconds``, exit 0.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 from libs.common import subjects
 from libs.common.config import common_flags, flag
-from libs.common.lifecycle import new_instance_id, setup_logging
+from libs.common.lifecycle import new_instance_id
 from libs.common.telemetry import tracer
 from libs.proto.deepserve.v1 import control_pb2
-from libs.serving.instance import InstanceRuntime
+from libs.serving.instance import InstanceRuntime, run_instance
 from libs.serving.model_flags import ModelFlags, add_model_flags, model_flags_from
 
 from .clients import PUSH_TIMEOUT_S, GrpcKVPusher, GrpcKVStore
@@ -72,14 +71,7 @@ def config_from(args: argparse.Namespace) -> PrefillConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    log = setup_logging(args.log_level, SERVICE)
-    try:
-        cfg = config_from(args)
-    except ValueError as exc:
-        log.error("%s", exc)
-        return 2
-    return asyncio.run(serve(cfg, log))
+    return run_instance(SERVICE, argv, build_parser, config_from, serve)
 
 
 async def serve(cfg: PrefillConfig, log: logging.Logger) -> int:

@@ -1,0 +1,376 @@
+"""Paged MLA decode attention with absorbed weights (FlashMLA-like, split-KV flash decoding).
+
+One query token per sequence attends over the paged latent cache as is: ``kv_b_proj``'s key
+half has been folded into the query (``q_lat``) and its value half is applied by the caller
+after attention, so keys and values are the same cached latents.
+
+Shapes: B sequences, H heads, R = ``kv_lora_rank`` (512 for DeepSeek), P = ``qk_rope_head_dim``
+(64). For sequence ``b`` with ``L = seq_lens[b]`` context tokens::
+
+    scores[b, h, n] = sm_scale * (q_lat[b, h] . latent[n] + q_pe[b, h] . rope[n])   n < L
+    out[b, h]       = softmax_n(scores[b, h]) @ latent[n]
+
+in fp32, written in ``q_lat``'s dtype; rows with ``L == 0`` (CUDA-graph padding) give zeros.
+Context token ``n`` of sequence ``b`` lives in cache slot
+``block_table[b, n // block_size] * block_size + n % block_size``.
+
+Cache formats:
+
+* bf16 / fp32: one tensor ``kv [num_slots, R + P]``; pass ``latent = kv[:, :R]`` and
+  ``rope = kv[:, R:]`` (views; the row strides are used);
+* fp8: ``latent [num_slots, R]`` ``float8_e4m3fn`` with a per-token fp32 dequantization scale
+  ``kv_scale [num_slots]`` (``latent = latent8.float() * scale``, see
+  :func:`quantize_latent_fp8`) and ``rope [num_slots, P]`` bf16. The kernel multiplies each
+  token's score by its scale before the softmax and each token's probability by its scale
+  before the P @ V product, which equals attending over the dequantized latents.
+
+Kernel design: stage 1 runs on the grid ``(B, cdiv(H, BLOCK_H), num_splits)``. A program holds
+``BLOCK_H`` heads of one sequence (extra heads masked), so a latent tile loaded once serves
+all of them, and it walks its share of the context in ``BLOCK_N``-token tiles
+(``BLOCK_N`` divides ``block_size``, so a tile lies in one page and needs one block-table
+lookup). Per tile it computes ``S = Q_lat @ K^T + Q_pe @ K_pe^T`` with ``tl.dot``, updates an
+online softmax in base 2 (``exp2``, scores pre-multiplied by ``sm_scale * log2(e)``) and
+accumulates ``acc [BLOCK_H, R] += P @ K`` in fp32. Each split derives its token range from
+``seq_lens`` in the kernel, so the launch depends only on B, H and ``num_splits`` and never
+synchronizes with the host (CUDA-graph capturable). With one split stage 1 writes the output
+directly; otherwise it writes normalized partial outputs ``[B, H, splits, R]`` and their
+base-2 log-sum-exp ``[B, H, splits]`` (fp32 scratch), and stage 2 (grid ``(B, H)``) merges them:
+``out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M)`` with ``M = max_s lse_s``; empty splits
+carry ``lse = -inf`` and weigh nothing.
+
+Constraints: R and P are powers of two >= 16; ``BLOCK_N`` is a power of two >= 16 dividing
+``block_size``; ``BLOCK_H`` a power of two >= 16.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+_LOG2E = 1.4426950408889634
+_MIN_TOKENS_PER_SPLIT = 128
+_MAX_SPLITS = 32
+# Kernels run on Triton's interpreter (read by Triton when the kernels are decorated).
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _attend_tile(
+    q_lat, q_pe, m_i, l_i, acc, n0, end, bt_row, latent_ptr, rope_ptr, scale_ptr,
+    qk_scale, stride_ls, stride_lr, stride_rs, stride_rd, stride_scale,
+    R: tl.constexpr, P: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold context tokens ``[n0, min(n0 + BLOCK_N, end))`` (one page) into the online softmax.
+
+    ``m_i``/``l_i`` are the running base-2 row maxima and sums, ``acc`` the unnormalized
+    ``[BLOCK_H, R]`` output; returns their updated values.
+    """
+    offs_r = tl.arange(0, R)
+    offs_d = tl.arange(0, P)
+    offs_n = tl.arange(0, BLOCK_N)
+    page = tl.load(bt_row + n0 // BLOCK_SIZE).to(tl.int64)
+    slots = page * BLOCK_SIZE + (n0 % BLOCK_SIZE) + offs_n
+    mask_n = (n0 + offs_n) < end
+    k = tl.load(latent_ptr + slots[:, None] * stride_ls + offs_r[None, :] * stride_lr,
+                mask=mask_n[:, None], other=0.0).to(q_lat.dtype)
+    k_pe = tl.load(rope_ptr + slots[:, None] * stride_rs + offs_d[None, :] * stride_rd,
+                   mask=mask_n[:, None], other=0.0).to(q_pe.dtype)
+
+    s_lat = tl.dot(q_lat, tl.trans(k), input_precision=DOT_PRECISION)
+    if HAS_SCALE:
+        tok_scale = tl.load(scale_ptr + slots * stride_scale, mask=mask_n, other=0.0)
+        s_lat = s_lat * tok_scale[None, :]
+    s = s_lat + tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
+    s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if HAS_SCALE:
+        p = p * tok_scale[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _mla_decode_stage1(
+    q_lat_ptr, q_pe_ptr, latent_ptr, rope_ptr, scale_ptr, block_table_ptr, seq_lens_ptr,
+    out_ptr, lse_ptr,
+    qk_scale, num_heads, num_splits,
+    stride_qb, stride_qh, stride_qr,
+    stride_pb, stride_ph, stride_pd,
+    stride_ls, stride_lr,
+    stride_rs, stride_rd,
+    stride_scale,
+    stride_bt,
+    stride_ob, stride_oh, stride_os, stride_or,
+    stride_lseb, stride_lseh,
+    R: tl.constexpr, P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SCALE: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WHILE_LOOP: tl.constexpr,
+):
+    """One (sequence, head block, split): online softmax over the split's context tiles.
+
+    ``DIRECT``: a single split, write ``acc / l`` to the final output (``stride_os`` unused);
+    otherwise write the normalized partial output and its base-2 log-sum-exp.
+    """
+    pid_b = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_s = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + pid_b)
+    # Tiles are split evenly (a multiple of BLOCK_N tokens each) so every tile is page-local.
+    tiles = tl.cdiv(seq_len, BLOCK_N)
+    tokens_per_split = tl.cdiv(tiles, num_splits) * BLOCK_N
+    start = pid_s * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < num_heads
+    offs_r = tl.arange(0, R)
+    offs_d = tl.arange(0, P)
+
+    q_lat = tl.load(q_lat_ptr + pid_b * stride_qb + offs_h[:, None] * stride_qh
+                    + offs_r[None, :] * stride_qr, mask=mask_h[:, None], other=0.0)
+    q_pe = tl.load(q_pe_ptr + pid_b * stride_pb + offs_h[:, None] * stride_ph
+                   + offs_d[None, :] * stride_pd, mask=mask_h[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, R], dtype=tl.float32)
+
+    bt_row = block_table_ptr + pid_b * stride_bt
+    if WHILE_LOOP:  # Triton's interpreter on numpy >= 2.4 rejects tensor bounds in range()
+        n0 = start
+        while n0 < end:
+            m_i, l_i, acc = _attend_tile(
+                q_lat, q_pe, m_i, l_i, acc, n0, end, bt_row, latent_ptr, rope_ptr, scale_ptr,
+                qk_scale, stride_ls, stride_lr, stride_rs, stride_rd, stride_scale,
+                R, P, BLOCK_SIZE, BLOCK_N, HAS_SCALE, DOT_PRECISION)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q_lat, q_pe, m_i, l_i, acc, n0, end, bt_row, latent_ptr, rope_ptr, scale_ptr,
+                qk_scale, stride_ls, stride_lr, stride_rs, stride_rd, stride_scale,
+                R, P, BLOCK_SIZE, BLOCK_N, HAS_SCALE, DOT_PRECISION)
+
+    has_ctx = l_i > 0.0
+    o = acc / tl.where(has_ctx, l_i, 1.0)[:, None]
+    o_ptrs = (out_ptr + pid_b * stride_ob + offs_h[:, None] * stride_oh
+              + offs_r[None, :] * stride_or)
+    if DIRECT:
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
+    else:
+        tl.store(o_ptrs + pid_s * stride_os, o, mask=mask_h[:, None])
+        lse = tl.where(has_ctx, m_i + tl.log2(tl.where(has_ctx, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + pid_b * stride_lseb + offs_h * stride_lseh + pid_s, lse, mask=mask_h)
+
+
+@triton.jit
+def _mla_decode_combine(
+    part_ptr, lse_ptr, out_ptr,
+    stride_pb, stride_ph, stride_ps,
+    stride_lseb, stride_lseh,
+    stride_ob, stride_oh, stride_or,
+    R: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+):
+    """Merge one (sequence, head)'s split partial outputs by their base-2 log-sum-exp."""
+    pid_b = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_P2)
+    offs_r = tl.arange(0, R)
+    mask_s = offs_s < NUM_SPLITS
+
+    lse = tl.load(lse_ptr + pid_b * stride_lseb + pid_h * stride_lseh + offs_s, mask=mask_s,
+                  other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0, output 0
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, axis=0)
+    w = w / tl.where(denom > 0.0, denom, 1.0)
+
+    base = part_ptr + pid_b * stride_pb + pid_h * stride_ph
+    acc = tl.zeros([R], dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        w_s = tl.sum(tl.where(offs_s == s, w, 0.0), axis=0)
+        acc += w_s * tl.load(base + s * stride_ps + offs_r)
+    tl.store(out_ptr + pid_b * stride_ob + pid_h * stride_oh + offs_r * stride_or,
+             acc.to(out_ptr.dtype.element_ty))
+
+
+def _default_block_h(num_heads: int) -> int:
+    return max(16, min(triton.next_power_of_2(num_heads), 64))
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def choose_num_splits(batch: int, num_heads: int, max_seq_len_hint: int,
+                      num_sms: int = 132) -> int:
+    """Splits of the context per (sequence, head block) so the stage-1 grid fills the GPU.
+
+    ``batch * cdiv(num_heads, BLOCK_H)`` programs already make one wave when they reach
+    ``num_sms``; below that the context is split ``num_sms // programs`` ways, but no split is
+    made shorter than 128 tokens of ``max_seq_len_hint`` and there are at most 32.
+    """
+    programs = batch * triton.cdiv(num_heads, _default_block_h(num_heads))
+    if programs >= num_sms:
+        return 1
+    cap = min(_MAX_SPLITS, max(1, triton.cdiv(max_seq_len_hint, _MIN_TOKENS_PER_SPLIT)))
+    return max(1, min(cap, num_sms // programs))
+
+
+def quantize_latent_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token fp8 quantization of latents ``x [N, R]`` for the fp8 cache.
+
+    Returns ``(x8 [N, R] float8_e4m3fn, scale [N] fp32)`` with ``scale = amax / 448`` per row
+    (a zero row gets the smallest normal scale, so it stays zero), so that
+    ``x8.float() * scale[:, None]`` approximates ``x``. Plain tensor ops, graph-capturable.
+    """
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    x8 = (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return x8, scale
+
+
+def _check(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor,
+           block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+           kv_scale: torch.Tensor | None) -> None:
+    b, h, r = q_lat.shape
+    p = q_pe.shape[-1]
+    if q_pe.shape[:2] != (b, h) or latent.shape[-1] != r or rope.shape[-1] != p:
+        raise ValueError(f"shape mismatch: q_lat {tuple(q_lat.shape)}, q_pe {tuple(q_pe.shape)}, "
+                         f"latent {tuple(latent.shape)}, rope {tuple(rope.shape)}")
+    if latent.shape[0] != rope.shape[0]:
+        raise ValueError("latent and rope must cover the same slots")
+    if block_table.shape[0] != b or seq_lens.shape != (b,):
+        raise ValueError("block_table / seq_lens batch does not match q_lat")
+    if (latent.dtype == torch.float8_e4m3fn) != (kv_scale is not None):
+        raise ValueError("an fp8 latent cache needs kv_scale, and only an fp8 one takes it")
+    if not (_is_pow2(r) and _is_pow2(p) and r >= 16 and p >= 16):
+        raise ValueError(f"R={r} and P={p} must be powers of two >= 16")
+    if not _is_pow2(block_size) or block_size < 16:
+        raise ValueError(f"block_size={block_size} must be a power of two >= 16")
+
+
+def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+               rope: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
+               block_size: int, sm_scale: float, kv_scale: torch.Tensor | None = None,
+               num_splits: int | None = None, out: torch.Tensor | None = None,
+               config: dict[str, int] | None = None) -> torch.Tensor:
+    """Absorbed MLA decode attention over the paged cache (see the module docstring).
+
+    ``q_lat [B, H, R]``, ``q_pe [B, H, P]`` (any strides), ``latent [S, R]``, ``rope [S, P]``
+    (row-strided views), ``block_table`` int32 ``[B, max_blocks]``, ``seq_lens`` int32 ``[B]``,
+    ``kv_scale [S]`` fp32 for an fp8 ``latent``. ``num_splits`` defaults to
+    :func:`choose_num_splits` with the block table's capacity as the length hint. ``out``
+    ``[B, H, R]`` (any strides, ``q_lat``'s dtype) receives the result. ``config`` overrides
+    the launch parameters ``BLOCK_N`` (default ``min(32, block_size)``), ``BLOCK_H``,
+    ``num_warps`` and ``num_stages``. No host synchronization: graph-capturable.
+    """
+    _check(q_lat, q_pe, latent, rope, block_table, seq_lens, block_size, kv_scale)
+    b, h, r = q_lat.shape
+    p = q_pe.shape[-1]
+    cfg = dict(config or {})
+    block_n = int(cfg.pop("BLOCK_N", min(32, block_size)))
+    block_h = int(cfg.pop("BLOCK_H", _default_block_h(h)))
+    num_warps = int(cfg.pop("num_warps", 8 if block_h >= 64 else 4))
+    num_stages = int(cfg.pop("num_stages", 2))
+    if cfg:
+        raise ValueError(f"unknown config keys {sorted(cfg)}")
+    if not _is_pow2(block_n) or block_n < 16 or block_size % block_n:
+        raise ValueError(f"BLOCK_N={block_n} must be a power of two >= 16 dividing {block_size}")
+    if not _is_pow2(block_h) or block_h < 16:
+        raise ValueError(f"BLOCK_H={block_h} must be a power of two >= 16")
+    if num_splits is None:
+        num_splits = choose_num_splits(b, h, block_table.shape[1] * block_size,
+                                       _num_sms(q_lat.device))
+    if out is None:
+        out = torch.empty_like(q_lat, memory_format=torch.contiguous_format)
+    elif out.shape != q_lat.shape or out.dtype != q_lat.dtype:
+        raise ValueError("out must have q_lat's shape and dtype")
+
+    has_scale = kv_scale is not None
+    scale_arg = kv_scale if kv_scale is not None else seq_lens  # dummy pointer, never read
+    direct = num_splits == 1
+    if direct:
+        part, lse = out, seq_lens  # lse pointer unused
+        part_strides = (out.stride(0), out.stride(1), 0, out.stride(2))
+        lse_strides = (0, 0)
+    else:
+        part = torch.empty(b, h, num_splits, r, device=q_lat.device, dtype=torch.float32)
+        lse = torch.empty(b, h, num_splits, device=q_lat.device, dtype=torch.float32)
+        part_strides = (part.stride(0), part.stride(1), part.stride(2), part.stride(3))
+        lse_strides = (lse.stride(0), lse.stride(1))
+    precision = "ieee" if q_lat.dtype == torch.float32 else "tf32"
+
+    grid = (b, triton.cdiv(h, block_h), num_splits)
+    _mla_decode_stage1[grid](
+        q_lat, q_pe, latent, rope, scale_arg, block_table, seq_lens, part, lse,
+        sm_scale * _LOG2E, h, num_splits,
+        *q_lat.stride(), *q_pe.stride(), *latent.stride(), *rope.stride(),
+        kv_scale.stride(0) if kv_scale is not None else 0,
+        block_table.stride(0),
+        *part_strides, *lse_strides,
+        R=r, P=p, BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_N=block_n,
+        HAS_SCALE=has_scale, DIRECT=direct, DOT_PRECISION=precision, WHILE_LOOP=_INTERPRET,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if not direct:
+        _mla_decode_combine[(b, h)](
+            part, lse, out,
+            part.stride(0), part.stride(1), part.stride(2),
+            lse.stride(0), lse.stride(1),
+            *out.stride(),
+            R=r, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 132
+
+
+def mla_decode_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                         rope: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                         *, block_size: int, sm_scale: float,
+                         kv_scale: torch.Tensor | None = None, num_splits: int | None = None,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain-PyTorch :func:`mla_decode` (gathers every slot, fp32 math); for tests.
+
+    ``num_splits`` is accepted for signature parity and ignored.
+    """
+    del num_splits
+    b, max_blocks = block_table.shape
+    pos = torch.arange(max_blocks * block_size, device=block_table.device)
+    valid = pos[None, :] < seq_lens[:, None].long()  # [B, L]
+    slots = block_table.long()[:, pos // block_size] * block_size + pos % block_size
+    slots = torch.where(valid, slots, torch.zeros_like(slots))  # unused table entries may be junk
+    lat = latent[slots].float()  # [B, L, R]
+    if kv_scale is not None:
+        lat = lat * kv_scale[slots].float()[..., None]
+    scores = (torch.einsum("bhr,blr->bhl", q_lat.float(), lat)
+              + torch.einsum("bhd,bld->bhl", q_pe.float(), rope[slots].float())) * sm_scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows: 0, not NaN
+    result = torch.einsum("bhl,blr->bhr", probs, lat).to(q_lat.dtype)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+__all__ = ["FP8_MAX", "choose_num_splits", "mla_decode", "mla_decode_reference",
+           "quantize_latent_fp8"]

@@ -48,8 +48,11 @@ class CostModel:
     samples: int = field(default=0)
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, weight_dtype_bytes: int, kv_dtype_bytes: int,
-                  flop_rate: float, byte_rate: float) -> CostModel:
+    def for_model(cls, cfg: ModelConfig, weight_dtype_bytes: float, kv_dtype_bytes: float,
+                  flop_rate: float, byte_rate: float, *, expert_param_bytes: float | None = None,
+                  kv_token_layer_bytes: float | None = None) -> CostModel:
+        """``expert_param_bytes``: bytes per routed-expert weight (FP4 with scales: 0.5 + scale/32);
+        ``kv_token_layer_bytes``: cache bytes per token and layer (default: dim x dtype bytes)."""
         h, nh = cfg.hidden_size, cfg.num_attention_heads
         q_params = (h * nh * cfg.qk_head_dim if cfg.q_lora_rank is None
                     else h * cfg.q_lora_rank + cfg.q_lora_rank * nh * cfg.qk_head_dim)
@@ -70,11 +73,12 @@ class CostModel:
             head_flops=2.0 * h * cfg.vocab_size,
             attn_flops_per_pair=2.0 * cfg.num_hidden_layers * nh * (cfg.qk_head_dim + cfg.v_head_dim),
             dense_weight_bytes=float(dense_weights * weight_dtype_bytes),
-            expert_bytes=float(expert * weight_dtype_bytes),
+            expert_bytes=float(expert * (expert_param_bytes or weight_dtype_bytes)),
             num_moe_layers=n_moe,
             num_experts=cfg.n_routed_experts,
             experts_per_token=cfg.num_experts_per_tok,
-            kv_bytes_per_token=float(cfg.num_hidden_layers * cfg.kv_cache_dim * kv_dtype_bytes),
+            kv_bytes_per_token=float(cfg.num_hidden_layers * (
+                kv_token_layer_bytes or cfg.kv_cache_dim * kv_dtype_bytes)),
             flop_rate=flop_rate,
             byte_rate=byte_rate,
         )

@@ -1,8 +1,12 @@
 """The engine: model + paged KV cache + scheduler + sampler behind add/step/abort/export/import.
 
-Single-threaded and synchronous: the service wrapping it owns the loop and the I/O. Each
-:meth:`Engine.step` runs one scheduled batch (prompt chunks and decodes together) and returns
-the token events it produced.
+Single-threaded: the service wrapping it owns the loop and the I/O. Each :meth:`Engine.step`
+schedules one batch (prompt chunks and decodes together), launches it and returns token
+events. With ``overlap`` (on by default on CUDA) a step returns the events of the step
+launched by the previous call: while the device runs step N the host schedules and prepares
+step N+1 and turns step N-1's tokens into events, so the device never waits for Python.
+Requests that stop on a token are then known one step late and that step's extra token is
+dropped; the token stream is the same as without overlap.
 """
 
 from __future__ import annotations
@@ -21,10 +25,10 @@ from .kv.cache import DTYPE_NAMES, TORCH_DTYPES, PagedKVCache
 from .kv.layout import mla_cache_spec
 from .kv.transfer import KVFormatError, KVHeader, check_compatible, decode_frame, encode_frame
 from .loader import LoadedModel, load
-from .model.attention import AttentionMetadata, SeqAttention
+from .runner import Launched, ModelRunner
 from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .scheduler import Request, Scheduler, SchedulerConfig, Status, StepPlan, TokenEvent
+from .scheduler import Request, Scheduler, SchedulerConfig, Status, TokenEvent
 
 __all__ = ["Engine", "EngineConfig", "InvalidRequest", "KVFormatError", "NoFreeBlocks", "TokenEvent"]
 
@@ -50,16 +54,34 @@ class EngineConfig:
     sampler_seed: int | None = None
     absorb_decode: bool = True
     with_mtp: bool = False
+    kernels: str = "auto"  # "triton" (fused attention, Triton decode + MoE), "torch", auto: triton on CUDA
+    expert_dtype: str = "auto"  # "fp4": routed experts quantized to e2m1 (converts the loaded model)
+    cuda_graphs: bool = True  # decode-only steps replay captured graphs (CUDA with kernels)
+    overlap: bool | None = None  # None: on for CUDA
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype == "fp8":
+            object.__setattr__(self, "kv_cache_dtype", "float8_e4m3fn")
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in TORCH_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {sorted(TORCH_DTYPES)}")
+            raise ValueError(f"kv_cache_dtype must be fp8 or one of {sorted(TORCH_DTYPES)}")
+        if self.kernels not in ("auto", "triton", "torch"):
+            raise ValueError(f"kernels must be auto, triton or torch, got {self.kernels!r}")
+        if self.expert_dtype not in ("auto", "fp4"):
+            raise ValueError(f"expert_dtype must be auto or fp4, got {self.expert_dtype!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+
+    @property
+    def use_kernels(self) -> bool:
+        return self.kernels == "triton" or (self.kernels == "auto" and self.device.startswith("cuda"))
+
+    @property
+    def use_overlap(self) -> bool:
+        return self.overlap if self.overlap is not None else self.device.startswith("cuda")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -88,22 +110,31 @@ class Engine:
         self.loaded = loaded or load(config.model, self.device, dtype, config.seed, config.with_mtp)
         self.model = self.loaded.model
         self.model.set_absorb_decode(config.absorb_decode)
+        self.model.set_kernels(config.use_kernels)
+        if config.expert_dtype == "fp4":
+            self.model.quantize_experts_fp4()
         self.model_config = cfg = self.model.cfg
         self.model_id = self.loaded.model_id
         kv_dtype = config.kv_cache_dtype or DTYPE_NAMES[dtype]
         self.spec = mla_cache_spec(cfg, self.model_id, config.block_size, kv_dtype,
                                    num_layers=self.model.num_cache_layers)
         num_blocks = config.num_kv_blocks or self._blocks_for_memory()
-        self.cache = PagedKVCache(self.spec, num_blocks, self.device)
+        self.cache = PagedKVCache(self.spec, num_blocks, self.device, cfg.qk_rope_head_dim)
         self.blocks = BlockManager(num_blocks, config.block_size)
         max_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.scheduler_config = SchedulerConfig(config.max_tokens_per_step, config.time_budget_s,
                                                 config.max_running, max_len)
+        per_layer = self.spec.bytes_per_block / config.block_size / self.model.num_cache_layers
         self.cost = CostModel.for_model(cfg, torch.finfo(dtype).bits // 8,
                                         torch.finfo(TORCH_DTYPES[kv_dtype]).bits // 8,
-                                        *self._nominal_rates())
+                                        *self._nominal_rates(),
+                                        expert_param_bytes=0.5 + 4 / 32 if config.expert_dtype == "fp4" else None,
+                                        kv_token_layer_bytes=per_layer)
         self.scheduler = Scheduler(self.scheduler_config, self.blocks, self.cost, cfg.eos_token_ids)
         self.sampler = Sampler(self.device, config.sampler_seed)
+        self.runner = ModelRunner(self.model, self.cache, self.sampler, config.use_kernels,
+                                  config.cuda_graphs, max_len, max_graph_batch=config.max_running)
+        self._inflight: Launched | None = None
         self.last_step_seconds = 0.0
         self.last_step_tokens = 0
 
@@ -176,7 +207,13 @@ class Engine:
             self.scheduler.free(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests are waiting or running, or the step in flight still owes one a token."""
+        if self.scheduler.has_unfinished():
+            return True
+        reqs = self.scheduler.requests
+        return self._inflight is not None and any(
+            s.request_id in reqs and reqs[s.request_id].status is not Status.FINISHED
+            for s in self._inflight.sampling)
 
     def info(self, request_id: str) -> RequestInfo:
         req = self.scheduler.requests[request_id]
@@ -274,67 +311,24 @@ class Engine:
 
     # -- stepping -----------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
+        """Schedule and launch one step; return the events of the step that finished."""
         plan = self.scheduler.schedule()
-        if plan.empty:
-            return []
-        t0 = time.perf_counter()
-        sampled = self._run(plan)
-        self.last_step_seconds = time.perf_counter() - t0
-        self.last_step_tokens = plan.num_tokens
-        return self.scheduler.update(plan, sampled, self.last_step_seconds)
+        launched = None
+        if not plan.empty:
+            params = [self.scheduler.requests[s.request_id].params for s in plan.seqs if s.sample]
+            launched = self.runner.launch(plan, params, self._inflight)
+        events = self._finish(self._inflight) if self._inflight is not None else []
+        if launched is not None:
+            self.scheduler.advance(plan)
+            self.last_step_tokens = plan.num_tokens
+            if self.config.use_overlap:
+                self._inflight = launched
+                return events
+            events += self._finish(launched)
+        self._inflight = None
+        return events
 
-    def _run(self, plan: StepPlan) -> dict[str, int]:
-        input_ids, positions, meta, sample_rows = self._prepare(plan)
-        hidden = self.model(input_ids, positions, meta, self.cache.tensors)
-        sampling = [s for s in plan.seqs if s.sample]
-        if not sampling:
-            return {}
-        logits = self.model.logits(hidden[sample_rows])
-        params = [self.scheduler.requests[s.request_id].params for s in sampling]
-        tokens = self.sampler.sample(logits, params, [s.sample_position for s in sampling])
-        return {s.request_id: t for s, t in zip(sampling, tokens)}
-
-    def _prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        bs, dev = self.spec.block_size, self.device
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        seqs: list[SeqAttention] = []
-        dec_rows: list[int] = []
-        dec_tables: list[tuple[int, ...]] = []
-        dec_lens: list[int] = []
-        sample_rows: list[int] = []
-        for s in plan.seqs:
-            row0 = len(ids)
-            p = list(range(s.start, s.start + s.num_tokens))
-            ids.extend(s.token_ids)
-            pos.extend(p)
-            slots.extend(s.block_table[i // bs] * bs + i % bs for i in p)
-            ctx = s.start + s.num_tokens
-            if s.num_tokens == 1:
-                dec_rows.append(row0)
-                dec_tables.append(s.block_table)
-                dec_lens.append(ctx)
-            else:
-                seqs.append(SeqAttention(row0, s.num_tokens, self._ctx_slots(s.block_table, ctx),
-                                         torch.tensor(p, device=dev)))
-            if s.sample:
-                sample_rows.append(len(ids) - 1)
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.int64, device=dev), seqs)
-        if dec_rows:
-            width = max(dec_lens)
-            padded = torch.zeros(len(dec_rows), width, dtype=torch.int64)
-            for r, (table, n) in enumerate(zip(dec_tables, dec_lens)):
-                padded[r, :n] = self._ctx_slots(table, n, "cpu")
-            meta.decode_rows = torch.tensor(dec_rows, dtype=torch.int64, device=dev)
-            meta.decode_slots = padded.to(dev)
-            meta.decode_mask = (torch.arange(width)[None, :] < torch.tensor(dec_lens)[:, None]).to(dev)
-        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, device=dev), meta,
-                torch.tensor(sample_rows, dtype=torch.int64, device=dev))
-
-    def _ctx_slots(self, table: tuple[int, ...], n: int, device: torch.device | str | None = None) -> torch.Tensor:
-        bs = self.spec.block_size
-        nb = -(-n // bs)
-        t = torch.tensor(table[:nb], dtype=torch.int64)
-        s = (t[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1)[:n]
-        return s.to(device or self.device)
+    def _finish(self, launched: Launched) -> list[TokenEvent]:
+        sampled, seconds = self.runner.collect(launched)
+        self.last_step_seconds = seconds
+        return self.scheduler.commit(launched.plan, sampled, seconds)

@@ -52,7 +52,13 @@ class Sampler:
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                positions: Sequence[int]) -> list[int]:
         """One token per row. ``positions[i]``: sequence position of the token being sampled."""
-        out = logits.float().argmax(dim=-1).tolist()
+        out: list[int] = self.sample_device(logits, params, positions).tolist()
+        return out
+
+    def sample_device(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                      positions: Sequence[int]) -> torch.Tensor:
+        """As :meth:`sample`, as an int64 tensor on the logits' device, without waiting for it."""
+        out = logits.float().argmax(dim=-1)
         for i, p in enumerate(params):
             if p.greedy:
                 continue
@@ -64,5 +70,5 @@ class Sampler:
                 gen = self._seeded
                 gen.manual_seed(position_seed(p.seed, positions[i]))
             e = torch.empty_like(probs).exponential_(generator=gen).clamp_min_(1e-30)
-            out[i] = int((probs / e).argmax())
+            out[i] = (probs / e).argmax()
         return out

@@ -13,6 +13,13 @@ the sampled tokens and returns :class:`TokenEvent` s. Policy:
 * when blocks run out, the most recently arrived running request is preempted: its blocks
   are released (their cached names stay findable) and it is recomputed later from its
   prompt plus the tokens it already produced.
+
+``update`` is two halves that an overlapping engine calls apart: ``advance(plan)`` right
+after the step is launched (computed counts move on; each sampling request gets a
+:data:`PLACEHOLDER` token, so the next step can be scheduled before the device has produced
+it -- the engine feeds the real id from device memory), and ``commit(plan, sampled)`` once
+the tokens are on the host (placeholders filled, blocks named, stop conditions, events).
+A request that stops on a token is known one step late; the extra step's token is dropped.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from libs.common.hashchain import chain_hashes
 from .cost_model import CostModel, StepShape
 from .kv.block_manager import BlockManager
 from .sampling_params import SamplingParams
+
+PLACEHOLDER = -1  # a sampled token not yet copied back from the device
 
 
 class Status(enum.Enum):
@@ -72,6 +81,7 @@ class Request:
     admitted: bool = False
     num_preemptions: int = 0
     finish_reason: str | None = None
+    pending_finish: str | None = None  # "length": finishes once its last placeholder is filled
 
     @property
     def num_output_tokens(self) -> int:
@@ -291,18 +301,44 @@ class Scheduler:
     def update(self, plan: StepPlan, sampled: dict[str, int], step_seconds: float | None = None
                ) -> list[TokenEvent]:
         """Apply a step's results: advance computed counts, name full blocks, append tokens."""
+        self.advance(plan)
+        return self.commit(plan, sampled, step_seconds)
+
+    def advance(self, plan: StepPlan) -> None:
+        """The step is running: its tokens count as computed, each sample is a placeholder."""
+        for seq in plan.seqs:
+            req = self.requests.get(seq.request_id)
+            if req is None or req.status is not Status.RUNNING:
+                continue  # aborted or finished while the step ran
+            req.num_computed = seq.start + seq.num_tokens
+            self._register_full_blocks(req)
+            if seq.sample:
+                req.token_ids.append(PLACEHOLDER)
+                if self._out_of_length(req):
+                    req.pending_finish = "length"
+                    self.running.remove(req)  # nothing more to schedule; finishes on commit
+
+    def commit(self, plan: StepPlan, sampled: dict[str, int], step_seconds: float | None = None
+               ) -> list[TokenEvent]:
+        """The step's tokens are known: fill placeholders, finish requests, return events."""
         if step_seconds is not None and not plan.empty:
             self.cost.observe(plan.shape, step_seconds)
         events: list[TokenEvent] = []
         for seq in plan.seqs:
             req = self.requests.get(seq.request_id)
-            if req is None or req.status is not Status.RUNNING:
-                continue  # aborted while the step ran
-            req.num_computed = seq.start + seq.num_tokens
-            self._register_full_blocks(req)
-            if seq.sample:
-                events.append(self._append(req, sampled[seq.request_id]))
+            if (not seq.sample or req is None or req.status is Status.FINISHED
+                    or len(req.token_ids) <= seq.sample_position
+                    or req.token_ids[seq.sample_position] != PLACEHOLDER):
+                continue  # aborted, finished, or advanced past by a preemption
+            req.token_ids[seq.sample_position] = sampled[seq.request_id]
+            events.append(self._finish_check(req, sampled[seq.request_id]))
         return events
+
+    def _out_of_length(self, req: Request) -> bool:
+        # The last bound: alone in the cache a request can always run; past it, it never could.
+        return (req.num_output_tokens >= req.params.max_tokens
+                or len(req.token_ids) >= self.config.max_model_len
+                or len(req.token_ids) >= self.bm.num_blocks * self.bm.block_size)
 
     def _register_full_blocks(self, req: Request) -> None:
         bs = self.bm.block_size
@@ -311,20 +347,20 @@ class Scheduler:
             self.bm.register(req.blocks[i], hashes[i])
         req.num_registered = len(hashes)
 
-    def _append(self, req: Request, token: int) -> TokenEvent:
-        req.token_ids.append(token)
+    def _finish_check(self, req: Request, token: int) -> TokenEvent:
         p = req.params
         reason = None
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             reason = "stop"
-        elif (req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.config.max_model_len
-              or len(req.token_ids) >= self.bm.num_blocks * self.bm.block_size):
-            # The last bound: alone in the cache a request can always run; past it, it never could.
-            reason = "length"
+        elif req.pending_finish is not None:
+            reason = req.pending_finish
         if reason is None:
             return TokenEvent(req.request_id, token, num_cached_tokens=req.num_cached_tokens)
         req.status, req.finish_reason = Status.FINISHED, reason
-        self.running.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:  # preempted while its last token was on the way
+            self.waiting.remove(req)
         if not req.hold_kv:
             self.free(req)
         return TokenEvent(req.request_id, token, True, reason, req.num_cached_tokens)

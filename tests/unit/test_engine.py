@@ -12,8 +12,17 @@ GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=10, ignore_eos=True)
 
 
+MODE: dict[str, object] = {}
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "overlap"])
+def _overlap(request, monkeypatch):
+    """Every behaviour holds with and without overlapped scheduling (tokens one step late)."""
+    monkeypatch.setitem(MODE, "overlap", request.param)
+
+
 def make(tiny_loaded, **kw) -> Engine:
-    base = dict(model="tiny", block_size=16, num_kv_blocks=512, time_budget_s=None)
+    base = dict(model="tiny", block_size=16, num_kv_blocks=512, time_budget_s=None, **MODE)
     base.update(kw)
     return Engine(EngineConfig(**base), loaded=tiny_loaded)
 

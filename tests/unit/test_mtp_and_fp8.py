@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from libs.engine.engine import Engine, EngineConfig
+from libs.engine.kv.cache import LayerCache
 from libs.engine.loader import CheckpointError, load
 from libs.engine.model.attention import AttentionMetadata, SeqAttention
 from tests.hf_reference import build_hf, save_hf
@@ -63,7 +64,9 @@ def test_mtp_layer_matches_a_transformers_decoder_layer_reference(tmp_path: Path
     hidden = torch.randn(L, hf.config.hidden_size, generator=g)
     next_ids = torch.randint(0, hf.config.vocab_size, (L,), generator=g)
     pos = torch.arange(L)
-    cache = torch.zeros(32, loaded.model.cfg.kv_cache_dim)
+    kv = torch.zeros(32, loaded.model.cfg.kv_cache_dim)
+    r = loaded.model.cfg.kv_lora_rank
+    cache = LayerCache(kv[:, :r], kv[:, r:], kv=kv)
     meta = AttentionMetadata(pos.clone(), [SeqAttention(0, L, pos.clone(), pos.clone())])
     with torch.inference_mode():
         _, ours = loaded.model.mtp[0].predict(hidden, next_ids, pos, meta, cache)

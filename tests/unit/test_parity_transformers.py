@@ -33,13 +33,14 @@ def engine_logits(engine: Engine, prompts: list[list[int]]) -> list[torch.Tensor
         engine.add_request(f"p{i}", p, SamplingParams(max_tokens=1))
     plan = engine.scheduler.schedule()
     assert len(plan.seqs) == len(prompts) and all(s.sample for s in plan.seqs), "expected one step"
-    ids, pos, meta, _ = engine._prepare(plan)
-    hidden = engine.model(ids, pos, meta, engine.cache.tensors)
+    ids, pos, meta, seqs, _ = engine.runner.prepare(plan)
+    hidden = engine.model(ids, pos, meta, engine.cache.layers)
     logits = engine.model.logits(hidden)
-    out, row = [], 0
-    for s in plan.seqs:
-        out.append(logits[row : row + s.num_tokens])
+    by_id, row = {}, 0
+    for s in seqs:
+        by_id[s.request_id] = logits[row : row + s.num_tokens]
         row += s.num_tokens
+    out = [by_id[s.request_id] for s in plan.seqs]
     for i in range(len(prompts)):
         engine.abort(f"p{i}")
     return out

@@ -10,6 +10,10 @@ Two equivalent ways to attend:
   applied after attention, so the cache is read as is -- cheaper for one query per request.
 
 Both compute softmax in fp32. :class:`AttentionMetadata` describes one step's batch.
+
+With ``use_kernels`` (the GPU path) prompts go through PyTorch's fused scaled-dot-product
+attention (flash/cuDNN on CUDA) and decodes through the Triton paged decode kernel
+(:mod:`libs.engine.kernels.mla_decode`), which reads the cache in place, bfloat16 or FP8.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..kv.cache import LayerCache
 from .layers import RMSNorm, _linear
 from .rope import Rotary, softmax_scale
 
@@ -46,6 +51,10 @@ class AttentionMetadata:
     single query (decode) are batched on the absorbed path: ``decode_rows`` are their token
     rows, ``decode_slots`` [B, Lmax] their context slots padded with slot 0, masked by
     ``decode_mask``. All other sequences are listed in ``seqs``.
+
+    The kernel path instead takes the decodes as the step's last rows, from
+    ``decode_start`` on, described by ``block_table`` (int32 [B, max_blocks]) and
+    ``seq_lens`` (int32 [B], 0 for CUDA-graph padding rows).
     """
 
     slot_mapping: torch.Tensor
@@ -53,6 +62,11 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None
     decode_slots: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
+    decode_start: int | None = None
+    block_table: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    block_size: int = 128
+    num_splits: int = 1
 
 
 class MLAttention(nn.Module):
@@ -62,6 +76,8 @@ class MLAttention(nn.Module):
         self.cfg = cfg
         self.rotary = rotary
         self.absorb_decode = absorb_decode
+        self.use_kernels = False
+        self._absorbed_weights: tuple[torch.Tensor, torch.Tensor] | None = None
         h, nh = cfg.hidden_size, cfg.num_attention_heads
         self.scale = softmax_scale(cfg)
         if cfg.q_lora_rank is None:
@@ -102,30 +118,73 @@ class MLAttention(nn.Module):
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
-        """``cache``: this layer's pages viewed as [num_slots, kv_cache_dim]; written in place."""
+                meta: AttentionMetadata, cache: LayerCache) -> torch.Tensor:
+        """``cache``: this layer's pages; the step's latents are written in place first."""
         cfg = self.cfg
         q_nope, q_pe = self._queries(x, cos, sin)
-        cache.index_copy_(0, meta.slot_mapping, self._latents(x, cos, sin).to(cache.dtype))
-        out = x.new_empty(x.shape[0], cfg.num_attention_heads, cfg.v_head_dim)
-        for seq in meta.seqs:
-            rows = slice(seq.q_start, seq.q_start + seq.q_len)
-            out[rows] = self._expanded(q_nope[rows], q_pe[rows], seq, cache)
-        if meta.decode_rows is not None:
-            assert meta.decode_slots is not None and meta.decode_mask is not None
-            r = meta.decode_rows
-            if self.absorb_decode:
-                o = self._absorbed(q_nope[r], q_pe[r], meta.decode_slots, meta.decode_mask, cache)
-            else:
-                o = self._expanded_padded(q_nope[r], q_pe[r], meta.decode_slots, meta.decode_mask, cache)
-            out[r] = o
+        latents = self._latents(x, cos, sin)
+        cache.write(meta.slot_mapping, latents)
+        if self.use_kernels:
+            out = self._forward_kernels(q_nope, q_pe, latents, meta, cache)
+        else:
+            out = x.new_empty(x.shape[0], cfg.num_attention_heads, cfg.v_head_dim)
+            for seq in meta.seqs:
+                rows = slice(seq.q_start, seq.q_start + seq.q_len)
+                out[rows] = self._expanded(q_nope[rows], q_pe[rows], seq, cache)
+            if meta.decode_rows is not None:
+                assert meta.decode_slots is not None and meta.decode_mask is not None
+                r = meta.decode_rows
+                if self.absorb_decode:
+                    o = self._absorbed(q_nope[r], q_pe[r], meta.decode_slots, meta.decode_mask, cache)
+                else:
+                    o = self._expanded_padded(q_nope[r], q_pe[r], meta.decode_slots, meta.decode_mask, cache)
+                out[r] = o
         result: torch.Tensor = self.o_proj(out.flatten(1))
         return result
 
-    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, seq: SeqAttention,
-                  cache: torch.Tensor) -> torch.Tensor:
+    # -- kernel path --------------------------------------------------------------------------
+    def _absorbed_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous (W_uk [H, nope, r], W_uv^T [H, r, v]), made once from kv_b_proj."""
+        if self._absorbed_weights is None or self._absorbed_weights[0].device != self.kv_b_proj.weight.device:
+            w_uk, w_uv = self._kv_b()
+            self._absorbed_weights = (w_uk.contiguous(), w_uv.transpose(1, 2).contiguous())
+        return self._absorbed_weights
+
+    def _forward_kernels(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor,
+                         meta: AttentionMetadata, cache: LayerCache) -> torch.Tensor:
+        from ..kernels.mla_decode import mla_decode
+        from ..kernels.prefill_attention import prefill_attention
+
         cfg = self.cfg
-        ctx = cache.index_select(0, seq.ctx_slots).to(q_nope.dtype)
+        t = q_nope.shape[0]
+        out = q_nope.new_empty(t, cfg.num_attention_heads, cfg.v_head_dim)
+        for seq in meta.seqs:
+            rows = slice(seq.q_start, seq.q_start + seq.q_len)
+            ctx_len = seq.ctx_slots.shape[0]
+            # A prompt with nothing cached before it attends to the latents it just made.
+            ctx = (latents[rows] if ctx_len == seq.q_len
+                   else cache.gather(seq.ctx_slots, q_nope.dtype))
+            latent, k_pe = ctx.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+            kv = self.kv_b_proj(latent).view(ctx_len, cfg.num_attention_heads, -1)
+            k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+            q = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)
+            k = torch.cat((k_nope, k_pe[:, None, :].expand(-1, cfg.num_attention_heads, -1)), dim=-1)
+            out[rows] = prefill_attention(q, k, v, self.scale)
+        if meta.decode_start is not None and meta.decode_start < t:
+            assert meta.block_table is not None and meta.seq_lens is not None
+            d = slice(meta.decode_start, t)
+            w_uk, w_uv_t = self._absorbed_kv_b()
+            q_lat = torch.bmm(q_nope[d].transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, r]
+            o_lat = mla_decode(q_lat, q_pe[d], cache.latent, cache.rope, meta.block_table,
+                               meta.seq_lens, block_size=meta.block_size, sm_scale=self.scale,
+                               kv_scale=cache.scale, num_splits=meta.num_splits)
+            out[d] = torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
+        return out
+
+    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, seq: SeqAttention,
+                  cache: LayerCache) -> torch.Tensor:
+        cfg = self.cfg
+        ctx = cache.gather(seq.ctx_slots, q_nope.dtype)
         latent, k_pe = torch.split(ctx, [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         kv = self.kv_b_proj(latent).view(-1, cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
@@ -143,11 +202,11 @@ class MLAttention(nn.Module):
         return torch.cat(outs).to(q_nope.dtype)
 
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, slots: torch.Tensor,
-                  mask: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+                  mask: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         """One query per sequence; ``slots``/``mask``: [B, L]."""
         cfg = self.cfg
         w_uk, w_uv = self._kv_b()
-        ctx = cache[slots].float()  # [B, L, r + rope]
+        ctx = cache.gather(slots, torch.float32)  # [B, L, r + rope]
         latent, k_pe = torch.split(ctx, [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         q_lat = torch.einsum("bhn,hnr->bhr", q_nope.float(), w_uk.float())
         scores = torch.einsum("bhr,blr->bhl", q_lat, latent) + torch.einsum("bhd,bld->bhl", q_pe.float(), k_pe)
@@ -156,9 +215,9 @@ class MLAttention(nn.Module):
         return torch.einsum("bhr,hvr->bhv", o_lat, w_uv.float()).to(q_nope.dtype)
 
     def _expanded_padded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, slots: torch.Tensor,
-                         mask: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+                         mask: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         cfg = self.cfg
-        ctx = cache[slots].to(q_nope.dtype)
+        ctx = cache.gather(slots, q_nope.dtype)
         latent, k_pe = torch.split(ctx, [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         kv = self.kv_b_proj(latent).view(*latent.shape[:2], cfg.num_attention_heads, -1)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+
+if TYPE_CHECKING:
+    from ..kernels.fused_moe import Fp4Weight
 
 
 class RMSNorm(nn.Module):
@@ -110,7 +115,8 @@ class Experts(nn.Module):
     """Routed experts stored fused: ``w13`` [E, 2I, H] (gate rows then up rows), ``w2`` [E, H, I].
 
     This is transformers' fused layout (``gate_up_proj``/``down_proj``); the loader stacks the
-    original per-expert tensors into it.
+    original per-expert tensors into it. :meth:`quantize_fp4` replaces both with FP4 (e2m1,
+    one scale per 32 weights) copies that the fused kernel dequantizes inside its GEMMs.
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
@@ -118,13 +124,40 @@ class Experts(nn.Module):
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype, device=device), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype, device=device), requires_grad=False)
+        self.use_kernels = False
+        self.fp4: tuple[Fp4Weight, Fp4Weight] | None = None
+
+    def quantize_fp4(self) -> None:
+        """Swap the bf16 expert weights for FP4 ones (frees the originals)."""
+        from ..kernels.fused_moe import quantize_fp4
+
+        self.fp4 = (quantize_fp4(self.w13.data), quantize_fp4(self.w2.data))
+        dev, dt = self.w13.device, self.w13.dtype
+        self.w13 = nn.Parameter(torch.empty(0, dtype=dt, device=dev), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(0, dtype=dt, device=dev), requires_grad=False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        if self.use_kernels:
+            from ..kernels.fused_moe import fused_moe
+
+            w13, w2 = self.fp4 if self.fp4 is not None else (self.w13, self.w2)
+            out: torch.Tensor = fused_moe(x, w13, w2, weights, idx)
+            return out
+        if self.fp4 is not None:
+            from ..kernels.fused_moe import dequantize_fp4
+
+            return self._grouped(x, weights, idx, dequantize_fp4(self.fp4[0], x.dtype),
+                                 dequantize_fp4(self.fp4[1], x.dtype))
+        return self._grouped(x, weights, idx, self.w13, self.w2)
+
+    @staticmethod
+    def _grouped(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor,
+                 w2: torch.Tensor) -> torch.Tensor:
         """Reference grouped path: tokens sorted by expert, one GEMM pair per expert hit."""
         t, k = idx.shape
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
         token_of = order // k
         w_sorted = weights.reshape(-1)[order]
         out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
@@ -134,8 +167,8 @@ class Experts(nn.Module):
                 continue
             rows = token_of[start : start + n]
             xe = x.index_select(0, rows)
-            gate, up = F.linear(xe, self.w13[expert]).chunk(2, dim=-1)
-            ye = F.linear(F.silu(gate) * up, self.w2[expert])
+            gate, up = F.linear(xe, w13[expert]).chunk(2, dim=-1)
+            ye = F.linear(F.silu(gate) * up, w2[expert])
             out.index_add_(0, rows, ye.to(torch.float32) * w_sorted[start : start + n, None])
             start += n
         return out.to(x.dtype)

@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..kv.cache import LayerCache
 from .attention import AttentionMetadata, MLAttention
-from .layers import MLP, MoE, RMSNorm, _linear
+from .layers import MLP, Experts, MoE, RMSNorm, _linear
 from .rope import Rotary
 
 
@@ -31,7 +32,7 @@ class DecoderLayer(nn.Module):
                                else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
+                meta: AttentionMetadata, cache: LayerCache) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
         out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return out
@@ -63,7 +64,7 @@ class MTPLayer(DecoderLayer):
         self.shared_head = SharedHead(cfg, dtype, device)
 
     def predict(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: AttentionMetadata, cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this depth's hidden states, fp32 logits for the token after ``next_ids``)."""
         emb = self.embed_tokens(next_ids)
         x = self.eh_proj(torch.cat((self.enorm(emb), self.hnorm(hidden)), dim=-1))
@@ -109,9 +110,20 @@ class DeepseekForCausalLM(nn.Module):
             if isinstance(module, MLAttention):
                 module.absorb_decode = on
 
+    def set_kernels(self, on: bool) -> None:
+        """Fused attention and Triton decode/MoE kernels (on) or the plain PyTorch reference."""
+        for module in self.modules():
+            if isinstance(module, (MLAttention, Experts)):
+                module.use_kernels = on
+
+    def quantize_experts_fp4(self) -> None:
+        for module in self.modules():
+            if isinstance(module, Experts):
+                module.quantize_fp4()
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                caches: list[torch.Tensor]) -> torch.Tensor:
+                caches: list[LayerCache]) -> torch.Tensor:
         """Final-norm hidden states [tokens, hidden] of every input token."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions)

@@ -1,0 +1,300 @@
+"""Runs scheduled steps on the device: input preparation, CUDA graphs, asynchronous launch.
+
+:class:`ModelRunner` turns a :class:`StepPlan` into device tensors, runs the model and the
+sampler, and starts copying the sampled ids back to pinned host memory; it returns a
+:class:`Launched` step whose tokens :meth:`ModelRunner.collect` reads once the device is done.
+Nothing here waits for the device except ``collect``, so the engine can schedule and prepare
+step N+1 and process step N-1's tokens while step N runs.
+
+Inputs that are not known on the host yet (a :data:`PLACEHOLDER` sampled by the step still in
+flight) are gathered on the device from that step's sampled-id tensor.
+
+Decode-only steps on CUDA replay CUDA graphs captured per padded batch size (a ladder up to
+``max_graph_batch``); padding rows have context length 0 and write to the cache's scratch
+slot, so they change nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .kv.cache import PagedKVCache
+from .model.attention import AttentionMetadata, SeqAttention
+from .model.model import DeepseekForCausalLM
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+from .scheduler import PLACEHOLDER, ScheduledSeq, StepPlan
+
+GRAPH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+@dataclass
+class Launched:
+    """A step handed to the device; ``collect`` turns it into sampled ids."""
+
+    plan: StepPlan
+    sampling: list[ScheduledSeq]
+    tokens: torch.Tensor | None  # [n] int64 on the device
+    host: torch.Tensor | None  # [n] int64, pinned on CUDA; valid once ``done`` has passed
+    done: torch.cuda.Event | None
+    started: torch.cuda.Event | None
+    wall_s: float = 0.0
+    index: dict[str, int] = field(default_factory=dict)  # request id -> row of ``tokens``
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    logits: torch.Tensor
+
+
+class ModelRunner:
+    def __init__(self, model: DeepseekForCausalLM, cache: PagedKVCache, sampler: Sampler,
+                 use_kernels: bool, cuda_graphs: bool, max_model_len: int,
+                 max_graph_batch: int = 256) -> None:
+        self.model = model
+        self.cache = cache
+        self.sampler = sampler
+        self.device = cache.device
+        self.block_size = cache.spec.block_size
+        self.use_kernels = use_kernels
+        self.cuda_graphs = cuda_graphs and use_kernels and self.device.type == "cuda"
+        self.max_blocks = -(-max_model_len // self.block_size)
+        self.ladder = [b for b in GRAPH_LADDER if b <= max_graph_batch]
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self._pool: object | None = None
+        self.num_heads = model.cfg.num_attention_heads
+
+    # -- public ------------------------------------------------------------------------------
+    def launch(self, plan: StepPlan, params: Sequence[SamplingParams], prev: Launched | None) -> Launched:
+        """Queue the step on the device. ``params``: per sampling seq, in plan order."""
+        t0 = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        started = torch.cuda.Event(enable_timing=True) if cuda else None
+        if started is not None:
+            started.record()
+        sampling = [s for s in plan.seqs if s.sample]
+        logits = self._forward(plan, prev)
+        tokens = host = done = None
+        if sampling:
+            tokens = self.sampler.sample_device(logits, params, [s.sample_position for s in sampling])
+            host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=cuda)
+            host.copy_(tokens, non_blocking=cuda)
+        if cuda:
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+        return Launched(plan, sampling, tokens, host, done, started, time.perf_counter() - t0,
+                        {s.request_id: i for i, s in enumerate(sampling)})
+
+    def collect(self, launched: Launched) -> tuple[dict[str, int], float]:
+        """Wait for the step; (sampled id per request, device seconds of the step)."""
+        if launched.done is not None:
+            launched.done.synchronize()
+            assert launched.started is not None
+            seconds = launched.started.elapsed_time(launched.done) / 1e3
+        else:
+            seconds = launched.wall_s
+        if launched.host is None:
+            return {}, seconds
+        ids: list[int] = launched.host.tolist()
+        return {s.request_id: t for s, t in zip(launched.sampling, ids)}, seconds
+
+    # -- forward -----------------------------------------------------------------------------
+    def _forward(self, plan: StepPlan, prev: Launched | None) -> torch.Tensor:
+        """fp32 logits of the sampling seqs, in plan order."""
+        seqs = plan.seqs
+        if (self.cuda_graphs and len(seqs) <= self.ladder[-1]
+                and all(s.num_tokens == 1 and s.sample for s in seqs)):
+            return self._forward_graph(plan, prev)
+        ids, positions, meta, seqs, sample_rows = self.prepare(plan, prev)
+        hidden = self.model(ids, positions, meta, self.cache.layers)
+        row_of = dict(zip([s.request_id for s in seqs if s.sample], sample_rows))
+        wanted = [row_of[s.request_id] for s in plan.seqs if s.sample]
+        if not wanted:
+            return hidden.new_empty(0, self.model.cfg.vocab_size, dtype=torch.float32)
+        return self.model.logits(hidden[torch.tensor(wanted, device=self.device)])
+
+    def prepare(self, plan: StepPlan, prev: Launched | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[ScheduledSeq], list[int]]:
+        """Device inputs of an eager step: (ids, positions, metadata, seqs in row order,
+        last row of each sampling seq in that order)."""
+        seqs = list(plan.seqs)
+        if self.use_kernels:
+            # Prompt chunks first, decodes as the contiguous tail the decode kernel reads.
+            seqs.sort(key=lambda s: s.num_tokens == 1)
+        ids, positions, meta, sample_rows = self._prepare(seqs, prev)
+        return ids, positions, meta, seqs, sample_rows
+
+    def _to_device(self, arr: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(arr)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def _fill_placeholders(self, ids: torch.Tensor, rows: list[int], srcs: list[int],
+                           prev: Launched | None) -> None:
+        if not rows:
+            return
+        if prev is None or prev.tokens is None:
+            raise RuntimeError("a placeholder token without the step that samples it")
+        dst = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        src = torch.tensor(srcs, dtype=torch.int64).to(self.device)
+        ids.index_copy_(0, dst, prev.tokens.index_select(0, src))
+
+    def _prepare(self, seqs: list[ScheduledSeq], prev: Launched | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs, dev = self.block_size, self.device
+        n = sum(s.num_tokens for s in seqs)
+        ids = np.empty(n, dtype=np.int64)
+        pos = np.empty(n, dtype=np.int64)
+        slots = np.empty(n, dtype=np.int64)
+        fix_rows: list[int] = []
+        fix_srcs: list[int] = []
+        sample_rows: list[int] = []
+        prompt_seqs: list[tuple[int, ScheduledSeq]] = []
+        decodes: list[ScheduledSeq] = []
+        row = 0
+        for s in seqs:
+            k = s.num_tokens
+            ids[row : row + k] = s.token_ids
+            p = np.arange(s.start, s.start + k)
+            pos[row : row + k] = p
+            table = np.asarray(s.block_table, dtype=np.int64)
+            slots[row : row + k] = table[p // bs] * bs + p % bs
+            if s.token_ids[0] == PLACEHOLDER:
+                assert k == 1 and prev is not None, "placeholders are single decode tokens"
+                fix_rows.append(row)
+                fix_srcs.append(prev.index[s.request_id])
+            if k == 1:
+                decodes.append(s)
+            else:
+                prompt_seqs.append((row, s))
+            row += k
+            if s.sample:
+                sample_rows.append(row - 1)
+        ids_d = self._to_device(ids)
+        self._fill_placeholders(ids_d, fix_rows, fix_srcs, prev)
+        meta = AttentionMetadata(self._to_device(slots), [], block_size=bs)
+        for r0, s in prompt_seqs:
+            ctx = s.start + s.num_tokens
+            meta.seqs.append(SeqAttention(r0, s.num_tokens, self._ctx_slots(s.block_table, ctx),
+                                          torch.arange(s.start, ctx, device=dev)))
+        if decodes:
+            lens = np.array([s.start + 1 for s in decodes], dtype=np.int32)
+            if self.use_kernels:
+                from .kernels.mla_decode import choose_num_splits
+
+                width = int(max(-(-int(x) // bs) for x in lens))
+                table = np.zeros((len(decodes), width), dtype=np.int32)
+                for i, s in enumerate(decodes):
+                    nb = -(-int(lens[i]) // bs)
+                    table[i, :nb] = s.block_table[:nb]
+                meta.decode_start = n - len(decodes)
+                meta.block_table = self._to_device(table)
+                meta.seq_lens = self._to_device(lens)
+                meta.num_splits = choose_num_splits(len(decodes), self.num_heads, int(lens.max()))
+            else:
+                rows = [r for r, s in self._rows(seqs) if s in decodes]
+                width = int(lens.max())
+                padded = torch.zeros(len(decodes), width, dtype=torch.int64)
+                for i, s in enumerate(decodes):
+                    padded[i, : lens[i]] = self._ctx_slots(s.block_table, int(lens[i]), "cpu")
+                meta.decode_rows = torch.tensor(rows, dtype=torch.int64, device=dev)
+                meta.decode_slots = padded.to(dev)
+                meta.decode_mask = (torch.arange(width)[None, :] < torch.from_numpy(lens)[:, None]).to(dev)
+        return ids_d, self._to_device(pos), meta, sample_rows
+
+    @staticmethod
+    def _rows(seqs: list[ScheduledSeq]) -> list[tuple[int, ScheduledSeq]]:
+        out, row = [], 0
+        for s in seqs:
+            out.append((row, s))
+            row += s.num_tokens
+        return out
+
+    def _ctx_slots(self, table: tuple[int, ...], n: int, device: torch.device | str | None = None) -> torch.Tensor:
+        bs = self.block_size
+        nb = -(-n // bs)
+        t = torch.tensor(table[:nb], dtype=torch.int64)
+        s = (t[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1)[:n]
+        return s.to(device or self.device)
+
+    # -- CUDA graphs -------------------------------------------------------------------------
+    def _forward_graph(self, plan: StepPlan, prev: Launched | None) -> torch.Tensor:
+        from .kernels.mla_decode import choose_num_splits
+
+        seqs = plan.seqs
+        b = len(seqs)
+        bg = next(x for x in self.ladder if x >= b)
+        bs = self.block_size
+        lens = np.array([s.start + 1 for s in seqs], dtype=np.int32)
+        splits = choose_num_splits(bg, self.num_heads, int(lens.max()))
+        g = self.graphs.get((bg, splits))
+        if g is None:
+            g = self._capture(bg, splits)
+            self.graphs[(bg, splits)] = g
+        ids = np.zeros(bg, dtype=np.int64)
+        pos = np.zeros(bg, dtype=np.int64)
+        slots = np.full(bg, self.cache.scratch_slot, dtype=np.int64)
+        seq_lens = np.zeros(bg, dtype=np.int32)
+        table = np.zeros((bg, self.max_blocks), dtype=np.int32)
+        fix_rows: list[int] = []
+        fix_srcs: list[int] = []
+        for i, s in enumerate(seqs):
+            p = s.start
+            ids[i] = s.token_ids[0]
+            pos[i] = p
+            slots[i] = s.block_table[p // bs] * bs + p % bs
+            seq_lens[i] = p + 1
+            nb = p // bs + 1
+            table[i, :nb] = s.block_table[:nb]
+            if s.token_ids[0] == PLACEHOLDER:
+                assert prev is not None
+                fix_rows.append(i)
+                fix_srcs.append(prev.index[s.request_id])
+        g.ids.copy_(self._to_device(ids), non_blocking=True)
+        self._fill_placeholders(g.ids, fix_rows, fix_srcs, prev)
+        g.positions.copy_(self._to_device(pos), non_blocking=True)
+        g.slots.copy_(self._to_device(slots), non_blocking=True)
+        g.seq_lens.copy_(self._to_device(seq_lens), non_blocking=True)
+        g.block_table.copy_(self._to_device(table), non_blocking=True)
+        g.graph.replay()
+        return g.logits[:b]
+
+    def _capture(self, bg: int, splits: int) -> _Graph:
+        dev = self.device
+        ids = torch.zeros(bg, dtype=torch.int64, device=dev)
+        positions = torch.zeros(bg, dtype=torch.int64, device=dev)
+        slots = torch.full((bg,), self.cache.scratch_slot, dtype=torch.int64, device=dev)
+        table = torch.zeros(bg, self.max_blocks, dtype=torch.int32, device=dev)
+        seq_lens = torch.zeros(bg, dtype=torch.int32, device=dev)
+        meta = AttentionMetadata(slots, [], decode_start=0, block_table=table, seq_lens=seq_lens,
+                                 block_size=self.block_size, num_splits=splits)
+
+        def run() -> torch.Tensor:
+            hidden = self.model(ids, positions, meta, self.cache.layers)
+            return self.model.logits(hidden)
+
+        # Warm up on a side stream (compiles Triton kernels, sets up cuBLAS) before capturing.
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = run()
+        return _Graph(graph, ids, positions, slots, table, seq_lens, logits)

@@ -2,7 +2,8 @@
 
     deepserve generate --model PRESET_OR_DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N
                        [--temperature T --top-p P --top-k K --seed S] [--device D] [--json]
-    deepserve bench engine --preset tiny --device cpu --json OUT
+    deepserve bench engine --preset tiny --device cpu --json OUT [--plot PNG] [--kv-cache-dtype fp8]
+                           [--experts fp4] [--transformers-batches 1,16,64 | --no-transformers]
     deepserve bench recipe [--prompt-tokens 220000] --json OUT
     deepserve bench kvstore --json OUT
     deepserve bench serve [--long-tokens 32768] --json OUT
@@ -79,7 +80,22 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--decode-batches", default=None, help="comma-separated decode batch sizes")
     e.add_argument("--context", type=int, default=None, help="decode context length per request")
     e.add_argument("--decode-steps", type=int, default=8)
+    e.add_argument("--transformers-batches", default=None,
+                   help="comma-separated batch sizes of the transformers peer (default: cuda 1,16,64; cpu 1,4)")
+    e.add_argument("--transformers-steps", type=int, default=8, help="decode steps timed for the peer")
+    e.add_argument("--no-transformers", action="store_true", help="skip the transformers peer")
+    e.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="fp8: e4m3 KV cache")
+    e.add_argument("--experts", choices=("bf16", "fp4"), default="bf16", help="fp4: FP4 routed-expert weights")
+    e.add_argument("--no-cuda-graphs", action="store_true", help="EngineConfig(cuda_graphs=False)")
+    e.add_argument("--no-overlap", action="store_true", help="EngineConfig(overlap=False)")
+    e.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto")
+    e.add_argument("--quality", action=argparse.BooleanOptionalAction, default=True,
+                   help="with fp8 KV / fp4 experts: logit error against the unquantized engine")
+    e.add_argument("--quality-prompts", type=int, default=4)
+    e.add_argument("--quality-tokens", type=int, default=256, help="tokens per quality prompt")
+    e.add_argument("--quality-steps", type=int, default=32, help="teacher-forced decode steps per prompt")
     e.add_argument("--json", dest="json_out", default=None, help="write the result JSON here")
+    e.add_argument("--plot", default=None, help="also draw the result as this PNG (libs.bench.engine_plot)")
     sv = bsub.add_parser("serve", help="the stack as processes: TTFT overhead of the hops, "
                          "requests/s, lost requests (fake engine); cache hit vs miss TTFT (tiny)")
     sv.add_argument("--prompt-tokens", type=int, default=512, help="prompt size of the fake phase")

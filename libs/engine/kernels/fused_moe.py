@@ -1,0 +1,403 @@
+"""Fused MoE for the routed experts in Triton: bf16 weights, or FP4 (e2m1) with block scales.
+
+Pipeline (no host synchronisation anywhere, so it can be captured in a CUDA graph):
+
+1. Alignment (torch ops on device, like vLLM's ``moe_align_block_size``): the ``T*k``
+   (token, slot) pairs are sorted by expert; each expert's segment is padded to a multiple of
+   ``BLOCK_M`` inside a fixed buffer of ``T*k + E*(BLOCK_M-1)`` rows (rounded up to whole
+   blocks). ``sorted_ids[row]`` holds the flat pair index ``token*k + slot`` (``T*k`` marks a
+   padding row), ``expert_ids[block]`` the expert of each M-block, and a one-element device
+   tensor the padded total. Both kernels launch a grid sized for the maximum; programs whose
+   M-block starts beyond the padded total return at once.
+2. Kernel 1 (per M-block x N-tile): ``[gate | up] = x[token(row)] @ w13[e]^T`` as one GEMM whose
+   B tile gathers ``BLOCK_N/2`` gate rows ``n`` and the matching up rows ``n + I``; the epilogue
+   writes ``silu(gate) * up`` to an intermediate ``[padded_rows, I]`` in ``x.dtype``.
+3. Kernel 2: ``inter[row] @ w2[e]^T`` times the routing weight of the pair, stored at row
+   ``token*k + slot`` of a ``[T*k, H]`` buffer; ``out = buffer.view(T, k, H).sum(1)``.
+   Both GEMMs accumulate in fp32.
+
+FP4 format (:class:`Fp4Weight`), for a weight ``w [E, N, K]`` with ``K % 64 == 0``:
+
+* element codes are e2m1 nibbles ``s e e m``: sign bit 3, exponent bits 2..1, mantissa bit 0;
+  magnitude ``m * 0.5`` when ``e == 0`` else ``2**(e-1) * (1 + m/2)``, i.e. codes 0..7 are
+  0, 0.5, 1, 1.5, 2, 3, 4, 6 and codes 8..15 their negatives;
+* ``packed[e, n, 32*g + j]`` (uint8) holds element ``64*g + j`` in its low nibble and element
+  ``64*g + 32 + j`` in its high nibble (``g`` the 64-wide K group, ``0 <= j < 32``), so a
+  64-wide K step splits into two contiguous 32-element halves, each covered by one scale;
+* ``scales[e, n, b]`` (bf16) scales the 32 elements ``32*b .. 32*b + 31``; ``w ~ code * scale``.
+  bf16 rather than fp32 because decode is bandwidth-bound: a bf16 scale costs 1/16 byte per
+  weight (12.5% on top of the 0.5 byte nibble), an fp32 one twice that. Quantization divides
+  by the bf16-rounded scale, so the stored scale is exactly the one the codes were fitted to
+  (a block's largest value may then exceed ``6 * scale`` by < 0.4% and saturates at code 7).
+  The kernels decode ``code * scale`` in fp32 and round it to the activation dtype before
+  ``tl.dot``: two dots per 64-wide group, low nibbles against ``x[:, 64g : 64g+32]``, high
+  nibbles against ``x[:, 64g+32 : 64g+64]``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Midpoints between consecutive e2m1 magnitudes: bucketize gives the magnitude code directly.
+_E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_FP4_GROUP = 64
+_SCALE_BLOCK = 32
+# Elements of one fp32 working chunk when (de)quantizing: bounds temporary memory (~1 GiB).
+_CHUNK_ELEMENTS = 1 << 26
+# Triton's interpreter (CPU tests) computes bf16 tl.dot wrongly; there both operands go in as fp32.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass
+class Fp4Weight:
+    """FP4 (e2m1) expert weights, one bf16 scale per 32 elements along K (layout: module doc)."""
+
+    packed: torch.Tensor  # uint8 [E, N, K // 2]
+    scales: torch.Tensor  # bf16 [E, N, K // 32]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(E, N, K)`` of the weight this encodes."""
+        e, n, half_k = self.packed.shape
+        return e, n, 2 * half_k
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of packed codes plus scales."""
+        return self.packed.nbytes + self.scales.nbytes
+
+
+def quantize_fp4(w: torch.Tensor) -> Fp4Weight:
+    """Quantize ``w [E, N, K]`` to e2m1 with per-32-element scales ``amax / 6`` (round to nearest,
+    ties toward the smaller magnitude). Works in expert chunks to bound temporary memory."""
+    if w.dim() != 3:
+        raise ValueError(f"quantize_fp4 expects [E, N, K], got shape {tuple(w.shape)}")
+    e, n, k = w.shape
+    if k % _FP4_GROUP:
+        raise ValueError(f"quantize_fp4 needs K to be a multiple of {_FP4_GROUP}, got K={k}")
+    packed = torch.empty(e, n, k // 2, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(e, n, k // _SCALE_BLOCK, dtype=torch.bfloat16, device=w.device)
+    bounds = torch.tensor(_E2M1_BOUNDS, dtype=torch.float32, device=w.device)
+    chunk = max(1, _CHUNK_ELEMENTS // (n * k))
+    for lo in range(0, e, chunk):
+        wc = w[lo : lo + chunk].to(torch.float32).reshape(-1, n, k // _SCALE_BLOCK, _SCALE_BLOCK)
+        scale = (wc.abs().amax(dim=-1) / 6.0).to(torch.bfloat16)
+        divisor = scale.to(torch.float32).masked_fill(scale == 0, 1.0).unsqueeze(-1)
+        q = wc / divisor
+        code = torch.bucketize(q.abs(), bounds, out_int32=True).to(torch.uint8)
+        code |= ((q < 0) & (code > 0)).to(torch.uint8) << 3
+        halves = code.view(-1, n, k // _FP4_GROUP, 2, _SCALE_BLOCK)
+        pairs = halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)
+        packed[lo : lo + chunk] = pairs.view(-1, n, k // 2)
+        scales[lo : lo + chunk] = scale
+    return Fp4Weight(packed, scales)
+
+
+def dequantize_fp4(q: Fp4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """Reference decode of :class:`Fp4Weight` to ``[E, N, K]``: ``code * scale`` in fp32, cast."""
+    e, n, k = q.shape
+    table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=q.packed.device)
+    table = torch.cat([table, -table])
+    out = torch.empty(e, n, k, dtype=dtype, device=q.packed.device)
+    chunk = max(1, _CHUNK_ELEMENTS // (n * k))
+    for lo in range(0, e, chunk):
+        p = q.packed[lo : lo + chunk].view(-1, n, k // _FP4_GROUP, 1, _SCALE_BLOCK).to(torch.int64)
+        codes = torch.cat([p & 15, p >> 4], dim=3).view(-1, n, k // _SCALE_BLOCK, _SCALE_BLOCK)
+        vals = table[codes] * q.scales[lo : lo + chunk].to(torch.float32).unsqueeze(-1)
+        out[lo : lo + chunk] = vals.view(-1, n, k).to(dtype)
+    return out
+
+
+def _expert_weight(w: torch.Tensor | Fp4Weight, e: int) -> torch.Tensor:
+    """Expert ``e`` of ``w`` in fp32 (FP4 decoded)."""
+    if isinstance(w, Fp4Weight):
+        one = Fp4Weight(w.packed[e : e + 1], w.scales[e : e + 1])
+        return dequantize_fp4(one, torch.float32)[0]
+    return w[e].to(torch.float32)
+
+
+def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor | Fp4Weight,
+                        w2: torch.Tensor | Fp4Weight, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor) -> torch.Tensor:
+    """Plain-PyTorch routed experts in fp32 (FP4 weights decoded one expert at a time)."""
+    t, k = topk_ids.shape
+    xf = x.to(torch.float32)
+    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(topk_ids).tolist():
+        tokens, slots = torch.nonzero(topk_ids == e, as_tuple=True)
+        gate, up = F.linear(xf[tokens], _expert_weight(w13, e)).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, _expert_weight(w2, e))
+        out.index_add_(0, tokens, y * topk_weights[tokens, slots].to(torch.float32)[:, None])
+    return out.to(x.dtype)
+
+
+def _pow2_at_least(v: float) -> int:
+    """Smallest power of two >= ``v`` (1 for ``v <= 1``)."""
+    p = 1
+    while p < v:
+        p *= 2
+    return p
+
+
+def default_config(t: int, k: int, e: int, n: int, kdim: int, fp4: bool) -> dict[str, int]:
+    """Launch config for ``T`` tokens, top-``k`` of ``E`` experts; ``n``/``kdim`` are w13's
+    ``2I``/``H``. Decode (few rows per expert) uses an M-block covering an expert's rows with
+    50% headroom for routing imbalance, so each hit expert's weights stream about once;
+    prefill uses 128x128 tiles."""
+    rows_per_expert = t * k / e
+    if rows_per_expert >= 96:
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
+                "num_warps": 8, "num_stages": 3 if fp4 else 4}
+    block_m = min(64, max(16, _pow2_at_least(1.5 * rows_per_expert)))
+    return {"BLOCK_M": block_m, "BLOCK_N": min(64, _pow2_at_least(n)),
+            "BLOCK_K": 128 if kdim % 128 == 0 else 64, "GROUP_M": 1,
+            "num_warps": 4, "num_stages": 4}
+
+
+@triton.jit
+def _tile_ids(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Grouped (L2-friendly) program order: GROUP_M M-blocks share each sweep over N."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _e2m1_to_f32(nib):  # type: ignore[no-untyped-def]
+    """Decode e2m1 nibbles (int32, 0..15) to fp32."""
+    em = nib & 7
+    # e > 0: exponent e-1 biased to e+126, mantissa bit m at fp32 bit 22.
+    normal = ((em << 22) + (126 << 23)).to(tl.float32, bitcast=True)
+    mag = tl.where(em < 2, em.to(tl.float32) * 0.5, normal)
+    return tl.where(nib >= 8, -mag, mag)
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):  # type: ignore[no-untyped-def]
+    """``acc + a @ b`` (operands widened to fp32 first when UPCAST)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _matmul_rows(acc, a_rows, a_ok, w_rows, s_rows, n_ok,  # type: ignore[no-untyped-def]
+                 K: tl.constexpr, FP4: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc[BM, BN] += A[a_rows, :K] @ W[w_rows, :K]^T``.
+
+    ``a_rows``/``w_rows`` are per-row base pointers (last dim contiguous); for FP4, ``w_rows``
+    points at packed bytes and ``s_rows`` at the rows' scales.
+    """
+    if FP4:
+        j = tl.arange(0, 32)
+        # Step over packed bytes (32 per 64-wide group) so offsets keep their divisibility.
+        for kp in range(0, K // 2, BLOCK_K // 2):
+            for g in tl.static_range(BLOCK_K // 64):
+                kb = kp + g * 32  # first byte of the group
+                kg = 2 * kb  # its first element
+                if EVEN_K:
+                    a_mask = a_ok[:, None]
+                    b_mask = n_ok[None, :]
+                    s_mask = n_ok
+                else:
+                    a_mask = a_ok[:, None] & (kg < K)
+                    b_mask = n_ok[None, :] & (kg < K)
+                    s_mask = n_ok & (kg < K)
+                a_lo = tl.load(a_rows[:, None] + (kg + j)[None, :], mask=a_mask, other=0.0)
+                a_hi = tl.load(a_rows[:, None] + (kg + 32 + j)[None, :], mask=a_mask, other=0.0)
+                byte = tl.load(w_rows[None, :] + (kb + j)[:, None], mask=b_mask, other=0)
+                byte = byte.to(tl.int32)
+                s_lo = tl.load(s_rows + kb // 16, mask=s_mask, other=0.0).to(tl.float32)
+                s_hi = tl.load(s_rows + kb // 16 + 1, mask=s_mask, other=0.0).to(tl.float32)
+                w_lo = (_e2m1_to_f32(byte & 15) * s_lo[None, :]).to(a_lo.dtype)
+                w_hi = (_e2m1_to_f32(byte >> 4) * s_hi[None, :]).to(a_lo.dtype)
+                acc = _dot(a_lo, w_lo, acc, PRECISION, UPCAST)
+                acc = _dot(a_hi, w_hi, acc, PRECISION, UPCAST)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            if EVEN_K:
+                a = tl.load(a_rows[:, None] + kk[None, :], mask=a_ok[:, None], other=0.0)
+                b = tl.load(w_rows[None, :] + kk[:, None], mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = kk < K
+                a = tl.load(a_rows[:, None] + kk[None, :], mask=a_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+                b = tl.load(w_rows[None, :] + kk[:, None], mask=n_ok[None, :] & k_ok[:, None],
+                            other=0.0)
+            acc = _dot(a, b.to(a.dtype), acc, PRECISION, UPCAST)
+    return acc
+
+
+# Row counts vary with the batch; specializing on their divisibility would only add recompiles.
+@triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, inter_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr,
+                    num_pairs, top_k, I, num_pid_m,
+                    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_im,
+                    K: tl.constexpr, FP4: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                    PRECISION: tl.constexpr, UPCAST: tl.constexpr):  # type: ignore[no-untyped-def]
+    """inter[row, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for one tile."""
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    pid_m, pid_n = _tile_ids(num_pid_m, tl.cdiv(I, HALF_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = pairs < num_pairs
+    tokens = (pairs // top_k).to(tl.int64)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    # Columns 0..HALF_N-1 of the tile are gate rows n, the rest the up rows I + n.
+    c = tl.arange(0, BLOCK_N)
+    n = pid_n * HALF_N + (c % HALF_N)
+    n_ok = n < I
+    w_n = n + (c // HALF_N) * I
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _matmul_rows(acc, x_ptr + tokens * stride_xm, row_ok,
+                       w_ptr + expert * stride_we + w_n.to(tl.int64) * stride_wn,
+                       s_ptr + expert * stride_se + w_n.to(tl.int64) * stride_sn, n_ok, K,
+                       FP4, BLOCK_K, EVEN_K, PRECISION, UPCAST)
+    gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF_N)), (0, 2, 1)))
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    offs_n = pid_n * HALF_N + tl.arange(0, HALF_N)
+    ptrs = inter_ptr + offs_m.to(tl.int64)[:, None] * stride_im + offs_n[None, :]
+    tl.store(ptrs, h.to(inter_ptr.dtype.element_ty), mask=(offs_n < I)[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
+def _down_kernel(inter_ptr, w_ptr, s_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr,
+                 total_ptr, num_pairs, H, num_pid_m,
+                 stride_im, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+                 K: tl.constexpr, FP4: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                 PRECISION: tl.constexpr, UPCAST: tl.constexpr):  # type: ignore[no-untyped-def]
+    """out[pair, n] = weight[pair] * (inter[row] . w2[e, n]) for one tile."""
+    pid_m, pid_n = _tile_ids(num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + offs_m)
+    row_ok = pairs < num_pairs
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = _matmul_rows(acc, inter_ptr + offs_m.to(tl.int64) * stride_im, row_ok,
+                       w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn,
+                       s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn, n_ok, K,
+                       FP4, BLOCK_K, EVEN_K, PRECISION, UPCAST)
+    weight = tl.load(topk_w_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * weight[:, None]
+    ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def _align(topk_ids: torch.Tensor, num_experts: int,
+           block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Sort (token, slot) pairs by expert and pad each expert's run to a multiple of ``block_m``.
+
+    Returns ``sorted_ids`` (int32, flat pair index per padded row, ``T*k`` for padding),
+    ``expert_ids`` (int32, expert per M-block), ``total`` (int64 [1], padded row count) and the
+    number of M-blocks the buffers hold. Device ops only.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    m = flat.numel()
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    first_row = padded_end - padded - (counts.cumsum(0) - counts)  # padded start - unpadded start
+    order = torch.argsort(flat, stable=True)
+    dest = first_row[flat[order]] + torch.arange(m, device=dev)
+    num_blocks = triton.cdiv(m + num_experts * (block_m - 1), block_m)
+    sorted_ids = torch.full((num_blocks * block_m,), m, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    block_start = torch.arange(0, num_blocks * block_m, block_m, device=dev)
+    expert_ids = torch.searchsorted(padded_end, block_start, right=True)
+    expert_ids = expert_ids.clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_ids, expert_ids, padded_end[-1:], num_blocks
+
+
+def _operands(w: torch.Tensor | Fp4Weight) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(weight or packed codes, scales or a dummy, is_fp4)."""
+    if isinstance(w, Fp4Weight):
+        if w.packed.stride(-1) != 1 or w.scales.stride(-1) != 1:
+            raise ValueError("Fp4Weight tensors must be contiguous along K")
+        return w.packed, w.scales, True
+    if w.stride(-1) != 1:
+        raise ValueError("expert weights must be contiguous along K")
+    return w, w, False
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor | Fp4Weight, w2: torch.Tensor | Fp4Weight,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+              out: torch.Tensor | None = None,
+              config: dict[str, int] | None = None) -> torch.Tensor:
+    """Routed experts: ``sum_j w[t,j] * (silu(x Wg^T) * (x Wu^T)) W2^T`` of expert ``ids[t,j]``.
+
+    ``x [T, H]`` (bf16/fp32), ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` (tensors or :class:`Fp4Weight`),
+    ``topk_weights [T, k]`` fp32, ``topk_ids [T, k]`` int. Returns ``[T, H]`` in ``x.dtype``
+    (written into ``out`` when given). No host synchronisation.
+
+    ``config`` (default :func:`default_config`) sets ``BLOCK_M`` (rows per M-block, also the
+    alignment padding), ``BLOCK_N`` (GEMM tile width; in kernel 1 it holds ``BLOCK_N/2`` gate and
+    ``BLOCK_N/2`` up columns), ``BLOCK_K`` (a multiple of 64 for FP4), ``GROUP_M`` (M-blocks per
+    grouped sweep over N), ``num_warps``, ``num_stages``; both kernels use the same values.
+    """
+    t, hidden = x.shape
+    k = topk_ids.shape[1]
+    e, two_i, h13 = w13.shape
+    e2, h2, inter_dim = w2.shape
+    if (h13 != hidden or h2 != hidden or two_i != 2 * inter_dim or e2 != e
+            or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape):
+        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
+                         f"w2 {tuple(w2.shape)}, topk_weights {tuple(topk_weights.shape)}, "
+                         f"topk_ids {tuple(topk_ids.shape)}")
+    if out is None:
+        out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    w13_t, s13, fp4_13 = _operands(w13)
+    w2_t, s2, fp4_2 = _operands(w2)
+    cfg = config or default_config(t, k, e, two_i, hidden, fp4_13 or fp4_2)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if (fp4_13 or fp4_2) and bk % _FP4_GROUP:
+        raise ValueError(f"FP4 weights need BLOCK_K to be a multiple of {_FP4_GROUP}, got {bk}")
+    x = x.contiguous()
+    sorted_ids, expert_ids, total, num_pid_m = _align(topk_ids, e, bm)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
+              "PRECISION": precision, "UPCAST": _INTERPRET}
+    inter = torch.empty(num_pid_m * bm, inter_dim, dtype=x.dtype, device=x.device)
+    grid1 = (num_pid_m * triton.cdiv(inter_dim, bn // 2),)
+    _gate_up_kernel[grid1](
+        x, w13_t, s13, inter, sorted_ids, expert_ids, total, t * k, k, inter_dim, num_pid_m,
+        x.stride(0), w13_t.stride(0), w13_t.stride(1), s13.stride(0), s13.stride(1),
+        inter.stride(0), K=hidden, FP4=fp4_13, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        GROUP_M=cfg["GROUP_M"], EVEN_K=hidden % bk == 0, **launch)
+    pair_out = torch.empty(t * k, hidden, dtype=x.dtype, device=x.device)
+    grid2 = (num_pid_m * triton.cdiv(hidden, bn),)
+    _down_kernel[grid2](
+        inter, w2_t, s2, pair_out, topk_weights.reshape(-1).contiguous(), sorted_ids, expert_ids,
+        total, t * k, hidden, num_pid_m, inter.stride(0), w2_t.stride(0), w2_t.stride(1),
+        s2.stride(0), s2.stride(1), pair_out.stride(0), K=inter_dim, FP4=fp4_2, BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], EVEN_K=inter_dim % bk == 0,
+        **launch)
+    torch.sum(pair_out.view(t, k, hidden), dim=1, out=out)
+    return out

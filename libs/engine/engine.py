@@ -128,7 +128,7 @@ class Engine:
         self.cost = CostModel.for_model(cfg, torch.finfo(dtype).bits // 8,
                                         torch.finfo(TORCH_DTYPES[kv_dtype]).bits // 8,
                                         *self._nominal_rates(),
-                                        expert_param_bytes=0.5 + 4 / 32 if config.expert_dtype == "fp4" else None,
+                                        expert_param_bytes=0.5 + 2 / 32 if config.expert_dtype == "fp4" else None,
                                         kv_token_layer_bytes=per_layer)
         self.scheduler = Scheduler(self.scheduler_config, self.blocks, self.cost, cfg.eos_token_ids)
         self.sampler = Sampler(self.device, config.sampler_seed)

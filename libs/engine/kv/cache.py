@@ -45,7 +45,8 @@ class LayerCache:
         assert self.scale is not None
         r = self.latent.shape[1]
         q, scale = quantize_fp8(values[:, :r])
-        self.latent.index_copy_(0, slots, q)
+        # Through a byte view: index_copy_ has no float8 kernel on every device.
+        self.latent.view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))
         self.scale.index_copy_(0, slots, scale)
         self.rope.index_copy_(0, slots, values[:, r:].to(self.rope.dtype))
 
@@ -54,7 +55,8 @@ class LayerCache:
         if self.kv is not None:
             return self.kv[slots].to(dtype)
         assert self.scale is not None
-        latent = self.latent[slots].to(torch.float32) * self.scale[slots].unsqueeze(-1)
+        latent = (self.latent.view(torch.uint8)[slots].view(torch.float8_e4m3fn).to(torch.float32)
+                  * self.scale[slots].unsqueeze(-1))
         return torch.cat((latent.to(dtype), self.rope[slots].to(dtype)), dim=-1)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

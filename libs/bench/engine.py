@@ -115,7 +115,8 @@ def bench_decode(engine: Engine, batch: int, context: int, steps: int, limits: d
                  vocab: int) -> dict[str, Any]:
     rids = [f"decode-{batch}-{i}" for i in range(batch)]
     for rid, ids in zip(rids, decode_prompts(batch, context, vocab).tolist()):  # the peer's prompts too
-        engine.add_request(rid, ids, SamplingParams(max_tokens=steps + 3, ignore_eos=True))
+        # Room for every step below, so the batch stays whole while it is timed; aborted after.
+        engine.add_request(rid, ids, SamplingParams(max_tokens=4 * steps + 64, ignore_eos=True))
     _drain_prefill(engine, rids)  # every request has its first token: decode from here
     engine.step()  # warm-up decode step
     t0 = time.perf_counter()
@@ -123,6 +124,8 @@ def bench_decode(engine: Engine, batch: int, context: int, steps: int, limits: d
         engine.step()
     _sync(engine.device)
     seconds = (time.perf_counter() - t0) / steps
+    for rid in rids:
+        engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
     shape = StepShape(tuple((1, context + 2) for _ in range(batch)))
@@ -189,15 +192,15 @@ def capture_logits(engine: Engine, prompts: list[list[int]], forced: list[list[i
     """
     rows: dict[tuple[int, int], torch.Tensor] = {}
 
-    def sample(logits: torch.Tensor, params: Any, positions: Any) -> list[int]:
+    def sample(logits: torch.Tensor, params: Any, positions: Any) -> torch.Tensor:
         out = []
         for r, (p, pos) in enumerate(zip(params, positions)):
             i = int(p.seed) - _QUALITY_SEED
             rows[(i, int(pos))] = logits[r].detach().float().cpu()
             out.append(forced[i][int(pos) - len(prompts[i])])
-        return out
+        return torch.tensor(out, dtype=torch.int64, device=logits.device)
 
-    engine.sampler.sample = sample  # type: ignore[method-assign]
+    engine.sampler.sample_device = sample  # type: ignore[method-assign]
     try:
         for i, p in enumerate(prompts):
             engine.add_request(f"quality-{i}", p, SamplingParams(max_tokens=len(forced[i]), ignore_eos=True,
@@ -205,11 +208,11 @@ def capture_logits(engine: Engine, prompts: list[list[int]], forced: list[list[i
         while engine.has_unfinished():
             engine.step()
     finally:
-        del engine.sampler.sample  # back to the class's method
+        del engine.sampler.sample_device  # back to the class's method
     want = sum(len(f) for f in forced)
     if len(rows) != want:
         raise RuntimeError(f"quality: captured {len(rows)} logit rows, expected {want} "
-                           "(the engine no longer samples through engine.sampler.sample?)")
+                           "(the engine no longer samples through engine.sampler.sample_device?)")
     return rows
 
 
@@ -313,7 +316,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         quality = {"skipped": "no --kv-cache-dtype fp8 / --experts fp4" if not quantized else "--no-quality"}
 
-    max_len = max(max(prefill_sizes), context + args.decode_steps + 8) + 1
+    max_len = max(max(prefill_sizes), context + 4 * args.decode_steps + 72) + 1
     blocks = max(sum(-(-(context + args.decode_steps + 8) // 128) for _ in batches) * 2,
                  -(-max(prefill_sizes) // 128) * 2 + 8, max(batches) * (context // 128 + 2))
     engine = Engine(make_config(model=args.preset, device=args.device, dtype=args.dtype,

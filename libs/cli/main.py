@@ -158,9 +158,13 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _add_kvstore(sub: argparse._SubParsersAction) -> None:
-    from services.kvstore.main import build_parser
-
     p = sub.add_parser("kvstore", help="kvstore maintenance")
+    try:
+        from services.kvstore.main import build_parser
+    except ImportError as exc:  # e.g. a GPU box with only the engine's packages: other commands work
+        p.set_defaults(what=None, missing=f"kvstore tools need the service's packages ({exc}); "
+                                          "run `make setup`")
+        return
     ksub = p.add_subparsers(dest="what", required=True)
     f = ksub.add_parser("fsck", help="find damaged and orphan shards and lost blocks; --repair fixes")
     build_parser(f)  # the service's own flags: same targets, same Redis
@@ -172,6 +176,9 @@ def _add_kvstore(sub: argparse._SubParsersAction) -> None:
 
 
 def _kvstore(args: argparse.Namespace) -> int:
+    if getattr(args, "missing", None):
+        print(args.missing, file=sys.stderr)
+        return 2
     import asyncio
 
     from services.kvstore.fsck import fsck

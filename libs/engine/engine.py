@@ -135,6 +135,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.cache, self.sampler, config.use_kernels,
                                   config.cuda_graphs, max_len, max_graph_batch=config.max_running)
         self._inflight: Launched | None = None
+        self.runner.capture_all()
         self.last_step_seconds = 0.0
         self.last_step_tokens = 0
 

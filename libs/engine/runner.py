@@ -49,13 +49,19 @@ class Launched:
 
 @dataclass
 class _Graph:
+    """A captured decode step for ``batch`` rows and its static inputs.
+
+    ``inputs`` (device) holds, per row, the token id, position, cache slot, context length
+    and ``max_blocks`` block-table entries (int64); the graph reads views of it. The host
+    fills one of two pinned staging copies and sends it in one transfer: the copy a step
+    fills was last sent two steps ago, which has finished by then.
+    """
+
     graph: torch.cuda.CUDAGraph
-    ids: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
+    inputs: torch.Tensor
+    staging: list[torch.Tensor]
     logits: torch.Tensor
+    steps: int = 0
 
 
 class ModelRunner:
@@ -230,58 +236,69 @@ class ModelRunner:
         return s.to(device or self.device)
 
     # -- CUDA graphs -------------------------------------------------------------------------
-    def _forward_graph(self, plan: StepPlan, prev: Launched | None) -> torch.Tensor:
+    def capture_all(self) -> None:
+        """Capture every batch size of the ladder now, so no request waits for a capture."""
+        if self.cuda_graphs:
+            for bg in reversed(self.ladder):  # largest first: smaller graphs reuse its pool
+                self.graphs[(bg, 0)] = self._capture(bg)
+
+    def _graph_splits(self, bg: int) -> int:
         from .kernels.mla_decode import choose_num_splits
 
+        # Fixed per batch size: sized for the longest context; shorter ones leave splits empty.
+        return choose_num_splits(bg, self.num_heads, self.max_blocks * self.block_size)
+
+    def _forward_graph(self, plan: StepPlan, prev: Launched | None) -> torch.Tensor:
         seqs = plan.seqs
         b = len(seqs)
         bg = next(x for x in self.ladder if x >= b)
-        bs = self.block_size
-        lens = np.array([s.start + 1 for s in seqs], dtype=np.int32)
-        splits = choose_num_splits(bg, self.num_heads, int(lens.max()))
-        g = self.graphs.get((bg, splits))
+        g = self.graphs.get((bg, 0))
         if g is None:
-            g = self._capture(bg, splits)
-            self.graphs[(bg, splits)] = g
-        ids = np.zeros(bg, dtype=np.int64)
-        pos = np.zeros(bg, dtype=np.int64)
-        slots = np.full(bg, self.cache.scratch_slot, dtype=np.int64)
-        seq_lens = np.zeros(bg, dtype=np.int32)
-        table = np.zeros((bg, self.max_blocks), dtype=np.int32)
+            g = self._capture(bg)
+            self.graphs[(bg, 0)] = g
+        bs, mb = self.block_size, self.max_blocks
+        host = g.staging[g.steps % 2]
+        g.steps += 1
+        arr = host.numpy()
+        arr[:] = 0
+        cols = arr[: bg * 4].reshape(4, bg)  # ids, positions, slots, lengths
+        table = arr[bg * 4 :].reshape(bg, mb)
+        cols[2, :] = self.cache.scratch_slot
         fix_rows: list[int] = []
         fix_srcs: list[int] = []
         for i, s in enumerate(seqs):
             p = s.start
-            ids[i] = s.token_ids[0]
-            pos[i] = p
-            slots[i] = s.block_table[p // bs] * bs + p % bs
-            seq_lens[i] = p + 1
             nb = p // bs + 1
+            cols[0, i] = s.token_ids[0]
+            cols[1, i] = p
+            cols[2, i] = s.block_table[p // bs] * bs + p % bs
+            cols[3, i] = p + 1
             table[i, :nb] = s.block_table[:nb]
             if s.token_ids[0] == PLACEHOLDER:
                 assert prev is not None
                 fix_rows.append(i)
                 fix_srcs.append(prev.index[s.request_id])
-        g.ids.copy_(self._to_device(ids), non_blocking=True)
-        self._fill_placeholders(g.ids, fix_rows, fix_srcs, prev)
-        g.positions.copy_(self._to_device(pos), non_blocking=True)
-        g.slots.copy_(self._to_device(slots), non_blocking=True)
-        g.seq_lens.copy_(self._to_device(seq_lens), non_blocking=True)
-        g.block_table.copy_(self._to_device(table), non_blocking=True)
+        g.inputs.copy_(host, non_blocking=True)
+        self._fill_placeholders(g.inputs[:bg], fix_rows, fix_srcs, prev)
         g.graph.replay()
         return g.logits[:b]
 
-    def _capture(self, bg: int, splits: int) -> _Graph:
+    def _capture(self, bg: int) -> _Graph:
         dev = self.device
-        ids = torch.zeros(bg, dtype=torch.int64, device=dev)
-        positions = torch.zeros(bg, dtype=torch.int64, device=dev)
-        slots = torch.full((bg,), self.cache.scratch_slot, dtype=torch.int64, device=dev)
-        table = torch.zeros(bg, self.max_blocks, dtype=torch.int32, device=dev)
-        seq_lens = torch.zeros(bg, dtype=torch.int32, device=dev)
-        meta = AttentionMetadata(slots, [], decode_start=0, block_table=table, seq_lens=seq_lens,
-                                 block_size=self.block_size, num_splits=splits)
+        mb = self.max_blocks
+        inputs = torch.zeros(bg * (4 + mb), dtype=torch.int64, device=dev)
+        inputs[2 * bg : 3 * bg] = self.cache.scratch_slot
+        staging = [torch.zeros(inputs.shape, dtype=torch.int64).pin_memory() for _ in range(2)]
+        ids, positions, slots = inputs[:bg], inputs[bg : 2 * bg], inputs[2 * bg : 3 * bg]
+        seq_lens32 = torch.zeros(bg, dtype=torch.int32, device=dev)
+        table32 = torch.zeros(bg, mb, dtype=torch.int32, device=dev)
+        meta = AttentionMetadata(slots, [], decode_start=0, block_table=table32, seq_lens=seq_lens32,
+                                 block_size=self.block_size, num_splits=self._graph_splits(bg))
 
         def run() -> torch.Tensor:
+            # The kernel takes int32 lengths and tables: converted inside the graph.
+            seq_lens32.copy_(inputs[3 * bg : 4 * bg])
+            table32.copy_(inputs[4 * bg :].view(bg, mb))
             hidden = self.model(ids, positions, meta, self.cache.layers)
             return self.model.logits(hidden)
 
@@ -297,4 +314,4 @@ class ModelRunner:
             self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = run()
-        return _Graph(graph, ids, positions, slots, table, seq_lens, logits)
+        return _Graph(graph, inputs, staging, logits)

@@ -3,8 +3,9 @@ plain PyTorch path on the same weights, on a CUDA device.
 
 * fp32: the kernel path gives the same greedy tokens as the reference path for a mixed batch
   (prompts of several lengths, decodes through CUDA graphs, overlapped steps, a preemption);
-* bf16: logits of one batched prefill + 16 decode steps within 2e-2 relative error;
-* FP8 KV and FP4 experts: their logits error against bf16 is bounded and printed.
+* bf16 kernels against the fp32 reference (no worse than bf16 PyTorch), and FP8 KV / FP4
+  experts against bf16: logits of a batched prefill and 16 teacher-forced decode steps (same
+  tokens fed to both), relative error bounded and printed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
+from libs.bench.engine import capture_logits, compare_logits, quality_inputs  # noqa: E402
 from libs.engine.engine import Engine, EngineConfig  # noqa: E402
 from libs.engine.loader import load  # noqa: E402
 from libs.engine.sampling_params import SamplingParams  # noqa: E402
@@ -51,46 +53,37 @@ def test_kernel_path_gives_reference_tokens_fp32(blocks: int) -> None:
     assert outs["triton"] == outs["torch"]
 
 
-def _logits(engine: Engine, prompts: list[list[int]], steps: int) -> torch.Tensor:
-    """Last-token logits after prefill, then after each of ``steps`` greedy decode steps."""
-    rows = []
-    for i, p in enumerate(prompts):
-        engine.add_request(f"q{i}", p, SamplingParams(max_tokens=steps + 1, ignore_eos=True))
-    captured: list[torch.Tensor] = []
-    original = engine.model.logits
-
-    def spy(hidden: torch.Tensor) -> torch.Tensor:
-        out = original(hidden)
-        captured.append(out.detach().float().cpu())
-        return out
-
-    engine.model.logits = spy  # type: ignore[method-assign]
-    engine.runner.cuda_graphs = False  # the spy must see every step
-    while engine.has_unfinished():
-        engine.step()
-    engine.model.logits = original  # type: ignore[method-assign]
-    for t in captured:
-        rows.append(t[: len(prompts)])
-    return torch.stack(rows)
-
-
-@pytest.mark.parametrize("variant", ["bf16-kernels", "fp8-kv", "fp4-experts"])
-def test_quantized_logits_error_is_bounded(variant: str) -> None:
-    prompts = _prompts(4, 129280)
-    ref_engine = Engine(EngineConfig(model="tiny", device="cuda", dtype="float32", block_size=16,
-                                     num_kv_blocks=256, time_budget_s=None, kernels="torch", seed=2))
-    ref = _logits(ref_engine, prompts, 16)
-    del ref_engine
-    kw: dict[str, object] = {"dtype": "bfloat16"}
-    if variant == "fp8-kv":
-        kw["kv_cache_dtype"] = "fp8"
-    if variant == "fp4-experts":
-        kw["expert_dtype"] = "fp4"
+def _forced(variant: dict[str, object], prompts: list[list[int]], forced: list[list[int]]):
     engine = Engine(EngineConfig(model="tiny", device="cuda", block_size=16, num_kv_blocks=256,
-                                 time_budget_s=None, seed=2, **kw))  # type: ignore[arg-type]
-    got = _logits(engine, prompts, 16)
-    rel = ((got - ref).norm() / ref.norm()).item()
-    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    print(f"{variant}: relative logits error vs fp32 reference {rel:.3e}, top-1 agreement {agree:.3f}")
-    bound = {"bf16-kernels": 2e-2, "fp8-kv": 5e-2, "fp4-experts": 0.25}[variant]
-    assert rel < bound
+                                 time_budget_s=None, seed=2, **variant))  # type: ignore[arg-type]
+    rows = capture_logits(engine, prompts, forced)
+    del engine
+    torch.cuda.empty_cache()
+    return rows
+
+
+@pytest.mark.parametrize("variant,bound", [
+    # Bounds from the fp32 CPU reference on this tiny random model: fp8 6.2e-2, fp4 7.5e-2.
+    ({"dtype": "bfloat16", "kv_cache_dtype": "fp8"}, 0.1),
+    ({"dtype": "bfloat16", "expert_dtype": "fp4"}, 0.15),
+])
+def test_quantized_logits_error_against_bf16_is_bounded(variant: dict[str, object], bound: float) -> None:
+    """Same weights, same (teacher-forced) tokens: only the quantization differs."""
+    prompts, forced = quality_inputs(129280, 4, 200, 16)
+    ref = _forced({"dtype": "bfloat16"}, prompts, forced)
+    got = _forced(variant, prompts, forced)
+    stats = compare_logits(got, ref, 200)
+    print(f"{variant}: relative logits error vs bf16 {stats['relative_error']:.3e}, "
+          f"top-1 agreement {stats['top1_agreement']:.3f}")
+    assert stats["relative_error"] < bound
+
+
+def test_bf16_kernel_path_adds_no_error_beyond_bf16() -> None:
+    """Against the fp32 reference, the bf16 kernel path errs no more than bf16 PyTorch does."""
+    prompts, forced = quality_inputs(129280, 4, 200, 16)
+    ref = _forced({"dtype": "float32", "kernels": "torch"}, prompts, forced)
+    plain = compare_logits(_forced({"dtype": "bfloat16", "kernels": "torch"}, prompts, forced), ref, 200)
+    fast = compare_logits(_forced({"dtype": "bfloat16"}, prompts, forced), ref, 200)
+    print(f"vs fp32: bf16 kernels {fast['relative_error']:.3e} (top-1 {fast['top1_agreement']:.3f}), "
+          f"bf16 PyTorch {plain['relative_error']:.3e} (top-1 {plain['top1_agreement']:.3f})")
+    assert fast["relative_error"] <= 1.5 * plain["relative_error"] + 1e-3

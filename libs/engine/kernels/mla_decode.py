@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+from ..kv.cache import FP8_MAX, quantize_fp8
 _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 32
@@ -218,28 +218,18 @@ def choose_num_splits(batch: int, num_heads: int, max_seq_len_hint: int,
                       num_sms: int = 132) -> int:
     """Splits of the context per (sequence, head block) so the stage-1 grid fills the GPU.
 
-    ``batch * cdiv(num_heads, BLOCK_H)`` programs already make one wave when they reach
-    ``num_sms``; below that the context is split ``num_sms // programs`` ways, but no split is
-    made shorter than 128 tokens of ``max_seq_len_hint`` and there are at most 32.
+    Aims at about two waves of programs (``2 * num_sms``): measured on the H200 (V2-Lite
+    heads, 2K context), batch 64 runs best with 4 splits (64 us vs 70 us with 2) and batch 256
+    with 1. No split is made shorter than 128 tokens of ``max_seq_len_hint``; at most 32.
     """
     programs = batch * triton.cdiv(num_heads, _default_block_h(num_heads))
-    if programs >= num_sms:
-        return 1
     cap = min(_MAX_SPLITS, max(1, triton.cdiv(max_seq_len_hint, _MIN_TOKENS_PER_SPLIT)))
-    return max(1, min(cap, num_sms // programs))
+    return max(1, min(cap, (2 * num_sms) // programs))
 
 
-def quantize_latent_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token fp8 quantization of latents ``x [N, R]`` for the fp8 cache.
-
-    Returns ``(x8 [N, R] float8_e4m3fn, scale [N] fp32)`` with ``scale = amax / 448`` per row
-    (a zero row gets the smallest normal scale, so it stays zero), so that
-    ``x8.float() * scale[:, None]`` approximates ``x``. Plain tensor ops, graph-capturable.
-    """
-    xf = x.float()
-    scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    x8 = (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return x8, scale
+# The cache's own quantizer (one per token: scale = amax / 448), under the name the kernel's
+# callers and tests use.
+quantize_latent_fp8 = quantize_fp8
 
 
 def _check(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor,

@@ -13,10 +13,14 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row e4m3 quantization: (x / scale as e4m3, scale) with scale = amax / 448."""
+    """Per-row e4m3 quantization of ``x`` [N, D]: ``(x / scale as e4m3, scale [N] fp32)``.
+
+    ``scale = amax / 448`` per row (a zero row gets the smallest normal scale and stays zero),
+    so ``q.float() * scale[:, None]`` approximates ``x``. Plain tensor ops, graph-capturable.
+    """
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp_min(1e-12)
-    return (xf / scale[:, None]).to(torch.float8_e4m3fn), scale
+    scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    return (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
 @dataclass

@@ -19,8 +19,22 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
+        self.use_kernels = False
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(x + residual), x + residual)``, in one kernel on the kernel path."""
+        if self.use_kernels and x.stride(-1) == 1 and residual.stride(-1) == 1:
+            from ..kernels.fused_ops import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        summed = residual + x
+        return self(summed), summed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernels and x.dim() == 2 and x.stride(-1) == 1:
+            from ..kernels.fused_ops import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)[0]
         xf = x.to(torch.float32)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         out: torch.Tensor = self.weight * xf.to(x.dtype)
@@ -41,8 +55,19 @@ class MLP(nn.Module):
         self.gate_proj = _linear(inter, hidden, False, dtype, device)
         self.up_proj = _linear(inter, hidden, False, dtype, device)
         self.down_proj = _linear(hidden, inter, False, dtype, device)
+        self.use_kernels = False
+        self._gate_up: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernels:
+            from ..kernels.fused_ops import silu_mul
+
+            # One GEMM for gate and up (their weights stacked once), one kernel for silu * up.
+            w = self._gate_up
+            if w is None or w.device != self.gate_proj.weight.device:
+                w = self._gate_up = torch.cat((self.gate_proj.weight, self.up_proj.weight))
+            y: torch.Tensor = self.down_proj(silu_mul(F.linear(x, w)))
+            return y
         out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return out
 
@@ -66,6 +91,7 @@ class Router(nn.Module):
         e = cfg.n_routed_experts
         self.weight = nn.Parameter(torch.empty(e, cfg.hidden_size, dtype=dtype, device=device),
                                    requires_grad=False)
+        self._weight_fp32: torch.Tensor | None = None
         if cfg.topk_method == "noaux_tc":
             # Kept in fp32 whatever the model dtype: it shifts sigmoid scores near 1e-3 apart.
             self.e_score_correction_bias = nn.Parameter(
@@ -73,7 +99,12 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        logits = F.linear(x.to(torch.float32), self.weight.to(torch.float32))
+        w32 = self._weight_fp32
+        if w32 is None or w32.device != self.weight.device:
+            w32 = self.weight.to(torch.float32)
+            if self.weight.dtype != torch.float32:
+                self._weight_fp32 = w32  # made once, not every step
+        logits = F.linear(x.to(torch.float32), w32)
         if cfg.scoring_func == "sigmoid":
             scores = logits.sigmoid()
         else:

@@ -33,8 +33,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, cache: LayerCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
-        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.add_forward(
+            self.self_attn(self.input_layernorm(x), cos, sin, meta, cache), x)
+        out: torch.Tensor = x + self.mlp(h)
         return out
 
 
@@ -113,8 +114,9 @@ class DeepseekForCausalLM(nn.Module):
     def set_kernels(self, on: bool) -> None:
         """Fused attention and Triton decode/MoE kernels (on) or the plain PyTorch reference."""
         for module in self.modules():
-            if isinstance(module, (MLAttention, Experts)):
+            if isinstance(module, (MLAttention, Experts, RMSNorm, MLP)):
                 module.use_kernels = on
+        self.rotary.use_kernels = on
 
     def quantize_experts_fp4(self) -> None:
         for module in self.modules():

@@ -70,6 +70,7 @@ class Rotary:
         inv_freq, self.attention_factor = inv_freq_and_attention_factor(cfg.rope, cfg.qk_rope_head_dim)
         self.inv_freq = inv_freq.to(device)
         self.interleave = cfg.rope_interleave
+        self.use_kernels = False
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
@@ -77,6 +78,10 @@ class Rotary:
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x``: [tokens, ..., rope_dim]; ``cos``/``sin``: [tokens, rope_dim // 2]."""
+        if self.use_kernels and x.dim() in (2, 3) and x.stride(-1) == 1:
+            from ..kernels.fused_ops import rope
+
+            return rope(x, cos, sin, self.interleave)
         shape = [cos.shape[0]] + [1] * (x.dim() - 2) + [cos.shape[1]]
         c, s = cos.view(shape), sin.view(shape)
         xf = x.to(torch.float32)

@@ -9,12 +9,20 @@ times each with ``triton.testing.do_bench`` (median). Bytes = weights of the exp
 ``Experts.forward`` loop (bf16 weights) is timed for comparison. Prints a table; writes JSON to
 ``$OUT/fused_moe.json`` when ``OUT`` is set. Once ``BUDGET_S`` has passed, only the default
 config is timed, so the whole run stays within about four minutes.
+
+``--quick``: V2-Lite and V3 only at T in (64, 256) (bf16 and FP4) and T=4096 (bf16), at most 4
+configs for FP4 and 3 for bf16 (1 at T=4096), no torch loop; besides ``do_bench`` each default
+config is also timed as the engine runs decode: ``fused_moe`` captured once in a CUDA graph,
+replayed 50 times, median per replay. Prints bf16 and FP4 side by side with the FP4/bf16
+speedup. Aims at < 60 s on an H200.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import statistics
 import time
 from typing import Any
 
@@ -45,7 +53,15 @@ def candidate_configs(t: int, k: int, e: int, n: int, kdim: int, fp4: bool) -> l
     """The default first, then a few variations for the regime (at most 6, no duplicates)."""
     base = default_config(t, k, e, n, kdim, fp4)
     bm = base["BLOCK_M"]
-    if bm < 128:  # decode: bandwidth-bound, vary the weight tile
+    if bm < 128 and fp4:  # FP4 decode: decode ALU and activation re-reads vs tile width
+        variants = [
+            {"BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8},
+            {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4},
+            {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
+            {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4},
+            {"BLOCK_M": min(64, 2 * bm), "num_stages": 3},
+        ]
+    elif bm < 128:  # decode: bandwidth-bound, vary the weight tile
         variants = [
             {"BLOCK_N": 32, "BLOCK_K": 128, "num_stages": 4},
             {"BLOCK_N": 64, "BLOCK_K": 256, "num_stages": 3},
@@ -89,6 +105,94 @@ def _torch_experts(w13: torch.Tensor, w2: torch.Tensor) -> Experts:
     experts.w13 = nn.Parameter(w13, requires_grad=False)
     experts.w2 = nn.Parameter(w2, requires_grad=False)
     return experts
+
+
+def graph_ms(fn: Any, replays: int = 50) -> float:
+    """Median ms per replay of ``fn`` captured once in a CUDA graph (after one eager warm-up)."""
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    del graph
+    return statistics.median(times)
+
+
+def bench_quick(name: str, start: float, rows: list[dict[str, Any]]) -> None:
+    """--quick: default + few configs, do_bench and CUDA-graph timings, bf16 vs FP4."""
+    e, k, h, i = SHAPES[name]
+    torch.manual_seed(0)
+    w13 = torch.randn(e, 2 * i, h, device=CUDA, dtype=torch.bfloat16).mul_(h**-0.5)
+    w2 = torch.randn(e, h, i, device=CUDA, dtype=torch.bfloat16).mul_(i**-0.5)
+    formats = {"bf16": (w13, w2), "fp4": (quantize_fp4(w13), quantize_fp4(w2))}
+    for t in (64, 256, 4096):
+        x = torch.randn(t, h, device=CUDA, dtype=torch.bfloat16)
+        ids, weights, hit = _routing(t, e, k)
+        res: dict[str, dict[str, Any]] = {}
+        for fmt, (a13, a2) in formats.items():
+            if t > 256 and fmt == "fp4":
+                continue
+            configs = candidate_configs(t, k, e, 2 * i, h, fmt == "fp4")
+            configs = configs[: (1 if t > 256 else 4 if fmt == "fp4" else 3)]
+            out = torch.empty_like(x)
+            fused_moe(x, a13, a2, weights, ids, out=out, config=configs[0])
+            if t <= 64:
+                ref = fused_moe_reference(x, a13, a2, weights, ids)
+                rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                del ref
+            else:
+                rel = float("nan")
+            timings: list[tuple[float, dict[str, int]]] = []
+            for cfg in configs:
+                try:
+                    ms = triton.testing.do_bench(
+                        lambda cfg=cfg: fused_moe(x, a13, a2, weights, ids, out=out, config=cfg),
+                        warmup=5, rep=20, return_mode="median")
+                except triton.runtime.errors.OutOfResources:
+                    continue
+                timings.append((ms, cfg))
+            ms, best = min(timings, key=lambda p: p[0])
+            g_ms = graph_ms(lambda: fused_moe(x, a13, a2, weights, ids, out=out,
+                                              config=configs[0]))
+            g_best = g_ms if best == configs[0] else graph_ms(
+                lambda: fused_moe(x, a13, a2, weights, ids, out=out, config=best))
+            moved = hit.numel() * _expert_bytes(a13, a2) + 2 * t * h * x.element_size()
+            res[fmt] = {"model": name, "format": fmt, "T": t, "experts_hit": hit.numel(),
+                        "rel_err_vs_ref": rel, "ms": ms, "default_ms": timings[0][0],
+                        "graph_ms": g_ms, "graph_best_ms": g_best, "best_config": best,
+                        "bytes": moved, "GBps_graph": moved / min(g_ms, g_best) / 1e6,
+                        "sweep": [{"ms": m, "config": c} for m, c in timings]}
+            rows.append(res[fmt])
+        line = f"{name:8s} T={t:5d}"
+        for fmt, r in res.items():
+            c = r["best_config"]
+            line += (f" | {fmt} bench {r['ms']:.3f} (dflt {r['default_ms']:.3f}) graph "
+                     f"{r['graph_ms']:.3f}/{r['graph_best_ms']:.3f} ms "
+                     f"{r['GBps_graph']:5.0f} GB/s best ({c['BLOCK_M']},{c['BLOCK_N']},"
+                     f"{c['BLOCK_K']},{c['num_warps']},{c['num_stages']}) err {r['rel_err_vs_ref']:.1e}")
+        if "fp4" in res:
+            b, f = res["bf16"], res["fp4"]
+            line += (f" | fp4 speedup bench {b['ms'] / f['ms']:.2f}x graph(dflt) "
+                     f"{b['graph_ms'] / f['graph_ms']:.2f}x graph(best) "
+                     f"{b['graph_best_ms'] / f['graph_best_ms']:.2f}x")
+        print(line + f"  [{time.monotonic() - start:.0f}s]", flush=True)
+    del formats, w13, w2
+    torch.cuda.empty_cache()
 
 
 def bench_model(name: str, start: float, rows: list[dict[str, Any]]) -> None:
@@ -159,11 +263,16 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="V2-Lite and V3 at T=64/256 (+4096 bf16), CUDA-graph timings")
+    args = parser.parse_args()
     start = time.monotonic()
     rows: list[dict[str, Any]] = []
     for name in SHAPES:
-        bench_model(name, start, rows)
-    print(_table(rows))
+        (bench_quick if args.quick else bench_model)(name, start, rows)
+    if not args.quick:
+        print(_table(rows))
     print(f"total {time.monotonic() - start:.0f} s on {torch.cuda.get_device_name()}")
     out_dir = os.environ.get("OUT")
     if out_dir:

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 from libs.engine.kernels.fused_moe import (  # noqa: E402
     Fp4Weight,
+    _align,
     fused_moe,
     fused_moe_reference,
     quantize_fp4,
@@ -97,3 +98,19 @@ def test_cuda_graph_capture_and_replay(model: tuple[str, Weights], t: int) -> No
         graph.replay()
         torch.cuda.synchronize()
         assert _rel(out, fused_moe_reference(x, q13, q2, weights, ids)) < 1e-2
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("t", [1, 64, 256, 2048])
+def test_align_kernel_matches_sort(name: str, t: int) -> None:
+    e, k, _, _ = SHAPES[name]
+    _, _, ids = _inputs(name, t, seed=t)
+    skewed = ids.clone()
+    skewed[:, 0] = 3  # expert 3 in every token
+    for block_m in (16, 64):
+        for routing in (ids, skewed):
+            got = _align(routing, e, block_m, method="kernel")
+            want = _align(routing, e, block_m, method="sort")
+            assert got[3] == want[3]
+            for a, b in zip(got[:3], want[:3], strict=True):
+                assert torch.equal(a, b)

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from libs.engine.config import ModelConfig
 from libs.engine.kernels.fused_moe import (
     Fp4Weight,
     _align,
+    _e2m1_halves,
     default_config,
     dequantize_fp4,
     fused_moe,
@@ -79,6 +82,49 @@ def test_align_covers_every_pair_once_in_its_experts_blocks() -> None:
     assert torch.equal(block_expert, flat[sorted_ids[valid].long()])
     counts = torch.bincount(flat, minlength=E)
     assert total.item() == int(((counts + block_m - 1) // block_m * block_m).sum())
+
+
+@pytest.mark.parametrize(("t", "k", "e", "block_m", "mode"), [
+    (1, 2, 8, 16, "random"), (37, 3, 8, 16, "random"), (37, 3, 8, 16, "skewed"),
+    (64, 6, 64, 16, "random"), (256, 6, 64, 64, "random"), (40, 8, 256, 16, "skewed"),
+    (300, 4, 16, 32, "one_expert"), (1100, 2, 8, 16, "random"),
+])
+def test_align_kernel_matches_sort(t: int, k: int, e: int, block_m: int, mode: str) -> None:
+    """The one-launch Triton alignment gives buffers identical to the argsort path, including
+    experts without tokens, one expert in every token, and more pairs than one 1024-chunk."""
+    g = torch.Generator().manual_seed(t * e)
+    if mode == "skewed":  # a few experts take everything, most get nothing
+        ids = torch.randint(0, 3, (t, k), generator=g) * (e // 3)
+    elif mode == "one_expert":
+        ids = torch.cat([torch.full((t, 1), e - 1), torch.randint(0, e - 1, (t, k - 1),
+                                                                   generator=g)], dim=1)
+    else:
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    for dtype in (torch.int64, torch.int32):
+        got = _align(ids.to(dtype), e, block_m, method="kernel")
+        want = _align(ids.to(dtype), e, block_m, method="sort")
+        assert got[3] == want[3]
+        for a, b in zip(got[:3], want[:3], strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@triton.jit
+def _decode_probe(byte_ptr, lo_ptr, hi_ptr, N: tl.constexpr):  # type: ignore[no-untyped-def]
+    offs = tl.arange(0, N)
+    lo, hi = _e2m1_halves(tl.load(byte_ptr + offs))
+    tl.store(lo_ptr + offs, lo)
+    tl.store(hi_ptr + offs, hi)
+
+
+def test_e2m1_decode_all_nibbles() -> None:
+    """Every byte value: both nibbles decode to ``code * 2**-14`` exactly (e2m1 table, signs)."""
+    table = torch.cat([E2M1, -E2M1])
+    byte = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    lo, hi = torch.empty(256), torch.empty(256)
+    _decode_probe[(1,)](byte, lo, hi, N=256)
+    codes = torch.arange(256)
+    assert torch.equal(lo * 16384, table[codes % 16])
+    assert torch.equal(hi * 16384, table[codes // 16])
 
 
 @pytest.mark.parametrize(("t", "k", "i", "skewed"), [
@@ -205,6 +251,8 @@ def test_default_config_decode_and_prefill() -> None:
     decode = default_config(1, 8, 256, 4096, 7168, fp4=False)
     assert decode["BLOCK_M"] == 16
     assert default_config(64, 8, 64, 2816, 2048, fp4=True)["BLOCK_M"] == 8 * 2
+    fp4 = default_config(256, 6, 64, 2816, 2048, fp4=True)
+    assert (fp4["BLOCK_M"], fp4["BLOCK_N"], fp4["BLOCK_K"], fp4["num_warps"]) == (64, 128, 64, 8)
     prefill = default_config(4096, 8, 256, 4096, 7168, fp4=False)
     assert (prefill["BLOCK_M"], prefill["BLOCK_N"], prefill["BLOCK_K"], prefill["num_warps"]) == (
         128, 128, 64, 8)

@@ -2,7 +2,9 @@
 
 Pipeline (no host synchronisation anywhere, so it can be captured in a CUDA graph):
 
-1. Alignment (torch ops on device, like vLLM's ``moe_align_block_size``): the ``T*k``
+1. Alignment (device only, like vLLM's ``moe_align_block_size``; one Triton launch for up to
+   ``ALIGN_KERNEL_MAX_PAIRS`` pairs: per expert a histogram prefix and in-order ranks by cumsum,
+   no argsort; a torch argsort path beyond): the ``T*k``
    (token, slot) pairs are sorted by expert; each expert's segment is padded to a multiple of
    ``BLOCK_M`` inside a fixed buffer of ``T*k + E*(BLOCK_M-1)`` rows (rounded up to whole
    blocks). ``sorted_ids[row]`` holds the flat pair index ``token*k + slot`` (``T*k`` marks a
@@ -29,7 +31,9 @@ FP4 format (:class:`Fp4Weight`), for a weight ``w [E, N, K]`` with ``K % 64 == 0
   weight (12.5% on top of the 0.5 byte nibble), an fp32 one twice that. Quantization divides
   by the bf16-rounded scale, so the stored scale is exactly the one the codes were fitted to
   (a block's largest value may then exceed ``6 * scale`` by < 0.4% and saturates at code 7).
-  The kernels decode ``code * scale`` in fp32 and round it to the activation dtype before
+  The kernels decode with integer masks only (:func:`_e2m1_halves`: both nibbles of a byte
+  become fp16 bit patterns of ``code * 2**-14``, widened exactly to fp32), multiply by
+  ``scale * 2**14`` in fp32 (so exactly ``code * scale``) and round it to the activation dtype before
   ``tl.dot``: two dots per 64-wide group, low nibbles against ``x[:, 64g : 64g+32]``, high
   nibbles against ``x[:, 64g+32 : 64g+64]``.
 """
@@ -150,12 +154,18 @@ def default_config(t: int, k: int, e: int, n: int, kdim: int, fp4: bool) -> dict
     """Launch config for ``T`` tokens, top-``k`` of ``E`` experts; ``n``/``kdim`` are w13's
     ``2I``/``H``. Decode (few rows per expert) uses an M-block covering an expert's rows with
     50% headroom for routing imbalance, so each hit expert's weights stream about once;
-    prefill uses 128x128 tiles."""
+    prefill uses 128x128 tiles. FP4 decode uses 128-wide N tiles: each program re-reads its
+    M-block's activation rows (``BLOCK_M * K * 2`` bytes, from L2) for only ``BLOCK_N * K / 2``
+    weight bytes, so 64-wide tiles would move more activation than weight bytes."""
     rows_per_expert = t * k / e
     if rows_per_expert >= 96:
         return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
                 "num_warps": 8, "num_stages": 3 if fp4 else 4}
     block_m = min(64, max(16, _pow2_at_least(1.5 * rows_per_expert)))
+    if fp4:  # 8 warps and (at BLOCK_M 64) 64-wide K steps: no register spills on sm_90
+        return {"BLOCK_M": block_m, "BLOCK_N": min(128, _pow2_at_least(n)),
+                "BLOCK_K": 64 if block_m >= 64 or kdim % 128 else 128, "GROUP_M": 1,
+                "num_warps": 8, "num_stages": 4}
     return {"BLOCK_M": block_m, "BLOCK_N": min(64, _pow2_at_least(n)),
             "BLOCK_K": 128 if kdim % 128 == 0 else 64, "GROUP_M": 1,
             "num_warps": 4, "num_stages": 4}
@@ -174,13 +184,21 @@ def _tile_ids(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):  # type: ignore[no-u
 
 
 @triton.jit
-def _e2m1_to_f32(nib):  # type: ignore[no-untyped-def]
-    """Decode e2m1 nibbles (int32, 0..15) to fp32."""
-    em = nib & 7
-    # e > 0: exponent e-1 biased to e+126, mantissa bit m at fp32 bit 22.
-    normal = ((em << 22) + (126 << 23)).to(tl.float32, bitcast=True)
-    mag = tl.where(em < 2, em.to(tl.float32) * 0.5, normal)
-    return tl.where(nib >= 8, -mag, mag)
+def _e2m1_halves(byte):  # type: ignore[no-untyped-def]
+    """Both nibbles of packed bytes (any int type, 0..255) as fp32 ``code * 2**-14``.
+
+    No per-element conversion from int or select: one multiply spreads the byte into two 16-bit
+    lanes of a uint32 (``byte << 9 | byte << 21``), masks keep each nibble's ``e e m`` bits at
+    fp16 bits 11..9 and put its sign at bit 15, so each lane is the fp16 bit pattern of
+    ``code * 2**-14`` exactly (exponent field ``e``; ``e == 0`` is the fp16 subnormal
+    ``m * 2**-15``). fp16 -> fp32 is exact (subnormals included); the caller folds ``2**14``
+    into the scale.
+    """
+    x = byte.to(tl.uint32) * 0x200200
+    h = (x & 0x0E000E00) | ((x << 3) & 0x80008000)
+    lo = h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (h >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
 
 
 @triton.jit
@@ -218,11 +236,13 @@ def _matmul_rows(acc, a_rows, a_ok, w_rows, s_rows, n_ok,  # type: ignore[no-unt
                 a_lo = tl.load(a_rows[:, None] + (kg + j)[None, :], mask=a_mask, other=0.0)
                 a_hi = tl.load(a_rows[:, None] + (kg + 32 + j)[None, :], mask=a_mask, other=0.0)
                 byte = tl.load(w_rows[None, :] + (kb + j)[:, None], mask=b_mask, other=0)
-                byte = byte.to(tl.int32)
-                s_lo = tl.load(s_rows + kb // 16, mask=s_mask, other=0.0).to(tl.float32)
-                s_hi = tl.load(s_rows + kb // 16 + 1, mask=s_mask, other=0.0).to(tl.float32)
-                w_lo = (_e2m1_to_f32(byte & 15) * s_lo[None, :]).to(a_lo.dtype)
-                w_hi = (_e2m1_to_f32(byte >> 4) * s_hi[None, :]).to(a_lo.dtype)
+                # 2**14 undoes the decode's fp16 exponent offset (exact: a power of two).
+                s_lo = tl.load(s_rows + kb // 16, mask=s_mask, other=0.0).to(tl.float32) * 16384.0
+                s_hi = tl.load(s_rows + kb // 16 + 1, mask=s_mask,
+                               other=0.0).to(tl.float32) * 16384.0
+                c_lo, c_hi = _e2m1_halves(byte)
+                w_lo = (c_lo * s_lo[None, :]).to(a_lo.dtype)
+                w_hi = (c_hi * s_hi[None, :]).to(a_lo.dtype)
                 acc = _dot(a_lo, w_lo, acc, PRECISION, UPCAST)
                 acc = _dot(a_hi, w_hi, acc, PRECISION, UPCAST)
     else:
@@ -307,17 +327,98 @@ def _down_kernel(inter_ptr, w_ptr, s_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, e
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-def _align(topk_ids: torch.Tensor, num_experts: int,
-           block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+# Pairs up to which alignment runs as one Triton launch (each of its E programs reads every id
+# twice); larger (prefill) batches use the sort-based torch path.
+ALIGN_KERNEL_MAX_PAIRS = 16384
+_ALIGN_BLOCK = 1024
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_rows"])
+def _align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr, num_pairs, num_rows,
+                  NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Program ``e`` places expert ``e``'s pairs (in pair order) and padding in ``sorted_ids``
+    and writes its blocks' ``expert_ids``; the last program also writes ``total`` and fills the
+    unused tail (padding rows, expert ``E - 1``) exactly like the sort-based path."""
+    e = tl.program_id(0)
+    # Loops with runtime bounds are ``while`` loops: Triton's interpreter (CPU tests) keeps scalars
+    # as 1-element arrays, which ``range`` rejects.
+    offs = tl.arange(0, BLOCK)
+    counts = tl.zeros((E_POW2,), dtype=tl.int32)
+    c0 = 0
+    while c0 < num_pairs:
+        ok = c0 + offs < num_pairs
+        ids = tl.load(ids_ptr + c0 + offs, mask=ok, other=0).to(tl.int32)
+        counts += tl.histogram(ids, E_POW2, mask=ok)
+        c0 += BLOCK
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ex = tl.arange(0, E_POW2)
+    start = tl.sum(tl.where(ex < e, padded, 0), axis=0)
+    count = tl.sum(tl.where(ex == e, counts, 0), axis=0)
+    end = start + tl.sum(tl.where(ex == e, padded, 0), axis=0)
+    run = tl.sum(tl.zeros((BLOCK,), dtype=tl.int32), axis=0)
+    c0 = 0
+    while c0 < num_pairs:
+        ok = c0 + offs < num_pairs
+        ids = tl.load(ids_ptr + c0 + offs, mask=ok, other=0).to(tl.int32)
+        hit = (ids == e) & ok
+        rank = run + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+        tl.store(sorted_ids_ptr + start + rank, c0 + offs, mask=hit)
+        run += tl.sum(hit.to(tl.int32), axis=0)
+        c0 += BLOCK
+    pad = start + count + tl.arange(0, BLOCK_M)
+    tl.store(sorted_ids_ptr + pad, tl.full((BLOCK_M,), 0, tl.int32) + num_pairs, mask=pad < end)
+    b0 = start // BLOCK_M
+    while b0 < end // BLOCK_M:
+        blk = b0 + offs
+        tl.store(expert_ids_ptr + blk, tl.full((BLOCK,), 0, tl.int32) + e,
+                 mask=blk < end // BLOCK_M)
+        b0 += BLOCK
+    if e == NUM_EXPERTS - 1:
+        total = tl.sum(padded, axis=0)
+        tl.store(total_ptr, total.to(tl.int64))
+        r0 = total
+        while r0 < num_rows:
+            r = r0 + offs
+            r_ok = r < num_rows
+            tl.store(sorted_ids_ptr + r, tl.full((BLOCK,), 0, tl.int32) + num_pairs, mask=r_ok)
+            tl.store(expert_ids_ptr + r // BLOCK_M,
+                     tl.full((BLOCK,), NUM_EXPERTS - 1, tl.int32),
+                     mask=r_ok & (r % BLOCK_M == 0))
+            r0 += BLOCK
+
+
+def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int, method: str | None = None,
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Sort (token, slot) pairs by expert and pad each expert's run to a multiple of ``block_m``.
 
-    Returns ``sorted_ids`` (int32, flat pair index per padded row, ``T*k`` for padding),
-    ``expert_ids`` (int32, expert per M-block), ``total`` (int64 [1], padded row count) and the
-    number of M-blocks the buffers hold. Device ops only.
+    Returns ``sorted_ids`` (int32, flat pair index per padded row, ``T*k`` for padding; within an
+    expert pairs keep their flat order), ``expert_ids`` (int32, expert per M-block, ``E - 1``
+    past the end), ``total`` (int64 [1], padded row count) and the number of M-blocks the buffers
+    hold. Device ops only. ``method``: ``"kernel"`` (one Triton launch, histogram + per-expert
+    prefix ranks; the default up to ``ALIGN_KERNEL_MAX_PAIRS`` pairs) or ``"sort"`` (torch ops
+    around a stable argsort); both give identical buffers.
     """
+    m = topk_ids.numel()
+    if method is None:
+        method = "kernel" if m <= ALIGN_KERNEL_MAX_PAIRS else "sort"
+    num_blocks = triton.cdiv(m + num_experts * (block_m - 1), block_m)
+    dev = topk_ids.device
+    if method == "kernel":
+        ids = topk_ids.reshape(-1)
+        if not ids.is_contiguous():
+            ids = ids.contiguous()
+        sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
+        expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+        total = torch.empty(1, dtype=torch.int64, device=dev)
+        _align_kernel[(num_experts,)](
+            ids, sorted_ids, expert_ids, total, m, num_blocks * block_m,
+            NUM_EXPERTS=num_experts, E_POW2=_pow2_at_least(num_experts), BLOCK_M=block_m,
+            BLOCK=_ALIGN_BLOCK, num_warps=4)
+        return sorted_ids, expert_ids, total, num_blocks
+    if method != "sort":
+        raise ValueError(f"unknown alignment method {method!r}")
     flat = topk_ids.reshape(-1).to(torch.int64)
-    m = flat.numel()
-    dev = flat.device
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
@@ -325,7 +426,6 @@ def _align(topk_ids: torch.Tensor, num_experts: int,
     first_row = padded_end - padded - (counts.cumsum(0) - counts)  # padded start - unpadded start
     order = torch.argsort(flat, stable=True)
     dest = first_row[flat[order]] + torch.arange(m, device=dev)
-    num_blocks = triton.cdiv(m + num_experts * (block_m - 1), block_m)
     sorted_ids = torch.full((num_blocks * block_m,), m, dtype=torch.int32, device=dev)
     sorted_ids.scatter_(0, dest, order.to(torch.int32))
     block_start = torch.arange(0, num_blocks * block_m, block_m, device=dev)

@@ -128,7 +128,7 @@ class ModelRunner:
         wanted = [row_of[s.request_id] for s in plan.seqs if s.sample]
         if not wanted:
             return hidden.new_empty(0, self.model.cfg.vocab_size, dtype=torch.float32)
-        return self.model.logits(hidden[torch.tensor(wanted, device=self.device)])
+        return self.model.logits(hidden[self._to_device(np.asarray(wanted, dtype=np.int64))])
 
     def prepare(self, plan: StepPlan, prev: Launched | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[ScheduledSeq], list[int]]:
@@ -153,8 +153,9 @@ class ModelRunner:
             return
         if prev is None or prev.tokens is None:
             raise RuntimeError("a placeholder token without the step that samples it")
-        dst = torch.tensor(rows, dtype=torch.int64).to(self.device)
-        src = torch.tensor(srcs, dtype=torch.int64).to(self.device)
+        # Pinned + non_blocking: a plain .to() would wait for the step in flight.
+        dst = self._to_device(np.asarray(rows, dtype=np.int64))
+        src = self._to_device(np.asarray(srcs, dtype=np.int64))
         ids.index_copy_(0, dst, prev.tokens.index_select(0, src))
 
     def _prepare(self, seqs: list[ScheduledSeq], prev: Launched | None
@@ -194,7 +195,7 @@ class ModelRunner:
         for r0, s in prompt_seqs:
             ctx = s.start + s.num_tokens
             meta.seqs.append(SeqAttention(r0, s.num_tokens, self._ctx_slots(s.block_table, ctx),
-                                          torch.arange(s.start, ctx, device=dev)))
+                                          self._to_device(np.arange(s.start, ctx, dtype=np.int64))))
         if decodes:
             lens = np.array([s.start + 1 for s in decodes], dtype=np.int32)
             if self.use_kernels:
@@ -231,9 +232,11 @@ class ModelRunner:
     def _ctx_slots(self, table: tuple[int, ...], n: int, device: torch.device | str | None = None) -> torch.Tensor:
         bs = self.block_size
         nb = -(-n // bs)
-        t = torch.tensor(table[:nb], dtype=torch.int64)
-        s = (t[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1)[:n]
-        return s.to(device or self.device)
+        t = np.asarray(table[:nb], dtype=np.int64)
+        slots = (t[:, None] * bs + np.arange(bs)[None, :]).reshape(-1)[:n]
+        if device is not None and torch.device(device).type == "cpu":
+            return torch.from_numpy(slots)
+        return self._to_device(slots)
 
     # -- CUDA graphs -------------------------------------------------------------------------
     def capture_all(self) -> None:

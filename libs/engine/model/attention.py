@@ -161,8 +161,10 @@ class MLAttention(nn.Module):
         for seq in meta.seqs:
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
             ctx_len = seq.ctx_slots.shape[0]
-            # A prompt with nothing cached before it attends to the latents it just made.
-            ctx = (latents[rows] if ctx_len == seq.q_len
+            # A prompt with nothing cached before it attends to the latents it just made --
+            # unless the cache is FP8: then to the cached values, as its later decodes will, so
+            # a prompt reads the same numbers whether it is prefilled whole or in chunks.
+            ctx = (latents[rows] if ctx_len == seq.q_len and not cache.fp8
                    else cache.gather(seq.ctx_slots, q_nope.dtype))
             latent, k_pe = ctx.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
             kv = self.kv_b_proj(latent).view(ctx_len, cfg.num_attention_heads, -1)

@@ -159,8 +159,11 @@ class Experts(nn.Module):
         self.fp4: tuple[Fp4Weight, Fp4Weight] | None = None
 
     def quantize_fp4(self) -> None:
-        """Swap the bf16 expert weights for FP4 ones (frees the originals)."""
+        """Swap the bf16 expert weights for FP4 ones (frees the originals); once."""
         from ..kernels.fused_moe import quantize_fp4
+
+        if self.fp4 is not None:
+            return
 
         self.fp4 = (quantize_fp4(self.w13.data), quantize_fp4(self.w2.data))
         dev, dt = self.w13.device, self.w13.dtype

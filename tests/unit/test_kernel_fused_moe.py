@@ -256,3 +256,54 @@ def test_default_config_decode_and_prefill() -> None:
     prefill = default_config(4096, 8, 256, 4096, 7168, fp4=False)
     assert (prefill["BLOCK_M"], prefill["BLOCK_N"], prefill["BLOCK_K"], prefill["num_warps"]) == (
         128, 128, 64, 8)
+
+
+@pytest.mark.parametrize(("block_m", "block_n", "block_k", "skewed"), [
+    (16, 32, 32, False), (32, 64, 64, True), (16, 64, 128, True),
+])
+def test_fused_moe_swap_ab_fp32(block_m: int, block_n: int, block_k: int, skewed: bool) -> None:
+    """SWAP_AB (weights as tl.dot's A operand, transposed tiles) on bf16-path (fp32) weights,
+    including sizes that are not tile multiples."""
+    g = torch.Generator().manual_seed(11)
+    h, i = (80, 48) if block_k == 32 else (64, 128)
+    w13 = torch.randn(E, 2 * i, h, generator=g) / h**0.5
+    w2 = torch.randn(E, h, i, generator=g) / i**0.5
+    x, weights, ids = _routing(23, 3, seed=11, skewed=skewed)
+    x = torch.randn(23, h, generator=g)
+    ref = fused_moe_reference(x, w13, w2, weights, ids)
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 1,
+           "num_warps": 4, "num_stages": 3, "SWAP_AB": True}
+    out = torch.full((23, h), float("nan"))
+    fused_moe(x, w13, w2, weights, ids, out=out, config=cfg)
+    assert _rel(out, ref) < 1e-3
+
+
+@pytest.mark.parametrize(("block_m", "block_n", "block_k", "skewed"), [
+    (16, 64, 64, False), (32, 32, 128, True),
+])
+def test_fused_moe_swap_ab_fp4(block_m: int, block_n: int, block_k: int, skewed: bool) -> None:
+    w13, w2 = _weights(64, 128, seed=12)
+    q13, q2 = quantize_fp4(w13), quantize_fp4(w2)
+    x, weights, ids = _routing(19, 3, seed=12, skewed=skewed)
+    ref = fused_moe_reference(x, q13, q2, weights, ids)
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 1,
+           "num_warps": 4, "num_stages": 4, "SWAP_AB": True}
+    out = torch.full((19, 64), float("nan"))
+    fused_moe(x, q13, q2, weights, ids, out=out, config=cfg)
+    assert _rel(out, ref) < 1e-3
+    # Uneven K for the down projection (I = 192 with BLOCK_K 128) and FP4 w13 + fp32 w2.
+    w13b, w2b = _weights(64, 192, seed=13)
+    q13b, q2b = quantize_fp4(w13b), quantize_fp4(w2b)
+    ref = fused_moe_reference(x, q13b, w2b, weights, ids)
+    assert _rel(fused_moe(x, q13b, w2b, weights, ids, config=cfg), ref) < 1e-3
+    ref = fused_moe_reference(x, q13b, q2b, weights, ids)
+    assert _rel(fused_moe(x, q13b, q2b, weights, ids, config=cfg), ref) < 1e-3
+
+
+def test_swap_ab_rejects_block_m_below_16() -> None:
+    w13, w2 = _weights(64, 64, seed=14)
+    x, weights, ids = _routing(3, 2, seed=14)
+    cfg = {"BLOCK_M": 8, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4,
+           "num_stages": 2, "SWAP_AB": True}
+    with pytest.raises(ValueError, match="SWAP_AB"):
+        fused_moe(x, w13, w2, weights, ids, config=cfg)

@@ -262,6 +262,57 @@ def _matmul_rows(acc, a_rows, a_ok, w_rows, s_rows, n_ok,  # type: ignore[no-unt
     return acc
 
 
+@triton.jit
+def _matmul_rows_t(acc, a_rows, a_ok, w_rows, s_rows, n_ok,  # type: ignore[no-untyped-def]
+                   K: tl.constexpr, FP4: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Swap-AB form of :func:`_matmul_rows`: ``acc[BN, BM] += W[w_rows, :K] @ A[a_rows, :K]^T``.
+
+    The (decoded) weight tile is the A operand of ``tl.dot`` (which Hopper's wgmma can take from
+    registers) and the gathered activation rows, loaded K-major as ``[BK, BM]``, the B operand.
+    """
+    if FP4:
+        j = tl.arange(0, 32)
+        for kp in range(0, K // 2, BLOCK_K // 2):
+            for g in tl.static_range(BLOCK_K // 64):
+                kb = kp + g * 32
+                kg = 2 * kb
+                if EVEN_K:
+                    a_mask = a_ok[None, :]
+                    w_mask = n_ok[:, None]
+                    s_mask = n_ok
+                else:
+                    a_mask = a_ok[None, :] & (kg < K)
+                    w_mask = n_ok[:, None] & (kg < K)
+                    s_mask = n_ok & (kg < K)
+                a_lo = tl.load(a_rows[None, :] + (kg + j)[:, None], mask=a_mask, other=0.0)
+                a_hi = tl.load(a_rows[None, :] + (kg + 32 + j)[:, None], mask=a_mask, other=0.0)
+                byte = tl.load(w_rows[:, None] + (kb + j)[None, :], mask=w_mask, other=0)
+                s_lo = tl.load(s_rows + kb // 16, mask=s_mask, other=0.0).to(tl.float32) * 16384.0
+                s_hi = tl.load(s_rows + kb // 16 + 1, mask=s_mask,
+                               other=0.0).to(tl.float32) * 16384.0
+                c_lo, c_hi = _e2m1_halves(byte)
+                w_lo = (c_lo * s_lo[:, None]).to(a_lo.dtype)
+                w_hi = (c_hi * s_hi[:, None]).to(a_lo.dtype)
+                acc = _dot(w_lo, a_lo, acc, PRECISION, UPCAST)
+                acc = _dot(w_hi, a_hi, acc, PRECISION, UPCAST)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            if EVEN_K:
+                a = tl.load(a_rows[None, :] + kk[:, None], mask=a_ok[None, :], other=0.0)
+                w = tl.load(w_rows[:, None] + kk[None, :], mask=n_ok[:, None], other=0.0)
+            else:
+                k_ok = kk < K
+                a = tl.load(a_rows[None, :] + kk[:, None], mask=a_ok[None, :] & k_ok[:, None],
+                            other=0.0)
+                w = tl.load(w_rows[:, None] + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                            other=0.0)
+            acc = _dot(w.to(a.dtype), a, acc, PRECISION, UPCAST)
+    return acc
+
+
 # Row counts vary with the batch; specializing on their divisibility would only add recompiles.
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, inter_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr,
@@ -270,7 +321,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, inter_ptr, sorted_ids_ptr, expert_ids_p
                     K: tl.constexpr, FP4: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                    PRECISION: tl.constexpr, UPCAST: tl.constexpr):  # type: ignore[no-untyped-def]
+                    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                    SWAP_AB: tl.constexpr = False):  # type: ignore[no-untyped-def]
     """inter[row, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for one tile."""
     HALF_N: tl.constexpr = BLOCK_N // 2
     pid_m, pid_n = _tile_ids(num_pid_m, tl.cdiv(I, HALF_N), GROUP_M)
@@ -286,16 +338,27 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, inter_ptr, sorted_ids_ptr, expert_ids_p
     n = pid_n * HALF_N + (c % HALF_N)
     n_ok = n < I
     w_n = n + (c // HALF_N) * I
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _matmul_rows(acc, x_ptr + tokens * stride_xm, row_ok,
-                       w_ptr + expert * stride_we + w_n.to(tl.int64) * stride_wn,
-                       s_ptr + expert * stride_se + w_n.to(tl.int64) * stride_sn, n_ok, K,
-                       FP4, BLOCK_K, EVEN_K, PRECISION, UPCAST)
-    gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF_N)), (0, 2, 1)))
-    h = gate / (1.0 + tl.exp(-gate)) * up
     offs_n = pid_n * HALF_N + tl.arange(0, HALF_N)
-    ptrs = inter_ptr + offs_m.to(tl.int64)[:, None] * stride_im + offs_n[None, :]
-    tl.store(ptrs, h.to(inter_ptr.dtype.element_ty), mask=(offs_n < I)[None, :])
+    if SWAP_AB:  # acc^T: rows 0..HALF_N-1 gate rows n, the rest up rows I + n
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_t = _matmul_rows_t(acc_t, x_ptr + tokens * stride_xm, row_ok,
+                               w_ptr + expert * stride_we + w_n.to(tl.int64) * stride_wn,
+                               s_ptr + expert * stride_se + w_n.to(tl.int64) * stride_sn, n_ok,
+                               K, FP4, BLOCK_K, EVEN_K, PRECISION, UPCAST)
+        gate_t, up_t = tl.split(tl.permute(tl.reshape(acc_t, (2, HALF_N, BLOCK_M)), (1, 2, 0)))
+        h_t = gate_t / (1.0 + tl.exp(-gate_t)) * up_t
+        ptrs_t = inter_ptr + offs_m.to(tl.int64)[None, :] * stride_im + offs_n[:, None]
+        tl.store(ptrs_t, h_t.to(inter_ptr.dtype.element_ty), mask=(offs_n < I)[:, None])
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _matmul_rows(acc, x_ptr + tokens * stride_xm, row_ok,
+                           w_ptr + expert * stride_we + w_n.to(tl.int64) * stride_wn,
+                           s_ptr + expert * stride_se + w_n.to(tl.int64) * stride_sn, n_ok, K,
+                           FP4, BLOCK_K, EVEN_K, PRECISION, UPCAST)
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF_N)), (0, 2, 1)))
+        h = gate / (1.0 + tl.exp(-gate)) * up
+        ptrs = inter_ptr + offs_m.to(tl.int64)[:, None] * stride_im + offs_n[None, :]
+        tl.store(ptrs, h.to(inter_ptr.dtype.element_ty), mask=(offs_n < I)[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
@@ -305,7 +368,8 @@ def _down_kernel(inter_ptr, w_ptr, s_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, e
                  K: tl.constexpr, FP4: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                 PRECISION: tl.constexpr, UPCAST: tl.constexpr):  # type: ignore[no-untyped-def]
+                 PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                 SWAP_AB: tl.constexpr = False):  # type: ignore[no-untyped-def]
     """out[pair, n] = weight[pair] * (inter[row] . w2[e, n]) for one tile."""
     pid_m, pid_n = _tile_ids(num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -316,15 +380,26 @@ def _down_kernel(inter_ptr, w_ptr, s_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, e
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _matmul_rows(acc, inter_ptr + offs_m.to(tl.int64) * stride_im, row_ok,
-                       w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn,
-                       s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn, n_ok, K,
-                       FP4, BLOCK_K, EVEN_K, PRECISION, UPCAST)
     weight = tl.load(topk_w_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
-    acc = acc * weight[:, None]
-    ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    if SWAP_AB:  # acc^T [BLOCK_N, BLOCK_M]: weight rows x pair columns
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_t = _matmul_rows_t(acc_t, inter_ptr + offs_m.to(tl.int64) * stride_im, row_ok,
+                               w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn,
+                               s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn,
+                               n_ok, K, FP4, BLOCK_K, EVEN_K, PRECISION, UPCAST)
+        acc_t = acc_t * weight[None, :]
+        ptrs_t = out_ptr + pairs.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+        tl.store(ptrs_t, acc_t.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[None, :] & n_ok[:, None])
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _matmul_rows(acc, inter_ptr + offs_m.to(tl.int64) * stride_im, row_ok,
+                           w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn,
+                           s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn, n_ok, K,
+                           FP4, BLOCK_K, EVEN_K, PRECISION, UPCAST)
+        acc = acc * weight[:, None]
+        ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 # Pairs up to which alignment runs as one Triton launch (each of its E programs reads every id
@@ -458,7 +533,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor | Fp4Weight, w2: torch.Tensor |
     ``config`` (default :func:`default_config`) sets ``BLOCK_M`` (rows per M-block, also the
     alignment padding), ``BLOCK_N`` (GEMM tile width; in kernel 1 it holds ``BLOCK_N/2`` gate and
     ``BLOCK_N/2`` up columns), ``BLOCK_K`` (a multiple of 64 for FP4), ``GROUP_M`` (M-blocks per
-    grouped sweep over N), ``num_warps``, ``num_stages``; both kernels use the same values.
+    grouped sweep over N), ``num_warps``, ``num_stages``, and optionally ``SWAP_AB`` (default
+    False; needs ``BLOCK_M >= 16``): compute each tile transposed, ``W_tile @ X_tile^T``, so the
+    (decoded) weights are ``tl.dot``'s A operand, for decode where an expert has few rows;
+    both kernels use the same values.
     """
     t, hidden = x.shape
     k = topk_ids.shape[1]
@@ -482,8 +560,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor | Fp4Weight, w2: torch.Tensor |
     x = x.contiguous()
     sorted_ids, expert_ids, total, num_pid_m = _align(topk_ids, e, bm)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    swap = bool(cfg.get("SWAP_AB", False))
+    if swap and bm < 16:
+        raise ValueError(f"SWAP_AB needs BLOCK_M >= 16 (tl.dot dims), got {bm}")
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
-              "PRECISION": precision, "UPCAST": _INTERPRET}
+              "PRECISION": precision, "UPCAST": _INTERPRET, "SWAP_AB": swap}
     inter = torch.empty(num_pid_m * bm, inter_dim, dtype=x.dtype, device=x.device)
     grid1 = (num_pid_m * triton.cdiv(inter_dim, bn // 2),)
     _gate_up_kernel[grid1](

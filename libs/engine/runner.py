@@ -102,7 +102,8 @@ class ModelRunner:
         return Launched(plan, sampling, tokens, host, done, started, time.perf_counter() - t0,
                         {s.request_id: i for i, s in enumerate(sampling)})
 
-    def collect(self, launched: Launched) -> tuple[dict[str, int], float]:
+    @staticmethod
+    def collect(launched: Launched) -> tuple[dict[str, int], float]:
         """Wait for the step; (sampled id per request, device seconds of the step)."""
         if launched.done is not None:
             launched.done.synchronize()

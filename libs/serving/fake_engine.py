@@ -20,11 +20,14 @@ import struct
 import time
 from collections.abc import Sequence
 
+import torch
+
 from libs.engine.config import ModelConfig
 from libs.engine.cost_model import CostModel
 from libs.engine.engine import Engine, EngineConfig
 from libs.engine.kv.block_manager import BlockManager
 from libs.engine.kv.layout import CacheSpec, PagedEntry
+from libs.engine.runner import Launched, ModelRunner
 from libs.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 
 FAKE_MODEL = "fake"
@@ -97,6 +100,8 @@ class FakeEngine(Engine):
         self.scheduler = Scheduler(self.scheduler_config, self.blocks, self.cost, cfg.eos_token_ids)
         self.last_step_seconds = 0.0
         self.last_step_tokens = 0
+        self.runner = _FakeRunner(self)  # type: ignore[assignment]
+        self._inflight = None
 
     def _run(self, plan: StepPlan) -> dict[str, int]:
         time.sleep(self.step_seconds + self.token_seconds * plan.num_tokens)
@@ -109,3 +114,19 @@ class FakeEngine(Engine):
             # s.token_ids are the tokens fed this step; the last one precedes the sampled token.
             out[s.request_id] = fake_next_token(seed, s.token_ids[-1], s.sample_position)
         return out
+
+
+class _FakeRunner:
+    """The engine's runner interface over :meth:`FakeEngine._run` (synchronous, no overlap)."""
+
+    collect = staticmethod(ModelRunner.collect)
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+
+    def launch(self, plan: StepPlan, params: object, prev: Launched | None) -> Launched:
+        t0 = time.perf_counter()
+        sampled = self.engine._run(plan)
+        sampling = [s for s in plan.seqs if s.sample]
+        host = torch.tensor([sampled[s.request_id] for s in sampling], dtype=torch.int64)
+        return Launched(plan, sampling, None, host, None, None, time.perf_counter() - t0)

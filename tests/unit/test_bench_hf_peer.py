@@ -26,8 +26,8 @@ def _engine_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
     """All-position logits of one prompt (as test_parity_transformers.engine_logits)."""
     engine.add_request("p", prompt, SamplingParams(max_tokens=1))
     plan = engine.scheduler.schedule()
-    ids, pos, meta, _ = engine._prepare(plan)
-    hidden = engine.model(ids, pos, meta, engine.cache.tensors)
+    ids, pos, meta, _, _ = engine.runner.prepare(plan)
+    hidden = engine.model(ids, pos, meta, engine.cache.layers)
     out = engine.model.logits(hidden)
     engine.abort("p")
     return out

@@ -252,7 +252,8 @@ def test_default_config_decode_and_prefill() -> None:
     assert decode["BLOCK_M"] == 16
     assert default_config(64, 8, 64, 2816, 2048, fp4=True)["BLOCK_M"] == 8 * 2
     fp4 = default_config(256, 6, 64, 2816, 2048, fp4=True)
-    assert (fp4["BLOCK_M"], fp4["BLOCK_N"], fp4["BLOCK_K"], fp4["num_warps"]) == (64, 128, 64, 8)
+    assert (fp4["BLOCK_M"], fp4["BLOCK_N"], fp4["BLOCK_K"], fp4["SWAP_AB"]) == (32, 128, 64, True)
+    assert default_config(256, 6, 64, 2816, 2048, fp4=False)["SWAP_AB"]
     prefill = default_config(4096, 8, 256, 4096, 7168, fp4=False)
     assert (prefill["BLOCK_M"], prefill["BLOCK_N"], prefill["BLOCK_K"], prefill["num_warps"]) == (
         128, 128, 64, 8)

@@ -161,14 +161,20 @@ def default_config(t: int, k: int, e: int, n: int, kdim: int, fp4: bool) -> dict
     if rows_per_expert >= 96:
         return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
                 "num_warps": 8, "num_stages": 3 if fp4 else 4}
-    block_m = min(64, max(16, _pow2_at_least(1.5 * rows_per_expert)))
-    if fp4:  # 8 warps and (at BLOCK_M 64) 64-wide K steps: no register spills on sm_90
-        return {"BLOCK_M": block_m, "BLOCK_N": min(128, _pow2_at_least(n)),
-                "BLOCK_K": 64 if block_m >= 64 or kdim % 128 else 128, "GROUP_M": 1,
-                "num_warps": 8, "num_stages": 4}
-    return {"BLOCK_M": block_m, "BLOCK_N": min(64, _pow2_at_least(n)),
-            "BLOCK_K": 128 if kdim % 128 == 0 else 64, "GROUP_M": 1,
-            "num_warps": 4, "num_stages": 4}
+    # Decode: measured inside CUDA graphs on an H200 (bench_fused_moe.py --quick; V2-Lite and
+    # V3 at T = 64 and 256). Weights as the A operand (SWAP_AB) and 16/32-row token tiles win
+    # for bf16 (V2-Lite T=256: 0.287 ms vs 0.351 ms with 64-row tiles); FP4 swaps only once an
+    # expert has more than a 16-row tile of tokens.
+    bk = 128 if kdim % 128 == 0 else 64
+    block_m = 16 if rows_per_expert <= 12 else 32
+    if fp4:
+        if block_m == 16:
+            return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": bk, "GROUP_M": 1,
+                    "num_warps": 4, "num_stages": 4}
+        return {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 1,
+                "num_warps": 4, "num_stages": 4, "SWAP_AB": True}
+    return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": bk, "GROUP_M": 1,
+            "num_warps": 4, "num_stages": 4, "SWAP_AB": True}
 
 
 @triton.jit

@@ -11,6 +11,7 @@ dropped; the token stream is the same as without overlap.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from .runner import Launched, ModelRunner
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Request, Scheduler, SchedulerConfig, Status, TokenEvent
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineConfig", "InvalidRequest", "KVFormatError", "NoFreeBlocks", "TokenEvent"]
 
@@ -110,7 +113,8 @@ class Engine:
         self.loaded = loaded or load(config.model, self.device, dtype, config.seed, config.with_mtp)
         self.model = self.loaded.model
         self.model.set_absorb_decode(config.absorb_decode)
-        self.model.set_kernels(config.use_kernels)
+        self.use_kernels = self._kernels_usable(config)
+        self.model.set_kernels(self.use_kernels)
         if config.expert_dtype == "fp4":
             self.model.quantize_experts_fp4()
         self.model_config = cfg = self.model.cfg
@@ -132,12 +136,28 @@ class Engine:
                                         kv_token_layer_bytes=per_layer)
         self.scheduler = Scheduler(self.scheduler_config, self.blocks, self.cost, cfg.eos_token_ids)
         self.sampler = Sampler(self.device, config.sampler_seed)
-        self.runner = ModelRunner(self.model, self.cache, self.sampler, config.use_kernels,
+        self.runner = ModelRunner(self.model, self.cache, self.sampler, self.use_kernels,
                                   config.cuda_graphs, max_len, max_graph_batch=config.max_running)
         self._inflight: Launched | None = None
         self.runner.capture_all()
         self.last_step_seconds = 0.0
         self.last_step_tokens = 0
+
+    def _kernels_usable(self, config: EngineConfig) -> bool:
+        """``kernels="auto"`` falls back to PyTorch for shapes the decode kernel does not take
+        (every DeepSeek checkpoint fits: 512 + 64); ``"triton"`` refuses them."""
+        if not config.use_kernels:
+            return False
+        from .kernels.mla_decode import unsupported
+
+        cfg = self.model.cfg
+        why = unsupported(cfg.kv_lora_rank, cfg.qk_rope_head_dim, config.block_size)
+        if why is None:
+            return True
+        if config.kernels == "triton":
+            raise ValueError(f"kernels='triton' cannot serve this model: {why}")
+        log.warning("engine: PyTorch attention and MoE instead of the kernels: %s", why)
+        return False
 
     # -- sizing -------------------------------------------------------------------------------
     def _blocks_for_memory(self) -> int:

@@ -50,3 +50,9 @@ def test_fp8_cache_and_fp4_experts_run_through_the_kernels() -> None:
         loaded = load("tiny", "cpu", torch.float32, seed=0)  # fp4 converts the model: its own copy
         ref = _serve(loaded, GREEDY, kernels="torch", **kw)
         assert _serve(loaded, GREEDY, kernels="triton", **kw) == ref, kw
+
+
+def test_shapes_the_kernels_do_not_take_are_refused_by_name(tiny_loaded) -> None:
+    with pytest.raises(ValueError, match="block_size=8"):
+        Engine(EngineConfig(model="tiny", block_size=8, num_kv_blocks=64, kernels="triton"),
+               loaded=tiny_loaded)

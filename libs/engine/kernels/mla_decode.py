@@ -232,6 +232,15 @@ def choose_num_splits(batch: int, num_heads: int, max_seq_len_hint: int,
 quantize_latent_fp8 = quantize_fp8
 
 
+def unsupported(kv_lora_rank: int, rope_dim: int, block_size: int) -> str | None:
+    """Why this kernel cannot serve a model/cache shape, or None when it can."""
+    if not (_is_pow2(kv_lora_rank) and _is_pow2(rope_dim) and kv_lora_rank >= 16 and rope_dim >= 16):
+        return f"kv_lora_rank={kv_lora_rank} and qk_rope_head_dim={rope_dim} must be powers of two >= 16"
+    if not _is_pow2(block_size) or block_size < 16:
+        return f"block_size={block_size} must be a power of two >= 16"
+    return None
+
+
 def _check(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor,
            block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
            kv_scale: torch.Tensor | None) -> None:

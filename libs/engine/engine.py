@@ -165,13 +165,22 @@ class Engine:
         if budget is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * 0.9)
+                budget = int((free - self._activation_reserve()) * 0.9)
             else:
                 budget = 1 << 30
         n = budget // self.spec.bytes_per_block
         if n <= 0:
             raise ValueError(f"kv_cache_bytes={budget} holds no {self.spec.bytes_per_block}-byte block")
         return int(n)
+
+    def _activation_reserve(self) -> int:
+        """Bytes a full step's activations need beside the cache: per token of the step,
+        the routed-expert buffers (k x (2H + 3I): gathered input, gate/up, SiLU·up, outputs)
+        and ~16 hidden-sized tensors (projections, residuals, norms), in the model dtype."""
+        cfg = self.model.cfg
+        per_token = (cfg.num_experts_per_tok * (2 * cfg.hidden_size + 3 * cfg.moe_intermediate_size)
+                     + 16 * cfg.hidden_size)
+        return int(self.config.max_tokens_per_step * per_token * torch.finfo(self.config.torch_dtype).bits // 8)
 
     def _nominal_rates(self) -> tuple[float, float]:
         """Starting FLOP/s and bytes/s for the cost model; calibrated by measured steps."""

@@ -12,7 +12,6 @@ dropped; the token stream is the same as without overlap.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,6 +65,10 @@ class _Graph:
     steps: int = 0
 
 
+def _timing_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+
+
 class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, cache: PagedKVCache, sampler: Sampler,
                  use_kernels: bool, cuda_graphs: bool, max_model_len: int,
@@ -77,8 +82,8 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs and use_kernels and self.device.type == "cuda"
         self.max_blocks = -(-max_model_len // self.block_size)
         self.ladder = [b for b in GRAPH_LADDER if b <= max_graph_batch]
-        self.graphs: dict[tuple[int, int], _Graph] = {}
-        self._pool: object | None = None
+        self.graphs: dict[int, _Graph] = {}  # by padded batch size
+        self._pool: Any = None  # torch.cuda.graph_pool_handle(), shared by every graph
         self.num_heads = model.cfg.num_attention_heads
 
     # -- public ------------------------------------------------------------------------------
@@ -86,7 +91,7 @@ class ModelRunner:
         """Queue the step on the device. ``params``: per sampling seq, in plan order."""
         t0 = time.perf_counter()
         cuda = self.device.type == "cuda"
-        started = torch.cuda.Event(enable_timing=True) if cuda else None
+        started = _timing_event() if cuda else None
         if started is not None:
             started.record()
         sampling = [s for s in plan.seqs if s.sample]
@@ -97,7 +102,7 @@ class ModelRunner:
             host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=cuda)
             host.copy_(tokens, non_blocking=cuda)
         if cuda:
-            done = torch.cuda.Event(enable_timing=True)
+            done = _timing_event()
             done.record()
         return Launched(plan, sampling, tokens, host, done, started, time.perf_counter() - t0,
                         {s.request_id: i for i, s in enumerate(sampling)})
@@ -119,17 +124,17 @@ class ModelRunner:
     # -- forward -----------------------------------------------------------------------------
     def _forward(self, plan: StepPlan, prev: Launched | None) -> torch.Tensor:
         """fp32 logits of the sampling seqs, in plan order."""
-        seqs = plan.seqs
-        if (self.cuda_graphs and len(seqs) <= self.ladder[-1]
-                and all(s.num_tokens == 1 and s.sample for s in seqs)):
+        if (self.cuda_graphs and len(plan.seqs) <= self.ladder[-1]
+                and all(s.num_tokens == 1 and s.sample for s in plan.seqs)):
             return self._forward_graph(plan, prev)
-        ids, positions, meta, seqs, sample_rows = self.prepare(plan, prev)
+        ids, positions, meta, ordered, sample_rows = self.prepare(plan, prev)
         hidden = self.model(ids, positions, meta, self.cache.layers)
-        row_of = dict(zip([s.request_id for s in seqs if s.sample], sample_rows))
+        row_of = dict(zip([s.request_id for s in ordered if s.sample], sample_rows))
         wanted = [row_of[s.request_id] for s in plan.seqs if s.sample]
         if not wanted:
-            return hidden.new_empty(0, self.model.cfg.vocab_size, dtype=torch.float32)
-        return self.model.logits(hidden[self._to_device(np.asarray(wanted, dtype=np.int64))])
+            return hidden.new_empty(0, self.model.cfg.vocab_size, dtype=torch.float32)  # type: ignore[no-any-return]
+        logits: torch.Tensor = self.model.logits(hidden[self._to_device(np.asarray(wanted, dtype=np.int64))])
+        return logits
 
     def prepare(self, plan: StepPlan, prev: Launched | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[ScheduledSeq], list[int]]:
@@ -244,7 +249,7 @@ class ModelRunner:
         """Capture every batch size of the ladder now, so no request waits for a capture."""
         if self.cuda_graphs:
             for bg in reversed(self.ladder):  # largest first: smaller graphs reuse its pool
-                self.graphs[(bg, 0)] = self._capture(bg)
+                self.graphs[bg] = self._capture(bg)
 
     def _graph_splits(self, bg: int) -> int:
         from .kernels.mla_decode import choose_num_splits
@@ -256,10 +261,10 @@ class ModelRunner:
         seqs = plan.seqs
         b = len(seqs)
         bg = next(x for x in self.ladder if x >= b)
-        g = self.graphs.get((bg, 0))
+        g = self.graphs.get(bg)
         if g is None:
             g = self._capture(bg)
-            self.graphs[(bg, 0)] = g
+            self.graphs[bg] = g
         bs, mb = self.block_size, self.max_blocks
         host = g.staging[g.steps % 2]
         g.steps += 1
@@ -307,7 +312,7 @@ class ModelRunner:
             return self.model.logits(hidden)
 
         # Warm up on a side stream (compiles Triton kernels, sets up cuBLAS) before capturing.
-        side = torch.cuda.Stream(device=dev)
+        side = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2):

@@ -44,7 +44,7 @@ def main() -> None:
             devs.append(engine.last_step_seconds)
             if engine._inflight is not None:
                 launches.append(engine._inflight.wall_s)
-        graphs = [v for (bg, _), v in engine.runner.graphs.items() if bg >= b]
+        graphs = [v for bg, v in engine.runner.graphs.items() if bg >= b]
         replay = float("nan")
         if graphs:
             gr = min(graphs, key=lambda x: x.inputs.shape[0])

@@ -166,7 +166,7 @@ class MLAttention(nn.Module):
             # a prompt reads the same numbers whether it is prefilled whole or in chunks.
             ctx = (latents[rows] if ctx_len == seq.q_len and not cache.fp8
                    else cache.gather(seq.ctx_slots, q_nope.dtype))
-            latent, k_pe = ctx.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+            latent, k_pe = torch.split(ctx, [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
             kv = self.kv_b_proj(latent).view(ctx_len, cfg.num_attention_heads, -1)
             k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
             q = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)

@@ -24,6 +24,8 @@ class ModelFlags:
     max_tokens_per_step: int = 32768
     fake_step_ms: float = 2.0  # --model fake: cost of one step
     fake_token_us: float = 2.0  # --model fake: and of each token computed in it
+    kv_cache_dtype: str = "auto"  # or fp8 (both instances of a prefill -> decode pair must agree)
+    experts: str = "bf16"  # or fp4
 
     def __post_init__(self) -> None:
         if self.fake_step_ms < 0 or self.fake_token_us < 0:
@@ -32,6 +34,10 @@ class ModelFlags:
             raise ValueError("--model must name a preset or a checkpoint directory")
         if not self.model_name:
             raise ValueError("--model-name must not be empty")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"--kv-cache-dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
+        if self.experts not in ("bf16", "fp4"):
+            raise ValueError(f"--experts must be bf16 or fp4, got {self.experts!r}")
         for name in ("num_kv_blocks", "block_size", "max_tokens_per_step"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
@@ -42,7 +48,9 @@ class ModelFlags:
         return EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
                             seed=self.weights_seed, block_size=self.block_size,
                             num_kv_blocks=self.num_kv_blocks,
-                            max_tokens_per_step=self.max_tokens_per_step)
+                            max_tokens_per_step=self.max_tokens_per_step,
+                            kv_cache_dtype="fp8" if self.kv_cache_dtype == "fp8" else None,
+                            expert_dtype="fp4" if self.experts == "fp4" else "auto")
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +63,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     flag(parser, "--block-size", type=int, default=128, help="tokens per KV block")
     flag(parser, "--weights-seed", type=int, default=0, help="seed of a preset's random weights")
     flag(parser, "--max-tokens-per-step", type=int, default=32768, help="token budget of one engine step")
+    flag(parser, "--kv-cache-dtype", default="auto",
+         help="fp8: e4m3 KV cache (1.79x the tokens per GiB); prefill and decode must agree")
+    flag(parser, "--experts", default="bf16", help="fp4: routed experts in e2m1")
     flag(parser, "--fake-step-ms", type=float, default=2.0, help="--model fake: milliseconds per step")
     flag(parser, "--fake-token-us", type=float, default=2.0,
          help="--model fake: microseconds per token computed in a step")
@@ -64,4 +75,5 @@ def model_flags_from(args: argparse.Namespace) -> ModelFlags:
     return ModelFlags(model=args.model, device=args.device, dtype=args.dtype, model_name=args.model_name,
                       num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                       weights_seed=args.weights_seed, max_tokens_per_step=args.max_tokens_per_step,
-                      fake_step_ms=args.fake_step_ms, fake_token_us=args.fake_token_us)
+                      fake_step_ms=args.fake_step_ms, fake_token_us=args.fake_token_us,
+                      kv_cache_dtype=args.kv_cache_dtype, experts=args.experts)

@@ -121,3 +121,18 @@ def test_layout_hash_names_everything_that_shapes_block_bytes() -> None:
                   mla_cache_spec(cfg, "m2", 128, "bfloat16"), mla_cache_spec(cfg, "m", 128, "bfloat16", 4)):
         assert other.layout_hash() != base.layout_hash()
     json.dumps(base.layout_hash())
+
+
+def test_service_flags_pass_fp8_kv_and_fp4_experts_to_the_engine() -> None:
+    import argparse
+
+    from libs.serving.model_flags import add_model_flags, model_flags_from
+
+    parser = argparse.ArgumentParser()
+    add_model_flags(parser)
+    cfg = model_flags_from(parser.parse_args(["--kv-cache-dtype", "fp8", "--experts", "fp4"])).engine_config()
+    assert (cfg.kv_cache_dtype, cfg.expert_dtype) == ("float8_e4m3fn", "fp4")
+    default = model_flags_from(parser.parse_args([])).engine_config()
+    assert (default.kv_cache_dtype, default.expert_dtype) == (None, "auto")
+    with pytest.raises(ValueError, match="--experts must be bf16 or fp4"):
+        model_flags_from(parser.parse_args(["--experts", "int4"]))

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import platform
 import statistics
@@ -42,7 +41,7 @@ from libs.engine.cost_model import StepShape
 from libs.engine.engine import Engine, EngineConfig
 from libs.engine.sampling_params import SamplingParams
 
-from .hf_peer import decode_prompts
+from .hf_peer import decode_prompts, free_memory, sync
 
 DEFAULTS = {
     "cpu": {"prefill": [512, 2048], "batches": [1, 4, 16], "context": 512},
@@ -52,20 +51,15 @@ TRANSFORMERS_BATCHES = {"cpu": [1, 4], "cuda": [1, 16, 64]}
 _QUALITY_SEED = 1_000_003  # SamplingParams.seed of quality request i is this + i (greedy: unused)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
     """Median seconds of ``fn`` over ``repeats`` runs after one warm-up."""
     fn()
-    _sync(device)
+    sync(device)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -102,7 +96,7 @@ def bench_prefill(engine: Engine, tokens: int, limits: dict[str, float], vocab: 
         while engine.has_unfinished():
             engine.step()
             plan_tokens += engine.last_step_tokens
-        _sync(engine.device)
+        sync(engine.device)
         times.append(time.perf_counter() - t0)
     seconds = min(times)
     shape = StepShape(((tokens, tokens),))
@@ -122,7 +116,7 @@ def bench_decode(engine: Engine, batch: int, context: int, steps: int, limits: d
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    _sync(engine.device)
+    sync(engine.device)
     seconds = (time.perf_counter() - t0) / steps
     for rid in rids:
         engine.abort(rid)
@@ -165,12 +159,6 @@ def make_config(**kwargs: Any) -> EngineConfig:
 def _no_graphs_no_overlap() -> dict[str, Any]:
     known = {f.name for f in dataclasses.fields(EngineConfig)}
     return {k: False for k in ("cuda_graphs", "overlap") if k in known}
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 # -- quality: logits of a quantized engine against the unquantized one ------------------------------
@@ -252,7 +240,7 @@ def bench_quality(args: argparse.Namespace, opts: dict[str, Any]) -> dict[str, A
         prompts, forced = quality_inputs(engine.model_config.vocab_size, n, tokens, steps)
         rows[name] = capture_logits(engine, prompts, forced)
         del engine
-        _free(device)
+        free_memory(device)
     result = compare_logits(rows["configured"], rows["reference"], tokens)
     result.update(prompts=n, prompt_tokens=tokens, decode_steps=steps, reference_options={},
                   configured_options=quant,
@@ -282,10 +270,10 @@ def bench_transformers(model: torch.nn.Module, batches: list[int], context: int,
         try:
             runs.append(hf_decode_throughput(hf, b, context, steps, device))
         except oom:
-            _free(device)
+            free_memory(device)
             runs.append({"batch": b, "context": context, "error": "out of memory"})
     del hf
-    _free(device)
+    free_memory(device)
     return runs, info
 
 
@@ -338,16 +326,16 @@ def main(args: argparse.Namespace) -> int:
     if peer_on:
         if "expert_dtype" in opts:  # our experts are quantized: the peer runs the bf16 weights
             del engine
-            _free(device)
+            free_memory(device)
             engine = Engine(make_config(model=args.preset, device=args.device, dtype=args.dtype,
                                         num_kv_blocks=1, **_no_graphs_no_overlap()))
         engine.cache = None  # type: ignore[assignment]  # the engine is done: free its KV for the peer
-        _free(device)
+        free_memory(device)
         peer, peer_info = bench_transformers(engine.model, peer_batches, context, peer_steps, device)
         if "expert_dtype" in opts and peer:
             peer_info["weights"] = "unquantized (bf16) engine weights of the same preset seed"
     del engine
-    _free(device)
+    free_memory(device)
     ok = [r for r in peer if "tokens_per_s" in r]
     for r in peer:
         if "tokens_per_s" in r:

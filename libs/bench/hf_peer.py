@@ -162,12 +162,14 @@ def decode_prompts(batch: int, context: int, vocab: int) -> torch.Tensor:
     return torch.stack([torch.randint(3, vocab, (context,), generator=g) for _ in range(batch)])
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _free(device: torch.device) -> None:
+def free_memory(device: torch.device) -> None:
+    """Drop unreferenced tensors and hand cached device memory back."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -186,12 +188,12 @@ def hf_decode_throughput(hf_model: torch.nn.Module, batch: int, context: int, ne
     mask = torch.ones_like(ids)
 
     def run(n: int) -> float:
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         with torch.no_grad():
             out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                                     do_sample=False, use_cache=True, eos_token_id=None, pad_token_id=0)
-        _sync(device)
+        sync(device)
         seconds = time.perf_counter() - t0
         if out.shape != (batch, context + n):
             raise RuntimeError(f"generate returned {tuple(out.shape)}, expected {(batch, context + n)}")
@@ -207,7 +209,7 @@ def hf_decode_throughput(hf_model: torch.nn.Module, batch: int, context: int, ne
         first = [run(1) for _ in range(repeats)]
         full = [run(1 + new_tokens) for _ in range(repeats)]
     finally:
-        _free(device)
+        free_memory(device)
     t1, tn = min(first), min(full)
     decode_s = tn - t1
     result: dict[str, Any] = {

@@ -15,11 +15,13 @@ the sampled tokens and returns :class:`TokenEvent` s. Policy:
   prompt plus the tokens it already produced.
 
 ``update`` is two halves that an overlapping engine calls apart: ``advance(plan)`` right
-after the step is launched (computed counts move on; each sampling request gets a
-:data:`PLACEHOLDER` token, so the next step can be scheduled before the device has produced
-it -- the engine feeds the real id from device memory), and ``commit(plan, sampled)`` once
-the tokens are on the host (placeholders filled, blocks named, stop conditions, events).
-A request that stops on a token is known one step late; the extra step's token is dropped.
+after the step is launched (computed counts move on, full blocks are named; each sampling
+request gets a :data:`PLACEHOLDER` token, so the next step can be scheduled before the
+device has produced it -- the engine feeds the real id from device memory), and
+``commit(plan, sampled)`` once the tokens are on the host (placeholders filled, stop
+conditions, events). The engine commits step N-1 before it advances step N, so a block is
+only ever named over known tokens. A request that stops on a token is known one step late;
+the extra step's token is dropped.
 """
 
 from __future__ import annotations

@@ -176,6 +176,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         prompt_seqs: list[tuple[int, ScheduledSeq]] = []
         decodes: list[ScheduledSeq] = []
+        decode_rows: list[int] = []
         row = 0
         for s in seqs:
             k = s.num_tokens
@@ -190,6 +191,7 @@ class ModelRunner:
                 fix_srcs.append(prev.index[s.request_id])
             if k == 1:
                 decodes.append(s)
+                decode_rows.append(row)
             else:
                 prompt_seqs.append((row, s))
             row += k
@@ -217,23 +219,14 @@ class ModelRunner:
                 meta.seq_lens = self._to_device(lens)
                 meta.num_splits = choose_num_splits(len(decodes), self.num_heads, int(lens.max()))
             else:
-                rows = [r for r, s in self._rows(seqs) if s in decodes]
                 width = int(lens.max())
                 padded = torch.zeros(len(decodes), width, dtype=torch.int64)
                 for i, s in enumerate(decodes):
                     padded[i, : lens[i]] = self._ctx_slots(s.block_table, int(lens[i]), "cpu")
-                meta.decode_rows = torch.tensor(rows, dtype=torch.int64, device=dev)
+                meta.decode_rows = torch.tensor(decode_rows, dtype=torch.int64, device=dev)
                 meta.decode_slots = padded.to(dev)
                 meta.decode_mask = (torch.arange(width)[None, :] < torch.from_numpy(lens)[:, None]).to(dev)
         return ids_d, self._to_device(pos), meta, sample_rows
-
-    @staticmethod
-    def _rows(seqs: list[ScheduledSeq]) -> list[tuple[int, ScheduledSeq]]:
-        out, row = [], 0
-        for s in seqs:
-            out.append((row, s))
-            row += s.num_tokens
-        return out
 
     def _ctx_slots(self, table: tuple[int, ...], n: int, device: torch.device | str | None = None) -> torch.Tensor:
         bs = self.block_size
@@ -261,10 +254,7 @@ class ModelRunner:
         seqs = plan.seqs
         b = len(seqs)
         bg = next(x for x in self.ladder if x >= b)
-        g = self.graphs.get(bg)
-        if g is None:
-            g = self._capture(bg)
-            self.graphs[bg] = g
+        g = self.graphs[bg]  # every ladder size is captured by capture_all()
         bs, mb = self.block_size, self.max_blocks
         host = g.staging[g.steps % 2]
         g.steps += 1

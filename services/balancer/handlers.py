@@ -14,7 +14,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from libs.proto.deepserve.v1 import control_pb2
 
-from .policy import DECODE, DIGEST_BYTES, PREFILL, Instance, NoInstance, RoutingPolicy
+from libs.routing.policy import DECODE, DIGEST_BYTES, PREFILL, Instance, NoInstance, RoutingPolicy
 
 log = logging.getLogger("balancer")
 

@@ -22,9 +22,9 @@ from libs.common.lifecycle import install_stop_handlers, new_instance_id, setup_
 from libs.common.natsutil import connect_nats
 from libs.common.telemetry import OpsServer
 
-from .buckets import DEFAULT_BOUNDS, check_bounds, parse_bounds
+from libs.routing.buckets import DEFAULT_BOUNDS, check_bounds, parse_bounds
 from .handlers import BalancerHandlers
-from .policy import RoutingPolicy
+from libs.routing.policy import RoutingPolicy
 
 PRUNE_INTERVAL_S = 1.0  # one heartbeat interval: the table is never more than 1 s stale
 

@@ -32,8 +32,8 @@ from libs.proto.deepserve.v1 import (
     generate_pb2_grpc,
 )
 
-from .admission import Admission, Overloaded
-from .policy import (
+from libs.gateway.admission import Admission, Overloaded
+from libs.gateway.policy import (
     Chunk,
     Finish,
     InvalidArgument,
@@ -48,7 +48,7 @@ from .policy import (
     lookup_prefix,
     validate_request,
 )
-from .retry import Action, AttemptFailed, Liveness, Progress, Watch, decide, exact_continuation
+from libs.gateway.retry import Action, AttemptFailed, Liveness, Progress, Watch, decide, exact_continuation
 
 log = logging.getLogger("entrypoint")
 TRACER = tracer("entrypoint")

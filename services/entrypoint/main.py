@@ -22,7 +22,7 @@ from libs.common.telemetry import OpsServer
 from libs.proto.deepserve.v1 import generate_pb2, generate_pb2_grpc
 
 from .handlers import EntrypointHandlers, HandlerConfig, PrefixLookup
-from .policy import Limits
+from libs.gateway.policy import Limits
 from .transport import GrpcLookup, HeartbeatWatch, NatsBus, NoLookup
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name

@@ -69,7 +69,7 @@ class NatsBus:
 
 class HeartbeatWatch:
     """When each instance last heartbeated (``ds.heartbeat.<role>.<instance>``), for
-    :class:`~services.entrypoint.retry.Watch`: the subject names the instance, so payloads
+    :class:`~libs.gateway.retry.Watch`: the subject names the instance, so payloads
     are not even parsed."""
 
     def __init__(self) -> None:

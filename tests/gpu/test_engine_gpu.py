@@ -15,7 +15,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-from libs.bench.engine import capture_logits, compare_logits, quality_inputs  # noqa: E402
+from deepserve.bench.engine import capture_logits, compare_logits, quality_inputs  # noqa: E402
 from libs.engine.engine import Engine, EngineConfig  # noqa: E402
 from libs.engine.loader import load  # noqa: E402
 from libs.engine.sampling_params import SamplingParams  # noqa: E402

@@ -1,5 +1,5 @@
 """The real stack for integration tests: nats-server, redis-server and every service as its
-own process on free ports (``libs.cli.up.Stack``), plus helpers to talk to it.
+own process on free ports (``deepserve.up.Stack``), plus helpers to talk to it.
 
 One stack (tiny model, 1 prefill + 1 decode) serves a whole test module; it is always
 stopped, and its logs stay under the test's tmp dir (pytest prints the path on failure).
@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from libs.cli.up import REPO_ROOT, Stack, log_tail
+from deepserve.up import REPO_ROOT, Stack, log_tail
 from libs.proto.deepserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 MODEL_NAME = "deepseek-tiny"
@@ -40,7 +40,7 @@ def dump_logs(stack: Stack) -> str:
 @pytest.fixture
 def nats_url(tmp_path: Path) -> Iterator[str]:
     """A nats-server of this test's own on a free port."""
-    from libs.common import procs
+    from deepserve import procs
 
     port = procs.free_port()
     proc = procs.start_nats(port, tmp_path / "nats", log=tmp_path / "nats.log")
@@ -119,7 +119,7 @@ class ReferenceRuns:
 
     def launch(self, name: str, prompt_ids: Sequence[int], max_tokens: int, temperature: float = 0.0,
                seed: int | None = None) -> None:
-        cmd = [sys.executable, "-m", "libs.cli.main", "generate", "--model", "tiny",
+        cmd = [sys.executable, "-m", "deepserve.cli", "generate", "--model", "tiny",
                "--prompt-ids", ",".join(map(str, prompt_ids)), "--max-tokens", str(max_tokens),
                "--temperature", str(temperature), "--json"]
         if seed is not None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from libs.common import procs
+from deepserve import procs
 
 ROOT = Path(__file__).resolve().parents[2]
 

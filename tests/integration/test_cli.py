@@ -12,7 +12,7 @@ from libs.engine.sampling_params import SamplingParams
 
 
 def deepserve(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "libs.cli.main", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "deepserve.cli", *args], capture_output=True,
                           text=True, timeout=300)
 
 

@@ -18,7 +18,7 @@ import grpc
 import nats
 import pytest
 
-from libs.cli.up import Stack
+from deepserve.up import Stack
 from libs.common import subjects
 from libs.proto.deepserve.v1 import common_pb2, control_pb2, generate_pb2, generate_pb2_grpc
 from libs.serving.fake_engine import fake_completion

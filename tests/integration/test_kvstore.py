@@ -22,7 +22,7 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from libs.common.procs import free_port, start_redis, stop, wait_port
+from deepserve.procs import free_port, start_redis, stop, wait_port
 from libs.engine.engine import Engine, EngineConfig
 from libs.engine.sampling_params import SamplingParams
 from libs.proto.deepserve.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc

@@ -21,7 +21,7 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 
-from libs.common.procs import free_port, start_redis, start_seaweedfs, stop, wait_port
+from deepserve.procs import free_port, start_redis, start_seaweedfs, stop, wait_port
 from libs.engine.kv.transfer import KVHeader, encode_frame
 from libs.kvstore.policy import DAY_S, Retention
 from libs.proto.deepserve.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
@@ -272,7 +272,7 @@ def to_msgs(blocks: list[BlockPut]) -> list[kvstore_pb2.PutBlock]:
 
 def fsck_cli(data_dir: Path, redis_port: int, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "libs.cli.main", "kvstore", "fsck", "--redis-url",
+        [sys.executable, "-m", "deepserve.cli", "kvstore", "fsck", "--redis-url",
          f"redis://127.0.0.1:{redis_port}/0", "--data-dir", str(data_dir), "--grace", "0", *extra],
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from libs.common import procs, subjects
+from deepserve import procs, subjects
 from libs.engine.engine import Engine, EngineConfig
 from libs.engine.llm import LLM
 from libs.engine.sampling_params import SamplingParams

@@ -17,7 +17,7 @@ import anthropic
 import openai
 import pytest
 
-from libs.cli.up import Stack
+from deepserve.up import Stack
 
 from .conftest import MODEL_NAME, READY_TIMEOUT, dump_logs
 
@@ -155,8 +155,8 @@ def test_startup_log_and_no_backend_is_503(keys: str, expected: str) -> None:
     import subprocess
     import sys
 
-    from libs.cli.up import REPO_ROOT
-    from libs.common.procs import free_port
+    from deepserve.up import REPO_ROOT
+    from deepserve.procs import free_port
 
     port = free_port()
     env = {**os.environ, "DEEPSERVE_API_KEYS": keys, "PYTHONPATH": str(REPO_ROOT)}

@@ -16,7 +16,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from libs.cli.up import Stack
+from deepserve.up import Stack
 from libs.proto.deepserve.v1.generate_pb2_grpc import GenerateStub as Stub
 
 from .conftest import MODEL_NAME, Generation, ReferenceRuns, dump_logs, grpc_generate

@@ -22,8 +22,8 @@ import grpc
 import httpx
 import pytest
 
-from libs.cli.up import REPO_ROOT, Stack
-from libs.common.procs import free_port
+from deepserve.up import REPO_ROOT, Stack
+from deepserve.procs import free_port
 from libs.proto.deepserve.v1 import generate_pb2_grpc
 
 from .conftest import MODEL_NAME, grpc_generate, start_stack
@@ -106,7 +106,7 @@ def test_deepserve_up_serves_and_stops_cleanly_on_sigterm(tmp_path: Path) -> Non
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     env.pop("NATS_URL", None)
     env.pop("REDIS_URL", None)
-    proc = subprocess.Popen([sys.executable, "-m", "libs.cli.main", "up", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "deepserve.cli", "up", "--port", str(port),
                              "--run-dir", str(run_dir)], cwd=REPO_ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     lines: queue.Queue[str] = queue.Queue()
@@ -163,7 +163,7 @@ def test_deepserve_up_refuses_a_taken_port(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        res = subprocess.run([sys.executable, "-m", "libs.cli.main", "up", "--port", str(port),
+        res = subprocess.run([sys.executable, "-m", "deepserve.cli", "up", "--port", str(port),
                               "--run-dir", str(tmp_path / "run")], cwd=REPO_ROOT, text=True,
                              capture_output=True, timeout=60, check=False)
     assert res.returncode != 0

@@ -8,7 +8,7 @@ import pytest
 
 from libs.proto.deepserve.v1 import control_pb2
 from services.balancer.handlers import BalancerHandlers
-from services.balancer.policy import DECODE, PREFILL, Instance, NoInstance, RoutingPolicy
+from libs.routing.policy import DECODE, PREFILL, Instance, NoInstance, RoutingPolicy
 
 
 class FakeClock:

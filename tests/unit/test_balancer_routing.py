@@ -9,9 +9,9 @@ import pytest
 
 from libs.common.hashchain import chain_hashes
 from libs.proto.deepserve.v1 import control_pb2
-from services.balancer import buckets as bk
+from libs.routing import buckets as bk
 from services.balancer.handlers import BalancerHandlers
-from services.balancer.policy import DECODE, PREFILL, Instance, RoutingPolicy
+from libs.routing.policy import DECODE, PREFILL, Instance, RoutingPolicy
 
 from .test_balancer_policy import FakeClock, decode, prefill
 

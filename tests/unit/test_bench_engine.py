@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from libs.bench import engine as bench
-from libs.cli.main import main as cli
+from deepserve.bench import engine as bench
+from deepserve.cli import main as cli
 
 pytest.importorskip("transformers")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from libs.bench.hf_peer import build_hf_peer, decode_prompts, hf_decode_throughput, shared_fraction
+from deepserve.bench.hf_peer import build_hf_peer, decode_prompts, hf_decode_throughput, shared_fraction
 from libs.engine.engine import Engine, EngineConfig
 from libs.engine.sampling_params import SamplingParams
 from tests.hf_reference import build_hf, save_hf

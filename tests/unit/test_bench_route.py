@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from libs.bench import route
+from deepserve.bench import route
 
 
 def test_traces_are_deterministic_and_sessions_share_prefixes() -> None:

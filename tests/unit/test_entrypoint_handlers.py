@@ -18,7 +18,7 @@ from services.entrypoint.handlers import (
     HandlerConfig,
     LookupFailed,
 )
-from services.entrypoint.policy import Limits
+from libs.gateway.policy import Limits
 
 LIMITS = Limits(model_name="tiny", vocab_size=1000, max_context=4096, block_size=4)
 

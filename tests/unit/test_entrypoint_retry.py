@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from libs.proto.deepserve.v1 import control_pb2
-from services.entrypoint.policy import Finish, Ready, Tokens
-from services.entrypoint.retry import Action, Progress, Watch, decide, exact_continuation
+from libs.gateway.policy import Finish, Ready, Tokens
+from libs.gateway.retry import Action, Progress, Watch, decide, exact_continuation
 
 from .test_entrypoint_handlers import Aborted, FakeBus, FakeContext, collect, make, req
 

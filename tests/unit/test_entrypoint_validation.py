@@ -7,7 +7,7 @@ import random
 import pytest
 
 from libs.proto.deepserve.v1 import common_pb2, generate_pb2
-from services.entrypoint.policy import (
+from libs.gateway.policy import (
     Chunk,
     Finish,
     InvalidArgument,

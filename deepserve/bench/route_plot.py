@@ -1,6 +1,6 @@
 """Plots of ``deepserve bench route`` results (matplotlib, a test extra):
 
-    python -m libs.bench.route_plot docs/img bench/results/route-*-cpu.json
+    python -m deepserve.bench.route_plot docs/img bench/results/route-*-cpu.json
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from services.balancer.buckets import bucket_names
+from libs.routing.buckets import bucket_names
 
 ROUTERS = ("policy", "oracle", "round_robin")
 

@@ -4,7 +4,7 @@ Simulated prefill instances, each with an LRU prefix cache of ``--cache-blocks``
 blocks and a single FIFO server whose service time is ``overhead + uncached tokens / rate``
 (with attention cost growing with context). They heartbeat every second (queued tokens,
 running, the ``--summary`` most recently used digests, exactly as the engine builds them) into
-the real :class:`~services.balancer.policy.RoutingPolicy` on a simulated clock. The same trace
+the real :class:`~libs.routing.policy.RoutingPolicy` on a simulated clock. The same trace
 is replayed through three routers:
 
 * ``policy``: the balancer as deployed (buckets, then locality from heartbeat summaries, then load);
@@ -29,8 +29,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.balancer import buckets as bk
-from services.balancer.policy import DECODE, DIGEST_BYTES, PREFILL, Instance, RoutingPolicy
+from libs.routing import buckets as bk
+from libs.routing.policy import DECODE, DIGEST_BYTES, PREFILL, Instance, RoutingPolicy
 
 BLOCK = 128
 TRACES = ("agent", "chat", "mixed")

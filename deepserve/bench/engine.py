@@ -6,7 +6,7 @@ given as a fraction of the limit for the FLOPs / bytes the step must move (from 
 model), so results read the same on any machine.
 
 In the same run, unless ``--no-transformers``: transformers' ``generate`` on the same weights
-(the peer baseline, :mod:`libs.bench.hf_peer`; its parameters are the engine's tensors) at
+(the peer baseline, :mod:`deepserve.bench.hf_peer`; its parameters are the engine's tensors) at
 ``--transformers-batches`` with the same context and prompts, giving
 ``transformers_decode_tokens_per_s`` and ``speedup_vs_transformers``.
 
@@ -19,8 +19,8 @@ teacher-forced decode steps through the KV cache (both engines fed the same toke
 engines are built one after the other (the reference's logits are kept on the CPU), so a preset
 that fills most of the device still fits; both run without CUDA graphs and overlap.
 
-``--plot PATH`` draws the result with :mod:`libs.bench.engine_plot` (also
-``python -m libs.bench.engine_plot RESULT.json [OUT.png]``).
+``--plot PATH`` draws the result with :mod:`deepserve.bench.engine_plot` (also
+``python -m deepserve.bench.engine_plot RESULT.json [OUT.png]``).
 """
 
 from __future__ import annotations

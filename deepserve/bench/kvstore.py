@@ -34,7 +34,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from libs.common.procs import free_port, start_redis, start_seaweedfs, stop
+from deepserve.procs import free_port, start_redis, start_seaweedfs, stop
 from libs.engine.kv.transfer import KVHeader, encode_frame
 from libs.kvstore.policy import Retention
 from services.kvstore.ec import Codec, tune_allocator

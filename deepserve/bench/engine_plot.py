@@ -1,6 +1,6 @@
 """Plot of a ``deepserve bench engine`` result (matplotlib, a test extra):
 
-    python -m libs.bench.engine_plot RESULT.json [OUT.png]
+    python -m deepserve.bench.engine_plot RESULT.json [OUT.png]
     deepserve bench engine ... --json RESULT.json --plot OUT.png
 
 Left: decode tokens/s against batch size for the engine and transformers' ``generate`` on the

@@ -1,6 +1,6 @@
 """``deepserve bench serve``: the serving path under load, as real processes.
 
-Two stacks (``libs.cli.up.Stack``: NATS, Redis, kvstore, balancer, prefill, decode,
+Two stacks (``deepserve.up.Stack``: NATS, Redis, kvstore, balancer, prefill, decode,
 entrypoint, recipe -- each its own process):
 
 1. fake engine (``--model fake``): time to first token through every hop against the same
@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 
-from libs.cli.up import Stack
+from deepserve.up import Stack
 from libs.proto.deepserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 

@@ -95,7 +95,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--quality-tokens", type=int, default=256, help="tokens per quality prompt")
     e.add_argument("--quality-steps", type=int, default=32, help="teacher-forced decode steps per prompt")
     e.add_argument("--json", dest="json_out", default=None, help="write the result JSON here")
-    e.add_argument("--plot", default=None, help="also draw the result as this PNG (libs.bench.engine_plot)")
+    e.add_argument("--plot", default=None, help="also draw the result as this PNG (deepserve.bench.engine_plot)")
     sv = bsub.add_parser("serve", help="the stack as processes: TTFT overhead of the hops, "
                          "requests/s, lost requests (fake engine); cache hit vs miss TTFT (tiny)")
     sv.add_argument("--prompt-tokens", type=int, default=512, help="prompt size of the fake phase")
@@ -135,23 +135,23 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "engine":
-        from libs.bench.engine import main as bench_engine
+        from deepserve.bench.engine import main as bench_engine
 
         return bench_engine(args)
     if args.what == "kvstore":
-        from libs.bench.kvstore import main as bench_kvstore
+        from deepserve.bench.kvstore import main as bench_kvstore
 
         return bench_kvstore(args)
     if args.what == "route":
-        from libs.bench.route import main as bench_route
+        from deepserve.bench.route import main as bench_route
 
         return bench_route(args)
     if args.what == "serve":
-        from libs.bench.serve import main as bench_serve
+        from deepserve.bench.serve import main as bench_serve
 
         return bench_serve(args)
     if args.what == "recipe":
-        from libs.bench.recipe import main as bench_recipe
+        from deepserve.bench.recipe import main as bench_recipe
 
         return bench_recipe(args)
     raise AssertionError(args.what)
@@ -221,7 +221,7 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from libs.cli.up import run_up
+    from deepserve.up import run_up
 
     return run_up(args.port, args.prefill, args.decode, args.model, args.model_name, args.run_dir,
                   ready_timeout=args.ready_timeout)

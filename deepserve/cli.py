@@ -1,15 +1,15 @@
 """The ``deepserve`` command line.
 
-    deepserve generate --model PRESET_OR_DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N
-                       [--temperature T --top-p P --top-k K --seed S] [--device D] [--json]
-    deepserve bench engine --preset tiny --device cpu --json OUT [--plot PNG] [--kv-cache-dtype fp8]
-                           [--experts fp4] [--transformers-batches 1,16,64 | --no-transformers]
-    deepserve bench recipe [--prompt-tokens 220000] --json OUT
-    deepserve bench kvstore --json OUT
-    deepserve bench serve [--long-tokens 32768] --json OUT
-    deepserve bench route --trace agent|chat|mixed --json OUT
-    deepserve kvstore fsck [--repair] [--grace S] --redis-url URL (--data-dir DIR | --target T ...)
-    deepserve up [--port 8000] [--prefill N] [--decode N] [--model M] [--model-name NAME] [--run-dir .run]
+deepserve generate --model PRESET_OR_DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N
+                   [--temperature T --top-p P --top-k K --seed S] [--device D] [--json]
+deepserve bench engine --preset tiny --device cpu --json OUT [--plot PNG] [--kv-cache-dtype fp8]
+                       [--experts fp4] [--transformers-batches 1,16,64 | --no-transformers]
+deepserve bench recipe [--prompt-tokens 220000] --json OUT
+deepserve bench kvstore --json OUT
+deepserve bench serve [--long-tokens 32768] --json OUT
+deepserve bench route --trace agent|chat|mixed --json OUT
+deepserve kvstore fsck [--repair] [--grace S] --redis-url URL (--data-dir DIR | --target T ...)
+deepserve up [--port 8000] [--prefill N] [--decode N] [--model M] [--model-name NAME] [--run-dir .run]
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ def _ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"--prompt-ids must be comma-separated integers, got {text!r}"
+        ) from None
     if not ids:
         raise argparse.ArgumentTypeError("--prompt-ids must name at least one token id")
     return ids
@@ -32,7 +34,9 @@ def _ids(text: str) -> list[int]:
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate from one prompt in this process")
-    p.add_argument("--model", default="tiny", help="preset name (tiny, v2-lite, v3-slice) or checkpoint dir")
+    p.add_argument(
+        "--model", default="tiny", help="preset name (tiny, v2-lite, v3-slice) or checkpoint dir"
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (encoded with the model's tokenizer)")
     src.add_argument("--prompt-ids", type=_ids, help="comma-separated prompt token ids")
@@ -54,16 +58,30 @@ def _generate(args: argparse.Namespace) -> int:
     from libs.engine.sampling_params import SamplingParams
 
     try:
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            max_tokens=args.max_tokens,
+            ignore_eos=args.ignore_eos,
+        )
         llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.weights_seed)
         out = llm.generate([args.prompt if args.prompt is not None else args.prompt_ids], params)[0]
     except (ValueError, InvalidRequest) as exc:
         print(f"deepserve generate: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"token_ids": list(out.token_ids), "text": out.text,
-                          "finish_reason": out.finish_reason}, ensure_ascii=False))
+        print(
+            json.dumps(
+                {
+                    "token_ids": list(out.token_ids),
+                    "text": out.text,
+                    "finish_reason": out.finish_reason,
+                },
+                ensure_ascii=False,
+            )
+        )
     else:
         print(out.text)
     return 0
@@ -80,56 +98,96 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--decode-batches", default=None, help="comma-separated decode batch sizes")
     e.add_argument("--context", type=int, default=None, help="decode context length per request")
     e.add_argument("--decode-steps", type=int, default=8)
-    e.add_argument("--transformers-batches", default=None,
-                   help="comma-separated batch sizes of the transformers peer (default: cuda 1,16,64; cpu 1,4)")
-    e.add_argument("--transformers-steps", type=int, default=8, help="decode steps timed for the peer")
+    e.add_argument(
+        "--transformers-batches",
+        default=None,
+        help="comma-separated batch sizes of the transformers peer (default: cuda 1,16,64; cpu 1,4)",
+    )
+    e.add_argument(
+        "--transformers-steps", type=int, default=8, help="decode steps timed for the peer"
+    )
     e.add_argument("--no-transformers", action="store_true", help="skip the transformers peer")
-    e.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="fp8: e4m3 KV cache")
-    e.add_argument("--experts", choices=("bf16", "fp4"), default="bf16", help="fp4: FP4 routed-expert weights")
+    e.add_argument(
+        "--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="fp8: e4m3 KV cache"
+    )
+    e.add_argument(
+        "--experts", choices=("bf16", "fp4"), default="bf16", help="fp4: FP4 routed-expert weights"
+    )
     e.add_argument("--no-cuda-graphs", action="store_true", help="EngineConfig(cuda_graphs=False)")
     e.add_argument("--no-overlap", action="store_true", help="EngineConfig(overlap=False)")
     e.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto")
-    e.add_argument("--quality", action=argparse.BooleanOptionalAction, default=True,
-                   help="with fp8 KV / fp4 experts: logit error against the unquantized engine")
+    e.add_argument(
+        "--quality",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with fp8 KV / fp4 experts: logit error against the unquantized engine",
+    )
     e.add_argument("--quality-prompts", type=int, default=4)
     e.add_argument("--quality-tokens", type=int, default=256, help="tokens per quality prompt")
-    e.add_argument("--quality-steps", type=int, default=32, help="teacher-forced decode steps per prompt")
+    e.add_argument(
+        "--quality-steps", type=int, default=32, help="teacher-forced decode steps per prompt"
+    )
     e.add_argument("--json", dest="json_out", default=None, help="write the result JSON here")
-    e.add_argument("--plot", default=None, help="also draw the result as this PNG (deepserve.bench.engine_plot)")
-    sv = bsub.add_parser("serve", help="the stack as processes: TTFT overhead of the hops, "
-                         "requests/s, lost requests (fake engine); cache hit vs miss TTFT (tiny)")
+    e.add_argument(
+        "--plot",
+        default=None,
+        help="also draw the result as this PNG (deepserve.bench.engine_plot)",
+    )
+    sv = bsub.add_parser(
+        "serve",
+        help="the stack as processes: TTFT overhead of the hops, "
+        "requests/s, lost requests (fake engine); cache hit vs miss TTFT (tiny)",
+    )
     sv.add_argument("--prompt-tokens", type=int, default=512, help="prompt size of the fake phase")
     sv.add_argument("--ttft-requests", type=int, default=100, help="sequential requests timed")
     sv.add_argument("--load-requests", type=int, default=400, help="requests of the load phase")
     sv.add_argument("--concurrency", type=int, default=16, help="clients of the load phase")
     sv.add_argument("--max-tokens", type=int, default=16, help="completion tokens per load request")
-    sv.add_argument("--long-tokens", type=int, default=32768,
-                    help="tiny-model prompt for cache hit vs miss (0: skip that phase)")
+    sv.add_argument(
+        "--long-tokens",
+        type=int,
+        default=32768,
+        help="tiny-model prompt for cache hit vs miss (0: skip that phase)",
+    )
     sv.add_argument("--run-dir", default="", help="logs of the stacks (default: a temp dir)")
     sv.add_argument("--json", dest="json_out", default=None, help="write the result JSON here")
     r = bsub.add_parser("recipe", help="parallel prompt encoding against single-threaded encoding")
-    r.add_argument("--prompt-tokens", type=int, default=220_000, help="prompt size (>= 200K for the figure)")
+    r.add_argument(
+        "--prompt-tokens", type=int, default=220_000, help="prompt size (>= 200K for the figure)"
+    )
     r.add_argument("--repeats", type=int, default=5, help="best of this many runs per method")
     r.add_argument("--json", dest="json_out", default=None, help="write the result JSON here")
-    k = bsub.add_parser("kvstore", help="kvstore put/get/degraded get/lookup and S3 throughput "
-                        "against plain sequential files on the same disk")
+    k = bsub.add_parser(
+        "kvstore",
+        help="kvstore put/get/degraded get/lookup and S3 throughput "
+        "against plain sequential files on the same disk",
+    )
     k.add_argument("--blocks", type=int, default=48, help="blocks per phase")
-    k.add_argument("--block-bytes", type=int, default=9_437_184,
-                   help="block size (default: one DeepSeek-V3 128-token block, 9 MiB)")
+    k.add_argument(
+        "--block-bytes",
+        type=int,
+        default=9_437_184,
+        help="block size (default: one DeepSeek-V3 128-token block, 9 MiB)",
+    )
     k.add_argument("--lookups", type=int, default=300, help="Lookup calls of --chain hashes")
     k.add_argument("--chain", type=int, default=2048, help="hashes per Lookup")
     k.add_argument("--s3-blocks", type=int, default=12, help="blocks per S3 phase (0: skip S3)")
     k.add_argument("--dir", default="", help="scratch directory (default: a temp dir)")
     k.add_argument("--json", dest="json_out", default=None, help="write the result JSON here")
-    rt = bsub.add_parser("route", help="replay a synthetic multi-tenant trace through the balancer "
-                         "policy, an oracle and round robin over simulated prefill instances")
+    rt = bsub.add_parser(
+        "route",
+        help="replay a synthetic multi-tenant trace through the balancer "
+        "policy, an oracle and round robin over simulated prefill instances",
+    )
     rt.add_argument("--trace", choices=("agent", "chat", "mixed"), default="agent")
     rt.add_argument("--seed", type=int, default=0)
     rt.add_argument("--duration", type=float, default=300.0, help="seconds of simulated traffic")
     rt.add_argument("--instances", type=int, default=8, help="simulated prefill instances")
     rt.add_argument("--cache-blocks", type=int, default=4096, help="128-token blocks each caches")
     rt.add_argument("--summary", type=int, default=2048, help="digests per heartbeat summary")
-    rt.add_argument("--prefill-buckets", default="16384,65536,262144", help="bucket bounds (tokens)")
+    rt.add_argument(
+        "--prefill-buckets", default="16384,65536,262144", help="bucket bounds (tokens)"
+    )
     rt.add_argument("--json", dest="json_out", default=None, help="write the result JSON here")
 
 
@@ -161,17 +219,30 @@ def _add_kvstore(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("kvstore", help="kvstore maintenance")
     try:
         from services.kvstore.main import build_parser
-    except ImportError as exc:  # e.g. a GPU box with only the engine's packages: other commands work
-        p.set_defaults(what=None, missing=f"kvstore tools need the service's packages ({exc}); "
-                                          "run `make setup`")
+    except (
+        ImportError
+    ) as exc:  # e.g. a GPU box with only the engine's packages: other commands work
+        p.set_defaults(
+            what=None,
+            missing=f"kvstore tools need the service's packages ({exc}); run `make setup`",
+        )
         return
     ksub = p.add_subparsers(dest="what", required=True)
-    f = ksub.add_parser("fsck", help="find damaged and orphan shards and lost blocks; --repair fixes")
+    f = ksub.add_parser(
+        "fsck", help="find damaged and orphan shards and lost blocks; --repair fixes"
+    )
     build_parser(f)  # the service's own flags: same targets, same Redis
-    f.add_argument("--repair", action="store_true", help="rebuild damaged shards, remove orphans "
-                   "and the metadata of lost blocks")
-    f.add_argument("--grace", type=float, default=600.0,
-                   help="only files older than this many seconds can be orphans (puts in flight)")
+    f.add_argument(
+        "--repair",
+        action="store_true",
+        help="rebuild damaged shards, remove orphans and the metadata of lost blocks",
+    )
+    f.add_argument(
+        "--grace",
+        type=float,
+        default=600.0,
+        help="only files older than this many seconds can be orphans (puts in flight)",
+    )
     f.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -198,12 +269,14 @@ def _kvstore(args: argparse.Namespace) -> int:
         if args.json:
             print(report.to_json())
         else:
-            print(f"{report.blocks} blocks, {report.healthy} healthy; "
-                  f"{len(report.damaged_shards)} damaged shards ({report.repaired_shards} rebuilt); "
-                  f"{len(report.lost_blocks)} lost blocks; {len(report.orphans)} orphan files "
-                  f"({report.removed_orphans} removed); targets down: "
-                  f"{', '.join(report.targets_down) or 'none'}; "
-                  f"{'clean' if report.clean else 'NOT clean'}")
+            print(
+                f"{report.blocks} blocks, {report.healthy} healthy; "
+                f"{len(report.damaged_shards)} damaged shards ({report.repaired_shards} rebuilt); "
+                f"{len(report.lost_blocks)} lost blocks; {len(report.orphans)} orphan files "
+                f"({report.removed_orphans} removed); targets down: "
+                f"{', '.join(report.targets_down) or 'none'}; "
+                f"{'clean' if report.clean else 'NOT clean'}"
+            )
         return 0 if report.clean else 1
 
     return asyncio.run(run())
@@ -217,14 +290,23 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="tiny", help="preset name or checkpoint dir")
     p.add_argument("--model-name", default="deepseek-tiny", help="served model name")
     p.add_argument("--run-dir", default=".run", help="logs, NATS/Redis/kvstore data")
-    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    p.add_argument(
+        "--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness"
+    )
 
 
 def _up(args: argparse.Namespace) -> int:
     from deepserve.up import run_up
 
-    return run_up(args.port, args.prefill, args.decode, args.model, args.model_name, args.run_dir,
-                  ready_timeout=args.ready_timeout)
+    return run_up(
+        args.port,
+        args.prefill,
+        args.decode,
+        args.model,
+        args.model_name,
+        args.run_dir,
+        ready_timeout=args.ready_timeout,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,11 +21,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_port(host: str, port: int, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_port(
+    host: str, port: int, timeout: float, proc: subprocess.Popen[bytes] | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode} before listening on {port}")
+            raise RuntimeError(
+                f"{proc.args!r} exited with {proc.returncode} before listening on {port}"
+            )
         try:
             with socket.create_connection((host, port), timeout=0.5):
                 return
@@ -52,8 +56,12 @@ def start_nats(port: int, data_dir: Path, log: Path | None = None) -> subprocess
     data_dir.mkdir(parents=True, exist_ok=True)
     binary = find_binary("nats-server", ["/usr/sbin/nats-server"])
     out = open(log, "ab") if log else subprocess.DEVNULL
-    proc = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(data_dir)],
-                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [binary, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(data_dir)],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     wait_port("127.0.0.1", port, 15, proc)
     return proc
 
@@ -62,9 +70,24 @@ def start_redis(port: int, data_dir: Path, log: Path | None = None) -> subproces
     data_dir.mkdir(parents=True, exist_ok=True)
     binary = find_binary("redis-server", ["/usr/bin/redis-server"])
     out = open(log, "ab") if log else subprocess.DEVNULL
-    proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                             "--appendonly", "no", "--dir", str(data_dir)],
-                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(data_dir),
+        ],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     wait_port("127.0.0.1", port, 15, proc)
     return proc
 
@@ -81,25 +104,47 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
         proc.wait(5)
 
 
-def start_seaweedfs(data_dir: Path, log: Path | None = None,
-                    timeout: float = 90.0) -> tuple[subprocess.Popen[bytes], str]:
+def start_seaweedfs(
+    data_dir: Path, log: Path | None = None, timeout: float = 90.0
+) -> tuple[subprocess.Popen[bytes], str]:
     """A single-node SeaweedFS (master, volume, filer, S3 gateway) on free ports; returns the
     process and its S3 endpoint URL once a bucket listing answers. Needs no network."""
     data_dir.mkdir(parents=True, exist_ok=True)
     binary = find_binary("weed")
     # Every listener on a free port: weed's defaults (8333, 8888, 9333, 8181...) may be taken.
-    names = ["master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
-             "filer.port.grpc", "s3.port", "s3.port.grpc", "s3.port.iceberg", "s3.port.lance"]
+    names = [
+        "master.port",
+        "master.port.grpc",
+        "volume.port",
+        "volume.port.grpc",
+        "filer.port",
+        "filer.port.grpc",
+        "s3.port",
+        "s3.port.grpc",
+        "s3.port.iceberg",
+        "s3.port.lance",
+    ]
     ports = [free_port() for _ in names]
     out = open(log, "ab") if log else subprocess.DEVNULL
-    args = [binary, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data_dir}", "-filer",
-            "-s3", "-volume.max=0", "-master.volumeSizeLimitMB=256", "-master.telemetry=false"]
+    args = [
+        binary,
+        "server",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        f"-dir={data_dir}",
+        "-filer",
+        "-s3",
+        "-volume.max=0",
+        "-master.volumeSizeLimitMB=256",
+        "-master.telemetry=false",
+    ]
     args += [f"-{n}={p}" for n, p in zip(names, ports)]
     # weed turns AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in its environment into its only
     # identity; without them a fresh single node accepts any credentials (a local test store).
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                            cwd=data_dir, env=env)
+    proc = subprocess.Popen(
+        args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=data_dir, env=env
+    )
     endpoint = f"http://127.0.0.1:{ports[6]}"
     try:
         wait_port("127.0.0.1", ports[6], timeout, proc)
@@ -114,8 +159,13 @@ def _wait_s3(endpoint: str, timeout: float, proc: subprocess.Popen[bytes]) -> No
     """Until a bucket can be created and written (the volume server registers a few s late)."""
     import boto3
 
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                          aws_access_key_id="any", aws_secret_access_key="any")
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="any",
+        aws_secret_access_key="any",
+    )
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -124,7 +174,9 @@ def _wait_s3(endpoint: str, timeout: float, proc: subprocess.Popen[bytes]) -> No
             return
         except Exception:
             if proc.poll() is not None:
-                raise RuntimeError(f"weed exited with {proc.returncode} before S3 answered") from None
+                raise RuntimeError(
+                    f"weed exited with {proc.returncode} before S3 answered"
+                ) from None
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.5)

@@ -134,14 +134,25 @@ class Stack:
     :attr:`grpc_address`, :attr:`nats_url`, :attr:`redis_url` and :attr:`instance_ids` are set.
     """
 
-    def __init__(self, run_dir: str | Path, *, prefill: int = 1, decode: int = 1,
-                 model: str = "tiny", model_name: str = "deepseek-tiny", recipe_port: int = 0,
-                 device: str = "cpu", ready_timeout: float = 120.0, drain_seconds: float = 10.0,
-                 extra_args: Mapping[str, Sequence[str]] | None = None,
-                 env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        prefill: int = 1,
+        decode: int = 1,
+        model: str = "tiny",
+        model_name: str = "deepseek-tiny",
+        recipe_port: int = 0,
+        device: str = "cpu",
+        ready_timeout: float = 120.0,
+        drain_seconds: float = 10.0,
+        extra_args: Mapping[str, Sequence[str]] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         if prefill < 1 or decode < 1:
-            raise ValueError(f"need at least one prefill and one decode instance, "
-                             f"got {prefill}/{decode}")
+            raise ValueError(
+                f"need at least one prefill and one decode instance, got {prefill}/{decode}"
+            )
         self.run_dir = Path(run_dir).resolve()
         self.prefill, self.decode = prefill, decode
         self.model, self.model_name, self.device = model, model_name, device
@@ -199,23 +210,55 @@ class Stack:
         self._write_state()
         # kvstore and balancer need only NATS/Redis; the balancer must listen to heartbeats
         # before any engine starts, and the engines must be routable before the entrypoint.
-        stages = [[self._plan("kvstore", "kvstore", grpc_port=kv_port,
-                              args=["--redis-url", self.redis_url,
-                                    "--data-dir", str(self.run_dir / "kvstore")]),
-                   self._plan("balancer", "balancer")]]
+        stages = [
+            [
+                self._plan(
+                    "kvstore",
+                    "kvstore",
+                    grpc_port=kv_port,
+                    args=[
+                        "--redis-url",
+                        self.redis_url,
+                        "--data-dir",
+                        str(self.run_dir / "kvstore"),
+                    ],
+                ),
+                self._plan("balancer", "balancer"),
+            ]
+        ]
         kv_addr = f"{HOST}:{kv_port}"
-        model_args = ["--model", self.model, "--model-name", self.model_name,
-                      "--device", self.device]
+        model_args = [
+            "--model",
+            self.model,
+            "--model-name",
+            self.model_name,
+            "--device",
+            self.device,
+        ]
         stages.append(
-            [self._plan(f"prefill-{i}", "prefill", args=["--kvstore-address", kv_addr, *model_args])
-             for i in range(self.prefill)]
-            + [self._plan(f"decode-{i}", "decode", grpc_port=procs.free_port(), args=model_args)
-               for i in range(self.decode)])
+            [
+                self._plan(
+                    f"prefill-{i}", "prefill", args=["--kvstore-address", kv_addr, *model_args]
+                )
+                for i in range(self.prefill)
+            ]
+            + [
+                self._plan(f"decode-{i}", "decode", grpc_port=procs.free_port(), args=model_args)
+                for i in range(self.decode)
+            ]
+        )
         ep_port = procs.free_port()
         self.grpc_address = f"{HOST}:{ep_port}"
-        stages.append([self._plan("entrypoint", "entrypoint", grpc_port=ep_port,
-                                  args=["--kvstore-address", kv_addr,
-                                        "--model-name", self.model_name])])
+        stages.append(
+            [
+                self._plan(
+                    "entrypoint",
+                    "entrypoint",
+                    grpc_port=ep_port,
+                    args=["--kvstore-address", kv_addr, "--model-name", self.model_name],
+                )
+            ]
+        )
         recipe_port = self.recipe_port or procs.free_port()
         self.api_base = f"http://{HOST}:{recipe_port}"
         stages.append([self._plan_recipe(recipe_port)])
@@ -242,23 +285,48 @@ class Stack:
             self.redis_proc = procs.start_redis(port, self.run_dir / "redis", logs / "redis.log")
             self.redis_url = f"redis://{HOST}:{port}/0"
 
-    def _plan(self, name: str, service: str, *, grpc_port: int = 0,
-              args: Sequence[str] = ()) -> Child:
+    def _plan(
+        self, name: str, service: str, *, grpc_port: int = 0, args: Sequence[str] = ()
+    ) -> Child:
         ops_port = procs.free_port()
         instance_id = f"{name}-{self.stack_id}"
-        argv = ["--nats-url", self.nats_url, "--http-port", str(ops_port),
-                "--instance-id", instance_id, "--drain-seconds", str(self.drain_seconds)]
+        argv = [
+            "--nats-url",
+            self.nats_url,
+            "--http-port",
+            str(ops_port),
+            "--instance-id",
+            instance_id,
+            "--drain-seconds",
+            str(self.drain_seconds),
+        ]
         if grpc_port:
             argv += ["--grpc-port", str(grpc_port)]
         argv += [*args, *self.extra_args.get(service, [])]
-        return Child(name, service, argv, ops_port, self.run_dir / "logs" / f"{name}.log",
-                     instance_id=instance_id, grpc_port=grpc_port)
+        return Child(
+            name,
+            service,
+            argv,
+            ops_port,
+            self.run_dir / "logs" / f"{name}.log",
+            instance_id=instance_id,
+            grpc_port=grpc_port,
+        )
 
     def _plan_recipe(self, port: int) -> Child:
         # The recipe's health is on its main HTTP port.
-        c = self._plan("recipe", "recipe", args=["--port", str(port),
-                                                 "--entrypoint-address", self.grpc_address,
-                                                 "--model-name", self.model_name])
+        c = self._plan(
+            "recipe",
+            "recipe",
+            args=[
+                "--port",
+                str(port),
+                "--entrypoint-address",
+                self.grpc_address,
+                "--model-name",
+                self.model_name,
+            ],
+        )
         c.health_port = port
         return c
 
@@ -266,16 +334,23 @@ class Stack:
         env = dict(self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+            p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
+        )
         # Open for the child's whole life; stop() closes it.
         c._log = open(c.log_path, "ab")  # noqa: SIM115
         cmd = [sys.executable, "-m", f"services.{c.service}", *c.argv]
         c._log.write(f"# {time.strftime('%F %T')} {' '.join(cmd)}\n".encode())
         c._log.flush()
         self.children.append(c)
-        c.proc = subprocess.Popen(cmd, stdout=c._log, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL, cwd=REPO_ROOT, env=env,
-                                  start_new_session=True)
+        c.proc = subprocess.Popen(
+            cmd,
+            stdout=c._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=REPO_ROOT,
+            env=env,
+            start_new_session=True,
+        )
 
     def _await_ready(self, stage: list[Child]) -> None:
         deadline = time.monotonic() + self.ready_timeout
@@ -285,8 +360,10 @@ class Stack:
             for name, c in list(pending.items()):
                 assert c.proc is not None
                 if c.proc.poll() is not None:
-                    raise StackError(f"{name} exited with code {c.proc.returncode} while starting; "
-                                     f"last lines of {c.log_path}:\n{log_tail(c.log_path)}")
+                    raise StackError(
+                        f"{name} exited with code {c.proc.returncode} while starting; "
+                        f"last lines of {c.log_path}:\n{log_tail(c.log_path)}"
+                    )
                 ok, detail[name] = healthz(c.health_port)
                 if ok:
                     del pending[name]
@@ -294,14 +371,17 @@ class Stack:
                 break
             if time.monotonic() > deadline:
                 c = next(iter(pending.values()))
-                raise StackError(f"{', '.join(pending)} not ready after {self.ready_timeout:.0f}s "
-                                 f"(/healthz: {detail[c.name]}); last lines of {c.log_path}:\n"
-                                 f"{log_tail(c.log_path)}")
+                raise StackError(
+                    f"{', '.join(pending)} not ready after {self.ready_timeout:.0f}s "
+                    f"(/healthz: {detail[c.name]}); last lines of {c.log_path}:\n"
+                    f"{log_tail(c.log_path)}"
+                )
             time.sleep(0.2)
         engines = {c.instance_id for c in stage if c.service in ("prefill", "decode")}
         if engines:
-            missing = asyncio.run(_await_heartbeats(self.nats_url, engines,
-                                                    max(5.0, deadline - time.monotonic())))
+            missing = asyncio.run(
+                _await_heartbeats(self.nats_url, engines, max(5.0, deadline - time.monotonic()))
+            )
             if missing:
                 raise StackError(f"no heartbeat on NATS from {', '.join(sorted(missing))}")
 
@@ -347,14 +427,20 @@ class Stack:
                     c.proc.wait(10)
             if c._log is not None:
                 c._log.close()
-        self.killed = [c.name for c in self.children
-                       if c.proc is not None and c.proc.returncode == -signal.SIGKILL]
+        self.killed = [
+            c.name
+            for c in self.children
+            if c.proc is not None and c.proc.returncode == -signal.SIGKILL
+        ]
         for proc in (self.redis_proc, self.nats_proc):
             if proc is not None:
                 procs.stop(proc)
         leftover = [c.name for c in self.children if c.proc is not None and c.proc.poll() is None]
-        leftover += [name for name, p in (("redis", self.redis_proc), ("nats", self.nats_proc))
-                     if p is not None and p.poll() is None]
+        leftover += [
+            name
+            for name, p in (("redis", self.redis_proc), ("nats", self.nats_proc))
+            if p is not None and p.poll() is None
+        ]
         if leftover:  # cannot happen after SIGKILL + wait, but say so loudly if it does
             raise StackError(f"still running after stop: {', '.join(leftover)}")
 
@@ -372,12 +458,21 @@ class _Interrupted(BaseException):
     """SIGINT/SIGTERM while the stack was still starting."""
 
 
-def run_up(port: int, prefill: int, decode: int, model: str, model_name: str, run_dir: str,
-           ready_timeout: float = 300.0) -> int:
+def run_up(
+    port: int,
+    prefill: int,
+    decode: int,
+    model: str,
+    model_name: str,
+    run_dir: str,
+    ready_timeout: float = 300.0,
+) -> int:
     """``deepserve up``: start the stack, print its URL, serve until SIGINT/SIGTERM, stop it."""
     if not port_is_free(port):
-        print(f"deepserve up: port {port} on {HOST} is already in use; pick another with --port",
-              file=sys.stderr)
+        print(
+            f"deepserve up: port {port} on {HOST} is already in use; pick another with --port",
+            file=sys.stderr,
+        )
         return 2
     stop_requested: list[int] = []
     starting = True
@@ -388,16 +483,26 @@ def run_up(port: int, prefill: int, decode: int, model: str, model_name: str, ru
             raise _Interrupted(signum)
 
     try:
-        stack = Stack(run_dir, prefill=prefill, decode=decode, model=model, model_name=model_name,
-                      recipe_port=port, ready_timeout=ready_timeout)
+        stack = Stack(
+            run_dir,
+            prefill=prefill,
+            decode=decode,
+            model=model,
+            model_name=model_name,
+            recipe_port=port,
+            ready_timeout=ready_timeout,
+        )
     except ValueError as exc:
         print(f"deepserve up: {exc}", file=sys.stderr)
         return 2
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     code = 0
     try:
-        print(f"deepserve: starting {prefill} prefill + {decode} decode ({model}); logs in "
-              f"{stack.run_dir / 'logs'}", flush=True)
+        print(
+            f"deepserve: starting {prefill} prefill + {decode} decode ({model}); logs in "
+            f"{stack.run_dir / 'logs'}",
+            flush=True,
+        )
         try:
             stack.start()
         except _Interrupted:
@@ -409,15 +514,21 @@ def run_up(port: int, prefill: int, decode: int, model: str, model_name: str, ru
         finally:
             starting = False
         print(f"deepserve is up: {stack.api_url}  (model {model_name})", flush=True)
-        print(f"  gRPC Generate: {stack.grpc_address}   NATS: {stack.nats_url}   "
-              f"Redis: {stack.redis_url}", flush=True)
+        print(
+            f"  gRPC Generate: {stack.grpc_address}   NATS: {stack.nats_url}   "
+            f"Redis: {stack.redis_url}",
+            flush=True,
+        )
         while not stop_requested:
             dead = stack.exited()
             if dead:
                 c = dead[0]
                 code_of = c.proc.returncode if c.proc else "?"
-                print(f"deepserve up: {c.name} exited with code {code_of}; stopping. "
-                      f"Last lines of {c.log_path}:\n{log_tail(c.log_path)}", file=sys.stderr)
+                print(
+                    f"deepserve up: {c.name} exited with code {code_of}; stopping. "
+                    f"Last lines of {c.log_path}:\n{log_tail(c.log_path)}",
+                    file=sys.stderr,
+                )
                 code = 1
                 break
             time.sleep(0.5)

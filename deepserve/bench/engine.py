@@ -84,7 +84,9 @@ def _drain_prefill(engine: Engine, rids: list[str]) -> None:
             pending.discard(ev.request_id)
 
 
-def bench_prefill(engine: Engine, tokens: int, limits: dict[str, float], vocab: int) -> dict[str, Any]:
+def bench_prefill(
+    engine: Engine, tokens: int, limits: dict[str, float], vocab: int
+) -> dict[str, Any]:
     g = torch.Generator().manual_seed(tokens)
     times = []
     for rep in range(2):
@@ -101,14 +103,22 @@ def bench_prefill(engine: Engine, tokens: int, limits: dict[str, float], vocab: 
     seconds = min(times)
     shape = StepShape(((tokens, tokens),))
     flops = engine.cost.flops(shape)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "flops": flops, "mfu": flops / seconds / limits["matmul_flops_per_s"]}
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "flops": flops,
+        "mfu": flops / seconds / limits["matmul_flops_per_s"],
+    }
 
 
-def bench_decode(engine: Engine, batch: int, context: int, steps: int, limits: dict[str, float],
-                 vocab: int) -> dict[str, Any]:
+def bench_decode(
+    engine: Engine, batch: int, context: int, steps: int, limits: dict[str, float], vocab: int
+) -> dict[str, Any]:
     rids = [f"decode-{batch}-{i}" for i in range(batch)]
-    for rid, ids in zip(rids, decode_prompts(batch, context, vocab).tolist()):  # the peer's prompts too
+    for rid, ids in zip(
+        rids, decode_prompts(batch, context, vocab).tolist()
+    ):  # the peer's prompts too
         # Room for every step below, so the batch stays whole while it is timed; aborted after.
         engine.add_request(rid, ids, SamplingParams(max_tokens=4 * steps + 64, ignore_eos=True))
     _drain_prefill(engine, rids)  # every request has its first token: decode from here
@@ -125,9 +135,15 @@ def bench_decode(engine: Engine, batch: int, context: int, steps: int, limits: d
     shape = StepShape(tuple((1, context + 2) for _ in range(batch)))
     step_bytes = engine.cost.bytes(shape)
     tps = batch / seconds
-    return {"batch": batch, "context": context, "step_seconds": seconds, "tokens_per_s": tps,
-            "per_user_tokens_per_s": tps / batch, "bytes_per_step": step_bytes,
-            "roofline_fraction": step_bytes / seconds / limits["copy_bytes_per_s"]}
+    return {
+        "batch": batch,
+        "context": context,
+        "step_seconds": seconds,
+        "tokens_per_s": tps,
+        "per_user_tokens_per_s": tps / batch,
+        "bytes_per_step": step_bytes,
+        "roofline_fraction": step_bytes / seconds / limits["copy_bytes_per_s"],
+    }
 
 
 # -- engine options ------------------------------------------------------------------------------
@@ -151,8 +167,10 @@ def make_config(**kwargs: Any) -> EngineConfig:
     known = {f.name for f in dataclasses.fields(EngineConfig)}
     unknown = sorted(set(kwargs) - known)
     if unknown:
-        raise SystemExit(f"deepserve bench engine: this engine's EngineConfig has no {', '.join(unknown)} "
-                         "(the flag that sets it is not supported yet)")
+        raise SystemExit(
+            f"deepserve bench engine: this engine's EngineConfig has no {', '.join(unknown)} "
+            "(the flag that sets it is not supported yet)"
+        )
     return EngineConfig(**kwargs)
 
 
@@ -162,7 +180,9 @@ def _no_graphs_no_overlap() -> dict[str, Any]:
 
 
 # -- quality: logits of a quantized engine against the unquantized one ------------------------------
-def quality_inputs(vocab: int, prompts: int, tokens: int, steps: int) -> tuple[list[list[int]], list[list[int]]]:
+def quality_inputs(
+    vocab: int, prompts: int, tokens: int, steps: int
+) -> tuple[list[list[int]], list[list[int]]]:
     """Random prompts and the tokens every engine is fed after them (teacher forcing)."""
     g = torch.Generator().manual_seed(20240531)
     ps = [torch.randint(3, vocab, (tokens,), generator=g).tolist() for _ in range(prompts)]
@@ -170,8 +190,9 @@ def quality_inputs(vocab: int, prompts: int, tokens: int, steps: int) -> tuple[l
     return ps, forced
 
 
-def capture_logits(engine: Engine, prompts: list[list[int]], forced: list[list[int]]
-                   ) -> dict[tuple[int, int], torch.Tensor]:
+def capture_logits(
+    engine: Engine, prompts: list[list[int]], forced: list[list[int]]
+) -> dict[tuple[int, int], torch.Tensor]:
     """fp32 CPU logits of every sampled position, keyed (prompt index, position).
 
     The engine runs the prompts through :meth:`Engine.step` as usual; its sampler is replaced
@@ -191,21 +212,29 @@ def capture_logits(engine: Engine, prompts: list[list[int]], forced: list[list[i
     engine.sampler.sample_device = sample  # type: ignore[method-assign]
     try:
         for i, p in enumerate(prompts):
-            engine.add_request(f"quality-{i}", p, SamplingParams(max_tokens=len(forced[i]), ignore_eos=True,
-                                                                  seed=_QUALITY_SEED + i))
+            engine.add_request(
+                f"quality-{i}",
+                p,
+                SamplingParams(max_tokens=len(forced[i]), ignore_eos=True, seed=_QUALITY_SEED + i),
+            )
         while engine.has_unfinished():
             engine.step()
     finally:
         del engine.sampler.sample_device  # back to the class's method
     want = sum(len(f) for f in forced)
     if len(rows) != want:
-        raise RuntimeError(f"quality: captured {len(rows)} logit rows, expected {want} "
-                           "(the engine no longer samples through engine.sampler.sample_device?)")
+        raise RuntimeError(
+            f"quality: captured {len(rows)} logit rows, expected {want} "
+            "(the engine no longer samples through engine.sampler.sample_device?)"
+        )
     return rows
 
 
-def compare_logits(ours: dict[tuple[int, int], torch.Tensor], ref: dict[tuple[int, int], torch.Tensor],
-                   prompt_len: int) -> dict[str, Any]:
+def compare_logits(
+    ours: dict[tuple[int, int], torch.Tensor],
+    ref: dict[tuple[int, int], torch.Tensor],
+    prompt_len: int,
+) -> dict[str, Any]:
     keys = sorted(ref)
     if sorted(ours) != keys:
         raise RuntimeError("quality: the two engines sampled different positions")
@@ -214,10 +243,14 @@ def compare_logits(ours: dict[tuple[int, int], torch.Tensor], ref: dict[tuple[in
         a = torch.stack([ours[k] for k in sel])
         b = torch.stack([ref[k] for k in sel])
         d = (a - b).abs()
-        return {"rows": len(sel), "max_abs_diff": float(d.max()), "mean_abs_diff": float(d.mean()),
-                "relative_error": float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)),
-                "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
-                "ref_logit_std": float(b.std())}
+        return {
+            "rows": len(sel),
+            "max_abs_diff": float(d.max()),
+            "mean_abs_diff": float(d.mean()),
+            "relative_error": float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)),
+            "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean()),
+            "ref_logit_std": float(b.std()),
+        }
 
     out = stats(keys)
     out["prefill"] = stats([k for k in keys if k[1] == prompt_len])
@@ -229,10 +262,17 @@ def bench_quality(args: argparse.Namespace, opts: dict[str, Any]) -> dict[str, A
     """Reference (default options) engine first, its logits to the CPU, freed; then the configured one."""
     device = torch.device(args.device)
     n, tokens, steps = args.quality_prompts, args.quality_tokens, args.quality_steps
-    base = dict(model=args.preset, device=args.device, dtype=args.dtype,
-                num_kv_blocks=n * (-(-(tokens + steps + 2) // 128)) + 4,
-                max_tokens_per_step=max(8192, n * tokens), time_budget_s=None, max_running=n,
-                max_model_len=tokens + steps + 8, **_no_graphs_no_overlap())
+    base = dict(
+        model=args.preset,
+        device=args.device,
+        dtype=args.dtype,
+        num_kv_blocks=n * (-(-(tokens + steps + 2) // 128)) + 4,
+        max_tokens_per_step=max(8192, n * tokens),
+        time_budget_s=None,
+        max_running=n,
+        max_model_len=tokens + steps + 8,
+        **_no_graphs_no_overlap(),
+    )
     quant = {k: v for k, v in opts.items() if k not in ("cuda_graphs", "overlap")}
     rows = {}
     for name, extra in (("reference", {}), ("configured", quant)):
@@ -242,16 +282,22 @@ def bench_quality(args: argparse.Namespace, opts: dict[str, Any]) -> dict[str, A
         del engine
         free_memory(device)
     result = compare_logits(rows["configured"], rows["reference"], tokens)
-    result.update(prompts=n, prompt_tokens=tokens, decode_steps=steps, reference_options={},
-                  configured_options=quant,
-                  note="same weights (preset seed); both engines fed the same tokens; "
-                       "no CUDA graphs / overlap in either")
+    result.update(
+        prompts=n,
+        prompt_tokens=tokens,
+        decode_steps=steps,
+        reference_options={},
+        configured_options=quant,
+        note="same weights (preset seed); both engines fed the same tokens; "
+        "no CUDA graphs / overlap in either",
+    )
     return result
 
 
 # -- the transformers peer --------------------------------------------------------------------------
-def bench_transformers(model: torch.nn.Module, batches: list[int], context: int, steps: int,
-                       device: torch.device) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def bench_transformers(
+    model: torch.nn.Module, batches: list[int], context: int, steps: int, device: torch.device
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     try:
         import transformers
     except ImportError:
@@ -259,11 +305,14 @@ def bench_transformers(model: torch.nn.Module, batches: list[int], context: int,
     from .hf_peer import build_hf_peer, hf_decode_throughput, shared_fraction
 
     hf = build_hf_peer(model)
-    info = {"version": transformers.__version__, "class": type(hf).__name__,
-            "attn_implementation": hf.config._attn_implementation,
-            "experts_implementation": getattr(hf.config, "_experts_implementation", None),
-            "weights_shared_fraction": shared_fraction(hf, model),
-            "method": "t(generate 1+n tokens) - t(generate 1 token) over n greedy steps, EOS ignored"}
+    info = {
+        "version": transformers.__version__,
+        "class": type(hf).__name__,
+        "attn_implementation": hf.config._attn_implementation,
+        "experts_implementation": getattr(hf.config, "_experts_implementation", None),
+        "weights_shared_fraction": shared_fraction(hf, model),
+        "method": "t(generate 1+n tokens) - t(generate 1 token) over n greedy steps, EOS ignored",
+    }
     oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
     runs = []
     for b in batches:
@@ -294,32 +343,59 @@ def main(args: argparse.Namespace) -> int:
     quantized = "kv_cache_dtype" in opts or "expert_dtype" in opts
     quality: dict[str, Any]
     if quantized and getattr(args, "quality", True):
-        for name, default in (("quality_prompts", 4), ("quality_tokens", 256), ("quality_steps", 32)):
+        for name, default in (
+            ("quality_prompts", 4),
+            ("quality_tokens", 256),
+            ("quality_steps", 32),
+        ):
             if not hasattr(args, name):
                 setattr(args, name, default)
         quality = bench_quality(args, opts)
-        print(f"quality vs unquantized: max |dlogit| {quality['max_abs_diff']:.4f}  mean "
-              f"{quality['mean_abs_diff']:.5f}  rel {quality['relative_error']:.5f}  "
-              f"top-1 agree {quality['top1_agreement']:.3f} over {quality['rows']} positions")
+        print(
+            f"quality vs unquantized: max |dlogit| {quality['max_abs_diff']:.4f}  mean "
+            f"{quality['mean_abs_diff']:.5f}  rel {quality['relative_error']:.5f}  "
+            f"top-1 agree {quality['top1_agreement']:.3f} over {quality['rows']} positions"
+        )
     else:
-        quality = {"skipped": "no --kv-cache-dtype fp8 / --experts fp4" if not quantized else "--no-quality"}
+        quality = {
+            "skipped": "no --kv-cache-dtype fp8 / --experts fp4"
+            if not quantized
+            else "--no-quality"
+        }
 
     max_len = max(max(prefill_sizes), context + 4 * args.decode_steps + 72) + 1
-    blocks = max(sum(-(-(context + args.decode_steps + 8) // 128) for _ in batches) * 2,
-                 -(-max(prefill_sizes) // 128) * 2 + 8, max(batches) * (context // 128 + 2))
-    engine = Engine(make_config(model=args.preset, device=args.device, dtype=args.dtype,
-                                num_kv_blocks=blocks, max_tokens_per_step=max(32768, max(prefill_sizes)),
-                                time_budget_s=None, max_running=max(batches), max_model_len=max_len, **opts))
+    blocks = max(
+        sum(-(-(context + args.decode_steps + 8) // 128) for _ in batches) * 2,
+        -(-max(prefill_sizes) // 128) * 2 + 8,
+        max(batches) * (context // 128 + 2),
+    )
+    engine = Engine(
+        make_config(
+            model=args.preset,
+            device=args.device,
+            dtype=args.dtype,
+            num_kv_blocks=blocks,
+            max_tokens_per_step=max(32768, max(prefill_sizes)),
+            time_budget_s=None,
+            max_running=max(batches),
+            max_model_len=max_len,
+            **opts,
+        )
+    )
     dtype = engine.model.dtype
     limits = measure_limits(device, dtype)
     vocab = engine.model_config.vocab_size
     prefill = [bench_prefill(engine, n, limits, vocab) for n in prefill_sizes]
     decode = [bench_decode(engine, b, context, args.decode_steps, limits, vocab) for b in batches]
     for p in prefill:
-        print(f"prefill {p['tokens']:>6} tokens: {p['tokens_per_s']:>10.0f} tok/s  MFU {p['mfu']:.3f}")
+        print(
+            f"prefill {p['tokens']:>6} tokens: {p['tokens_per_s']:>10.0f} tok/s  MFU {p['mfu']:.3f}"
+        )
     for d in decode:
-        print(f"decode batch {d['batch']:>4} @ {d['context']}: {d['tokens_per_s']:>9.1f} tok/s "
-              f"({d['per_user_tokens_per_s']:.1f}/user)  roofline {d['roofline_fraction']:.3f}")
+        print(
+            f"decode batch {d['batch']:>4} @ {d['context']}: {d['tokens_per_s']:>9.1f} tok/s "
+            f"({d['per_user_tokens_per_s']:.1f}/user)  roofline {d['roofline_fraction']:.3f}"
+        )
 
     peer: list[dict[str, Any]] = []
     peer_info: dict[str, Any] = {"skipped": "--no-transformers"}
@@ -327,11 +403,20 @@ def main(args: argparse.Namespace) -> int:
         if "expert_dtype" in opts:  # our experts are quantized: the peer runs the bf16 weights
             del engine
             free_memory(device)
-            engine = Engine(make_config(model=args.preset, device=args.device, dtype=args.dtype,
-                                        num_kv_blocks=1, **_no_graphs_no_overlap()))
+            engine = Engine(
+                make_config(
+                    model=args.preset,
+                    device=args.device,
+                    dtype=args.dtype,
+                    num_kv_blocks=1,
+                    **_no_graphs_no_overlap(),
+                )
+            )
         engine.cache = None  # type: ignore[assignment]  # the engine is done: free its KV for the peer
         free_memory(device)
-        peer, peer_info = bench_transformers(engine.model, peer_batches, context, peer_steps, device)
+        peer, peer_info = bench_transformers(
+            engine.model, peer_batches, context, peer_steps, device
+        )
         if "expert_dtype" in opts and peer:
             peer_info["weights"] = "unquantized (bf16) engine weights of the same preset seed"
     del engine
@@ -339,33 +424,49 @@ def main(args: argparse.Namespace) -> int:
     ok = [r for r in peer if "tokens_per_s" in r]
     for r in peer:
         if "tokens_per_s" in r:
-            print(f"transformers batch {r['batch']:>4} @ {r['context']}: {r['tokens_per_s']:>9.1f} tok/s "
-                  f"({r['per_user_tokens_per_s']:.1f}/user)")
+            print(
+                f"transformers batch {r['batch']:>4} @ {r['context']}: {r['tokens_per_s']:>9.1f} tok/s "
+                f"({r['per_user_tokens_per_s']:.1f}/user)"
+            )
         else:
             print(f"transformers batch {r['batch']:>4} @ {r['context']}: {r.get('error')}")
     ours = {d["batch"]: d["tokens_per_s"] for d in decode}
     result = {
-        "bench": "engine", "preset": args.preset, "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if kind == "cuda" else platform.processor() or platform.machine(),
-        "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
-        "options": {"kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"),
-                    "experts": getattr(args, "experts", "bf16"),
-                    "cuda_graphs": not getattr(args, "no_cuda_graphs", False),
-                    "overlap": not getattr(args, "no_overlap", False),
-                    "kernels": getattr(args, "kernels", "auto")},
+        "bench": "engine",
+        "preset": args.preset,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device)
+        if kind == "cuda"
+        else platform.processor() or platform.machine(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "options": {
+            "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"),
+            "experts": getattr(args, "experts", "bf16"),
+            "cuda_graphs": not getattr(args, "no_cuda_graphs", False),
+            "overlap": not getattr(args, "no_overlap", False),
+            "kernels": getattr(args, "kernels", "auto"),
+        },
         "engine_config_overrides": opts,
-        "limits": limits, "prefill": prefill, "decode": decode,
+        "limits": limits,
+        "prefill": prefill,
+        "decode": decode,
         "prefill_tokens_per_s": {str(p["tokens"]): p["tokens_per_s"] for p in prefill},
         "prefill_mfu": {str(p["tokens"]): p["mfu"] for p in prefill},
         "decode_tokens_per_s": {str(d["batch"]): d["tokens_per_s"] for d in decode},
-        "decode_per_user_tokens_per_s": {str(d["batch"]): d["per_user_tokens_per_s"] for d in decode},
+        "decode_per_user_tokens_per_s": {
+            str(d["batch"]): d["per_user_tokens_per_s"] for d in decode
+        },
         "decode_roofline_fraction": {str(d["batch"]): d["roofline_fraction"] for d in decode},
         "transformers": peer_info,
         "transformers_decode": peer,
         "transformers_decode_tokens_per_s": {str(r["batch"]): r["tokens_per_s"] for r in ok},
-        "transformers_per_user_tokens_per_s": {str(r["batch"]): r["per_user_tokens_per_s"] for r in ok},
-        "speedup_vs_transformers": {str(r["batch"]): ours[r["batch"]] / r["tokens_per_s"]
-                                    for r in ok if r["batch"] in ours},
+        "transformers_per_user_tokens_per_s": {
+            str(r["batch"]): r["per_user_tokens_per_s"] for r in ok
+        },
+        "speedup_vs_transformers": {
+            str(r["batch"]): ours[r["batch"]] / r["tokens_per_s"] for r in ok if r["batch"] in ours
+        },
         "quality": quality,
     }
     for b, x in result["speedup_vs_transformers"].items():

@@ -43,18 +43,32 @@ def plot(result: dict[str, Any], out: Path | None = None) -> Path:
     ys = [d["tokens_per_s"] for d in decode]
     left.plot(xs, ys, "o-", label="deepserve")
     for d in decode:
-        left.annotate(f"{d['roofline_fraction']:.2f} of BW", (d["batch"], d["tokens_per_s"]),
-                      textcoords="offset points", xytext=(4, 6), fontsize=7)
+        left.annotate(
+            f"{d['roofline_fraction']:.2f} of BW",
+            (d["batch"], d["tokens_per_s"]),
+            textcoords="offset points",
+            xytext=(4, 6),
+            fontsize=7,
+        )
     peer = [r for r in result.get("transformers_decode", []) if "tokens_per_s" in r]
     if peer:
-        left.plot([r["batch"] for r in peer], [r["tokens_per_s"] for r in peer], "s--",
-                  label=f"transformers {result.get('transformers', {}).get('version', '')} generate")
+        left.plot(
+            [r["batch"] for r in peer],
+            [r["tokens_per_s"] for r in peer],
+            "s--",
+            label=f"transformers {result.get('transformers', {}).get('version', '')} generate",
+        )
         speedup = result.get("speedup_vs_transformers", {})
         for r in peer:
             x = speedup.get(str(r["batch"]))
             if x:
-                left.annotate(f"{x:.1f}x", (r["batch"], r["tokens_per_s"]), textcoords="offset points",
-                              xytext=(4, -10), fontsize=7)
+                left.annotate(
+                    f"{x:.1f}x",
+                    (r["batch"], r["tokens_per_s"]),
+                    textcoords="offset points",
+                    xytext=(4, -10),
+                    fontsize=7,
+                )
     left.set_xscale("log", base=2)
     left.set_yscale("log")
     ticks = sorted(set(xs) | {r["batch"] for r in peer})
@@ -70,8 +84,13 @@ def plot(result: dict[str, Any], out: Path | None = None) -> Path:
     px = [p["tokens"] for p in prefill]
     right.plot(px, [p["mfu"] for p in prefill], "o-", color="C2")
     for p in prefill:
-        right.annotate(f"{p['tokens_per_s']:,.0f} tok/s", (p["tokens"], p["mfu"]),
-                       textcoords="offset points", xytext=(4, 6), fontsize=7)
+        right.annotate(
+            f"{p['tokens_per_s']:,.0f} tok/s",
+            (p["tokens"], p["mfu"]),
+            textcoords="offset points",
+            xytext=(4, 6),
+            fontsize=7,
+        )
     right.set_xscale("log", base=2)
     right.set_xticks(px, [f"{t // 1024}K" if t % 1024 == 0 else str(t) for t in px])
     right.set_ylim(0, max([p["mfu"] for p in prefill] + [0.05]) * 1.3)
@@ -81,14 +100,19 @@ def plot(result: dict[str, Any], out: Path | None = None) -> Path:
     right.grid(True, alpha=0.3)
 
     opts = result.get("options", {})
-    extras = [f"KV {opts['kv_cache_dtype']}" if opts.get("kv_cache_dtype", "auto") != "auto" else "",
-              f"experts {opts['experts']}" if opts.get("experts", "bf16") != "bf16" else ""]
+    extras = [
+        f"KV {opts['kv_cache_dtype']}" if opts.get("kv_cache_dtype", "auto") != "auto" else "",
+        f"experts {opts['experts']}" if opts.get("experts", "bf16") != "bf16" else "",
+    ]
     tag = ", ".join(e for e in extras if e)
     q = result.get("quality", {})
     if "relative_error" in q:
         tag += f" (logit rel. err {q['relative_error']:.3g}, top-1 {q['top1_agreement']:.3f})"
-    fig.suptitle(f"bench engine: {result['preset']} on {result.get('device_name', result.get('device'))}, "
-                 f"{result.get('dtype', '')}" + (f", {tag}" if tag else ""), fontsize=10)
+    fig.suptitle(
+        f"bench engine: {result['preset']} on {result.get('device_name', result.get('device'))}, "
+        f"{result.get('dtype', '')}" + (f", {tag}" if tag else ""),
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -42,34 +42,59 @@ def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     v3 = cfg.model_type == "deepseek_v3"
     if v3 and (cfg.scoring_func != "sigmoid" or cfg.topk_method != "noaux_tc"):
         raise ValueError("transformers' DeepseekV3 routes only with sigmoid scores and noaux_tc")
-    if not v3 and (cfg.scoring_func != "softmax" or (cfg.norm_topk_prob and cfg.num_experts_per_tok > 1)):
-        raise ValueError("transformers' DeepseekV2 routes only with softmax scores and unnormalized top-k")
+    if not v3 and (
+        cfg.scoring_func != "softmax" or (cfg.norm_topk_prob and cfg.num_experts_per_tok > 1)
+    ):
+        raise ValueError(
+            "transformers' DeepseekV2 routes only with softmax scores and unnormalized top-k"
+        )
     rope = cfg.rope
     if rope.type == "default":
         rope_parameters: dict[str, Any] = dict(rope_type="default", rope_theta=rope.theta)
     else:
-        rope_parameters = dict(rope_type="yarn", rope_theta=rope.theta, factor=rope.factor,
-                               original_max_position_embeddings=rope.original_max_position_embeddings,
-                               beta_fast=rope.beta_fast, beta_slow=rope.beta_slow,
-                               truncate=rope.truncate)
+        rope_parameters = dict(
+            rope_type="yarn",
+            rope_theta=rope.theta,
+            factor=rope.factor,
+            original_max_position_embeddings=rope.original_max_position_embeddings,
+            beta_fast=rope.beta_fast,
+            beta_slow=rope.beta_slow,
+            truncate=rope.truncate,
+        )
         if rope.mscale:
             rope_parameters["mscale"] = rope.mscale
         if rope.mscale_all_dim:
             rope_parameters["mscale_all_dim"] = rope.mscale_all_dim
     kw: dict[str, Any] = dict(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        moe_intermediate_size=cfg.moe_intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
-        first_k_dense_replace=cfg.first_k_dense_replace, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_attention_heads, q_lora_rank=cfg.q_lora_rank,
-        kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
-        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
-        n_routed_experts=cfg.n_routed_experts, n_shared_experts=cfg.n_shared_experts,
-        num_experts_per_tok=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
-        topk_method=cfg.topk_method, norm_topk_prob=cfg.norm_topk_prob,
-        routed_scaling_factor=cfg.routed_scaling_factor, rms_norm_eps=cfg.rms_norm_eps,
-        max_position_embeddings=cfg.max_position_embeddings, rope_parameters=rope_parameters,
-        attention_bias=cfg.attention_bias, tie_word_embeddings=cfg.tie_word_embeddings,
-        bos_token_id=cfg.bos_token_id, eos_token_id=list(cfg.eos_token_ids), pad_token_id=None,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        first_k_dense_replace=cfg.first_k_dense_replace,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_attention_heads,
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        n_routed_experts=cfg.n_routed_experts,
+        n_shared_experts=cfg.n_shared_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok,
+        n_group=cfg.n_group,
+        topk_group=cfg.topk_group,
+        topk_method=cfg.topk_method,
+        norm_topk_prob=cfg.norm_topk_prob,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters=rope_parameters,
+        attention_bias=cfg.attention_bias,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=list(cfg.eos_token_ids),
+        pad_token_id=None,
         hidden_act=cfg.hidden_act,
     )
     if v3:
@@ -77,7 +102,9 @@ def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     return kw
 
 
-def _our_tensor(name: str, shape: torch.Size, ours: dict[str, torch.Tensor], inter: int) -> torch.Tensor:
+def _our_tensor(
+    name: str, shape: torch.Size, ours: dict[str, torch.Tensor], inter: int
+) -> torch.Tensor:
     """A view of our tensor that transformers' parameter ``name`` of ``shape`` is (no copy)."""
     m = _PER_EXPERT.match(name)
     if m:
@@ -85,22 +112,36 @@ def _our_tensor(name: str, shape: torch.Size, ours: dict[str, torch.Tensor], int
         if proj == "down_proj":
             view = ours[f"{base}.w2"][e]
         else:
-            view = ours[f"{base}.w13"][e, :inter] if proj == "gate_proj" else ours[f"{base}.w13"][e, inter:]
+            view = (
+                ours[f"{base}.w13"][e, :inter]
+                if proj == "gate_proj"
+                else ours[f"{base}.w13"][e, inter:]
+            )
     else:
-        own = (name.replace(".mlp.experts.gate_up_proj", ".mlp.experts.w13")
-               .replace(".mlp.experts.down_proj", ".mlp.experts.w2"))
+        own = name.replace(".mlp.experts.gate_up_proj", ".mlp.experts.w13").replace(
+            ".mlp.experts.down_proj", ".mlp.experts.w2"
+        )
         if own not in ours:
             raise KeyError(f"transformers' {name} has no counterpart {own} in the engine's model")
         view = ours[own]
-        if view.dim() == 3 and tuple(view.shape) != tuple(shape) and tuple(view.transpose(1, 2).shape) == tuple(shape):
+        if (
+            view.dim() == 3
+            and tuple(view.shape) != tuple(shape)
+            and tuple(view.transpose(1, 2).shape) == tuple(shape)
+        ):
             view = view.transpose(1, 2)  # a transposed fused layout: a strided view, still no copy
     if tuple(view.shape) != tuple(shape):
-        raise ValueError(f"{name}: ours has shape {tuple(view.shape)}, transformers wants {tuple(shape)}")
+        raise ValueError(
+            f"{name}: ours has shape {tuple(view.shape)}, transformers wants {tuple(shape)}"
+        )
     return view.detach()  # a new tensor object on the same storage: our Parameters stay untouched
 
 
-def build_hf_peer(model: torch.nn.Module, attn_implementation: str | None = None,
-                  experts_implementation: str | None = None) -> torch.nn.Module:
+def build_hf_peer(
+    model: torch.nn.Module,
+    attn_implementation: str | None = None,
+    experts_implementation: str | None = None,
+) -> torch.nn.Module:
     """The transformers model of our ``DeepseekForCausalLM`` ``model``, sharing its weights.
 
     ``attn_implementation`` / ``experts_implementation``: None for transformers' defaults
@@ -175,8 +216,14 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def hf_decode_throughput(hf_model: torch.nn.Module, batch: int, context: int, new_tokens: int,
-                         device: torch.device | str, repeats: int = 1) -> dict[str, Any]:
+def hf_decode_throughput(
+    hf_model: torch.nn.Module,
+    batch: int,
+    context: int,
+    new_tokens: int,
+    device: torch.device | str,
+    repeats: int = 1,
+) -> dict[str, Any]:
     """Greedy ``generate`` throughput at ``batch`` prompts of ``context`` tokens.
 
     After one warm-up call, ``generate`` runs with 1 and with ``1 + new_tokens`` new tokens
@@ -191,12 +238,22 @@ def hf_decode_throughput(hf_model: torch.nn.Module, batch: int, context: int, ne
         sync(device)
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                    do_sample=False, use_cache=True, eos_token_id=None, pad_token_id=0)
+            out = hf_model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                use_cache=True,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         sync(device)
         seconds = time.perf_counter() - t0
         if out.shape != (batch, context + n):
-            raise RuntimeError(f"generate returned {tuple(out.shape)}, expected {(batch, context + n)}")
+            raise RuntimeError(
+                f"generate returned {tuple(out.shape)}, expected {(batch, context + n)}"
+            )
         del out
         return seconds
 
@@ -213,18 +270,29 @@ def hf_decode_throughput(hf_model: torch.nn.Module, batch: int, context: int, ne
     t1, tn = min(first), min(full)
     decode_s = tn - t1
     result: dict[str, Any] = {
-        "batch": batch, "context": context, "new_tokens": new_tokens,
-        "first_token_seconds": t1, "generate_seconds": tn, "decode_seconds": decode_s,
+        "batch": batch,
+        "context": context,
+        "new_tokens": new_tokens,
+        "first_token_seconds": t1,
+        "generate_seconds": tn,
+        "decode_seconds": decode_s,
         "prefill_tokens_per_s": batch * context / t1,
-        "first_token_runs": first, "generate_runs": full,
+        "first_token_runs": first,
+        "generate_runs": full,
     }
     if decode_s > 0:
-        result.update(step_seconds=decode_s / new_tokens, tokens_per_s=batch * new_tokens / decode_s,
-                      per_user_tokens_per_s=new_tokens / decode_s)
+        result.update(
+            step_seconds=decode_s / new_tokens,
+            tokens_per_s=batch * new_tokens / decode_s,
+            per_user_tokens_per_s=new_tokens / decode_s,
+        )
     else:  # noise larger than the decode itself: fall back to the whole call, stated as such
-        result.update(step_seconds=tn / (1 + new_tokens), tokens_per_s=batch * (1 + new_tokens) / tn,
-                      per_user_tokens_per_s=(1 + new_tokens) / tn,
-                      note="t(1+n) <= t(1): decode figure from the whole generate call")
+        result.update(
+            step_seconds=tn / (1 + new_tokens),
+            tokens_per_s=batch * (1 + new_tokens) / tn,
+            per_user_tokens_per_s=(1 + new_tokens) / tn,
+            note="t(1+n) <= t(1): decode figure from the whole generate call",
+        )
     if device.type == "cuda":
         result["peak_memory_bytes_above_weights"] = torch.cuda.max_memory_allocated(device) - peak0
     result["median_first_token_seconds"] = statistics.median(first)

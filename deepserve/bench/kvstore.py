@@ -89,7 +89,7 @@ async def store_phase(store: BlockStore, blocks: list[BlockPut]) -> tuple[float,
     total = sum(len(b.data) for b in blocks)
     t0 = time.perf_counter()
     for i in range(0, len(blocks), PUT_BATCH):
-        await store.put(blocks[i:i + PUT_BATCH])
+        await store.put(blocks[i : i + PUT_BATCH])
     put_s = time.perf_counter() - t0
     return total / put_s / 1e9, await get_gbps(store, blocks)
 
@@ -101,7 +101,7 @@ async def get_gbps(store: BlockStore, blocks: list[BlockPut]) -> float:
     t0 = time.perf_counter()
     got = []
     for i in range(0, len(blocks), PUT_BATCH):
-        got += [data async for _, data in store.get([b.hash for b in blocks[i:i + PUT_BATCH]])]
+        got += [data async for _, data in store.get([b.hash for b in blocks[i : i + PUT_BATCH]])]
     seconds = time.perf_counter() - t0
     assert got == [b.data for b in blocks], "a get returned other bytes than were put"
     return sum(len(d) for d in got) / seconds / 1e9
@@ -114,8 +114,10 @@ async def lookup_phase(store: BlockStore, count: int, chain: int) -> tuple[float
     now = store.clock()
     for i in range(chain):
         h = hashlib.sha256(parent + f"lookup/{i}".encode()).digest()
-        pipe.hset(store.key(h), mapping={"size": 1, "class": "chat", "parent": parent.hex(),
-                                         "last_access": now})
+        pipe.hset(
+            store.key(h),
+            mapping={"size": 1, "class": "chat", "parent": parent.hex(), "last_access": now},
+        )
         hashes.append(h)
         parent = h
     await pipe.execute()
@@ -162,9 +164,11 @@ async def run(args: argparse.Namespace, scratch: Path, redis_port: int) -> dict[
         os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "deepserve-bench")
         weed, endpoint = start_seaweedfs(scratch / "weed", scratch / "weed.log")
         try:
-            s3 = BlockStore(r, open_targets([f"s3://bench-{i:02d}" for i in range(12)], endpoint), codec)
+            s3 = BlockStore(
+                r, open_targets([f"s3://bench-{i:02d}" for i in range(12)], endpoint), codec
+            )
             await asyncio.to_thread(s3.prepare)
-            res["s3_put_gbps"], res["s3_get_gbps"] = await store_phase(s3, blocks[:args.s3_blocks])
+            res["s3_put_gbps"], res["s3_get_gbps"] = await store_phase(s3, blocks[: args.s3_blocks])
             s3.close()
         finally:
             stop(weed, timeout=3)
@@ -184,9 +188,17 @@ def main(args: argparse.Namespace) -> int:
     finally:
         stop(redis_proc)
         shutil.rmtree(scratch, ignore_errors=True)
-    result = {"bench": "kvstore", "machine": platform.node(), "cpus": os.cpu_count(),
-              "blocks": args.blocks, "block_bytes": args.block_bytes, "s3_blocks": args.s3_blocks,
-              "lookup_chain": args.chain, "lookups": args.lookups, **res}
+    result = {
+        "bench": "kvstore",
+        "machine": platform.node(),
+        "cpus": os.cpu_count(),
+        "blocks": args.blocks,
+        "block_bytes": args.block_bytes,
+        "s3_blocks": args.s3_blocks,
+        "lookup_chain": args.chain,
+        "lookups": args.lookups,
+        **res,
+    }
     for k, v in result.items():
         print(f"{k:>18}: {v:.3f}" if isinstance(v, float) else f"{k:>18}: {v}")
     if args.json_out:

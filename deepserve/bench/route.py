@@ -59,7 +59,9 @@ class TraceShape:
 
 SHAPES = {
     # Coding agents: large tool/system prompts, many quick turns, contexts into 100K+.
-    "agent": [TraceShape(0.5, 6, (6_000, 24_000), (1_000, 30_000), (200, 800), (10, 40), (1.0, 6.0))],
+    "agent": [
+        TraceShape(0.5, 6, (6_000, 24_000), (1_000, 30_000), (200, 800), (10, 40), (1.0, 6.0))
+    ],
     # Chat: short system prompts, few turns, people think between turns.
     "chat": [TraceShape(6.0, 20, (500, 2_500), (50, 1_500), (100, 400), (1, 8), (5.0, 30.0))],
 }
@@ -104,8 +106,10 @@ def trace(kind: str, seed: int, duration_s: float) -> list[Request]:
             burst = 3.0 if int(t / 20) % 2 == 0 and rng.random() < 0.7 else 0.33
             t += rng.expovariate(shape.sessions_per_s * burst)
             tenant = rng.randrange(shape.tenants)
-            parts = [(f"sys{si}.{tenant}", systems[tenant]),
-                     (f"s{si}.{n}.u0", rng.randint(*shape.first_user))]
+            parts = [
+                (f"sys{si}.{tenant}", systems[tenant]),
+                (f"s{si}.{n}.u0", rng.randint(*shape.first_user)),
+            ]
             at = t
             for turn in range(rng.randint(*shape.turns)):
                 if at >= duration_s:
@@ -166,8 +170,15 @@ def service_s(tokens: int, cached: int) -> float:
     return 0.02 + new / 20_000 * (1 + (cached + new / 2) / 131_072)
 
 
-def simulate(requests: list[Request], router: str, *, instances: int, cache_blocks: int,
-             summary: int, bounds: tuple[int, ...]) -> dict[str, Any]:
+def simulate(
+    requests: list[Request],
+    router: str,
+    *,
+    instances: int,
+    cache_blocks: int,
+    summary: int,
+    bounds: tuple[int, ...],
+) -> dict[str, Any]:
     sims = [SimInstance(f"p{i:02d}", cache_blocks) for i in range(instances)]
     clock = [0.0]
     policy = RoutingPolicy(clock=lambda: clock[0], bucket_bounds=bounds, block_size=BLOCK)
@@ -179,8 +190,15 @@ def simulate(requests: list[Request], router: str, *, instances: int, cache_bloc
     def beat(exact: bool) -> None:
         for s in sims:
             queued, running = s.load(clock[0])
-            policy.observe(Instance(s.name, PREFILL, queued_tokens=queued, running=running,
-                                    resident=frozenset(s.cache) if exact else s.recent(summary)))
+            policy.observe(
+                Instance(
+                    s.name,
+                    PREFILL,
+                    queued_tokens=queued,
+                    running=running,
+                    resident=frozenset(s.cache) if exact else s.recent(summary),
+                )
+            )
         policy.observe(Instance("d0", DECODE, address="d0:1", total_kv_blocks=1, free_kv_blocks=1))
 
     for i, r in enumerate(requests):
@@ -196,7 +214,9 @@ def simulate(requests: list[Request], router: str, *, instances: int, cache_bloc
         if router == "round_robin":
             sim = sims[i % instances]
         else:
-            chosen = policy.route(request_id=r.request_id, prompt_tokens=r.tokens, block_hashes=r.blocks)
+            chosen = policy.route(
+                request_id=r.request_id, prompt_tokens=r.tokens, block_hashes=r.blocks
+            )
             sim = next(s for s in sims if s.name == chosen.prefill.instance_id)
         cached = min(sim.hit(r.blocks) * BLOCK, r.tokens)
         sim.admit(r.blocks)
@@ -219,22 +239,43 @@ def simulate(requests: list[Request], router: str, *, instances: int, cache_bloc
 
 def _stats(w: list[float]) -> dict[str, float]:
     s = sorted(w)
-    return {"requests": len(s), "mean_wait_s": sum(s) / len(s),
-            "p99_wait_s": s[min(len(s) - 1, int(0.99 * len(s)))]}
+    return {
+        "requests": len(s),
+        "mean_wait_s": sum(s) / len(s),
+        "p99_wait_s": s[min(len(s) - 1, int(0.99 * len(s)))],
+    }
 
 
-def run(kind: str, *, seed: int = 0, duration_s: float = 300.0, instances: int = 8,
-        cache_blocks: int = 4096, summary: int = 2048,
-        bounds: tuple[int, ...] = bk.DEFAULT_BOUNDS) -> dict[str, Any]:
+def run(
+    kind: str,
+    *,
+    seed: int = 0,
+    duration_s: float = 300.0,
+    instances: int = 8,
+    cache_blocks: int = 4096,
+    summary: int = 2048,
+    bounds: tuple[int, ...] = bk.DEFAULT_BOUNDS,
+) -> dict[str, Any]:
     if kind not in TRACES:
         raise ValueError(f"--trace must be one of {TRACES}, got {kind!r}")
     reqs = trace(kind, seed, duration_s)
-    kw: dict[str, Any] = {"instances": instances, "cache_blocks": cache_blocks, "summary": summary, "bounds": bounds}
+    kw: dict[str, Any] = {
+        "instances": instances,
+        "cache_blocks": cache_blocks,
+        "summary": summary,
+        "bounds": bounds,
+    }
     res = {name: simulate(reqs, name, **kw) for name in ("policy", "oracle", "round_robin")}
     return {
-        "trace": kind, "seed": seed, "duration_s": duration_s, "requests": len(reqs),
-        "prompt_tokens": sum(r.tokens for r in reqs), "instances": instances,
-        "cache_blocks": cache_blocks, "summary_digests": summary, "bucket_bounds": list(bounds),
+        "trace": kind,
+        "seed": seed,
+        "duration_s": duration_s,
+        "requests": len(reqs),
+        "prompt_tokens": sum(r.tokens for r in reqs),
+        "instances": instances,
+        "cache_blocks": cache_blocks,
+        "summary_digests": summary,
+        "bucket_bounds": list(bounds),
         "hit_rate": res["policy"]["hit_rate"],
         "oracle_hit_rate": res["oracle"]["hit_rate"],
         "round_robin_hit_rate": res["round_robin"]["hit_rate"],
@@ -244,19 +285,29 @@ def run(kind: str, *, seed: int = 0, duration_s: float = 300.0, instances: int =
 
 
 def _lines(result: dict[str, Any]) -> Iterator[str]:
-    yield (f"{result['trace']}: {result['requests']} requests, {result['prompt_tokens']:,} prompt tokens, "
-           f"{result['instances']} prefill instances")
+    yield (
+        f"{result['trace']}: {result['requests']} requests, {result['prompt_tokens']:,} prompt tokens, "
+        f"{result['instances']} prefill instances"
+    )
     for name, r in result["routers"].items():
-        q = " ".join(f"{b}: mean {v['mean_wait_s']:.3f}s p99 {v['p99_wait_s']:.3f}s"
-                     for b, v in r["queueing"].items())
+        q = " ".join(
+            f"{b}: mean {v['mean_wait_s']:.3f}s p99 {v['p99_wait_s']:.3f}s"
+            for b, v in r["queueing"].items()
+        )
         yield f"  {name:12s} hit {r['hit_rate']:.3f}  max/mean load {r['max_mean_load']:.2f}  {q}"
 
 
 def main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    result = run(args.trace, seed=args.seed, duration_s=args.duration, instances=args.instances,
-                 cache_blocks=args.cache_blocks, summary=args.summary,
-                 bounds=bk.parse_bounds(args.prefill_buckets))
+    result = run(
+        args.trace,
+        seed=args.seed,
+        duration_s=args.duration,
+        instances=args.instances,
+        cache_blocks=args.cache_blocks,
+        summary=args.summary,
+        bounds=bk.parse_bounds(args.prefill_buckets),
+    )
     result["wall_s"] = round(time.perf_counter() - t0, 2)
     result["machine"] = platform.machine()
     for line in _lines(result):

@@ -1,6 +1,6 @@
 """Plots of ``deepserve bench route`` results (matplotlib, a test extra):
 
-    python -m deepserve.bench.route_plot docs/img bench/results/route-*-cpu.json
+python -m deepserve.bench.route_plot docs/img bench/results/route-*-cpu.json
 """
 
 from __future__ import annotations
@@ -41,11 +41,17 @@ def plot(out_dir: Path, results: list[dict[str, Any]]) -> list[Path]:
     fig, axes = plt.subplots(1, len(results), figsize=(4 * len(results), 3.2), squeeze=False)
     for ax, r in zip(axes[0], results):
         seen = r["routers"]["policy"]["queueing"]
-        buckets = [b for b in bucket_names(r["bucket_bounds"]) if seen.get(b, {}).get("requests", 0) >= 5]
+        buckets = [
+            b for b in bucket_names(r["bucket_bounds"]) if seen.get(b, {}).get("requests", 0) >= 5
+        ]
         for i, name in enumerate(("policy", "round_robin")):
             q = r["routers"][name]["queueing"]
-            ax.bar([x + (i - 0.5) * 0.4 for x in range(len(buckets))],
-                   [q[b]["p99_wait_s"] for b in buckets], 0.4, label=name)
+            ax.bar(
+                [x + (i - 0.5) * 0.4 for x in range(len(buckets))],
+                [q[b]["p99_wait_s"] for b in buckets],
+                0.4,
+                label=name,
+            )
         ax.set_xticks(range(len(buckets)), buckets, fontsize=8)
         ax.set_title(f"{r['trace']}: p99 queueing (s)", fontsize=10)
         ax.legend(fontsize=8)

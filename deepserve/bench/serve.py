@@ -36,8 +36,11 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _summary_ms(xs: list[float]) -> dict[str, float]:
-    return {"p50_ms": round(_pct(xs, 0.5) * 1e3, 2), "p99_ms": round(_pct(xs, 0.99) * 1e3, 2),
-            "mean_ms": round(statistics.fmean(xs) * 1e3, 2)}
+    return {
+        "p50_ms": round(_pct(xs, 0.5) * 1e3, 2),
+        "p99_ms": round(_pct(xs, 0.99) * 1e3, 2),
+        "mean_ms": round(statistics.fmean(xs) * 1e3, 2),
+    }
 
 
 def _prompt(i: int, n: int) -> list[int]:
@@ -60,11 +63,15 @@ def inprocess_ttft(n: int, prompt_tokens: int) -> list[float]:
     return out
 
 
-async def _generate(stub: Any, model: str, prompt: list[int], max_tokens: int
-                    ) -> tuple[float, list[int], int, str]:
+async def _generate(
+    stub: Any, model: str, prompt: list[int], max_tokens: int
+) -> tuple[float, list[int], int, str]:
     """(time to first token, tokens, cached tokens, error) of one Generate call."""
-    req = generate_pb2.GenerateRequest(prompt_token_ids=prompt, model=model,
-                                       sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
+    req = generate_pb2.GenerateRequest(
+        prompt_token_ids=prompt,
+        model=model,
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens),
+    )
     t0 = time.perf_counter()
     ttft, cached = 0.0, 0
     tokens: list[int] = []
@@ -91,8 +98,9 @@ async def fake_phase(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
             await _generate(stub, stack.model_name, _prompt(10_000 + i, args.prompt_tokens), 1)
         ttfts = []
         for i in range(args.ttft_requests):
-            ttft, _, _, err = await _generate(stub, stack.model_name,
-                                              _prompt(i, args.prompt_tokens), 1)
+            ttft, _, _, err = await _generate(
+                stub, stack.model_name, _prompt(i, args.prompt_tokens), 1
+            )
             if err:
                 raise RuntimeError(f"TTFT request failed: {err}")
             ttfts.append(ttft)
@@ -119,14 +127,22 @@ async def fake_phase(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
     stack_ms, base_ms = _summary_ms(ttfts), _summary_ms(base)
     return {
         "prompt_tokens": args.prompt_tokens,
-        "ttft_stack": stack_ms, "ttft_inprocess": base_ms,
-        "ttft_overhead_ms": {"p50": round(stack_ms["p50_ms"] - base_ms["p50_ms"], 2),
-                             "p99": round(stack_ms["p99_ms"] - base_ms["p99_ms"], 2)},
-        "load": {"requests": total, "concurrency": args.concurrency,
-                 "max_tokens": args.max_tokens, "seconds": round(wall, 2),
-                 "requests_per_s": round(total / wall, 1),
-                 "tokens_per_s": round(total * args.max_tokens / wall, 1),
-                 "lost": lost, "errors": errors[:5]},
+        "ttft_stack": stack_ms,
+        "ttft_inprocess": base_ms,
+        "ttft_overhead_ms": {
+            "p50": round(stack_ms["p50_ms"] - base_ms["p50_ms"], 2),
+            "p99": round(stack_ms["p99_ms"] - base_ms["p99_ms"], 2),
+        },
+        "load": {
+            "requests": total,
+            "concurrency": args.concurrency,
+            "max_tokens": args.max_tokens,
+            "seconds": round(wall, 2),
+            "requests_per_s": round(total / wall, 1),
+            "tokens_per_s": round(total * args.max_tokens / wall, 1),
+            "lost": lost,
+            "errors": errors[:5],
+        },
     }
 
 
@@ -146,10 +162,14 @@ async def cache_phase(stack: Stack, args: argparse.Namespace) -> dict[str, Any]:
                 raise RuntimeError(f"hit request failed: {hit[3]}")
             if hit[2] > 0:
                 break
-    return {"prompt_tokens": len(prompt), "miss_ttft_s": round(miss[0], 3),
-            "hit_ttft_s": round(hit[0], 3), "hit_cached_tokens": hit[2],
-            "speedup": round(miss[0] / hit[0], 2) if hit[0] else None,
-            "same_tokens": hit[1] == miss[1]}
+    return {
+        "prompt_tokens": len(prompt),
+        "miss_ttft_s": round(miss[0], 3),
+        "hit_ttft_s": round(hit[0], 3),
+        "hit_cached_tokens": hit[2],
+        "speedup": round(miss[0] / hit[0], 2) if hit[0] else None,
+        "same_tokens": hit[1] == miss[1],
+    }
 
 
 def _write(path: str | None, result: dict[str, Any]) -> None:
@@ -162,15 +182,29 @@ def main(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="bench-serve-"))
     result: dict[str, Any] = {"cpu_count": os.cpu_count()}
     t0 = time.perf_counter()
-    with Stack(run_dir / "fake", prefill=1, decode=1, model="fake", model_name="deepseek-fake",
-               drain_seconds=3.0, extra_args={"entrypoint": ["--max-inflight", "0"]}) as stack:
+    with Stack(
+        run_dir / "fake",
+        prefill=1,
+        decode=1,
+        model="fake",
+        model_name="deepseek-fake",
+        drain_seconds=3.0,
+        extra_args={"entrypoint": ["--max-inflight", "0"]},
+    ) as stack:
         result["fake"] = asyncio.run(fake_phase(stack, args))
     print(json.dumps(result["fake"], indent=2), flush=True)
     _write(args.json_out, result)
     if args.long_tokens:
         # A 32K-token prompt takes the tiny model minutes on 2 CPU cores: no token for that long.
-        with Stack(run_dir / "tiny", prefill=1, decode=1, model="tiny", drain_seconds=3.0,
-                   ready_timeout=300, extra_args={"entrypoint": ["--request-timeout", "900"]}) as stack:
+        with Stack(
+            run_dir / "tiny",
+            prefill=1,
+            decode=1,
+            model="tiny",
+            drain_seconds=3.0,
+            ready_timeout=300,
+            extra_args={"entrypoint": ["--request-timeout", "900"]},
+        ) as stack:
             result["tiny_cache"] = asyncio.run(cache_phase(stack, args))
         print(json.dumps(result["tiny_cache"], indent=2), flush=True)
     result["wall_s"] = round(time.perf_counter() - t0, 1)

@@ -19,6 +19,8 @@ def new_instance_id(service: str, given: str = "") -> str:
 
 
 def setup_logging(level: str, service: str) -> logging.Logger:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
+    )
     return logging.getLogger(service)

@@ -9,8 +9,9 @@ import nats
 from nats.aio.client import Client
 
 
-async def connect_nats(url: str, name: str, stop: asyncio.Event, log: logging.Logger,
-                       drain_timeout: float = 10.0) -> Client | None:
+async def connect_nats(
+    url: str, name: str, stop: asyncio.Event, log: logging.Logger, drain_timeout: float = 10.0
+) -> Client | None:
     """Connect, retrying every second until connected or ``stop`` is set (then None).
 
     Once connected the client reconnects by itself forever; each service's /healthz reports
@@ -30,10 +31,17 @@ async def connect_nats(url: str, name: str, stop: asyncio.Event, log: logging.Lo
 
     while not stop.is_set():
         try:
-            nc = await nats.connect(servers=[url], name=name, error_cb=on_error,
-                                    disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
-                                    max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                    connect_timeout=2, drain_timeout=max(1, int(drain_timeout)))
+            nc = await nats.connect(
+                servers=[url],
+                name=name,
+                error_cb=on_error,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                connect_timeout=2,
+                drain_timeout=max(1, int(drain_timeout)),
+            )
             closing.append(nc)
             return nc
         except Exception as exc:  # noqa: BLE001 - nats raises several kinds for "not there yet"

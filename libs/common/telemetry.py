@@ -57,8 +57,11 @@ class OpsServer:
             else:
                 status, ctype, body = 404, "text/plain", b"not found\n"
             reason = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}[status]
-            writer.write(f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\n"
-                         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+            writer.write(
+                f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                + body
+            )
             await writer.drain()
         except (TimeoutError, ConnectionError):
             pass
@@ -89,7 +92,9 @@ def tracer(service: str) -> trace.Tracer:
         provider = TracerProvider(resource=Resource.create({"service.name": service}))
         path = os.environ.get("DEEPSERVE_TRACE_FILE")
         if path:
-            provider.add_span_processor(SimpleSpanProcessor(JsonLinesExporter(path.replace("{service}", service))))
+            provider.add_span_processor(
+                SimpleSpanProcessor(JsonLinesExporter(path.replace("{service}", service)))
+            )
         if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
             try:
                 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter

@@ -84,13 +84,23 @@ class ModelConfig:
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         if self.scoring_func not in SCORING_FUNCS:
-            raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}")
+            raise ValueError(
+                f"scoring_func must be one of {SCORING_FUNCS}, got {self.scoring_func!r}"
+            )
         if self.topk_method not in TOPK_METHODS:
             raise ValueError(f"topk_method must be one of {TOPK_METHODS}, got {self.topk_method!r}")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; only 'silu'")
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.qk_rope_head_dim % 2:
@@ -108,8 +118,10 @@ class ModelConfig:
             if not 0 < self.topk_group <= self.n_group:
                 raise ValueError("topk_group must lie in [1, n_group]")
             if self.topk_method == "noaux_tc" and self.n_routed_experts // self.n_group < 2:
-                raise ValueError("noaux_tc routing scores groups by their top-2 experts; "
-                                 "each group needs at least 2 experts")
+                raise ValueError(
+                    "noaux_tc routing scores groups by their top-2 experts; "
+                    "each group needs at least 2 experts"
+                )
             if self.topk_group * (self.n_routed_experts // self.n_group) < self.num_experts_per_tok:
                 raise ValueError("topk_group groups hold fewer experts than num_experts_per_tok")
         if not self.eos_token_ids:
@@ -118,7 +130,9 @@ class ModelConfig:
     # ---- derived sizes -------------------------------------------------------------------
     @property
     def has_moe(self) -> bool:
-        return self.first_k_dense_replace < self.num_hidden_layers or self.num_nextn_predict_layers > 0
+        return (
+            self.first_k_dense_replace < self.num_hidden_layers or self.num_nextn_predict_layers > 0
+        )
 
     @property
     def qk_head_dim(self) -> int:

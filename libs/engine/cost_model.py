@@ -34,7 +34,9 @@ class CostModel:
     flops_per_token: float  # non-attention matmul FLOPs per token, vocabulary head excluded
     head_flops: float  # vocabulary projection, paid once per sequence that samples
     attn_flops_per_pair: float  # FLOPs per (query, key) pair over all layers
-    dense_weight_bytes: float  # weights every step reads (attention, dense MLPs, shared experts, head)
+    dense_weight_bytes: (
+        float  # weights every step reads (attention, dense MLPs, shared experts, head)
+    )
     expert_bytes: float  # bytes of one routed expert in one layer
     num_moe_layers: int
     num_experts: int
@@ -48,37 +50,62 @@ class CostModel:
     samples: int = field(default=0)
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, weight_dtype_bytes: float, kv_dtype_bytes: float,
-                  flop_rate: float, byte_rate: float, *, expert_param_bytes: float | None = None,
-                  kv_token_layer_bytes: float | None = None) -> CostModel:
+    def for_model(
+        cls,
+        cfg: ModelConfig,
+        weight_dtype_bytes: float,
+        kv_dtype_bytes: float,
+        flop_rate: float,
+        byte_rate: float,
+        *,
+        expert_param_bytes: float | None = None,
+        kv_token_layer_bytes: float | None = None,
+    ) -> CostModel:
         """``expert_param_bytes``: bytes per routed-expert weight (FP4 with scales: 0.5 + scale/32);
         ``kv_token_layer_bytes``: cache bytes per token and layer (default: dim x dtype bytes)."""
         h, nh = cfg.hidden_size, cfg.num_attention_heads
-        q_params = (h * nh * cfg.qk_head_dim if cfg.q_lora_rank is None
-                    else h * cfg.q_lora_rank + cfg.q_lora_rank * nh * cfg.qk_head_dim)
-        attn_params = (q_params + h * cfg.kv_cache_dim
-                       + cfg.kv_lora_rank * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-                       + nh * cfg.v_head_dim * h)
+        q_params = (
+            h * nh * cfg.qk_head_dim
+            if cfg.q_lora_rank is None
+            else h * cfg.q_lora_rank + cfg.q_lora_rank * nh * cfg.qk_head_dim
+        )
+        attn_params = (
+            q_params
+            + h * cfg.kv_cache_dim
+            + cfg.kv_lora_rank * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+            + nh * cfg.v_head_dim * h
+        )
         n_moe = cfg.num_hidden_layers - cfg.first_k_dense_replace
         dense_mlp = 3 * h * cfg.intermediate_size
         shared = 3 * h * cfg.moe_intermediate_size * cfg.n_shared_experts
         expert = 3 * h * cfg.moe_intermediate_size
         router = h * cfg.n_routed_experts
-        active = (cfg.num_hidden_layers * attn_params + cfg.first_k_dense_replace * dense_mlp
-                  + n_moe * (shared + router + cfg.num_experts_per_tok * expert))
-        dense_weights = (cfg.num_hidden_layers * attn_params + cfg.first_k_dense_replace * dense_mlp
-                         + n_moe * (shared + router) + h * cfg.vocab_size)
+        active = (
+            cfg.num_hidden_layers * attn_params
+            + cfg.first_k_dense_replace * dense_mlp
+            + n_moe * (shared + router + cfg.num_experts_per_tok * expert)
+        )
+        dense_weights = (
+            cfg.num_hidden_layers * attn_params
+            + cfg.first_k_dense_replace * dense_mlp
+            + n_moe * (shared + router)
+            + h * cfg.vocab_size
+        )
         return cls(
             flops_per_token=2.0 * active,
             head_flops=2.0 * h * cfg.vocab_size,
-            attn_flops_per_pair=2.0 * cfg.num_hidden_layers * nh * (cfg.qk_head_dim + cfg.v_head_dim),
+            attn_flops_per_pair=2.0
+            * cfg.num_hidden_layers
+            * nh
+            * (cfg.qk_head_dim + cfg.v_head_dim),
             dense_weight_bytes=float(dense_weights * weight_dtype_bytes),
             expert_bytes=float(expert * (expert_param_bytes or weight_dtype_bytes)),
             num_moe_layers=n_moe,
             num_experts=cfg.n_routed_experts,
             experts_per_token=cfg.num_experts_per_tok,
-            kv_bytes_per_token=float(cfg.num_hidden_layers * (
-                kv_token_layer_bytes or cfg.kv_cache_dim * kv_dtype_bytes)),
+            kv_bytes_per_token=float(
+                cfg.num_hidden_layers * (kv_token_layer_bytes or cfg.kv_cache_dim * kv_dtype_bytes)
+            ),
             flop_rate=flop_rate,
             byte_rate=byte_rate,
         )
@@ -86,8 +113,11 @@ class CostModel:
     # -- estimates ---------------------------------------------------------------------------
     def flops(self, shape: StepShape) -> float:
         pairs = sum(q * ctx - q * (q - 1) / 2 for q, ctx in shape.seqs)
-        return (self.flops_per_token * shape.tokens + self.head_flops * len(shape.seqs)
-                + self.attn_flops_per_pair * pairs)
+        return (
+            self.flops_per_token * shape.tokens
+            + self.head_flops * len(shape.seqs)
+            + self.attn_flops_per_pair * pairs
+        )
 
     def bytes(self, shape: StepShape) -> float:
         t = shape.tokens
@@ -102,7 +132,9 @@ class CostModel:
     def raw_seconds(self, shape: StepShape) -> float:
         if not shape.seqs:
             return 0.0
-        return self.overhead_s + max(self.flops(shape) / self.flop_rate, self.bytes(shape) / self.byte_rate)
+        return self.overhead_s + max(
+            self.flops(shape) / self.flop_rate, self.bytes(shape) / self.byte_rate
+        )
 
     def seconds(self, shape: StepShape) -> float:
         return self.scale * self.raw_seconds(shape)
@@ -113,7 +145,9 @@ class CostModel:
         if raw <= 0 or measured_s <= 0:
             return
         ratio = min(max(measured_s / raw, 1e-3), 1e3)
-        self.scale = ratio if self.samples == 0 else (1 - self.alpha) * self.scale + self.alpha * ratio
+        self.scale = (
+            ratio if self.samples == 0 else (1 - self.alpha) * self.scale + self.alpha * ratio
+        )
         self.samples += 1
 
     def max_chunk(self, shape: StepShape, ctx_before: int, remaining: int, budget_s: float) -> int:

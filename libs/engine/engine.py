@@ -32,7 +32,14 @@ from .scheduler import Request, Scheduler, SchedulerConfig, Status, TokenEvent
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Engine", "EngineConfig", "InvalidRequest", "KVFormatError", "NoFreeBlocks", "TokenEvent"]
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "InvalidRequest",
+    "KVFormatError",
+    "NoFreeBlocks",
+    "TokenEvent",
+]
 
 
 class InvalidRequest(ValueError):
@@ -56,14 +63,20 @@ class EngineConfig:
     sampler_seed: int | None = None
     absorb_decode: bool = True
     with_mtp: bool = False
-    kernels: str = "auto"  # "triton" (fused attention, Triton decode + MoE), "torch", auto: triton on CUDA
-    expert_dtype: str = "auto"  # "fp4": routed experts quantized to e2m1 (converts the loaded model)
+    kernels: str = (
+        "auto"  # "triton" (fused attention, Triton decode + MoE), "torch", auto: triton on CUDA
+    )
+    expert_dtype: str = (
+        "auto"  # "fp4": routed experts quantized to e2m1 (converts the loaded model)
+    )
     cuda_graphs: bool = True  # decode-only steps replay captured graphs (CUDA with kernels)
     overlap: bool | None = None  # None: on for CUDA
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
         if self.kv_cache_dtype == "fp8":
             object.__setattr__(self, "kv_cache_dtype", "float8_e4m3fn")
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in TORCH_DTYPES:
@@ -79,7 +92,9 @@ class EngineConfig:
 
     @property
     def use_kernels(self) -> bool:
-        return self.kernels == "triton" or (self.kernels == "auto" and self.device.startswith("cuda"))
+        return self.kernels == "triton" or (
+            self.kernels == "auto" and self.device.startswith("cuda")
+        )
 
     @property
     def use_overlap(self) -> bool:
@@ -105,7 +120,9 @@ class RequestInfo:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, loaded: LoadedModel | None = None
+    ) -> None:
         self.config = config = config or EngineConfig()
         self.device = torch.device(config.device)
         dtype = config.torch_dtype
@@ -119,24 +136,38 @@ class Engine:
         self.model_config = cfg = self.model.cfg
         self.model_id = self.loaded.model_id
         kv_dtype = config.kv_cache_dtype or DTYPE_NAMES[dtype]
-        self.spec = mla_cache_spec(cfg, self.model_id, config.block_size, kv_dtype,
-                                   num_layers=self.model.num_cache_layers)
+        self.spec = mla_cache_spec(
+            cfg, self.model_id, config.block_size, kv_dtype, num_layers=self.model.num_cache_layers
+        )
         num_blocks = config.num_kv_blocks or self._blocks_for_memory()
         self.cache = PagedKVCache(self.spec, num_blocks, self.device, cfg.qk_rope_head_dim)
         self.blocks = BlockManager(num_blocks, config.block_size)
-        max_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.scheduler_config = SchedulerConfig(config.max_tokens_per_step, config.time_budget_s,
-                                                config.max_running, max_len)
+        max_len = min(
+            config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
+        )
+        self.scheduler_config = SchedulerConfig(
+            config.max_tokens_per_step, config.time_budget_s, config.max_running, max_len
+        )
         per_layer = self.spec.bytes_per_block / config.block_size / self.model.num_cache_layers
-        self.cost = CostModel.for_model(cfg, torch.finfo(dtype).bits // 8,
-                                        torch.finfo(TORCH_DTYPES[kv_dtype]).bits // 8,
-                                        *self._nominal_rates(),
-                                        expert_param_bytes=0.5 + 2 / 32 if config.expert_dtype == "fp4" else None,
-                                        kv_token_layer_bytes=per_layer)
+        self.cost = CostModel.for_model(
+            cfg,
+            torch.finfo(dtype).bits // 8,
+            torch.finfo(TORCH_DTYPES[kv_dtype]).bits // 8,
+            *self._nominal_rates(),
+            expert_param_bytes=0.5 + 2 / 32 if config.expert_dtype == "fp4" else None,
+            kv_token_layer_bytes=per_layer,
+        )
         self.scheduler = Scheduler(self.scheduler_config, self.blocks, self.cost, cfg.eos_token_ids)
         self.sampler = Sampler(self.device, config.sampler_seed)
-        self.runner = ModelRunner(self.model, self.cache, self.sampler, self.use_kernels,
-                                  config.cuda_graphs, max_len, max_graph_batch=config.max_running)
+        self.runner = ModelRunner(
+            self.model,
+            self.cache,
+            self.sampler,
+            self.use_kernels,
+            config.cuda_graphs,
+            max_len,
+            max_graph_batch=config.max_running,
+        )
         self._inflight: Launched | None = None
         self.runner.capture_all()
         self.last_step_seconds = 0.0
@@ -169,7 +200,9 @@ class Engine:
                 budget = 1 << 30
         n = budget // self.spec.bytes_per_block
         if n <= 0:
-            raise ValueError(f"kv_cache_bytes={budget} holds no {self.spec.bytes_per_block}-byte block")
+            raise ValueError(
+                f"kv_cache_bytes={budget} holds no {self.spec.bytes_per_block}-byte block"
+            )
         return int(n)
 
     def _activation_reserve(self) -> int:
@@ -177,9 +210,16 @@ class Engine:
         the routed-expert buffers (k x (2H + 3I): gathered input, gate/up, SiLU·up, outputs)
         and ~16 hidden-sized tensors (projections, residuals, norms), in the model dtype."""
         cfg = self.model.cfg
-        per_token = (cfg.num_experts_per_tok * (2 * cfg.hidden_size + 3 * cfg.moe_intermediate_size)
-                     + 16 * cfg.hidden_size)
-        return int(self.config.max_tokens_per_step * per_token * torch.finfo(self.config.torch_dtype).bits // 8)
+        per_token = (
+            cfg.num_experts_per_tok * (2 * cfg.hidden_size + 3 * cfg.moe_intermediate_size)
+            + 16 * cfg.hidden_size
+        )
+        return int(
+            self.config.max_tokens_per_step
+            * per_token
+            * torch.finfo(self.config.torch_dtype).bits
+            // 8
+        )
 
     def _nominal_rates(self) -> tuple[float, float]:
         """Starting FLOP/s and bytes/s for the cost model; calibrated by measured steps."""
@@ -188,9 +228,16 @@ class Engine:
         return 5e10, 1e10
 
     # -- requests -----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    params: SamplingParams | None = None, *, cache_salt: bytes = b"",
-                    kv: bytes | Sequence[bytes] | None = None, hold_kv: bool = False) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: bytes = b"",
+        kv: bytes | Sequence[bytes] | None = None,
+        hold_kv: bool = False,
+    ) -> None:
         """Queue a request. ``kv``: frames from :meth:`export_kv` covering a prefix of the tokens.
 
         Raises :class:`InvalidRequest` for bad input, :class:`KVFormatError` for KV that does
@@ -219,7 +266,9 @@ class Engine:
         vocab = self.model_config.vocab_size
         bad = next((t for t in tokens if not 0 <= t < vocab), None)
         if bad is not None:
-            raise InvalidRequest(f"prompt_token_ids holds {bad}, outside the vocabulary [0, {vocab})")
+            raise InvalidRequest(
+                f"prompt_token_ids holds {bad}, outside the vocabulary [0, {vocab})"
+            )
         limit = self.scheduler_config.max_model_len
         if len(tokens) >= limit:
             raise InvalidRequest(f"prompt has {len(tokens)} tokens; the context limit is {limit}")
@@ -242,16 +291,26 @@ class Engine:
         reqs = self.scheduler.requests
         return self._inflight is not None and any(
             s.request_id in reqs and reqs[s.request_id].status is not Status.FINISHED
-            for s in self._inflight.sampling)
+            for s in self._inflight.sampling
+        )
 
     def info(self, request_id: str) -> RequestInfo:
         req = self.scheduler.requests[request_id]
-        return RequestInfo(req.request_id, tuple(req.token_ids), req.num_prompt_tokens,
-                           req.num_cached_tokens, req.num_computed, req.status is Status.FINISHED,
-                           req.finish_reason, req.num_preemptions)
+        return RequestInfo(
+            req.request_id,
+            tuple(req.token_ids),
+            req.num_prompt_tokens,
+            req.num_cached_tokens,
+            req.num_computed,
+            req.status is Status.FINISHED,
+            req.finish_reason,
+            req.num_preemptions,
+        )
 
     # -- KV export / import -------------------------------------------------------------------
-    def export_kv(self, request_id: str, *, include_partial: bool = False, release: bool = False) -> bytes:
+    def export_kv(
+        self, request_id: str, *, include_partial: bool = False, release: bool = False
+    ) -> bytes:
         """One frame with the request's computed KV: its full blocks, plus the tail if asked."""
         req = self.scheduler.requests.get(request_id)
         if req is None:
@@ -260,14 +319,24 @@ class Engine:
         covered = req.num_computed if include_partial else (req.num_computed // bs) * bs
         hashes = chain_hashes(req.token_ids[:covered], bs, req.cache_salt, include_partial=True)
         blocks = req.blocks[: len(hashes)]
-        header = KVHeader(self.model_id, self.spec.layout_hash(), bs, self.spec.dtype,
-                          self.spec.bytes_per_block, covered, 0, tuple(h.hex() for h in hashes))
+        header = KVHeader(
+            self.model_id,
+            self.spec.layout_hash(),
+            bs,
+            self.spec.dtype,
+            self.spec.bytes_per_block,
+            covered,
+            0,
+            tuple(h.hex() for h in hashes),
+        )
         frame = encode_frame(header, self.cache.read_blocks(blocks))
         if release:
             self.release(request_id)
         return frame
 
-    def export_blocks(self, request_id: str, start_block: int = 0) -> list[tuple[bytes, bytes, bytes]]:
+    def export_blocks(
+        self, request_id: str, start_block: int = 0
+    ) -> list[tuple[bytes, bytes, bytes]]:
         """The request's full blocks from ``start_block`` on, one single-block frame each.
 
         Returns (chain digest, parent digest or b"", frame) per block: the kvstore's unit.
@@ -280,8 +349,16 @@ class Engine:
         hashes = req.full_block_hashes(bs, req.num_computed)
         out = []
         for i in range(start_block, len(hashes)):
-            header = KVHeader(self.model_id, self.spec.layout_hash(), bs, self.spec.dtype,
-                              self.spec.bytes_per_block, (i + 1) * bs, i, (hashes[i].hex(),))
+            header = KVHeader(
+                self.model_id,
+                self.spec.layout_hash(),
+                bs,
+                self.spec.dtype,
+                self.spec.bytes_per_block,
+                (i + 1) * bs,
+                i,
+                (hashes[i].hex(),),
+            )
             frame = encode_frame(header, self.cache.read_blocks([req.blocks[i]]))
             out.append((hashes[i], hashes[i - 1] if i else b"", frame))
         return out
@@ -295,16 +372,20 @@ class Engine:
             check_compatible(header, self.spec)
             expected_first = sum(h.num_blocks for h in headers)
             if header.first_block != expected_first:
-                raise KVFormatError(f"KV frames are not contiguous: block {header.first_block} "
-                                    f"follows {expected_first} blocks")
+                raise KVFormatError(
+                    f"KV frames are not contiguous: block {header.first_block} "
+                    f"follows {expected_first} blocks"
+                )
             headers.append(header)
             payloads.append(payload)
         covered = headers[-1].num_tokens if headers else 0
         if covered > len(req.token_ids):
             raise KVFormatError(f"KV covers {covered} tokens, the request has {len(req.token_ids)}")
         given = [h for header in headers for h in header.block_hashes]
-        want = [h.hex() for h in chain_hashes(req.token_ids[:covered], bs, req.cache_salt,
-                                               include_partial=True)]
+        want = [
+            h.hex()
+            for h in chain_hashes(req.token_ids[:covered], bs, req.cache_salt, include_partial=True)
+        ]
         if given != want:
             raise KVFormatError("KV does not belong to these tokens (chain hash mismatch)")
         usable = min(covered, len(req.token_ids) - 1)  # the last token is computed to sample
@@ -316,8 +397,9 @@ class Engine:
         # Cached hits that sit in the free queue stop being free once acquired.
         available = self.blocks.num_free - sum(1 for b in hits if self.blocks.ref_count(b) == 0)
         if fresh_needed > available:
-            raise NoFreeBlocks(f"importing {n_blocks} blocks needs {fresh_needed} free, "
-                               f"{available} available")
+            raise NoFreeBlocks(
+                f"importing {n_blocks} blocks needs {fresh_needed} free, {available} available"
+            )
         self.blocks.acquire(hits)
         fresh: list[int] = []
         try:

@@ -22,21 +22,37 @@ class GenerationOutput:
 
 
 class LLM:
-    def __init__(self, model: str = "tiny", engine: Engine | None = None, **engine_kwargs: Any) -> None:
+    def __init__(
+        self, model: str = "tiny", engine: Engine | None = None, **engine_kwargs: Any
+    ) -> None:
         self.engine = engine or Engine(EngineConfig(model=model, **engine_kwargs))
         self._next_id = 0
 
     def encode(self, text: str) -> list[int]:
-        return list(load_tokenizer(self.engine.loaded.source).encode(text, add_special_tokens=False).ids)
+        return list(
+            load_tokenizer(self.engine.loaded.source).encode(text, add_special_tokens=False).ids
+        )
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return str(load_tokenizer(self.engine.loaded.source).decode(list(token_ids), skip_special_tokens=True))
+        return str(
+            load_tokenizer(self.engine.loaded.source).decode(
+                list(token_ids), skip_special_tokens=True
+            )
+        )
 
-    def generate(self, prompts: Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, decode_text: bool = True) -> list[GenerationOutput]:
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        decode_text: bool = True,
+    ) -> list[GenerationOutput]:
         """Run all prompts together (continuous batching) and return outputs in prompt order."""
-        plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        plist = (
+            list(params)
+            if isinstance(params, Sequence)
+            else [params or SamplingParams()] * len(prompts)
+        )
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
         order: list[str] = []
@@ -56,10 +72,16 @@ class LLM:
                     generated[ev.request_id].append(ev.token_id)
                 if ev.finished:
                     finals[ev.request_id] = ev
-        return [GenerationOutput(tuple(prompt_ids[rid]), tuple(generated[rid]),
-                                 self.decode(generated[rid]) if decode_text else "",
-                                 finals[rid].finish_reason, finals[rid].num_cached_tokens)
-                for rid in order]
+        return [
+            GenerationOutput(
+                tuple(prompt_ids[rid]),
+                tuple(generated[rid]),
+                self.decode(generated[rid]) if decode_text else "",
+                finals[rid].finish_reason,
+                finals[rid].num_cached_tokens,
+            )
+            for rid in order
+        ]
 
 
 __all__ = ["LLM", "GenerationOutput", "SamplingParams"]

@@ -41,8 +41,13 @@ class LoadedModel:
     source: str
 
 
-def load(source: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-         seed: int = 0, with_mtp: bool = False) -> LoadedModel:
+def load(
+    source: str,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    with_mtp: bool = False,
+) -> LoadedModel:
     if source in PRESETS:
         cfg = PRESETS[source]
         model = DeepseekForCausalLM(cfg, dtype, device, with_mtp=with_mtp)
@@ -51,7 +56,8 @@ def load(source: str, device: torch.device | str = "cpu", dtype: torch.dtype = t
     path = Path(source)
     if not (path / "config.json").is_file():
         raise CheckpointError(
-            f"{source!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with config.json")
+            f"{source!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with config.json"
+        )
     raw = json.loads((path / "config.json").read_text())
     try:
         cfg = ModelConfig.from_hf(raw)
@@ -68,7 +74,11 @@ def _checkpoint_digest(path: Path) -> str:
     for f in sorted(path.glob("*.safetensors")):
         with open(f, "rb") as fh:
             head_len = int.from_bytes(fh.read(8), "little")
-            h.update(f.name.encode() + f.stat().st_size.to_bytes(8, "little") + fh.read(min(head_len, 1 << 24)))
+            h.update(
+                f.name.encode()
+                + f.stat().st_size.to_bytes(8, "little")
+                + fh.read(min(head_len, 1 << 24))
+            )
     return h.hexdigest()[:16]
 
 
@@ -100,7 +110,11 @@ def _iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor, dict[str, tor
 
 def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     rows, cols = w.shape
-    s = scale_inv.float().repeat_interleave(_FP8_TILE, 0)[:rows].repeat_interleave(_FP8_TILE, 1)[:, :cols]
+    s = (
+        scale_inv.float()
+        .repeat_interleave(_FP8_TILE, 0)[:rows]
+        .repeat_interleave(_FP8_TILE, 1)[:, :cols]
+    )
     return w.float() * s
 
 
@@ -165,14 +179,18 @@ def load_weights(model: DeepseekForCausalLM, path: Path) -> None:
         raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensor(s): {shown}")
 
 
-def _tie_defaults(model: DeepseekForCausalLM, params: Mapping[str, torch.Tensor], loaded: set[str]) -> None:
+def _tie_defaults(
+    model: DeepseekForCausalLM, params: Mapping[str, torch.Tensor], loaded: set[str]
+) -> None:
     """Fill tensors a checkpoint may legitimately omit from the ones they are tied to."""
     if model.cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
         params["lm_head.weight"].copy_(params["model.embed_tokens.weight"])
         loaded.add("lm_head.weight")
     for j in range(len(model.mtp)):
-        for own, main in ((f"mtp.{j}.embed_tokens.weight", "model.embed_tokens.weight"),
-                          (f"mtp.{j}.shared_head.head.weight", "lm_head.weight")):
+        for own, main in (
+            (f"mtp.{j}.embed_tokens.weight", "model.embed_tokens.weight"),
+            (f"mtp.{j}.shared_head.head.weight", "lm_head.weight"),
+        ):
             if own not in loaded:
                 params[own].copy_(params[main])
                 loaded.add(own)
@@ -180,6 +198,8 @@ def _tie_defaults(model: DeepseekForCausalLM, params: Mapping[str, torch.Tensor]
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
-        raise CheckpointError(f"{name}: shape {tuple(src.shape)} does not match the config's {tuple(dst.shape)}")
+        raise CheckpointError(
+            f"{name}: shape {tuple(src.shape)} does not match the config's {tuple(dst.shape)}"
+        )
     with torch.no_grad():
         dst.copy_(src.to(device=dst.device, dtype=dst.dtype))

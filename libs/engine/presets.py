@@ -21,37 +21,103 @@ import torch
 
 from .config import ModelConfig, RopeConfig
 
-_V3_YARN = RopeConfig(theta=10000.0, type="yarn", factor=40.0, original_max_position_embeddings=4096,
-                      beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
-_V2_YARN = RopeConfig(theta=10000.0, type="yarn", factor=40.0, original_max_position_embeddings=4096,
-                      beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)
+_V3_YARN = RopeConfig(
+    theta=10000.0,
+    type="yarn",
+    factor=40.0,
+    original_max_position_embeddings=4096,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale=1.0,
+    mscale_all_dim=1.0,
+)
+_V2_YARN = RopeConfig(
+    theta=10000.0,
+    type="yarn",
+    factor=40.0,
+    original_max_position_embeddings=4096,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale=0.707,
+    mscale_all_dim=0.707,
+)
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
-        model_type="deepseek_v3", vocab_size=129280, hidden_size=128, intermediate_size=384,
-        moe_intermediate_size=64, num_hidden_layers=3, first_k_dense_replace=1,
-        num_attention_heads=4, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32,
-        qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16, n_shared_experts=1,
-        num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-        max_position_embeddings=163840, rope=_V3_YARN, num_nextn_predict_layers=1,
+        model_type="deepseek_v3",
+        vocab_size=129280,
+        hidden_size=128,
+        intermediate_size=384,
+        moe_intermediate_size=64,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        q_lora_rank=96,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=163840,
+        rope=_V3_YARN,
+        num_nextn_predict_layers=1,
     ),
     "v2-lite": ModelConfig(
-        model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
-        moe_intermediate_size=1408, num_hidden_layers=27, first_k_dense_replace=1,
-        num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
-        num_experts_per_tok=6, n_group=1, topk_group=1, scoring_func="softmax",
-        topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0,
-        max_position_embeddings=163840, rope=_V2_YARN, bos_token_id=100000,
+        model_type="deepseek_v2",
+        vocab_size=102400,
+        hidden_size=2048,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        num_hidden_layers=27,
+        first_k_dense_replace=1,
+        num_attention_heads=16,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=64,
+        n_shared_experts=2,
+        num_experts_per_tok=6,
+        n_group=1,
+        topk_group=1,
+        scoring_func="softmax",
+        topk_method="greedy",
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        max_position_embeddings=163840,
+        rope=_V2_YARN,
+        bos_token_id=100000,
         eos_token_ids=(100001,),
     ),
     "v3-slice": ModelConfig(
-        model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
-        moe_intermediate_size=2048, num_hidden_layers=4, first_k_dense_replace=1,
-        num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, n_shared_experts=1,
-        num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5,
-        max_position_embeddings=163840, rope=_V3_YARN, num_nextn_predict_layers=1,
+        model_type="deepseek_v3",
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=4,
+        first_k_dense_replace=1,
+        num_attention_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=163840,
+        rope=_V3_YARN,
+        num_nextn_predict_layers=1,
     ),
 }
 
@@ -103,10 +169,10 @@ def uniform_block(key: int, start: int, n: int, device: torch.device) -> torch.T
         x *= np.uint32(0x9E3779B1)
         x += np.uint32(hi)
         top = _hash32_np(x) >> np.uint32(8)
-        return torch.from_numpy(top.astype(np.float32)) * (2.0 ** -23) - 1.0
+        return torch.from_numpy(top.astype(np.float32)) * (2.0**-23) - 1.0
     i = torch.arange(lo, lo + n, dtype=torch.int64, device=device)
     h = _hash32((i * 0x9E3779B1 + hi) & _M32)
-    return (h >> 8).to(torch.float32) * (2.0 ** -23) - 1.0
+    return (h >> 8).to(torch.float32) * (2.0**-23) - 1.0
 
 
 def _fill(param: torch.Tensor, key: int, scale: float, offset: float = 0.0) -> None:

@@ -70,9 +70,16 @@ def _timing_event() -> torch.cuda.Event:
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekForCausalLM, cache: PagedKVCache, sampler: Sampler,
-                 use_kernels: bool, cuda_graphs: bool, max_model_len: int,
-                 max_graph_batch: int = 256) -> None:
+    def __init__(
+        self,
+        model: DeepseekForCausalLM,
+        cache: PagedKVCache,
+        sampler: Sampler,
+        use_kernels: bool,
+        cuda_graphs: bool,
+        max_model_len: int,
+        max_graph_batch: int = 256,
+    ) -> None:
         self.model = model
         self.cache = cache
         self.sampler = sampler
@@ -87,7 +94,9 @@ class ModelRunner:
         self.num_heads = model.cfg.num_attention_heads
 
     # -- public ------------------------------------------------------------------------------
-    def launch(self, plan: StepPlan, params: Sequence[SamplingParams], prev: Launched | None) -> Launched:
+    def launch(
+        self, plan: StepPlan, params: Sequence[SamplingParams], prev: Launched | None
+    ) -> Launched:
         """Queue the step on the device. ``params``: per sampling seq, in plan order."""
         t0 = time.perf_counter()
         cuda = self.device.type == "cuda"
@@ -98,14 +107,24 @@ class ModelRunner:
         logits = self._forward(plan, prev)
         tokens = host = done = None
         if sampling:
-            tokens = self.sampler.sample_device(logits, params, [s.sample_position for s in sampling])
+            tokens = self.sampler.sample_device(
+                logits, params, [s.sample_position for s in sampling]
+            )
             host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=cuda)
             host.copy_(tokens, non_blocking=cuda)
         if cuda:
             done = _timing_event()
             done.record()
-        return Launched(plan, sampling, tokens, host, done, started, time.perf_counter() - t0,
-                        {s.request_id: i for i, s in enumerate(sampling)})
+        return Launched(
+            plan,
+            sampling,
+            tokens,
+            host,
+            done,
+            started,
+            time.perf_counter() - t0,
+            {s.request_id: i for i, s in enumerate(sampling)},
+        )
 
     @staticmethod
     def collect(launched: Launched) -> tuple[dict[str, int], float]:
@@ -124,8 +143,11 @@ class ModelRunner:
     # -- forward -----------------------------------------------------------------------------
     def _forward(self, plan: StepPlan, prev: Launched | None) -> torch.Tensor:
         """fp32 logits of the sampling seqs, in plan order."""
-        if (self.cuda_graphs and len(plan.seqs) <= self.ladder[-1]
-                and all(s.num_tokens == 1 and s.sample for s in plan.seqs)):
+        if (
+            self.cuda_graphs
+            and len(plan.seqs) <= self.ladder[-1]
+            and all(s.num_tokens == 1 and s.sample for s in plan.seqs)
+        ):
             return self._forward_graph(plan, prev)
         ids, positions, meta, ordered, sample_rows = self.prepare(plan, prev)
         hidden = self.model(ids, positions, meta, self.cache.layers)
@@ -133,11 +155,14 @@ class ModelRunner:
         wanted = [row_of[s.request_id] for s in plan.seqs if s.sample]
         if not wanted:
             return hidden.new_empty(0, self.model.cfg.vocab_size, dtype=torch.float32)  # type: ignore[no-any-return]
-        logits: torch.Tensor = self.model.logits(hidden[self._to_device(np.asarray(wanted, dtype=np.int64))])
+        logits: torch.Tensor = self.model.logits(
+            hidden[self._to_device(np.asarray(wanted, dtype=np.int64))]
+        )
         return logits
 
-    def prepare(self, plan: StepPlan, prev: Launched | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[ScheduledSeq], list[int]]:
+    def prepare(
+        self, plan: StepPlan, prev: Launched | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[ScheduledSeq], list[int]]:
         """Device inputs of an eager step: (ids, positions, metadata, seqs in row order,
         last row of each sampling seq in that order)."""
         seqs = list(plan.seqs)
@@ -153,8 +178,9 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
-    def _fill_placeholders(self, ids: torch.Tensor, rows: list[int], srcs: list[int],
-                           prev: Launched | None) -> None:
+    def _fill_placeholders(
+        self, ids: torch.Tensor, rows: list[int], srcs: list[int], prev: Launched | None
+    ) -> None:
         if not rows:
             return
         if prev is None or prev.tokens is None:
@@ -164,8 +190,9 @@ class ModelRunner:
         src = self._to_device(np.asarray(srcs, dtype=np.int64))
         ids.index_copy_(0, dst, prev.tokens.index_select(0, src))
 
-    def _prepare(self, seqs: list[ScheduledSeq], prev: Launched | None
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def _prepare(
+        self, seqs: list[ScheduledSeq], prev: Launched | None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs, dev = self.block_size, self.device
         n = sum(s.num_tokens for s in seqs)
         ids = np.empty(n, dtype=np.int64)
@@ -202,8 +229,14 @@ class ModelRunner:
         meta = AttentionMetadata(self._to_device(slots), [], block_size=bs)
         for r0, s in prompt_seqs:
             ctx = s.start + s.num_tokens
-            meta.seqs.append(SeqAttention(r0, s.num_tokens, self._ctx_slots(s.block_table, ctx),
-                                          self._to_device(np.arange(s.start, ctx, dtype=np.int64))))
+            meta.seqs.append(
+                SeqAttention(
+                    r0,
+                    s.num_tokens,
+                    self._ctx_slots(s.block_table, ctx),
+                    self._to_device(np.arange(s.start, ctx, dtype=np.int64)),
+                )
+            )
         if decodes:
             lens = np.array([s.start + 1 for s in decodes], dtype=np.int32)
             if self.use_kernels:
@@ -225,10 +258,14 @@ class ModelRunner:
                     padded[i, : lens[i]] = self._ctx_slots(s.block_table, int(lens[i]), "cpu")
                 meta.decode_rows = torch.tensor(decode_rows, dtype=torch.int64, device=dev)
                 meta.decode_slots = padded.to(dev)
-                meta.decode_mask = (torch.arange(width)[None, :] < torch.from_numpy(lens)[:, None]).to(dev)
+                meta.decode_mask = (
+                    torch.arange(width)[None, :] < torch.from_numpy(lens)[:, None]
+                ).to(dev)
         return ids_d, self._to_device(pos), meta, sample_rows
 
-    def _ctx_slots(self, table: tuple[int, ...], n: int, device: torch.device | str | None = None) -> torch.Tensor:
+    def _ctx_slots(
+        self, table: tuple[int, ...], n: int, device: torch.device | str | None = None
+    ) -> torch.Tensor:
         bs = self.block_size
         nb = -(-n // bs)
         t = np.asarray(table[:nb], dtype=np.int64)
@@ -291,8 +328,15 @@ class ModelRunner:
         ids, positions, slots = inputs[:bg], inputs[bg : 2 * bg], inputs[2 * bg : 3 * bg]
         seq_lens32 = torch.zeros(bg, dtype=torch.int32, device=dev)
         table32 = torch.zeros(bg, mb, dtype=torch.int32, device=dev)
-        meta = AttentionMetadata(slots, [], decode_start=0, block_table=table32, seq_lens=seq_lens32,
-                                 block_size=self.block_size, num_splits=self._graph_splits(bg))
+        meta = AttentionMetadata(
+            slots,
+            [],
+            decode_start=0,
+            block_table=table32,
+            seq_lens=seq_lens32,
+            block_size=self.block_size,
+            num_splits=self._graph_splits(bg),
+        )
 
         def run() -> torch.Tensor:
             # The kernel takes int32 lengths and tables: converted inside the graph.

@@ -49,14 +49,16 @@ class Sampler:
             self._rng.manual_seed(seed)
         self._seeded = torch.Generator(device=device)
 
-    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-               positions: Sequence[int]) -> list[int]:
+    def sample(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
+    ) -> list[int]:
         """One token per row. ``positions[i]``: sequence position of the token being sampled."""
         out: list[int] = self.sample_device(logits, params, positions).tolist()
         return out
 
-    def sample_device(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                      positions: Sequence[int]) -> torch.Tensor:
+    def sample_device(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
+    ) -> torch.Tensor:
         """As :meth:`sample`, as an int64 tensor on the logits' device, without waiting for it."""
         out = logits.float().argmax(dim=-1)
         for i, p in enumerate(params):

@@ -56,7 +56,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_step <= 0:
-            raise ValueError(f"max_tokens_per_step must be positive, got {self.max_tokens_per_step}")
+            raise ValueError(
+                f"max_tokens_per_step must be positive, got {self.max_tokens_per_step}"
+            )
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise ValueError(f"time_budget_s must be positive or None, got {self.time_budget_s}")
         if self.max_running <= 0:
@@ -95,9 +97,15 @@ class Request:
         if len(self.block_hashes) < need:
             parent = self.block_hashes[-1] if self.block_hashes else None
             start = len(self.block_hashes)
-            self.block_hashes.extend(chain_hashes(
-                self.token_ids[: need * block_size], block_size, self.cache_salt,
-                start=start, parent=parent))
+            self.block_hashes.extend(
+                chain_hashes(
+                    self.token_ids[: need * block_size],
+                    block_size,
+                    self.cache_salt,
+                    start=start,
+                    parent=parent,
+                )
+            )
         return self.block_hashes[:need]
 
 
@@ -137,8 +145,13 @@ class TokenEvent:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, cost: CostModel,
-                 eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        blocks: BlockManager,
+        cost: CostModel,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
         self.config = config
         self.bm = blocks
         self.cost = cost
@@ -154,12 +167,16 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if len(req.token_ids) >= self.config.max_model_len:
-            raise ValueError(f"prompt of {len(req.token_ids)} tokens leaves no room under the "
-                             f"context limit of {self.config.max_model_len}")
+            raise ValueError(
+                f"prompt of {len(req.token_ids)} tokens leaves no room under the "
+                f"context limit of {self.config.max_model_len}"
+            )
         need = len(req.token_ids) // self.bm.block_size + 1
         if need > self.bm.num_blocks:
-            raise ValueError(f"prompt of {len(req.token_ids)} tokens needs {need} KV blocks; "
-                             f"this engine's cache holds {self.bm.num_blocks}")
+            raise ValueError(
+                f"prompt of {len(req.token_ids)} tokens needs {need} KV blocks; "
+                f"this engine's cache holds {self.bm.num_blocks}"
+            )
         req.arrival = next(self._arrivals)
         self.requests[req.request_id] = req
         if req.status is Status.RUNNING:  # KV imported by the engine: continue where it stopped
@@ -212,8 +229,12 @@ class Scheduler:
             shape = shape.add(n, req.num_computed + n)
             budget -= n
 
-        while (self.waiting and not preempted and budget > 0
-               and len(self.running) < self.config.max_running):
+        while (
+            self.waiting
+            and not preempted
+            and budget > 0
+            and len(self.running) < self.config.max_running
+        ):
             req = self.waiting[0]
             hits = self._admit_prefix(req)
             n = self._fit(shape, req, budget)
@@ -251,8 +272,14 @@ class Scheduler:
     def _reserve(self, req: Request, n: int, scheduled: set[str], preempted: list[str]) -> bool:
         """Allocate blocks for ``n`` more tokens of a running request, preempting if needed."""
         while not self._try_allocate(req, n):
-            victim = next((r for r in reversed(self.running)
-                           if r.status is Status.RUNNING and r.request_id not in scheduled), None)
+            victim = next(
+                (
+                    r
+                    for r in reversed(self.running)
+                    if r.status is Status.RUNNING and r.request_id not in scheduled
+                ),
+                None,
+            )
             if victim is None:
                 raise RuntimeError("the KV cache cannot hold even one request; raise num_kv_blocks")
             self._preempt(victim)
@@ -269,7 +296,9 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         # Back in arrival order, so the oldest preempted request resumes first.
-        pos = next((i for i, w in enumerate(self.waiting) if w.arrival > req.arrival), len(self.waiting))
+        pos = next(
+            (i for i, w in enumerate(self.waiting) if w.arrival > req.arrival), len(self.waiting)
+        )
         self.waiting.insert(pos, req)
 
     def _admit_prefix(self, req: Request) -> list[int]:
@@ -294,14 +323,19 @@ class Scheduler:
         req.admitted = True
         end = req.num_computed + n
         return ScheduledSeq(
-            request_id=req.request_id, start=req.num_computed, num_tokens=n,
+            request_id=req.request_id,
+            start=req.num_computed,
+            num_tokens=n,
             token_ids=tuple(req.token_ids[req.num_computed : end]),
-            block_table=tuple(req.blocks), sample=end == len(req.token_ids),
-            sample_position=len(req.token_ids))
+            block_table=tuple(req.blocks),
+            sample=end == len(req.token_ids),
+            sample_position=len(req.token_ids),
+        )
 
     # -- update -------------------------------------------------------------------------------
-    def update(self, plan: StepPlan, sampled: dict[str, int], step_seconds: float | None = None
-               ) -> list[TokenEvent]:
+    def update(
+        self, plan: StepPlan, sampled: dict[str, int], step_seconds: float | None = None
+    ) -> list[TokenEvent]:
         """Apply a step's results: advance computed counts, name full blocks, append tokens."""
         self.advance(plan)
         return self.commit(plan, sampled, step_seconds)
@@ -320,17 +354,22 @@ class Scheduler:
                     req.pending_finish = "length"
                     self.running.remove(req)  # nothing more to schedule; finishes on commit
 
-    def commit(self, plan: StepPlan, sampled: dict[str, int], step_seconds: float | None = None
-               ) -> list[TokenEvent]:
+    def commit(
+        self, plan: StepPlan, sampled: dict[str, int], step_seconds: float | None = None
+    ) -> list[TokenEvent]:
         """The step's tokens are known: fill placeholders, finish requests, return events."""
         if step_seconds is not None and not plan.empty:
             self.cost.observe(plan.shape, step_seconds)
         events: list[TokenEvent] = []
         for seq in plan.seqs:
             req = self.requests.get(seq.request_id)
-            if (not seq.sample or req is None or req.status is Status.FINISHED
-                    or len(req.token_ids) <= seq.sample_position
-                    or req.token_ids[seq.sample_position] != PLACEHOLDER):
+            if (
+                not seq.sample
+                or req is None
+                or req.status is Status.FINISHED
+                or len(req.token_ids) <= seq.sample_position
+                or req.token_ids[seq.sample_position] != PLACEHOLDER
+            ):
                 continue  # aborted, finished, or advanced past by a preemption
             req.token_ids[seq.sample_position] = sampled[seq.request_id]
             events.append(self._finish_check(req, sampled[seq.request_id]))
@@ -338,9 +377,11 @@ class Scheduler:
 
     def _out_of_length(self, req: Request) -> bool:
         # The last bound: alone in the cache a request can always run; past it, it never could.
-        return (req.num_output_tokens >= req.params.max_tokens
-                or len(req.token_ids) >= self.config.max_model_len
-                or len(req.token_ids) >= self.bm.num_blocks * self.bm.block_size)
+        return (
+            req.num_output_tokens >= req.params.max_tokens
+            or len(req.token_ids) >= self.config.max_model_len
+            or len(req.token_ids) >= self.bm.num_blocks * self.bm.block_size
+        )
 
     def _register_full_blocks(self, req: Request) -> None:
         bs = self.bm.block_size

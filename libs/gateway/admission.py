@@ -18,8 +18,9 @@ class Overloaded(Exception):
 
 
 class Admission:
-    def __init__(self, max_inflight: int, max_waiting: int, admit_wait: float,
-                 retry_after_ms: int) -> None:
+    def __init__(
+        self, max_inflight: int, max_waiting: int, admit_wait: float, retry_after_ms: int
+    ) -> None:
         self.max_inflight, self.max_waiting = max_inflight, max_waiting  # max_inflight 0: no limit
         self.admit_wait, self.retry_after_ms = admit_wait, retry_after_ms
         self.running = 0
@@ -35,8 +36,10 @@ class Admission:
             self.waiting += 1
             try:
                 async with self._freed:
-                    await asyncio.wait_for(self._freed.wait_for(
-                        lambda: self.running < self.max_inflight), self.admit_wait)
+                    await asyncio.wait_for(
+                        self._freed.wait_for(lambda: self.running < self.max_inflight),
+                        self.admit_wait,
+                    )
             except TimeoutError:
                 self._refuse(f"no slot came free within {self.admit_wait:g}s")
             finally:
@@ -57,5 +60,8 @@ class Admission:
 
     def _refuse(self, why: str) -> None:
         ms = self.retry_after_ms
-        raise Overloaded(f"entrypoint overloaded: {self.running} requests in flight (limit "
-                         f"{self.max_inflight}) and {why}; retry after {ms} ms", ms)
+        raise Overloaded(
+            f"entrypoint overloaded: {self.running} requests in flight (limit "
+            f"{self.max_inflight}) and {why}; retry after {ms} ms",
+            ms,
+        )

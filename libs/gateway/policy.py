@@ -75,12 +75,17 @@ class ValidRequest:
 def _check_ids(name: str, ids: Sequence[int], vocab: int) -> None:
     for i, t in enumerate(ids):
         if not 0 <= t < vocab:
-            raise InvalidArgument(f"{name}[{i}]", f"token id {t} is outside the vocabulary [0, {vocab})")
+            raise InvalidArgument(
+                f"{name}[{i}]", f"token id {t} is outside the vocabulary [0, {vocab})"
+            )
 
 
 def validate_sampling(s: common_pb2.SamplingParams, prompt_len: int, limits: Limits) -> Sampling:
     if not math.isfinite(s.temperature) or s.temperature < 0:
-        raise InvalidArgument("sampling.temperature", f"must be a finite number >= 0 (0 = greedy), got {s.temperature}")
+        raise InvalidArgument(
+            "sampling.temperature",
+            f"must be a finite number >= 0 (0 = greedy), got {s.temperature}",
+        )
     if not math.isfinite(s.top_p) or not 0 <= s.top_p <= 1:
         raise InvalidArgument("sampling.top_p", f"must lie in (0, 1] (0 means 1), got {s.top_p}")
     if s.top_k < 0:
@@ -89,26 +94,40 @@ def validate_sampling(s: common_pb2.SamplingParams, prompt_len: int, limits: Lim
         raise InvalidArgument("sampling.max_tokens", f"must be > 0, got {s.max_tokens}")
     room = limits.max_context - prompt_len
     if s.max_tokens > room:
-        raise InvalidArgument("sampling.max_tokens", f"prompt ({prompt_len} tokens) + max_tokens "
-                              f"({s.max_tokens}) exceeds the context limit of {limits.max_context}; "
-                              f"at most {room} here")
+        raise InvalidArgument(
+            "sampling.max_tokens",
+            f"prompt ({prompt_len} tokens) + max_tokens "
+            f"({s.max_tokens}) exceeds the context limit of {limits.max_context}; "
+            f"at most {room} here",
+        )
     seed = s.seed if s.HasField("seed") else None
     if seed is not None and seed >= MAX_SEED:
         raise InvalidArgument("sampling.seed", f"must lie in [0, 2**63), got {seed}")
     _check_ids("sampling.stop_token_ids", s.stop_token_ids, limits.vocab_size)
-    return Sampling(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, seed=seed,
-                    max_tokens=s.max_tokens, stop_token_ids=tuple(s.stop_token_ids),
-                    ignore_eos=s.ignore_eos)
+    return Sampling(
+        temperature=s.temperature,
+        top_p=s.top_p or 1.0,
+        top_k=s.top_k,
+        seed=seed,
+        max_tokens=s.max_tokens,
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
 
 
 def validate_request(req: generate_pb2.GenerateRequest, limits: Limits) -> ValidRequest:
     """A checked copy of ``req``; InvalidArgument (naming the field) or UnknownModel otherwise."""
     if req.request_id and not REQUEST_ID_RE.match(req.request_id):
-        raise InvalidArgument("request_id", "must be 1-128 characters of A-Z a-z 0-9 _ - "
-                              f"(or empty to get one assigned), got {req.request_id[:64]!r}")
+        raise InvalidArgument(
+            "request_id",
+            "must be 1-128 characters of A-Z a-z 0-9 _ - "
+            f"(or empty to get one assigned), got {req.request_id[:64]!r}",
+        )
     model = req.model or limits.model_name
     if model != limits.model_name:
-        raise UnknownModel(f"model {req.model!r} is not served here; available: {limits.model_name!r}")
+        raise UnknownModel(
+            f"model {req.model!r} is not served here; available: {limits.model_name!r}"
+        )
     if len(req.tenant.encode()) > MAX_TENANT_BYTES:
         raise InvalidArgument("tenant", f"must be at most {MAX_TENANT_BYTES} bytes")
     prompt = tuple(req.prompt_token_ids)
@@ -116,11 +135,20 @@ def validate_request(req: generate_pb2.GenerateRequest, limits: Limits) -> Valid
         raise InvalidArgument("prompt_token_ids", "must not be empty")
     _check_ids("prompt_token_ids", prompt, limits.vocab_size)
     if len(prompt) >= limits.max_context:
-        raise InvalidArgument("prompt_token_ids", f"has {len(prompt)} tokens; the context limit "
-                              f"is {limits.max_context} (prompt + completion)")
+        raise InvalidArgument(
+            "prompt_token_ids",
+            f"has {len(prompt)} tokens; the context limit "
+            f"is {limits.max_context} (prompt + completion)",
+        )
     sampling = validate_sampling(req.sampling, len(prompt), limits)
-    return ValidRequest(request_id=req.request_id, prompt_token_ids=prompt, sampling=sampling,
-                        model=model, tenant=req.tenant, traffic_class=int(req.traffic_class))
+    return ValidRequest(
+        request_id=req.request_id,
+        prompt_token_ids=prompt,
+        sampling=sampling,
+        model=model,
+        tenant=req.tenant,
+        traffic_class=int(req.traffic_class),
+    )
 
 
 def lookup_prefix(prompt_len: int, block_size: int) -> int:
@@ -133,6 +161,7 @@ def lookup_prefix(prompt_len: int, block_size: int) -> int:
 
 
 # -- token stream -----------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -174,8 +203,10 @@ class TokenReorderBuffer:
             return []
         if chunk.index > self.next_index:
             if self.pending >= self.max_pending:
-                raise ReorderOverflow(f"{self.pending} token events wait for position "
-                                      f"{self.next_index}, which never arrived")
+                raise ReorderOverflow(
+                    f"{self.pending} token events wait for position "
+                    f"{self.next_index}, which never arrived"
+                )
             self._held.setdefault(chunk.index, []).append(chunk)
             return []
         out: list[Chunk] = []
@@ -196,8 +227,14 @@ class TokenReorderBuffer:
             return  # a pure duplicate
         skip = min(skip, len(chunk.token_ids))
         fresh = chunk.token_ids[skip:]
-        trimmed = Chunk(self.next_index, fresh, chunk.finished, chunk.finish_reason,
-                        chunk.prompt_tokens, chunk.cached_tokens)
+        trimmed = Chunk(
+            self.next_index,
+            fresh,
+            chunk.finished,
+            chunk.finish_reason,
+            chunk.prompt_tokens,
+            chunk.cached_tokens,
+        )
         self.next_index += len(fresh)
         self.finished = chunk.finished
         out.append(trimmed)
@@ -259,10 +296,13 @@ class RequestStream:
                 self.completion_tokens += len(ids)
                 out.append(Tokens(ids))
             reason = c.finish_reason or "stop"
-            if len(c.token_ids) > room or (self.completion_tokens >= self.max_tokens and not c.finished):
+            if len(c.token_ids) > room or (
+                self.completion_tokens >= self.max_tokens and not c.finished
+            ):
                 self.truncated, reason = True, "length"
             if c.finished or self.truncated:
                 self.done = True
-                out.append(Finish(reason, self.prompt_tokens, self.cached_tokens,
-                                  self.completion_tokens))
+                out.append(
+                    Finish(reason, self.prompt_tokens, self.cached_tokens, self.completion_tokens)
+                )
         return out

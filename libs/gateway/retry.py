@@ -40,8 +40,9 @@ def exact_continuation(temperature: float, seed: int | None) -> bool:
     return temperature == 0 or seed is not None
 
 
-def decide(*, retryable: bool, attempt: int, max_attempts: int, tokens_sent: int,
-           exact: bool) -> Action:
+def decide(
+    *, retryable: bool, attempt: int, max_attempts: int, tokens_sent: int, exact: bool
+) -> Action:
     """What to do after attempt number ``attempt`` (1-based) failed."""
     if not retryable or attempt >= max_attempts:
         return Action.FAIL
@@ -108,8 +109,13 @@ class Watch:
     the time since the attempt started (the entrypoint may have started after its last beat).
     """
 
-    def __init__(self, liveness: Liveness | None, prefill: str, decode: str,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        liveness: Liveness | None,
+        prefill: str,
+        decode: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.liveness, self.prefill, self.decode, self.clock = liveness, prefill, decode, clock
         self.started = clock()
         self.handed_over = False

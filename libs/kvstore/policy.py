@@ -31,7 +31,9 @@ def place(block: bytes, targets: Sequence[str], n: int) -> list[str]:
     """
     distinct = list(dict.fromkeys(targets))
     if len(distinct) < n:
-        raise ValueError(f"erasure coding needs {n} distinct storage targets, {len(distinct)} given")
+        raise ValueError(
+            f"erasure coding needs {n} distinct storage targets, {len(distinct)} given"
+        )
 
     def weight(t: str) -> bytes:
         return hashlib.sha256(block + b"\0" + t.encode()).digest()
@@ -54,7 +56,9 @@ class Retention:
         if self.default_class not in self.ttls:
             raise ValueError(f"default traffic class {self.default_class!r} has no TTL")
         if self.capacity_bytes < 0:
-            raise ValueError(f"capacity must be >= 0 bytes (0: unlimited), got {self.capacity_bytes}")
+            raise ValueError(
+                f"capacity must be >= 0 bytes (0: unlimited), got {self.capacity_bytes}"
+            )
 
     def ttl(self, traffic_class: str) -> float:
         return self.ttls.get(traffic_class, self.ttls[self.default_class])

@@ -32,14 +32,18 @@ def parse_bounds(text: str) -> tuple[int, ...]:
     try:
         bounds = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise ValueError(f"prefill buckets must be comma-separated token counts, got {text!r}") from None
+        raise ValueError(
+            f"prefill buckets must be comma-separated token counts, got {text!r}"
+        ) from None
     check_bounds(bounds)
     return bounds
 
 
 def check_bounds(bounds: Sequence[int]) -> None:
     if any(b <= 0 for b in bounds) or any(a >= b for a, b in itertools.pairwise(bounds)):
-        raise ValueError(f"prefill bucket bounds must be positive and increasing, got {list(bounds)}")
+        raise ValueError(
+            f"prefill bucket bounds must be positive and increasing, got {list(bounds)}"
+        )
 
 
 def bucket_of(prompt_tokens: int, bounds: Sequence[int]) -> int:
@@ -50,6 +54,7 @@ def bucket_of(prompt_tokens: int, bounds: Sequence[int]) -> int:
 def bucket_names(bounds: Sequence[int]) -> list[str]:
     def k(n: int) -> str:
         return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
     names = [f"<{k(bounds[0])}"] if bounds else ["all"]
     names += [f"{k(a)}-{k(b)}" for a, b in itertools.pairwise(bounds)]
     if bounds:
@@ -87,7 +92,7 @@ def assign(ids: Sequence[str], demand: Sequence[float]) -> dict[str, int]:
     out: dict[str, int] = {}
     pos = 0
     for bucket, c in enumerate(counts):
-        for iid in order[pos:pos + c]:
+        for iid in order[pos : pos + c]:
             out[iid] = bucket
         pos += c
     return out

@@ -122,7 +122,8 @@ class RoutingPolicy:
     _table: dict[tuple[str, str], _Entry] = field(default_factory=dict, init=False)
     _demand: dict[str, bk.Demand] = field(default_factory=dict, init=False)
     _assigned: dict[str, tuple[float, tuple[str, ...], dict[str, int]]] = field(
-        default_factory=dict, init=False)
+        default_factory=dict, init=False
+    )
 
     def __post_init__(self) -> None:
         if not self.heartbeat_timeout > 0:
@@ -154,15 +155,21 @@ class RoutingPolicy:
 
     def _live_entries(self, role: str | None) -> list[_Entry]:
         now = self.clock()
-        return [e for (r, _), e in sorted(self._table.items())
-                if (role is None or r == role) and now - e.last_seen <= self.heartbeat_timeout]
+        return [
+            e
+            for (r, _), e in sorted(self._table.items())
+            if (role is None or r == role) and now - e.last_seen <= self.heartbeat_timeout
+        ]
 
     # -- buckets ----------------------------------------------------------------------------
     def assignment(self, model: str = "") -> dict[str, int]:
         """Bucket index of each live prefill instance of ``model`` (absent: any bucket)."""
         now = self.clock()
-        ids = tuple(e.instance.instance_id for e in self._live_entries(PREFILL)
-                    if _serves(e.instance, model))
+        ids = tuple(
+            e.instance.instance_id
+            for e in self._live_entries(PREFILL)
+            if _serves(e.instance, model)
+        )
         cached = self._assigned.get(model)
         if cached is not None and cached[1] == ids and now - cached[0] < self.rebalance_interval:
             return cached[2]
@@ -178,8 +185,15 @@ class RoutingPolicy:
         return d
 
     # -- routing ----------------------------------------------------------------------------
-    def route(self, model: str = "", exclude: Iterable[str] = (), *, request_id: str = "",
-              prompt_tokens: int = 0, block_hashes: Sequence[bytes] = ()) -> Decision:
+    def route(
+        self,
+        model: str = "",
+        exclude: Iterable[str] = (),
+        *,
+        request_id: str = "",
+        prompt_tokens: int = 0,
+        block_hashes: Sequence[bytes] = (),
+    ) -> Decision:
         """One prefill and one decode instance for a request of ``model`` ("" = any model).
 
         Raises :class:`NoInstance` with the reason when either role has no candidate; a
@@ -196,8 +210,10 @@ class RoutingPolicy:
         self._demand_of(model).add(bucket, prompt_tokens, self.clock())
         assigned = self.assignment(model)
         in_bucket = [e for e in pre if assigned.get(e.instance.instance_id) == bucket]
-        p = min(in_bucket or pre, key=lambda e: self._prefill_key(e, request_id, prompt_tokens,
-                                                                  block_hashes))
+        p = min(
+            in_bucket or pre,
+            key=lambda e: self._prefill_key(e, request_id, prompt_tokens, block_hashes),
+        )
         d = min(dec, key=lambda e: self._decode_key(e, request_id))
         resident = p.instance.resident_run(block_hashes)
         p.sent_requests += 1
@@ -205,20 +221,27 @@ class RoutingPolicy:
         d.sent_requests += 1
         return Decision(p.instance, d.instance, bucket, resident)
 
-    def _prefill_key(self, e: _Entry, request_id: str, prompt_tokens: int,
-                     hashes: Sequence[bytes]) -> tuple[int, int, bytes]:
+    def _prefill_key(
+        self, e: _Entry, request_id: str, prompt_tokens: int, hashes: Sequence[bytes]
+    ) -> tuple[int, int, bytes]:
         inst = e.instance
         to_compute = max(prompt_tokens - inst.resident_run(hashes) * self.block_size, 0)
         cost = to_compute + inst.queued_tokens + e.sent_tokens
-        return (cost // self.block_size, inst.running + inst.waiting + e.sent_requests,
-                tie_break(request_id, inst.instance_id))
+        return (
+            cost // self.block_size,
+            inst.running + inst.waiting + e.sent_requests,
+            tie_break(request_id, inst.instance_id),
+        )
 
     def _decode_key(self, e: _Entry, request_id: str) -> tuple[int, int, bytes]:
         inst = e.instance
         total = max(inst.total_kv_blocks, 1)
         used = min(max(total - inst.free_kv_blocks, 0), total) if inst.total_kv_blocks else 0
-        return (used * KV_STEPS // total, inst.running + inst.waiting + e.sent_requests,
-                tie_break(request_id, inst.instance_id))
+        return (
+            used * KV_STEPS // total,
+            inst.running + inst.waiting + e.sent_requests,
+            tie_break(request_id, inst.instance_id),
+        )
 
     def _candidates(self, role: str, model: str, excluded: frozenset[str]) -> list[_Entry]:
         out = []

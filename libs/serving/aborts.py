@@ -27,5 +27,7 @@ class RecentAborts:
 
     def _trim(self) -> None:
         cutoff = time.monotonic() - self.ttl_s
-        while self._seen and (len(self._seen) > self.max_size or next(iter(self._seen.values())) < cutoff):
+        while self._seen and (
+            len(self._seen) > self.max_size or next(iter(self._seen.values())) < cutoff
+        ):
             self._seen.popitem(last=False)

@@ -82,8 +82,15 @@ def engine_stats(engine: Engine, steps: int = 0) -> EngineStats:
     """Snapshot of ``engine``'s load; call on the engine thread only."""
     sched = engine.scheduler
     queued = sum(len(r.token_ids) - r.num_computed for r in sched.waiting)
-    return EngineStats(len(sched.running), len(sched.waiting), queued, engine.blocks.num_free,
-                       engine.blocks.num_blocks, steps, resident_summary(engine))
+    return EngineStats(
+        len(sched.running),
+        len(sched.waiting),
+        queued,
+        engine.blocks.num_free,
+        engine.blocks.num_blocks,
+        steps,
+        resident_summary(engine),
+    )
 
 
 class RequestStream:
@@ -196,9 +203,16 @@ class EngineLoop:
             self._cond.notify()
         return await asyncio.wrap_future(fut)
 
-    async def add(self, request_id: str, prompt_token_ids: Sequence[int],
-                  params: SamplingParams | None = None, *, cache_salt: bytes = b"",
-                  kv: bytes | Sequence[bytes] | None = None, hold_kv: bool = False) -> RequestStream:
+    async def add(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: bytes = b"",
+        kv: bytes | Sequence[bytes] | None = None,
+        hold_kv: bool = False,
+    ) -> RequestStream:
         """Queue a request; returns its event stream once the engine accepted it.
 
         Raises what :meth:`Engine.add_request` raises (InvalidRequest, KVFormatError,
@@ -210,8 +224,11 @@ class EngineLoop:
         self._streams[request_id] = stream  # before the command: its events may follow at once
         tokens = list(prompt_token_ids)
         try:
-            await self.call(lambda e: e.add_request(request_id, tokens, params, cache_salt=cache_salt,
-                                                    kv=kv, hold_kv=hold_kv))
+            await self.call(
+                lambda e: e.add_request(
+                    request_id, tokens, params, cache_salt=cache_salt, kv=kv, hold_kv=hold_kv
+                )
+            )
         except BaseException as exc:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
@@ -228,6 +245,7 @@ class EngineLoop:
         Returns True if a running or waiting request was aborted; its stream then ends with an
         abort event. Unknown or already finished requests: False.
         """
+
         def _abort(engine: Engine) -> bool:
             ev = engine.abort(request_id)
             if ev is not None:
@@ -240,7 +258,9 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._commands and not self._stopping and not self.engine.has_unfinished():
+                while (
+                    not self._commands and not self._stopping and not self.engine.has_unfinished()
+                ):
                     self._cond.wait()
                 commands = list(self._commands)
                 self._commands.clear()

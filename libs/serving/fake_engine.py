@@ -77,25 +77,49 @@ class _DictCache:
 class FakeEngine(Engine):
     """:class:`Engine` with the model replaced by :func:`fake_next_token` and a sleep."""
 
-    def __init__(self, config: EngineConfig | None = None, *, step_seconds: float = STEP_SECONDS,
-                 token_seconds: float = TOKEN_SECONDS) -> None:  # no super().__init__: no model
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        step_seconds: float = STEP_SECONDS,
+        token_seconds: float = TOKEN_SECONDS,
+    ) -> None:  # no super().__init__: no model
         self.config = config = config or EngineConfig(model=FAKE_MODEL)
         self.step_seconds, self.token_seconds = step_seconds, token_seconds
         self.model_config = cfg = ModelConfig(
-            model_type="deepseek_v3", vocab_size=FAKE_VOCAB, hidden_size=64, intermediate_size=64,
-            moe_intermediate_size=16, num_hidden_layers=1, first_k_dense_replace=1,
-            num_attention_heads=1, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16,
-            qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=1, n_shared_experts=1,
-            num_experts_per_tok=1, n_group=1, topk_group=1, eos_token_ids=FAKE_EOS)
+            model_type="deepseek_v3",
+            vocab_size=FAKE_VOCAB,
+            hidden_size=64,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=1,
+            first_k_dense_replace=1,
+            num_attention_heads=1,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=16,
+            v_head_dim=16,
+            n_routed_experts=1,
+            n_shared_experts=1,
+            num_experts_per_tok=1,
+            n_group=1,
+            topk_group=1,
+            eos_token_ids=FAKE_EOS,
+        )
         self.model_id = f"{FAKE_MODEL}-seed{config.seed}"
-        self.spec = CacheSpec(self.model_id, config.block_size,
-                              (PagedEntry("tokens", 0, (1,), "float32"),))
+        self.spec = CacheSpec(
+            self.model_id, config.block_size, (PagedEntry("tokens", 0, (1,), "float32"),)
+        )
         num_blocks = config.num_kv_blocks or 4096
         self.cache = _DictCache(self.spec.bytes_per_block)  # type: ignore[assignment]
         self.blocks = BlockManager(num_blocks, config.block_size)
-        max_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.scheduler_config = SchedulerConfig(config.max_tokens_per_step, config.time_budget_s,
-                                                config.max_running, max_len)
+        max_len = min(
+            config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
+        )
+        self.scheduler_config = SchedulerConfig(
+            config.max_tokens_per_step, config.time_budget_s, config.max_running, max_len
+        )
         self.cost = CostModel.for_model(cfg, 4, 4, 5e10, 1e10)
         self.scheduler = Scheduler(self.scheduler_config, self.blocks, self.cost, cfg.eos_token_ids)
         self.last_step_seconds = 0.0

@@ -43,10 +43,13 @@ class Drainable(Protocol):
     def drain(self, seconds: float) -> Awaitable[Any]: ...
 
 
-def run_instance(service: str, argv: list[str] | None,
-                 build_parser: Callable[[], argparse.ArgumentParser],
-                 config_from: Callable[[argparse.Namespace], C],
-                 serve: Callable[[C, logging.Logger], Awaitable[int]]) -> int:
+def run_instance(
+    service: str,
+    argv: list[str] | None,
+    build_parser: Callable[[], argparse.ArgumentParser],
+    config_from: Callable[[argparse.Namespace], C],
+    serve: Callable[[C, logging.Logger], Awaitable[int]],
+) -> int:
     """The ``main`` of an engine-wrapping service: parse, log, build config (exit 2 if bad), serve."""
     args = build_parser().parse_args(argv)
     log = setup_logging(args.log_level, service)
@@ -59,12 +62,26 @@ def run_instance(service: str, argv: list[str] | None,
 
 
 class InstanceRuntime:
-    def __init__(self, service: str, instance_id: str, model: ModelFlags, *, host: str, http_port: int,
-                 nats_url: str, drain_seconds: float, heartbeat_interval: float,
-                 log: logging.Logger) -> None:
+    def __init__(
+        self,
+        service: str,
+        instance_id: str,
+        model: ModelFlags,
+        *,
+        host: str,
+        http_port: int,
+        nats_url: str,
+        drain_seconds: float,
+        heartbeat_interval: float,
+        log: logging.Logger,
+    ) -> None:
         self.service, self.instance_id, self.model = service, instance_id, model
         self.host, self.http_port, self.nats_url = host, http_port, nats_url
-        self.drain_seconds, self.heartbeat_interval, self.log = drain_seconds, heartbeat_interval, log
+        self.drain_seconds, self.heartbeat_interval, self.log = (
+            drain_seconds,
+            heartbeat_interval,
+            log,
+        )
         self.stop = asyncio.Event()
         self.loop: EngineLoop | None = None
         self.nc: Client | None = None
@@ -93,8 +110,11 @@ class InstanceRuntime:
 
         make: Callable[[Any], Engine] = Engine
         if self.model.model == FAKE_MODEL:
-            make = functools.partial(FakeEngine, step_seconds=self.model.fake_step_ms / 1e3,
-                                     token_seconds=self.model.fake_token_us / 1e6)
+            make = functools.partial(
+                FakeEngine,
+                step_seconds=self.model.fake_step_ms / 1e3,
+                token_seconds=self.model.fake_token_us / 1e6,
+            )
         try:
             engine = await asyncio.to_thread(make, self.model.engine_config())
         except (ValueError, OSError) as exc:
@@ -104,10 +124,16 @@ class InstanceRuntime:
         loop.start()
         stack.push_async_callback(loop.close)
         self.loop = loop
-        self.log.info("model %s loaded (%s), %d KV blocks of %d tokens", self.model.model,
-                      engine.model_id, engine.blocks.num_blocks, self.model.block_size)
-        self.nc = await connect_nats(self.nats_url, self.instance_id, self.stop, self.log,
-                                     self.drain_seconds)
+        self.log.info(
+            "model %s loaded (%s), %d KV blocks of %d tokens",
+            self.model.model,
+            engine.model_id,
+            engine.blocks.num_blocks,
+            self.model.block_size,
+        )
+        self.nc = await connect_nats(
+            self.nats_url, self.instance_id, self.stop, self.log, self.drain_seconds
+        )
         if self.nc is None:
             return 0
         stack.push_async_callback(self.nc.close)
@@ -118,11 +144,18 @@ class InstanceRuntime:
         assert self.nc is not None
         await self.nc.flush()
         self._ready = True
-        self._hb = asyncio.create_task(heartbeat_loop(self.nc, self._hb_subject, status, self._hb_stop,
-                                                      self.log, self.heartbeat_interval))
+        self._hb = asyncio.create_task(
+            heartbeat_loop(
+                self.nc, self._hb_subject, status, self._hb_stop, self.log, self.heartbeat_interval
+            )
+        )
 
-    async def leave(self, handler: Drainable, subscriptions: Sequence[Any],
-                    before_drain: Callable[[], Awaitable[None]] | None = None) -> None:
+    async def leave(
+        self,
+        handler: Drainable,
+        subscriptions: Sequence[Any],
+        before_drain: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         """SIGTERM path: heartbeat ``draining``, finish work, unsubscribe, last heartbeat."""
         assert self.nc is not None
         self.log.info("stopping: draining for up to %.1f s", self.drain_seconds)
@@ -143,8 +176,16 @@ class InstanceRuntime:
             self.log.warning("NATS flush on exit failed: %s", exc)
 
 
-def instance_status(stats: EngineStats, *, instance_id: str, role: int, model: str, address: str,
-                    draining: bool, block_size: int) -> control_pb2.InstanceStatus:
+def instance_status(
+    stats: EngineStats,
+    *,
+    instance_id: str,
+    role: int,
+    model: str,
+    address: str,
+    draining: bool,
+    block_size: int,
+) -> control_pb2.InstanceStatus:
     """The heartbeat payload from the engine thread's latest load snapshot.
 
     Prefill heartbeats carry the resident-prefix summary (for the balancer's cache-locality
@@ -152,14 +193,24 @@ def instance_status(stats: EngineStats, *, instance_id: str, role: int, model: s
     """
     resident = list(stats.resident_prefixes) if role == control_pb2.ROLE_PREFILL else []
     return control_pb2.InstanceStatus(
-        instance_id=instance_id, role=role, model=model, address=address, running=stats.running,  # type: ignore[arg-type]
-        waiting=stats.waiting, queued_tokens=stats.queued_tokens, free_kv_blocks=stats.free_kv_blocks,
-        total_kv_blocks=stats.total_kv_blocks, draining=draining, block_size=block_size,
-        resident_prefixes=resident)
+        instance_id=instance_id,
+        role=role,
+        model=model,
+        address=address,
+        running=stats.running,  # type: ignore[arg-type]
+        waiting=stats.waiting,
+        queued_tokens=stats.queued_tokens,
+        free_kv_blocks=stats.free_kv_blocks,
+        total_kv_blocks=stats.total_kv_blocks,
+        draining=draining,
+        block_size=block_size,
+        resident_prefixes=resident,
+    )
 
 
-async def drain_tasks(tasks: Sequence[asyncio.Task[Any]], timeout_s: float, what: str,
-                      log: logging.Logger) -> None:
+async def drain_tasks(
+    tasks: Sequence[asyncio.Task[Any]], timeout_s: float, what: str, log: logging.Logger
+) -> None:
     """Let ``tasks`` finish for up to ``timeout_s``; cancel the rest (they report their own errors)."""
     if not tasks:
         return

@@ -40,40 +40,87 @@ class ModelFlags:
             raise ValueError(f"--experts must be bf16 or fp4, got {self.experts!r}")
         for name in ("num_kv_blocks", "block_size", "max_tokens_per_step"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}"
+                )
 
     def engine_config(self) -> EngineConfig:
         from libs.engine.engine import EngineConfig  # torch: only when an engine is built
 
-        return EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
-                            seed=self.weights_seed, block_size=self.block_size,
-                            num_kv_blocks=self.num_kv_blocks,
-                            max_tokens_per_step=self.max_tokens_per_step,
-                            kv_cache_dtype="fp8" if self.kv_cache_dtype == "fp8" else None,
-                            expert_dtype="fp4" if self.experts == "fp4" else "auto")
+        return EngineConfig(
+            model=self.model,
+            device=self.device,
+            dtype=self.dtype,
+            seed=self.weights_seed,
+            block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            max_tokens_per_step=self.max_tokens_per_step,
+            kv_cache_dtype="fp8" if self.kv_cache_dtype == "fp8" else None,
+            expert_dtype="fp4" if self.experts == "fp4" else "auto",
+        )
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    flag(parser, "--model", default="tiny", help="model preset (tiny, v2-lite, v3-slice), checkpoint dir, "
-         "or fake (a deterministic hash, no model: load tests)")
+    flag(
+        parser,
+        "--model",
+        default="tiny",
+        help="model preset (tiny, v2-lite, v3-slice), checkpoint dir, "
+        "or fake (a deterministic hash, no model: load tests)",
+    )
     flag(parser, "--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
-    flag(parser, "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
+    flag(
+        parser,
+        "--dtype",
+        default="auto",
+        help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16",
+    )
     flag(parser, "--model-name", default="deepseek-tiny", help="served model name")
     flag(parser, "--num-kv-blocks", type=int, default=2048, help="KV cache size in blocks")
     flag(parser, "--block-size", type=int, default=128, help="tokens per KV block")
     flag(parser, "--weights-seed", type=int, default=0, help="seed of a preset's random weights")
-    flag(parser, "--max-tokens-per-step", type=int, default=32768, help="token budget of one engine step")
-    flag(parser, "--kv-cache-dtype", default="auto",
-         help="fp8: e4m3 KV cache (1.79x the tokens per GiB); prefill and decode must agree")
+    flag(
+        parser,
+        "--max-tokens-per-step",
+        type=int,
+        default=32768,
+        help="token budget of one engine step",
+    )
+    flag(
+        parser,
+        "--kv-cache-dtype",
+        default="auto",
+        help="fp8: e4m3 KV cache (1.79x the tokens per GiB); prefill and decode must agree",
+    )
     flag(parser, "--experts", default="bf16", help="fp4: routed experts in e2m1")
-    flag(parser, "--fake-step-ms", type=float, default=2.0, help="--model fake: milliseconds per step")
-    flag(parser, "--fake-token-us", type=float, default=2.0,
-         help="--model fake: microseconds per token computed in a step")
+    flag(
+        parser,
+        "--fake-step-ms",
+        type=float,
+        default=2.0,
+        help="--model fake: milliseconds per step",
+    )
+    flag(
+        parser,
+        "--fake-token-us",
+        type=float,
+        default=2.0,
+        help="--model fake: microseconds per token computed in a step",
+    )
 
 
 def model_flags_from(args: argparse.Namespace) -> ModelFlags:
-    return ModelFlags(model=args.model, device=args.device, dtype=args.dtype, model_name=args.model_name,
-                      num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-                      weights_seed=args.weights_seed, max_tokens_per_step=args.max_tokens_per_step,
-                      fake_step_ms=args.fake_step_ms, fake_token_us=args.fake_token_us,
-                      kv_cache_dtype=args.kv_cache_dtype, experts=args.experts)
+    return ModelFlags(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        model_name=args.model_name,
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size,
+        weights_seed=args.weights_seed,
+        max_tokens_per_step=args.max_tokens_per_step,
+        fake_step_ms=args.fake_step_ms,
+        fake_token_us=args.fake_token_us,
+        kv_cache_dtype=args.kv_cache_dtype,
+        experts=args.experts,
+    )

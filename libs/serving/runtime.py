@@ -22,8 +22,14 @@ def advertise_host(bind_host: str) -> str:
     return socket.gethostname() if bind_host in ("", "0.0.0.0", "::") else bind_host
 
 
-async def heartbeat_loop(nc: NATS, subject: str, status: Callable[[], control_pb2.InstanceStatus],
-                         stop: asyncio.Event, log: logging.Logger, interval: float = 1.0) -> None:
+async def heartbeat_loop(
+    nc: NATS,
+    subject: str,
+    status: Callable[[], control_pb2.InstanceStatus],
+    stop: asyncio.Event,
+    log: logging.Logger,
+    interval: float = 1.0,
+) -> None:
     """Publish ``status()`` on ``subject`` every ``interval`` seconds until ``stop`` is set."""
     while not stop.is_set():
         await publish_status(nc, subject, status(), log)
@@ -33,8 +39,9 @@ async def heartbeat_loop(nc: NATS, subject: str, status: Callable[[], control_pb
             pass
 
 
-async def publish_status(nc: NATS, subject: str, msg: control_pb2.InstanceStatus,
-                         log: logging.Logger) -> None:
+async def publish_status(
+    nc: NATS, subject: str, msg: control_pb2.InstanceStatus, log: logging.Logger
+) -> None:
     try:
         msg.sent_unix_ms = now_ms()
         await nc.publish(subject, msg.SerializeToString())

@@ -13,20 +13,25 @@ from google.protobuf.message import DecodeError
 from prometheus_client import Counter, Gauge, Histogram
 
 from libs.proto.deepserve.v1 import control_pb2
-
 from libs.routing.policy import DECODE, DIGEST_BYTES, PREFILL, Instance, NoInstance, RoutingPolicy
 
 log = logging.getLogger("balancer")
 
 HEARTBEATS = Counter("deepserve_balancer_heartbeats_total", "Heartbeats received", ["role"])
-BAD_MESSAGES = Counter("deepserve_balancer_bad_messages_total", "Messages that failed to parse",
-                       ["subject"])
+BAD_MESSAGES = Counter(
+    "deepserve_balancer_bad_messages_total", "Messages that failed to parse", ["subject"]
+)
 ROUTES = Counter("deepserve_balancer_routes_total", "Route requests answered", ["result"])
-ROUTE_SECONDS = Histogram("deepserve_balancer_route_seconds", "Time to answer a route request",
-                          buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1))
-RESIDENT_BLOCKS = Histogram("deepserve_balancer_resident_blocks",
-                            "Leading blocks of a routed request resident on the chosen prefill",
-                            buckets=(0, 1, 4, 16, 64, 256))
+ROUTE_SECONDS = Histogram(
+    "deepserve_balancer_route_seconds",
+    "Time to answer a route request",
+    buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1),
+)
+RESIDENT_BLOCKS = Histogram(
+    "deepserve_balancer_resident_blocks",
+    "Leading blocks of a routed request resident on the chosen prefill",
+    buckets=(0, 1, 4, 16, 64, 256),
+)
 LIVE = Gauge("deepserve_balancer_live_instances", "Instances with a recent heartbeat", ["role"])
 
 _ROLE_NAMES = {control_pb2.ROLE_PREFILL: PREFILL, control_pb2.ROLE_DECODE: DECODE}
@@ -41,11 +46,19 @@ def instance_from_status(status: control_pb2.InstanceStatus) -> Instance:
     role = _ROLE_NAMES.get(status.role)
     if role is None:
         raise ValueError(f"heartbeat of {status.instance_id!r} has no role")
-    return Instance(instance_id=status.instance_id, role=role, model=status.model,
-                    address=status.address, running=status.running, waiting=status.waiting,
-                    queued_tokens=status.queued_tokens, free_kv_blocks=status.free_kv_blocks,
-                    total_kv_blocks=status.total_kv_blocks, draining=status.draining,
-                    resident=frozenset(bytes(p[:DIGEST_BYTES]) for p in status.resident_prefixes))
+    return Instance(
+        instance_id=status.instance_id,
+        role=role,
+        model=status.model,
+        address=status.address,
+        running=status.running,
+        waiting=status.waiting,
+        queued_tokens=status.queued_tokens,
+        free_kv_blocks=status.free_kv_blocks,
+        total_kv_blocks=status.total_kv_blocks,
+        draining=status.draining,
+        resident=frozenset(bytes(p[:DIGEST_BYTES]) for p in status.resident_prefixes),
+    )
 
 
 class BalancerHandlers:
@@ -61,8 +74,13 @@ class BalancerHandlers:
             log.warning("ignoring a heartbeat: %s", exc)
             return
         if not self.policy.is_live(instance.role, instance.instance_id):
-            log.info("%s instance %s is up (model %r, address %r)", instance.role,
-                     instance.instance_id, instance.model, instance.address)
+            log.info(
+                "%s instance %s is up (model %r, address %r)",
+                instance.role,
+                instance.instance_id,
+                instance.model,
+                instance.address,
+            )
         self.policy.observe(instance)
         HEARTBEATS.labels(instance.role).inc()
 
@@ -76,25 +94,35 @@ class BalancerHandlers:
                 ROUTES.labels("bad_request").inc()
                 return _reply(control_pb2.RouteDecision(error=f"unreadable RouteRequest: {exc}"))
             try:
-                decision = self.policy.route(req.model, req.exclude, request_id=req.request_id,
-                                             prompt_tokens=req.prompt_tokens,
-                                             block_hashes=list(req.block_hashes))
+                decision = self.policy.route(
+                    req.model,
+                    req.exclude,
+                    request_id=req.request_id,
+                    prompt_tokens=req.prompt_tokens,
+                    block_hashes=list(req.block_hashes),
+                )
             except NoInstance as exc:
                 ROUTES.labels("no_instance").inc()
                 log.warning("request %s: %s", req.request_id, exc)
                 return _reply(control_pb2.RouteDecision(error=str(exc)))
             ROUTES.labels("ok").inc()
             RESIDENT_BLOCKS.observe(decision.resident_blocks)
-            return _reply(control_pb2.RouteDecision(
-                prefill_instance=decision.prefill.instance_id,
-                decode_instance=decision.decode.instance_id,
-                decode_address=decision.decode.address,
-            ))
+            return _reply(
+                control_pb2.RouteDecision(
+                    prefill_instance=decision.prefill.instance_id,
+                    decode_instance=decision.decode.instance_id,
+                    decode_address=decision.decode.address,
+                )
+            )
 
     def prune(self) -> None:
         """Forget dead instances and refresh the live gauge (called about once a second)."""
         for inst in self.policy.prune():
-            log.warning("%s instance %s sent no heartbeat for %.1fs: dropped", inst.role,
-                        inst.instance_id, self.policy.heartbeat_timeout)
+            log.warning(
+                "%s instance %s sent no heartbeat for %.1fs: dropped",
+                inst.role,
+                inst.instance_id,
+                self.policy.heartbeat_timeout,
+            )
         for role in (PREFILL, DECODE):
             LIVE.labels(role).set(len(self.policy.live(role)))

@@ -21,10 +21,10 @@ from libs.common.config import common_flags, flag
 from libs.common.lifecycle import install_stop_handlers, new_instance_id, setup_logging
 from libs.common.natsutil import connect_nats
 from libs.common.telemetry import OpsServer
-
 from libs.routing.buckets import DEFAULT_BOUNDS, check_bounds, parse_bounds
-from .handlers import BalancerHandlers
 from libs.routing.policy import RoutingPolicy
+
+from .handlers import BalancerHandlers
 
 PRUNE_INTERVAL_S = 1.0  # one heartbeat interval: the table is never more than 1 s stale
 
@@ -43,13 +43,17 @@ class BalancerConfig:
 
     def __post_init__(self) -> None:
         if not self.heartbeat_timeout > 0:
-            raise ValueError(f"--heartbeat-timeout must be > 0 seconds, got {self.heartbeat_timeout}")
+            raise ValueError(
+                f"--heartbeat-timeout must be > 0 seconds, got {self.heartbeat_timeout}"
+            )
         if self.warmup_seconds < 0:
             raise ValueError(f"--warmup-seconds must be >= 0, got {self.warmup_seconds}")
         if self.drain_seconds < 0:
             raise ValueError(f"--drain-seconds must be >= 0, got {self.drain_seconds}")
         if not self.rebalance_interval > 0:
-            raise ValueError(f"--rebalance-interval must be > 0 seconds, got {self.rebalance_interval}")
+            raise ValueError(
+                f"--rebalance-interval must be > 0 seconds, got {self.rebalance_interval}"
+            )
         check_bounds(self.prefill_buckets)
         if not 0 <= self.http_port < 65536:
             raise ValueError(f"--http-port must lie in [0, 65536), got {self.http_port}")
@@ -58,22 +62,46 @@ class BalancerConfig:
 def parse_args(argv: list[str] | None = None) -> tuple[BalancerConfig, str]:
     parser = argparse.ArgumentParser(prog="python -m services.balancer", description=__doc__)
     common_flags(parser, "balancer")
-    flag(parser, "--heartbeat-timeout", type=float, default=3.0,
-         help="seconds without a heartbeat after which an instance is dead")
-    flag(parser, "--warmup-seconds", type=float, default=1.0,
-         help="listen to heartbeats this long before answering routes (one heartbeat interval)")
-    flag(parser, "--prefill-buckets", default=",".join(map(str, DEFAULT_BOUNDS)),
-         help="prompt-token bounds between prefill length buckets (comma-separated, increasing)")
-    flag(parser, "--rebalance-interval", type=float, default=10.0,
-         help="seconds between re-assignments of prefill instances to buckets by demand")
+    flag(
+        parser,
+        "--heartbeat-timeout",
+        type=float,
+        default=3.0,
+        help="seconds without a heartbeat after which an instance is dead",
+    )
+    flag(
+        parser,
+        "--warmup-seconds",
+        type=float,
+        default=1.0,
+        help="listen to heartbeats this long before answering routes (one heartbeat interval)",
+    )
+    flag(
+        parser,
+        "--prefill-buckets",
+        default=",".join(map(str, DEFAULT_BOUNDS)),
+        help="prompt-token bounds between prefill length buckets (comma-separated, increasing)",
+    )
+    flag(
+        parser,
+        "--rebalance-interval",
+        type=float,
+        default=10.0,
+        help="seconds between re-assignments of prefill instances to buckets by demand",
+    )
     args = parser.parse_args(argv)
     try:
         config = BalancerConfig(
-            nats_url=args.nats_url, host=args.host, http_port=args.http_port,
+            nats_url=args.nats_url,
+            host=args.host,
+            http_port=args.http_port,
             instance_id=new_instance_id("balancer", args.instance_id),
-            heartbeat_timeout=args.heartbeat_timeout, warmup_seconds=args.warmup_seconds,
-            drain_seconds=args.drain_seconds, prefill_buckets=parse_bounds(args.prefill_buckets),
-            rebalance_interval=args.rebalance_interval)
+            heartbeat_timeout=args.heartbeat_timeout,
+            warmup_seconds=args.warmup_seconds,
+            drain_seconds=args.drain_seconds,
+            prefill_buckets=parse_bounds(args.prefill_buckets),
+            rebalance_interval=args.rebalance_interval,
+        )
     except ValueError as exc:
         parser.error(str(exc))
     return config, args.log_level
@@ -89,9 +117,13 @@ async def _prune_loop(handlers: BalancerHandlers, stop: asyncio.Event) -> None:
 async def run(config: BalancerConfig, log: logging.Logger) -> int:
     stop = asyncio.Event()
     install_stop_handlers(stop)
-    handlers = BalancerHandlers(RoutingPolicy(
-        heartbeat_timeout=config.heartbeat_timeout, bucket_bounds=config.prefill_buckets,
-        rebalance_interval=config.rebalance_interval))
+    handlers = BalancerHandlers(
+        RoutingPolicy(
+            heartbeat_timeout=config.heartbeat_timeout,
+            bucket_bounds=config.prefill_buckets,
+            rebalance_interval=config.rebalance_interval,
+        )
+    )
     state: dict[str, object] = {"nc": None, "routing": False}
 
     def health() -> tuple[bool, str]:
@@ -104,8 +136,13 @@ async def run(config: BalancerConfig, log: logging.Logger) -> int:
 
     ops = OpsServer(config.host, config.http_port, health)
     port = await ops.start()
-    log.info("balancer %s: ops on http://%s:%d, NATS %s", config.instance_id, config.host, port,
-             config.nats_url)
+    log.info(
+        "balancer %s: ops on http://%s:%d, NATS %s",
+        config.instance_id,
+        config.host,
+        port,
+        config.nats_url,
+    )
     nc = await connect_nats(config.nats_url, config.instance_id, stop, log, config.drain_seconds)
     if nc is None:
         await ops.stop()

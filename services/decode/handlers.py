@@ -35,12 +35,25 @@ REQUESTS = Counter("deepserve_decode_requests_total", "KV pushes by outcome", ["
 TOKENS = Counter("deepserve_decode_tokens_total", "tokens generated and published")
 ERRORS = Counter("deepserve_decode_errors_total", "requests that ended in an error event")
 KV_BYTES = Counter("deepserve_decode_kv_bytes_total", "KV frame bytes received")
-LATENCY = Histogram("deepserve_decode_request_seconds", "KV accepted -> last token published",
-                    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+LATENCY = Histogram(
+    "deepserve_decode_request_seconds",
+    "KV accepted -> last token published",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+)
+
 
 class DecodeHandler:
-    def __init__(self, loop: EngineLoop, publish: Publish, *, instance_id: str, model_name: str,
-                 address: str, block_size: int, tracer: trace.Tracer | None = None) -> None:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        publish: Publish,
+        *,
+        instance_id: str,
+        model_name: str,
+        address: str,
+        block_size: int,
+        tracer: trace.Tracer | None = None,
+    ) -> None:
         self.loop = loop
         self.publish = publish
         self.instance_id = instance_id
@@ -54,8 +67,9 @@ class DecodeHandler:
         self._stop_reason: dict[str, str] = {}  # request id -> why we cut it short ("abort", ...)
 
     # -- KV push ------------------------------------------------------------------------------
-    async def accept(self, task: control_pb2.DecodeTask, frame: bytes,
-                     traceparent: str = "") -> kv_transfer_pb2.KVPushReply:
+    async def accept(
+        self, task: control_pb2.DecodeTask, frame: bytes, traceparent: str = ""
+    ) -> kv_transfer_pb2.KVPushReply:
         """Queue the request with its KV; the reply says whether this instance took it."""
         rid = task.request_id
         refusal = self._precheck(task)
@@ -65,20 +79,26 @@ class DecodeHandler:
         KV_BYTES.inc(len(frame))
         try:
             params = sampling_from_proto(task.sampling, max_tokens=task.sampling.max_tokens - 1)
-            stream = await self.loop.add(rid, list(task.token_ids), params, kv=frame,
-                                         cache_salt=task.cache_salt)
+            stream = await self.loop.add(
+                rid, list(task.token_ids), params, kv=frame, cache_salt=task.cache_salt
+            )
         except NoFreeBlocks as exc:
-            return self._refuse(f"decode instance {self.instance_id} has no room for the KV now "
-                                f"({exc}); retry on another instance")
+            return self._refuse(
+                f"decode instance {self.instance_id} has no room for the KV now "
+                f"({exc}); retry on another instance"
+            )
         except (InvalidRequest, KVFormatError, ValueError) as exc:
             return self._refuse(f"decode task refused: {exc}")
         except EngineLoopClosed:
-            return self._refuse(f"decode instance {self.instance_id} is shutting down; retry elsewhere")
+            return self._refuse(
+                f"decode instance {self.instance_id} is shutting down; retry elsewhere"
+            )
         if rid in self.aborted:  # the abort overtook us while the KV was imported
             await self._abort_engine(rid)
             return self._refuse(f"request {rid} was aborted")
-        self._relays[rid] = asyncio.create_task(self._relay(task, stream, traceparent or task.traceparent),
-                                                name=f"decode-relay-{rid}")
+        self._relays[rid] = asyncio.create_task(
+            self._relay(task, stream, traceparent or task.traceparent), name=f"decode-relay-{rid}"
+        )
         REQUESTS.labels("accepted").inc()
         return kv_transfer_pb2.KVPushReply(accepted=True)
 
@@ -104,12 +124,16 @@ class DecodeHandler:
         return kv_transfer_pb2.KVPushReply(accepted=False, error=message)
 
     # -- events -------------------------------------------------------------------------------
-    async def _relay(self, task: control_pb2.DecodeTask, stream: RequestStream, traceparent: str) -> None:
+    async def _relay(
+        self, task: control_pb2.DecodeTask, stream: RequestStream, traceparent: str
+    ) -> None:
         rid = task.request_id
         subject = task.events_subject or subjects.token_events(rid)
         t0 = time.perf_counter()
         index = 1
-        with self.tracer.start_as_current_span("decode", context=extract_context(traceparent)) as span:
+        with self.tracer.start_as_current_span(
+            "decode", context=extract_context(traceparent)
+        ) as span:
             span.set_attribute("deepserve.request_id", rid)
             try:
                 async for ev in stream:
@@ -117,9 +141,14 @@ class DecodeHandler:
                         await self._on_cut(rid, subject, index)
                         return
                     msg = control_pb2.TokenEvent(
-                        request_id=rid, index=index, token_ids=[ev.token_id], finished=ev.finished,
-                        finish_reason=ev.finish_reason or "", prompt_tokens=task.num_prompt_tokens,
-                        cached_tokens=task.cached_tokens)
+                        request_id=rid,
+                        index=index,
+                        token_ids=[ev.token_id],
+                        finished=ev.finished,
+                        finish_reason=ev.finish_reason or "",
+                        prompt_tokens=task.num_prompt_tokens,
+                        cached_tokens=task.cached_tokens,
+                    )
                     await self._send(subject, msg)
                     TOKENS.inc()
                     index += 1
@@ -127,8 +156,10 @@ class DecodeHandler:
                 LATENCY.observe(time.perf_counter() - t0)
             except EngineFailed as exc:
                 ERRORS.inc()
-                await self._send(subject, error_event(rid, f"decode engine failed: {exc}",
-                                                      retryable=True, index=index))
+                await self._send(
+                    subject,
+                    error_event(rid, f"decode engine failed: {exc}", retryable=True, index=index),
+                )
             except asyncio.CancelledError:
                 await self._abort_engine(rid)
                 await self._on_cut(rid, subject, index)
@@ -142,9 +173,15 @@ class DecodeHandler:
         if reason == "abort":
             return
         ERRORS.inc()
-        await self._send(subject, error_event(
-            rid, f"decode instance {self.instance_id} stopped ({reason}) before the request finished",
-            retryable=True, index=index))
+        await self._send(
+            subject,
+            error_event(
+                rid,
+                f"decode instance {self.instance_id} stopped ({reason}) before the request finished",
+                retryable=True,
+                index=index,
+            ),
+        )
 
     async def _send(self, subject: str, msg: control_pb2.TokenEvent) -> None:
         try:
@@ -171,9 +208,15 @@ class DecodeHandler:
         return len(self._relays)
 
     def status(self) -> control_pb2.InstanceStatus:
-        return instance_status(self.loop.stats, instance_id=self.instance_id, role=control_pb2.ROLE_DECODE,
-                               model=self.model_name, address=self.address, draining=self.draining,
-                               block_size=self.block_size)
+        return instance_status(
+            self.loop.stats,
+            instance_id=self.instance_id,
+            role=control_pb2.ROLE_DECODE,
+            model=self.model_name,
+            address=self.address,
+            draining=self.draining,
+            block_size=self.block_size,
+        )
 
     async def drain(self, timeout_s: float) -> None:
         """Take nothing new; let running requests finish for up to ``timeout_s``; cut the rest."""

@@ -51,11 +51,15 @@ class DecodeConfig:
         if self.drain_seconds < 0:
             raise ValueError(f"--drain-seconds must be >= 0, got {self.drain_seconds}")
         if self.heartbeat_interval <= 0:
-            raise ValueError(f"--heartbeat-interval must be positive, got {self.heartbeat_interval}")
+            raise ValueError(
+                f"--heartbeat-interval must be positive, got {self.heartbeat_interval}"
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m services.decode", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m services.decode", description=__doc__.splitlines()[0]
+    )
     common_flags(parser, SERVICE)
     add_model_flags(parser)
     flag(parser, "--grpc-port", type=int, default=0, help="KVTransfer gRPC port (0: any free)")
@@ -64,10 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from(args: argparse.Namespace) -> DecodeConfig:
-    return DecodeConfig(model=model_flags_from(args), nats_url=args.nats_url, host=args.host,
-                        grpc_port=args.grpc_port, http_port=args.http_port,
-                        instance_id=new_instance_id(SERVICE, args.instance_id),
-                        drain_seconds=args.drain_seconds, heartbeat_interval=args.heartbeat_interval)
+    return DecodeConfig(
+        model=model_flags_from(args),
+        nats_url=args.nats_url,
+        host=args.host,
+        grpc_port=args.grpc_port,
+        http_port=args.http_port,
+        instance_id=new_instance_id(SERVICE, args.instance_id),
+        drain_seconds=args.drain_seconds,
+        heartbeat_interval=args.heartbeat_interval,
+    )
 
 
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
@@ -76,8 +86,11 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     def __init__(self, handler: DecodeHandler) -> None:
         self.handler = handler
 
-    async def Push(self, request_iterator: AsyncIterator[kv_transfer_pb2.KVPush],
-                   context: grpc.aio.ServicerContext) -> kv_transfer_pb2.KVPushReply:
+    async def Push(
+        self,
+        request_iterator: AsyncIterator[kv_transfer_pb2.KVPush],
+        context: grpc.aio.ServicerContext,
+    ) -> kv_transfer_pb2.KVPushReply:
         task: control_pb2.DecodeTask | None = None
         frame = bytearray()
         async for part in request_iterator:
@@ -85,7 +98,8 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             if task is None:
                 if which != "task":
                     return kv_transfer_pb2.KVPushReply(
-                        accepted=False, error="the first KVPush message must carry the DecodeTask")
+                        accepted=False, error="the first KVPush message must carry the DecodeTask"
+                    )
                 task = part.task
             elif which == "chunk":
                 frame += part.chunk
@@ -102,9 +116,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def serve(cfg: DecodeConfig, log: logging.Logger) -> int:
-    rt = InstanceRuntime(SERVICE, cfg.instance_id, cfg.model, host=cfg.host, http_port=cfg.http_port,
-                         nats_url=cfg.nats_url, drain_seconds=cfg.drain_seconds,
-                         heartbeat_interval=cfg.heartbeat_interval, log=log)
+    rt = InstanceRuntime(
+        SERVICE,
+        cfg.instance_id,
+        cfg.model,
+        host=cfg.host,
+        http_port=cfg.http_port,
+        nats_url=cfg.nats_url,
+        drain_seconds=cfg.drain_seconds,
+        heartbeat_interval=cfg.heartbeat_interval,
+        log=log,
+    )
     async with AsyncExitStack() as stack:
         rc = await rt.start(stack)
         if rc is not None:
@@ -114,11 +136,18 @@ async def serve(cfg: DecodeConfig, log: logging.Logger) -> int:
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
         address = f"{advertise_host(cfg.host)}:{port}"
-        handler = DecodeHandler(rt.loop, nc.publish, instance_id=cfg.instance_id,
-                                model_name=cfg.model.model_name, address=address,
-                                block_size=cfg.model.block_size, tracer=tracer(SERVICE))
+        handler = DecodeHandler(
+            rt.loop,
+            nc.publish,
+            instance_id=cfg.instance_id,
+            model_name=cfg.model.model_name,
+            address=address,
+            block_size=cfg.model.block_size,
+            tracer=tracer(SERVICE),
+        )
         kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(  # type: ignore[no-untyped-call]
-            KVTransferServicer(handler), server)
+            KVTransferServicer(handler), server
+        )
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         await server.start()

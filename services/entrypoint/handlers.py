@@ -25,13 +25,6 @@ from prometheus_client import Counter, Gauge, Histogram
 from libs.common import subjects
 from libs.common.hashchain import chain_hashes
 from libs.common.telemetry import extract_context, inject_traceparent, tracer
-from libs.proto.deepserve.v1 import (
-    common_pb2,
-    control_pb2,
-    generate_pb2,
-    generate_pb2_grpc,
-)
-
 from libs.gateway.admission import Admission, Overloaded
 from libs.gateway.policy import (
     Chunk,
@@ -48,25 +41,51 @@ from libs.gateway.policy import (
     lookup_prefix,
     validate_request,
 )
-from libs.gateway.retry import Action, AttemptFailed, Liveness, Progress, Watch, decide, exact_continuation
+from libs.gateway.retry import (
+    Action,
+    AttemptFailed,
+    Liveness,
+    Progress,
+    Watch,
+    decide,
+    exact_continuation,
+)
+from libs.proto.deepserve.v1 import (
+    common_pb2,
+    control_pb2,
+    generate_pb2,
+    generate_pb2_grpc,
+)
 
 log = logging.getLogger("entrypoint")
 TRACER = tracer("entrypoint")
 
 REQUESTS = Counter("deepserve_entrypoint_requests_total", "Generate calls by outcome", ["outcome"])
 INFLIGHT = Gauge("deepserve_entrypoint_inflight_requests", "Generate calls in progress")
-REQUEST_SECONDS = Histogram("deepserve_entrypoint_request_seconds", "Generate call duration",
-                            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
-TTFT_SECONDS = Histogram("deepserve_entrypoint_time_to_first_token_seconds",
-                         "From the call to the first token sent",
-                         buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+REQUEST_SECONDS = Histogram(
+    "deepserve_entrypoint_request_seconds",
+    "Generate call duration",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+)
+TTFT_SECONDS = Histogram(
+    "deepserve_entrypoint_time_to_first_token_seconds",
+    "From the call to the first token sent",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
 TOKENS = Counter("deepserve_entrypoint_tokens_total", "Tokens by kind", ["kind"])
-RETRIES = Counter("deepserve_entrypoint_retries_total",
-                  "failed attempts by what followed (fresh, continue, gave_up)", ["action"])
-REJECTED = Counter("deepserve_entrypoint_rejected_total",
-                   "requests refused with RESOURCE_EXHAUSTED (over --max-inflight)")
-LOOKUP_ERRORS = Counter("deepserve_entrypoint_kvstore_lookup_errors_total",
-                        "kvstore lookups that failed (treated as a miss)")
+RETRIES = Counter(
+    "deepserve_entrypoint_retries_total",
+    "failed attempts by what followed (fresh, continue, gave_up)",
+    ["action"],
+)
+REJECTED = Counter(
+    "deepserve_entrypoint_rejected_total",
+    "requests refused with RESOURCE_EXHAUSTED (over --max-inflight)",
+)
+LOOKUP_ERRORS = Counter(
+    "deepserve_entrypoint_kvstore_lookup_errors_total",
+    "kvstore lookups that failed (treated as a miss)",
+)
 
 # Route requests carry the leading chain digests for cache-aware routing; 256 blocks (32K
 # tokens, 8 KiB) say where a prompt's prefix lives without shipping a 160K-token chain.
@@ -144,8 +163,9 @@ class HandlerConfig:
 class GenerateError(Exception):
     """Ends a Generate call with ``code``; ``outcome`` labels the requests metric."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, outcome: str,
-                 retry_after_ms: int = 0) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, outcome: str, retry_after_ms: int = 0
+    ) -> None:
         super().__init__(message)
         self.code, self.message, self.outcome = code, message, outcome
         self.retry_after_ms = retry_after_ms
@@ -166,42 +186,58 @@ def attempt_id(request_id: str) -> str:
 
 def to_proto(out: Output, request_id: str) -> generate_pb2.GenerateEvent:
     if isinstance(out, Ready):
-        return generate_pb2.GenerateEvent(ready=generate_pb2.Ready(
-            request_id=request_id, prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens))
+        return generate_pb2.GenerateEvent(
+            ready=generate_pb2.Ready(
+                request_id=request_id,
+                prompt_tokens=out.prompt_tokens,
+                cached_tokens=out.cached_tokens,
+            )
+        )
     if isinstance(out, Tokens):
         return generate_pb2.GenerateEvent(tokens=generate_pb2.Tokens(token_ids=out.token_ids))
     assert isinstance(out, Finish)
-    usage = common_pb2.Usage(prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
-                             completion_tokens=out.completion_tokens)
+    usage = common_pb2.Usage(
+        prompt_tokens=out.prompt_tokens,
+        cached_tokens=out.cached_tokens,
+        completion_tokens=out.completion_tokens,
+    )
     return generate_pb2.GenerateEvent(finish=generate_pb2.Finish(reason=out.reason, usage=usage))
 
 
 def sampling_proto(valid: ValidRequest, max_tokens: int) -> common_pb2.SamplingParams:
     s = valid.sampling
     msg = common_pb2.SamplingParams(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=max_tokens,
-        stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos)
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        max_tokens=max_tokens,
+        stop_token_ids=s.stop_token_ids,
+        ignore_eos=s.ignore_eos,
+    )
     if s.seed is not None:
         msg.seed = s.seed
     return msg
 
 
 class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
-    def __init__(self, config: HandlerConfig, bus: Bus, kv: PrefixLookup,
-                 liveness: Liveness | None = None) -> None:
+    def __init__(
+        self, config: HandlerConfig, bus: Bus, kv: PrefixLookup, liveness: Liveness | None = None
+    ) -> None:
         self.config, self.bus, self.kv, self.liveness = config, bus, kv, liveness
         self.draining = False
         self._active: set[str] = set()
-        self.admission = Admission(config.max_inflight, config.max_waiting, config.admit_wait,
-                                   config.retry_after_ms)
+        self.admission = Admission(
+            config.max_inflight, config.max_waiting, config.admit_wait, config.retry_after_ms
+        )
         self._background: set[asyncio.Task[None]] = set()
 
     @property
     def inflight(self) -> int:
         return len(self._active)
 
-    async def Generate(self, request: generate_pb2.GenerateRequest,
-                       context: Any) -> AsyncIterator[generate_pb2.GenerateEvent]:
+    async def Generate(
+        self, request: generate_pb2.GenerateRequest, context: Any
+    ) -> AsyncIterator[generate_pb2.GenerateEvent]:
         started = time.monotonic()
         INFLIGHT.inc()
         outcome = "cancelled"  # stays so only if the client goes away (CancelledError)
@@ -211,7 +247,9 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                 async with self._slot():
                     metadata = dict(context.invocation_metadata() or ())
                     parent = extract_context(str(metadata.get("traceparent", "")))
-                    async with contextlib.aclosing(self._generate(valid, rid, parent, started)) as events:
+                    async with contextlib.aclosing(
+                        self._generate(valid, rid, parent, started)
+                    ) as events:
                         async for event in events:
                             yield event
             finally:
@@ -234,8 +272,11 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
 
     def _admit(self, request: generate_pb2.GenerateRequest) -> tuple[ValidRequest, str]:
         if self.draining:
-            raise GenerateError(grpc.StatusCode.UNAVAILABLE,
-                                "this entrypoint is shutting down; retry on another", "unavailable")
+            raise GenerateError(
+                grpc.StatusCode.UNAVAILABLE,
+                "this entrypoint is shutting down; retry on another",
+                "unavailable",
+            )
         try:
             valid = validate_request(request, self.config.limits)
         except InvalidArgument as exc:
@@ -244,8 +285,11 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             raise GenerateError(grpc.StatusCode.NOT_FOUND, str(exc), "invalid") from None
         rid = valid.request_id or new_request_id()
         if rid in self._active:
-            raise GenerateError(grpc.StatusCode.ALREADY_EXISTS,
-                                f"request_id {rid!r} is already in flight; use a new one", "invalid")
+            raise GenerateError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id {rid!r} is already in flight; use a new one",
+                "invalid",
+            )
         self._active.add(rid)
         return valid, rid
 
@@ -256,50 +300,78 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                 yield
         except Overloaded as exc:
             REJECTED.inc()
-            raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "overloaded",
-                                retry_after_ms=exc.retry_after_ms) from None
+            raise GenerateError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                str(exc),
+                "overloaded",
+                retry_after_ms=exc.retry_after_ms,
+            ) from None
 
-    async def _generate(self, valid: ValidRequest, rid: str, parent: Any,
-                        started: float) -> AsyncGenerator[generate_pb2.GenerateEvent, None]:
-        span = TRACER.start_span("entrypoint.generate", context=parent, attributes={
-            "deepserve.request_id": rid, "deepserve.prompt_tokens": len(valid.prompt_token_ids)})
+    async def _generate(
+        self, valid: ValidRequest, rid: str, parent: Any, started: float
+    ) -> AsyncGenerator[generate_pb2.GenerateEvent, None]:
+        span = TRACER.start_span(
+            "entrypoint.generate",
+            context=parent,
+            attributes={
+                "deepserve.request_id": rid,
+                "deepserve.prompt_tokens": len(valid.prompt_token_ids),
+            },
+        )
         progress = Progress(valid.prompt_token_ids, valid.sampling.max_tokens)
         exact = exact_continuation(valid.sampling.temperature, valid.sampling.seed)
         try:
             for attempt in itertools.count(1):
                 try:
                     async with contextlib.aclosing(
-                            self._attempt(valid, rid, span, progress, started)) as outputs:
+                        self._attempt(valid, rid, span, progress, started)
+                    ) as outputs:
                         async for out in outputs:
                             yield to_proto(out, rid)
                     return
                 except AttemptFailed as exc:
-                    action = decide(retryable=True, attempt=attempt,
-                                    max_attempts=self.config.max_attempts,
-                                    tokens_sent=len(progress.sent), exact=exact)
+                    action = decide(
+                        retryable=True,
+                        attempt=attempt,
+                        max_attempts=self.config.max_attempts,
+                        tokens_sent=len(progress.sent),
+                        exact=exact,
+                    )
                     if action is Action.FAIL:
                         RETRIES.labels("gave_up").inc()
-                        raise GenerateError(grpc.StatusCode.UNAVAILABLE, self._give_up(
-                            rid, exc, attempt, len(progress.sent), exact), "unavailable") from None
+                        raise GenerateError(
+                            grpc.StatusCode.UNAVAILABLE,
+                            self._give_up(rid, exc, attempt, len(progress.sent), exact),
+                            "unavailable",
+                        ) from None
                     RETRIES.labels(action.value).inc()
                     progress.exclude(exc.instances)
-                    log.warning("request %s: attempt %d failed (%s); retrying (%s, %d tokens sent, "
-                                "excluding %s)", rid, attempt, exc, action.value, len(progress.sent),
-                                ", ".join(progress.excluded) or "none")
+                    log.warning(
+                        "request %s: attempt %d failed (%s); retrying (%s, %d tokens sent, "
+                        "excluding %s)",
+                        rid,
+                        attempt,
+                        exc,
+                        action.value,
+                        len(progress.sent),
+                        ", ".join(progress.excluded) or "none",
+                    )
         finally:
             span.end()
 
     @staticmethod
     def _give_up(rid: str, exc: AttemptFailed, attempt: int, sent: int, exact: bool) -> str:
         if sent and not exact:
-            why = (f"{sent} tokens were already sent and unseeded sampling cannot be continued "
-                   "exactly")
+            why = (
+                f"{sent} tokens were already sent and unseeded sampling cannot be continued exactly"
+            )
         else:
             why = f"after {attempt} attempt{'s' if attempt > 1 else ''}"
         return f"request {rid} failed: {exc} ({why}); retry"
 
-    async def _attempt(self, valid: ValidRequest, rid: str, span: Any, progress: Progress,
-                       started: float) -> AsyncGenerator[Output, None]:
+    async def _attempt(
+        self, valid: ValidRequest, rid: str, span: Any, progress: Progress, started: float
+    ) -> AsyncGenerator[Output, None]:
         """One attempt on one prefill + decode pair; raises AttemptFailed if an instance fails."""
         sub: Subscription | None = None
         finished_upstream = False
@@ -309,23 +381,36 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         try:
             hashes = await self._hashes(prompt, valid.tenant)
             cached_blocks = await self._lookup(wire, hashes)
-            decision = await self._route(valid, wire, len(prompt), hashes, cached_blocks,
-                                         progress.excluded)
-            span.add_event("attempt", {"deepserve.attempt_id": wire,
-                                       "deepserve.cached_blocks": cached_blocks,
-                                       "deepserve.prefill": decision.prefill_instance,
-                                       "deepserve.decode": decision.decode_instance})
+            decision = await self._route(
+                valid, wire, len(prompt), hashes, cached_blocks, progress.excluded
+            )
+            span.add_event(
+                "attempt",
+                {
+                    "deepserve.attempt_id": wire,
+                    "deepserve.cached_blocks": cached_blocks,
+                    "deepserve.prefill": decision.prefill_instance,
+                    "deepserve.decode": decision.decode_instance,
+                },
+            )
             sub = await self.bus.subscribe(subjects.token_events(wire))  # before the task goes out
             with trace.use_span(span, end_on_exit=False):
                 traceparent = inject_traceparent()
             task = control_pb2.PrefillTask(
-                request_id=wire, prompt_token_ids=prompt,
-                sampling=sampling_proto(valid, progress.remaining), cache_salt=valid.tenant.encode(),
-                traffic_class=cast(Any, valid.traffic_class), cached_blocks=cached_blocks,
-                decode_instance=decision.decode_instance, decode_address=decision.decode_address,
-                events_subject=subjects.token_events(wire), traceparent=traceparent)
-            await self.bus.publish(subjects.prefill_task(decision.prefill_instance),
-                                   task.SerializeToString())
+                request_id=wire,
+                prompt_token_ids=prompt,
+                sampling=sampling_proto(valid, progress.remaining),
+                cache_salt=valid.tenant.encode(),
+                traffic_class=cast(Any, valid.traffic_class),
+                cached_blocks=cached_blocks,
+                decode_instance=decision.decode_instance,
+                decode_address=decision.decode_address,
+                events_subject=subjects.token_events(wire),
+                traceparent=traceparent,
+            )
+            await self.bus.publish(
+                subjects.prefill_task(decision.prefill_instance), task.SerializeToString()
+            )
             stream = RequestStream(prompt_tokens=len(prompt), max_tokens=progress.remaining)
             watch = Watch(self.liveness, decision.prefill_instance, decision.decode_instance)
             while not stream.done:
@@ -338,7 +423,9 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                     raise
                 except ReorderOverflow as exc:
                     abort_reason = "error"
-                    raise GenerateError(grpc.StatusCode.INTERNAL, f"request {rid}: {exc}", "error") from None
+                    raise GenerateError(
+                        grpc.StatusCode.INTERNAL, f"request {rid}: {exc}", "error"
+                    ) from None
                 for out in outputs:
                     shown = progress.translate(out)
                     if shown is None:
@@ -375,26 +462,45 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             LOOKUP_ERRORS.inc()
             return 0
 
-    async def _route(self, valid: ValidRequest, rid: str, prompt_tokens: int, hashes: list[bytes],
-                     cached_blocks: int, exclude: list[str]) -> control_pb2.RouteDecision:
+    async def _route(
+        self,
+        valid: ValidRequest,
+        rid: str,
+        prompt_tokens: int,
+        hashes: list[bytes],
+        cached_blocks: int,
+        exclude: list[str],
+    ) -> control_pb2.RouteDecision:
         req = control_pb2.RouteRequest(
-            request_id=rid, model=valid.model, prompt_tokens=prompt_tokens,
-            cached_blocks=cached_blocks, block_hashes=hashes[:MAX_ROUTE_HASHES], exclude=exclude)
+            request_id=rid,
+            model=valid.model,
+            prompt_tokens=prompt_tokens,
+            cached_blocks=cached_blocks,
+            block_hashes=hashes[:MAX_ROUTE_HASHES],
+            exclude=exclude,
+        )
         try:
-            reply = await self.bus.request(subjects.ROUTE, req.SerializeToString(),
-                                           self.config.route_timeout)
+            reply = await self.bus.request(
+                subjects.ROUTE, req.SerializeToString(), self.config.route_timeout
+            )
         except BusUnavailable as exc:
-            raise GenerateError(grpc.StatusCode.UNAVAILABLE,
-                                f"no balancer answered ({exc}); retry in a few seconds",
-                                "unavailable") from None
+            raise GenerateError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no balancer answered ({exc}); retry in a few seconds",
+                "unavailable",
+            ) from None
         try:
             decision = cast(control_pb2.RouteDecision, control_pb2.RouteDecision.FromString(reply))
         except DecodeError:
-            raise GenerateError(grpc.StatusCode.INTERNAL, "the balancer sent an unreadable reply",
-                                "error") from None
+            raise GenerateError(
+                grpc.StatusCode.INTERNAL, "the balancer sent an unreadable reply", "error"
+            ) from None
         if decision.error or not decision.prefill_instance:
-            raise GenerateError(grpc.StatusCode.UNAVAILABLE, "no instance can take the request: "
-                                f"{decision.error or 'empty decision'}", "unavailable")
+            raise GenerateError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no instance can take the request: {decision.error or 'empty decision'}",
+                "unavailable",
+            )
         return decision
 
     async def _next_chunk(self, sub: Subscription, rid: str, watch: Watch) -> Chunk:
@@ -403,17 +509,21 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         while True:
             waited = time.monotonic() - silent_since
             if waited >= timeout:
-                raise GenerateError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    f"request {rid}: no token for {timeout:g}s from the serving "
-                                    "instances; aborted", "timeout")
+                raise GenerateError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"request {rid}: no token for {timeout:g}s from the serving instances; aborted",
+                    "timeout",
+                )
             try:
                 data = await sub.next(min(timeout - waited, self.config.liveness_poll))
             except TimeoutError:
                 dead = watch.dead(self.config.instance_dead_after)
                 if dead:
-                    raise AttemptFailed(f"instance {dead} stopped heartbeating "
-                                        f"(silent > {self.config.instance_dead_after:g}s)",
-                                        (dead,)) from None
+                    raise AttemptFailed(
+                        f"instance {dead} stopped heartbeating "
+                        f"(silent > {self.config.instance_dead_after:g}s)",
+                        (dead,),
+                    ) from None
                 continue
             try:
                 ev = control_pb2.TokenEvent.FromString(data)
@@ -423,15 +533,23 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             if ev.error:
                 if ev.retryable:
                     raise AttemptFailed(ev.error, watch.serving)
-                raise GenerateError(grpc.StatusCode.INTERNAL, f"request {rid} failed: {ev.error}",
-                                    "error")
-            return Chunk(ev.index, tuple(ev.token_ids), ev.finished, ev.finish_reason,
-                         ev.prompt_tokens, ev.cached_tokens)
+                raise GenerateError(
+                    grpc.StatusCode.INTERNAL, f"request {rid} failed: {ev.error}", "error"
+                )
+            return Chunk(
+                ev.index,
+                tuple(ev.token_ids),
+                ev.finished,
+                ev.finish_reason,
+                ev.prompt_tokens,
+                ev.cached_tokens,
+            )
 
     async def _abort_upstream(self, rid: str, reason: str) -> None:
         try:
-            await self.bus.publish(subjects.ABORT,
-                                   control_pb2.Abort(request_id=rid, reason=reason).SerializeToString())
+            await self.bus.publish(
+                subjects.ABORT, control_pb2.Abort(request_id=rid, reason=reason).SerializeToString()
+            )
         except Exception as exc:  # noqa: BLE001 - best effort; instances also time requests out
             log.warning("request %s: could not publish abort: %s", rid, exc)
 

@@ -38,8 +38,11 @@ class NatsSubscription:
     async def close(self) -> None:
         try:
             await self._sub.unsubscribe()
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError,
-                nats.errors.BadSubscriptionError):
+        except (
+            nats.errors.ConnectionClosedError,
+            nats.errors.ConnectionDrainingError,
+            nats.errors.BadSubscriptionError,
+        ):
             pass  # shutting down: the server drops the subscription with the connection
 
 
@@ -109,11 +112,16 @@ class GrpcLookup:
         if not hashes:
             return 0
         try:
-            reply = await self._stub.Lookup(kvstore_pb2.LookupRequest(hashes=hashes),
-                                            timeout=self.timeout)
+            reply = await self._stub.Lookup(
+                kvstore_pb2.LookupRequest(hashes=hashes), timeout=self.timeout
+            )
         except grpc.aio.AioRpcError as exc:
-            log.warning("kvstore %s lookup failed (%s: %s); computing the prompt from scratch",
-                        self.address, exc.code().name, exc.details())
+            log.warning(
+                "kvstore %s lookup failed (%s: %s); computing the prompt from scratch",
+                self.address,
+                exc.code().name,
+                exc.details(),
+            )
             raise LookupFailed(str(exc)) from None
         return max(0, min(int(reply.num_present), len(hashes)))
 

@@ -105,7 +105,7 @@ def unwrap(shard: bytes | None) -> bytes | None:
     if shard is None or len(shard) < _HEAD.size:
         return None
     magic, crc = _HEAD.unpack_from(shard)
-    frag = shard[_HEAD.size:]
+    frag = shard[_HEAD.size :]
     if magic != SHARD_MAGIC or zlib.crc32(frag) != crc:
         return None
     return frag

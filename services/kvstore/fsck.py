@@ -71,8 +71,9 @@ async def fsck(store: BlockStore, repair: bool = False, grace_s: float = 600.0) 
     return report
 
 
-def _check_block(store: BlockStore, hx: str, placement: list[str], checksum: str,
-                 report: FsckReport) -> None:
+def _check_block(
+    store: BlockStore, hx: str, placement: list[str], checksum: str, report: FsckReport
+) -> None:
     io, k = store.io, store.codec.k
     scan = io.scan(hx, placement, list(range(store.codec.n)))
     report.targets_down += scan.down.values()
@@ -94,8 +95,13 @@ def _check_block(store: BlockStore, hx: str, placement: list[str], checksum: str
             report.unfixed.append(f"{hx}: {exc}")
 
 
-async def _orphans(store: BlockStore, placements: dict[str, list[str]], repair: bool,
-                   grace_s: float, report: FsckReport) -> None:
+async def _orphans(
+    store: BlockStore,
+    placements: dict[str, list[str]],
+    repair: bool,
+    grace_s: float,
+    report: FsckReport,
+) -> None:
     now = time.time()  # file times are wall-clock times, whatever clock the store runs on
     candidates: list[tuple[str, str, str]] = []  # (target, key, block hex or "")
     for target in store.targets:

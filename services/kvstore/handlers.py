@@ -34,20 +34,37 @@ _CLASS_NAMES = {
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
-        self.requests = Counter("deepserve_kvstore_requests_total", "KVStore RPCs by method and status",
-                                ["method", "code"], registry=registry)
-        self.latency = Histogram("deepserve_kvstore_request_seconds", "KVStore RPC latency",
-                                 ["method"], registry=registry,
-                                 buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                                          0.25, 0.5, 1, 2.5, 10))
-        self.blocks = Counter("deepserve_kvstore_blocks_total",
-                              "blocks by operation (put_stored, put_skipped, get, deleted)",
-                              ["op"], registry=registry)
-        self.bytes = Counter("deepserve_kvstore_bytes_total", "frame bytes by operation (put, get)",
-                             ["op"], registry=registry)
-        self.lookup_hits = Histogram("deepserve_kvstore_lookup_hit_ratio",
-                                     "leading blocks present / blocks asked, per Lookup",
-                                     registry=registry, buckets=(0, 0.25, 0.5, 0.75, 0.9, 0.99, 1))
+        self.requests = Counter(
+            "deepserve_kvstore_requests_total",
+            "KVStore RPCs by method and status",
+            ["method", "code"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "deepserve_kvstore_request_seconds",
+            "KVStore RPC latency",
+            ["method"],
+            registry=registry,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+        )
+        self.blocks = Counter(
+            "deepserve_kvstore_blocks_total",
+            "blocks by operation (put_stored, put_skipped, get, deleted)",
+            ["op"],
+            registry=registry,
+        )
+        self.bytes = Counter(
+            "deepserve_kvstore_bytes_total",
+            "frame bytes by operation (put, get)",
+            ["op"],
+            registry=registry,
+        )
+        self.lookup_hits = Histogram(
+            "deepserve_kvstore_lookup_hit_ratio",
+            "leading blocks present / blocks asked, per Lookup",
+            registry=registry,
+            buckets=(0, 0.25, 0.5, 0.75, 0.9, 0.99, 1),
+        )
 
 
 class KVStoreHandlers(kvstore_pb2_grpc.KVStoreServicer):
@@ -63,8 +80,9 @@ class KVStoreHandlers(kvstore_pb2_grpc.KVStoreServicer):
         t0 = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
-            with self.tracer.start_as_current_span(f"kvstore.{method}",
-                                                   context=extract_context(str(parent))) as span:
+            with self.tracer.start_as_current_span(
+                f"kvstore.{method}", context=extract_context(str(parent))
+            ) as span:
                 yield span
         except InvalidBlock as exc:
             code = grpc.StatusCode.INVALID_ARGUMENT
@@ -83,8 +101,9 @@ class KVStoreHandlers(kvstore_pb2_grpc.KVStoreServicer):
             self.metrics.requests.labels(method, code.name).inc()
             self.metrics.latency.labels(method).observe(time.perf_counter() - t0)
 
-    async def Lookup(self, request: kvstore_pb2.LookupRequest,
-                     context: grpc.aio.ServicerContext) -> kvstore_pb2.LookupReply:
+    async def Lookup(
+        self, request: kvstore_pb2.LookupRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.LookupReply:
         try:
             with self._rpc("Lookup", context) as span:
                 n = await self.store.lookup(list(request.hashes))
@@ -97,13 +116,21 @@ class KVStoreHandlers(kvstore_pb2_grpc.KVStoreServicer):
             await context.abort(a.code, a.message)
             raise  # unreachable: abort raises
 
-    async def Put(self, request_iterator: AsyncIterator[kvstore_pb2.PutBlock],
-                  context: grpc.aio.ServicerContext) -> kvstore_pb2.PutReply:
+    async def Put(
+        self,
+        request_iterator: AsyncIterator[kvstore_pb2.PutBlock],
+        context: grpc.aio.ServicerContext,
+    ) -> kvstore_pb2.PutReply:
         async def blocks() -> AsyncIterator[BlockPut]:
             async for msg in request_iterator:
                 self.metrics.bytes.labels("put").inc(len(msg.data))
-                yield BlockPut(msg.hash, msg.parent_hash, msg.data, msg.tenant,
-                               _CLASS_NAMES.get(msg.traffic_class, "chat"))
+                yield BlockPut(
+                    msg.hash,
+                    msg.parent_hash,
+                    msg.data,
+                    msg.tenant,
+                    _CLASS_NAMES.get(msg.traffic_class, "chat"),
+                )
 
         try:
             with self._rpc("Put", context) as span:
@@ -117,8 +144,9 @@ class KVStoreHandlers(kvstore_pb2_grpc.KVStoreServicer):
             await context.abort(a.code, a.message)
             raise
 
-    async def Get(self, request: kvstore_pb2.GetRequest,
-                  context: grpc.aio.ServicerContext) -> AsyncIterator[kvstore_pb2.Block]:
+    async def Get(
+        self, request: kvstore_pb2.GetRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kvstore_pb2.Block]:
         try:
             with self._rpc("Get", context) as span:
                 n = 0
@@ -131,8 +159,9 @@ class KVStoreHandlers(kvstore_pb2_grpc.KVStoreServicer):
         except _Abort as a:
             await context.abort(a.code, a.message)
 
-    async def Delete(self, request: kvstore_pb2.DeleteRequest,
-                     context: grpc.aio.ServicerContext) -> kvstore_pb2.DeleteReply:
+    async def Delete(
+        self, request: kvstore_pb2.DeleteRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.DeleteReply:
         try:
             with self._rpc("Delete", context):
                 n = await self.store.delete(list(request.hashes))
@@ -142,8 +171,9 @@ class KVStoreHandlers(kvstore_pb2_grpc.KVStoreServicer):
             await context.abort(a.code, a.message)
             raise
 
-    async def Stats(self, request: kvstore_pb2.StatsRequest,
-                    context: grpc.aio.ServicerContext) -> kvstore_pb2.StatsReply:
+    async def Stats(
+        self, request: kvstore_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> kvstore_pb2.StatsReply:
         try:
             with self._rpc("Stats", context):
                 blocks, size = await self.store.stats()

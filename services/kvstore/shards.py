@@ -116,9 +116,12 @@ class ShardIO:
             raise BlockUnreadable(
                 f"block {hex_}: only {len(scan.fragments)} of {self.codec.n} shards readable, "
                 f"{k} needed ({len(scan.bad)} damaged; targets down: {', '.join(down) or 'none'})",
-                damaged=not down) from None
+                damaged=not down,
+            ) from None
         if hashlib.sha256(data).hexdigest() != checksum:
-            raise BlockUnreadable(f"block {hex_}: rebuilt bytes fail the block checksum", damaged=True)
+            raise BlockUnreadable(
+                f"block {hex_}: rebuilt bytes fail the block checksum", damaged=True
+            )
         return data, scan
 
     def repair(self, hex_: str, placement: list[str], scan: ShardScan) -> int:
@@ -127,8 +130,11 @@ class ShardIO:
             return 0
         fragments = dict(scan.fragments)
         if len(fragments) < self.codec.n - len(scan.bad) - len(scan.down):
-            more = self.scan(hex_, placement, [i for i in range(self.codec.n)
-                                               if i not in fragments and i not in scan.bad])
+            more = self.scan(
+                hex_,
+                placement,
+                [i for i in range(self.codec.n) if i not in fragments and i not in scan.bad],
+            )
             fragments.update(more.fragments)
         rebuilt = self.codec.rebuild(fragments, sorted(scan.bad))
         for i, shard in rebuilt.items():

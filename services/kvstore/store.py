@@ -185,13 +185,16 @@ def validate_block(block: BlockPut) -> None:
     if header.num_blocks != 1:
         raise InvalidBlock(f"data must hold exactly one block, the frame holds {header.num_blocks}")
     if header.chain_hash != block.hash.hex():
-        raise InvalidBlock(f"hash {block.hash.hex()} does not match the frame's block digest "
-                           f"{header.chain_hash}")
+        raise InvalidBlock(
+            f"hash {block.hash.hex()} does not match the frame's block digest {header.chain_hash}"
+        )
     if header.num_tokens != (header.first_block + 1) * header.block_size:
         raise InvalidBlock("the frame covers a partial block; only full blocks are stored")
     if (header.first_block == 0) != (not block.parent):
-        raise InvalidBlock(f"parent_hash must be empty exactly for a chain's first block "
-                           f"(this frame is block {header.first_block})")
+        raise InvalidBlock(
+            f"parent_hash must be empty exactly for a chain's first block "
+            f"(this frame is block {header.first_block})"
+        )
 
 
 class BlockStore:
@@ -202,14 +205,22 @@ class BlockStore:
     metadata is written only after all its shards are complete on their targets.
     """
 
-    def __init__(self, redis: aioredis.Redis, targets: list[Target], codec: Codec | None = None,
-                 retention: Retention | None = None, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        targets: list[Target],
+        codec: Codec | None = None,
+        retention: Retention | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.redis = redis
         self.codec = codec or Codec()
         self.target_names = [t.name for t in targets]
         if len(set(self.target_names)) < self.codec.n:
-            raise ValueError(f"{self.codec.k}+{self.codec.m} erasure coding needs {self.codec.n} "
-                             f"distinct storage targets, {len(set(self.target_names))} given")
+            raise ValueError(
+                f"{self.codec.k}+{self.codec.m} erasure coding needs {self.codec.n} "
+                f"distinct storage targets, {len(set(self.target_names))} given"
+            )
         self.targets = targets
         self.io = ShardIO(targets, self.codec)
         self.retention = retention or Retention()
@@ -238,8 +249,9 @@ class BlockStore:
         try:
             return await op
         except (RedisError, OSError) as exc:
-            raise StoreUnavailable(f"Redis does not answer ({type(exc).__name__}: {exc}); "
-                                   "retry when it is back") from None
+            raise StoreUnavailable(
+                f"Redis does not answer ({type(exc).__name__}: {exc}); retry when it is back"
+            ) from None
 
     # -- lookup --------------------------------------------------------------------------------
     async def present(self, hashes: Sequence[bytes]) -> list[bool]:
@@ -310,8 +322,15 @@ class BlockStore:
         keys = [self.key(b.hash) for b, _, _ in blocks] + [STATS_KEY, LRU_KEY]
         args: list[Any] = []
         for b, placement, checksum in blocks:
-            args += [len(b.data), b.tenant, b.traffic_class, b.parent.hex(), now,
-                     json.dumps(placement), checksum]
+            args += [
+                len(b.data),
+                b.tenant,
+                b.traffic_class,
+                b.parent.hex(),
+                now,
+                json.dumps(placement),
+                checksum,
+            ]
         return int(await self._redis(self._commit(keys=keys, args=args)))
 
     async def _discard(self, written: list[tuple[bytes, list[tuple[str, str]]]]) -> None:
@@ -321,8 +340,9 @@ class BlockStore:
         try:
             visible = await self.present([h for h, _ in written])
         except StoreUnavailable:
-            log.warning("failed put: Redis is down, leaving %d blocks of orphan shards (fsck)",
-                        len(written))
+            log.warning(
+                "failed put: Redis is down, leaving %d blocks of orphan shards (fsck)", len(written)
+            )
             return
         pairs = [p for (_, ps), v in zip(written, visible) if not v for p in ps]
         await asyncio.to_thread(self.io.remove, pairs)
@@ -375,15 +395,17 @@ class BlockStore:
                     try:
                         await asyncio.to_thread(self.io.repair, h.hex(), placement, scan)
                     except (OSError, RuntimeError) as exc:
-                        log.warning("block %s: repair failed (%s); fsck --repair retries",
-                                    h.hex(), exc)
+                        log.warning(
+                            "block %s: repair failed (%s); fsck --repair retries", h.hex(), exc
+                        )
                 yield h, data
         finally:
             for t in reads:
                 t.cancel()
 
-    def _read_task(self, h: bytes, placement: list[str],
-                   checksum: str) -> asyncio.Future[tuple[bytes, ShardScan]]:
+    def _read_task(
+        self, h: bytes, placement: list[str], checksum: str
+    ) -> asyncio.Future[tuple[bytes, ShardScan]]:
         task = asyncio.ensure_future(asyncio.to_thread(self.io.read, h.hex(), placement, checksum))
         task.add_done_callback(_retrieve)  # a read-ahead nobody awaits must not warn
         return task
@@ -429,8 +451,15 @@ class BlockStore:
         out = []
         for hx, (parent, size, cls, last) in zip(hexes, await self._redis(pipe.execute())):
             if size is not None:
-                out.append(BlockInfo(hx, (parent or b"").decode(), int(size),
-                                     (cls or b"chat").decode(), float(last or 0)))
+                out.append(
+                    BlockInfo(
+                        hx,
+                        (parent or b"").decode(),
+                        int(size),
+                        (cls or b"chat").decode(),
+                        float(last or 0),
+                    )
+                )
         return out
 
     async def sweep(self) -> Reclaim:
@@ -438,10 +467,14 @@ class BlockStore:
         plan = plan_reclaim(await self.blocks(), self.retention, self.clock())
         doomed = [bytes.fromhex(h) for h in plan.all]
         for i in range(0, len(doomed), 1024):
-            await self.delete(doomed[i:i + 1024])
+            await self.delete(doomed[i : i + 1024])
         if doomed:
-            log.info("retention: %d expired, %d unreachable, %d evicted", len(plan.expired),
-                     len(plan.unreachable), len(plan.evicted))
+            log.info(
+                "retention: %d expired, %d unreachable, %d evicted",
+                len(plan.expired),
+                len(plan.unreachable),
+                len(plan.evicted),
+            )
         return plan
 
     async def ping(self) -> None:

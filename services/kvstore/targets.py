@@ -145,8 +145,12 @@ def s3_client(endpoint: str = "", region: str = "us-east-1") -> Any:
     import boto3
     from botocore.config import Config
 
-    cfg = Config(retries={"max_attempts": 2, "mode": "standard"}, connect_timeout=2, read_timeout=30,
-                 max_pool_connections=32)
+    cfg = Config(
+        retries={"max_attempts": 2, "mode": "standard"},
+        connect_timeout=2,
+        read_timeout=30,
+        max_pool_connections=32,
+    )
     return boto3.client("s3", endpoint_url=endpoint or None, region_name=region, config=cfg)
 
 

@@ -45,9 +45,13 @@ class GrpcKVPusher:
 
         metadata = (("traceparent", task.traceparent),) if task.traceparent else None
         try:
-            reply = await self._stub(address).Push(parts(), timeout=self.timeout_s, metadata=metadata)
+            reply = await self._stub(address).Push(
+                parts(), timeout=self.timeout_s, metadata=metadata
+            )
         except grpc.aio.AioRpcError as exc:
-            raise PushFailed(f"KV push to decode {address} failed: {exc.code().name}: {exc.details()}") from None
+            raise PushFailed(
+                f"KV push to decode {address} failed: {exc.code().name}: {exc.details()}"
+            ) from None
         if not reply.accepted:
             raise PushFailed(f"decode {address} refused the KV: {reply.error}")
 
@@ -64,13 +68,20 @@ class GrpcKVStore:
         self.address = address
         # One DeepSeek-V3 block is ~9 MB (61 layers x 128 tokens x 576 bf16): above gRPC's 4 MiB default.
         limit = 64 << 20
-        self._channel = grpc.aio.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
+        self._channel = grpc.aio.insecure_channel(
+            address,
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+            ],
+        )
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)  # type: ignore[no-untyped-call]
 
     async def get(self, hashes: list[bytes]) -> list[bytes]:
         found: dict[bytes, bytes] = {}
-        async for block in self._stub.Get(kvstore_pb2.GetRequest(hashes=hashes), timeout=GET_TIMEOUT_S):
+        async for block in self._stub.Get(
+            kvstore_pb2.GetRequest(hashes=hashes), timeout=GET_TIMEOUT_S
+        ):
             found[block.hash] = block.data
         frames = []
         for h in hashes:  # only a leading run imports: the engine needs a contiguous prefix
@@ -82,8 +93,13 @@ class GrpcKVStore:
     async def put(self, blocks: list[Block], tenant: str, traffic_class: int) -> None:
         async def parts() -> AsyncIterator[kvstore_pb2.PutBlock]:
             for digest, parent, data in blocks:
-                yield kvstore_pb2.PutBlock(hash=digest, parent_hash=parent, data=data, tenant=tenant,
-                                           traffic_class=traffic_class)  # type: ignore[arg-type]
+                yield kvstore_pb2.PutBlock(
+                    hash=digest,
+                    parent_hash=parent,
+                    data=data,
+                    tenant=tenant,
+                    traffic_class=traffic_class,
+                )  # type: ignore[arg-type]
 
         await self._stub.Put(parts(), timeout=PUT_TIMEOUT_S)
 

@@ -45,9 +45,14 @@ Block = tuple[bytes, bytes, bytes]  # (chain digest, parent digest or b"", singl
 
 REQUESTS = Counter("deepserve_prefill_requests_total", "prefill tasks by outcome", ["outcome"])
 ERRORS = Counter("deepserve_prefill_errors_total", "prefill failures by stage", ["stage"])
-LATENCY = Histogram("deepserve_prefill_seconds", "task received -> KV handed to decode",
-                    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
-CACHED_BLOCKS = Counter("deepserve_prefill_kvstore_blocks_loaded_total", "prefix blocks loaded from the kvstore")
+LATENCY = Histogram(
+    "deepserve_prefill_seconds",
+    "task received -> KV handed to decode",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+CACHED_BLOCKS = Counter(
+    "deepserve_prefill_kvstore_blocks_loaded_total", "prefix blocks loaded from the kvstore"
+)
 STORED_BLOCKS = Counter("deepserve_prefill_kvstore_blocks_put_total", "blocks sent to the kvstore")
 
 
@@ -72,9 +77,19 @@ class KVStore(Protocol):
 
 
 class PrefillHandler:
-    def __init__(self, loop: EngineLoop, publish: Publish, pusher: KVPusher, *, instance_id: str,
-                 model_name: str, block_size: int, max_model_len: int, kvstore: KVStore | None = None,
-                 tracer: trace.Tracer | None = None) -> None:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        publish: Publish,
+        pusher: KVPusher,
+        *,
+        instance_id: str,
+        model_name: str,
+        block_size: int,
+        max_model_len: int,
+        kvstore: KVStore | None = None,
+        tracer: trace.Tracer | None = None,
+    ) -> None:
         self.loop = loop
         self.publish = publish
         self.pusher = pusher
@@ -112,13 +127,20 @@ class PrefillHandler:
         subject = task.events_subject or subjects.token_events(rid)
         if self.draining:
             REQUESTS.labels("refused").inc()
-            await self._send(subject, error_event(
-                rid, f"prefill instance {self.instance_id} is draining; retry on another instance",
-                retryable=True))
+            await self._send(
+                subject,
+                error_event(
+                    rid,
+                    f"prefill instance {self.instance_id} is draining; retry on another instance",
+                    retryable=True,
+                ),
+            )
             return
         if rid in self.aborted:
             return
-        with self.tracer.start_as_current_span("prefill", context=extract_context(task.traceparent)) as span:
+        with self.tracer.start_as_current_span(
+            "prefill", context=extract_context(task.traceparent)
+        ) as span:
             span.set_attribute("deepserve.request_id", rid)
             span.set_attribute("deepserve.prompt_tokens", len(task.prompt_token_ids))
             try:
@@ -127,16 +149,26 @@ class PrefillHandler:
                 reason = self._cut.pop(rid, "shutdown")
                 REQUESTS.labels(reason).inc()
                 if reason != "abort":
-                    await self._send(subject, error_event(
-                        rid, f"prefill instance {self.instance_id} stopped ({reason}) before the KV "
-                        "was handed over", retryable=True))
+                    await self._send(
+                        subject,
+                        error_event(
+                            rid,
+                            f"prefill instance {self.instance_id} stopped ({reason}) before the KV "
+                            "was handed over",
+                            retryable=True,
+                        ),
+                    )
             except (EngineFailed, EngineLoopClosed) as exc:
                 ERRORS.labels("engine").inc()
-                await self._send(subject, error_event(rid, f"prefill engine failed: {exc}", retryable=True))
+                await self._send(
+                    subject, error_event(rid, f"prefill engine failed: {exc}", retryable=True)
+                )
             except Exception as exc:  # a bug: fail this request visibly, keep serving others
                 ERRORS.labels("internal").inc()
                 log.exception("request %s failed", rid)
-                await self._send(subject, error_event(rid, f"prefill failed: {exc!r}", retryable=True))
+                await self._send(
+                    subject, error_event(rid, f"prefill failed: {exc!r}", retryable=True)
+                )
             finally:
                 await self._forget(rid)
 
@@ -169,10 +201,21 @@ class PrefillHandler:
             raise asyncio.CancelledError
         first = ev.token_id
         reason = self._first_token_reason(ev.finish_reason, params.max_tokens, len(prompt))
-        await self._send(subject, control_pb2.TokenEvent(
-            request_id=rid, index=0, token_ids=[first], finished=reason is not None,
-            finish_reason=reason or "", prompt_tokens=len(prompt), cached_tokens=ev.num_cached_tokens))
-        frame, blocks = await self.loop.call(self._exporter(rid, need_frame=reason is None, start_block=loaded))
+        await self._send(
+            subject,
+            control_pb2.TokenEvent(
+                request_id=rid,
+                index=0,
+                token_ids=[first],
+                finished=reason is not None,
+                finish_reason=reason or "",
+                prompt_tokens=len(prompt),
+                cached_tokens=ev.num_cached_tokens,
+            ),
+        )
+        frame, blocks = await self.loop.call(
+            self._exporter(rid, need_frame=reason is None, start_block=loaded)
+        )
         if blocks and self.kvstore is not None:
             self._spawn(self._store(task, blocks))
         if reason is not None:
@@ -180,9 +223,15 @@ class PrefillHandler:
             return
         assert frame is not None
         decode_task = control_pb2.DecodeTask(
-            request_id=rid, token_ids=prompt + [first], num_prompt_tokens=len(prompt),
-            sampling=task.sampling, cache_salt=task.cache_salt, events_subject=subject,
-            cached_tokens=ev.num_cached_tokens, traceparent=inject_traceparent())
+            request_id=rid,
+            token_ids=prompt + [first],
+            num_prompt_tokens=len(prompt),
+            sampling=task.sampling,
+            cache_salt=task.cache_salt,
+            events_subject=subject,
+            cached_tokens=ev.num_cached_tokens,
+            traceparent=inject_traceparent(),
+        )
         try:
             with self.tracer.start_as_current_span("prefill.push_kv") as span:
                 span.set_attribute("deepserve.kv_bytes", len(frame))
@@ -205,7 +254,9 @@ class PrefillHandler:
             return "PrefillTask.decode_address must name the decode instance (host:port)"
         return ""
 
-    def _first_token_reason(self, engine_reason: str | None, max_tokens: int, prompt_len: int) -> str | None:
+    def _first_token_reason(
+        self, engine_reason: str | None, max_tokens: int, prompt_len: int
+    ) -> str | None:
         """Why the request ends at its first token, or None if decode continues it."""
         if engine_reason == "stop":
             return "stop"
@@ -213,8 +264,9 @@ class PrefillHandler:
             return "length"
         return None
 
-    async def _add(self, task: control_pb2.PrefillTask, prompt: list[int],
-                   params: SamplingParams) -> tuple[RequestStream | None, int]:
+    async def _add(
+        self, task: control_pb2.PrefillTask, prompt: list[int], params: SamplingParams
+    ) -> tuple[RequestStream | None, int]:
         """Queue the prompt (with cached KV if any); returns its stream and the blocks loaded."""
         rid = task.request_id
         frames = await self._load_cached(task, prompt)
@@ -222,7 +274,9 @@ class PrefillHandler:
         try:
             if frames:
                 try:
-                    stream = await self.loop.add(rid, prompt, params, cache_salt=salt, kv=frames, hold_kv=True)
+                    stream = await self.loop.add(
+                        rid, prompt, params, cache_salt=salt, kv=frames, hold_kv=True
+                    )
                     return stream, len(frames)
                 except (KVFormatError, NoFreeBlocks) as exc:
                     ERRORS.labels("kv_import").inc()
@@ -230,8 +284,10 @@ class PrefillHandler:
             return await self.loop.add(rid, prompt, params, cache_salt=salt, hold_kv=True), 0
         except InvalidRequest as exc:
             REQUESTS.labels("invalid").inc()
-            await self._send(task.events_subject or subjects.token_events(rid),
-                             error_event(rid, f"prefill refused the request: {exc}", retryable=False))
+            await self._send(
+                task.events_subject or subjects.token_events(rid),
+                error_event(rid, f"prefill refused the request: {exc}", retryable=False),
+            )
             return None, 0
 
     async def _load_cached(self, task: control_pb2.PrefillTask, prompt: list[int]) -> list[bytes]:
@@ -245,14 +301,17 @@ class PrefillHandler:
             frames = await self.kvstore.get(hashes)
         except Exception as exc:  # noqa: BLE001 - the kvstore is an optimisation: compute instead
             ERRORS.labels("kvstore_get").inc()
-            log.warning("request %s: kvstore Get failed (%s); computing the prefix", task.request_id, exc)
+            log.warning(
+                "request %s: kvstore Get failed (%s); computing the prefix", task.request_id, exc
+            )
             return []
         CACHED_BLOCKS.inc(len(frames))
         return frames
 
     @staticmethod
-    def _exporter(rid: str, *, need_frame: bool, start_block: int
-                  ) -> Callable[[Engine], tuple[bytes | None, list[Block]]]:
+    def _exporter(
+        rid: str, *, need_frame: bool, start_block: int
+    ) -> Callable[[Engine], tuple[bytes | None, list[Block]]]:
         def export(engine: Engine) -> tuple[bytes | None, list[Block]]:
             try:
                 frame = engine.export_kv(rid, include_partial=True) if need_frame else None
@@ -260,16 +319,21 @@ class PrefillHandler:
             finally:
                 engine.release(rid)
             return frame, blocks
+
         return export
 
     async def _store(self, task: control_pb2.PrefillTask, blocks: list[Block]) -> None:
         assert self.kvstore is not None
         try:
-            await self.kvstore.put(blocks, task.cache_salt.decode("utf-8", "replace"), task.traffic_class)
+            await self.kvstore.put(
+                blocks, task.cache_salt.decode("utf-8", "replace"), task.traffic_class
+            )
             STORED_BLOCKS.inc(len(blocks))
         except Exception as exc:  # noqa: BLE001 - a lost cache write only costs a future recompute
             ERRORS.labels("kvstore_put").inc()
-            log.warning("request %s: kvstore Put of %d blocks failed: %s", task.request_id, len(blocks), exc)
+            log.warning(
+                "request %s: kvstore Put of %d blocks failed: %s", task.request_id, len(blocks), exc
+            )
 
     # -- helpers ------------------------------------------------------------------------------
     async def _forget(self, rid: str) -> None:
@@ -295,9 +359,15 @@ class PrefillHandler:
         return len(self._tasks)
 
     def status(self) -> control_pb2.InstanceStatus:
-        return instance_status(self.loop.stats, instance_id=self.instance_id, role=control_pb2.ROLE_PREFILL,
-                               model=self.model_name, address="", draining=self.draining,
-                               block_size=self.block_size)
+        return instance_status(
+            self.loop.stats,
+            instance_id=self.instance_id,
+            role=control_pb2.ROLE_PREFILL,
+            model=self.model_name,
+            address="",
+            draining=self.draining,
+            block_size=self.block_size,
+        )
 
     async def drain(self, timeout_s: float) -> None:
         """Take nothing new; finish tasks for up to ``timeout_s``; cut the rest; flush cache writes."""

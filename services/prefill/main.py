@@ -50,24 +50,41 @@ class PrefillConfig:
         if self.push_timeout_s <= 0:
             raise ValueError(f"--push-timeout must be positive, got {self.push_timeout_s}")
         if self.heartbeat_interval <= 0:
-            raise ValueError(f"--heartbeat-interval must be positive, got {self.heartbeat_interval}")
+            raise ValueError(
+                f"--heartbeat-interval must be positive, got {self.heartbeat_interval}"
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m services.prefill", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m services.prefill", description=__doc__.splitlines()[0]
+    )
     common_flags(parser, SERVICE)
     add_model_flags(parser)
     flag(parser, "--kvstore-address", default="", help="kvstore gRPC host:port (empty: no kvstore)")
-    flag(parser, "--push-timeout", type=float, default=PUSH_TIMEOUT_S, help="seconds for one KV push to decode")
+    flag(
+        parser,
+        "--push-timeout",
+        type=float,
+        default=PUSH_TIMEOUT_S,
+        help="seconds for one KV push to decode",
+    )
     flag(parser, "--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
     return parser
 
 
 def config_from(args: argparse.Namespace) -> PrefillConfig:
-    return PrefillConfig(model=model_flags_from(args), nats_url=args.nats_url, host=args.host,
-                         http_port=args.http_port, instance_id=new_instance_id(SERVICE, args.instance_id),
-                         drain_seconds=args.drain_seconds, kvstore_address=args.kvstore_address,
-                         push_timeout_s=args.push_timeout, heartbeat_interval=args.heartbeat_interval)
+    return PrefillConfig(
+        model=model_flags_from(args),
+        nats_url=args.nats_url,
+        host=args.host,
+        http_port=args.http_port,
+        instance_id=new_instance_id(SERVICE, args.instance_id),
+        drain_seconds=args.drain_seconds,
+        kvstore_address=args.kvstore_address,
+        push_timeout_s=args.push_timeout,
+        heartbeat_interval=args.heartbeat_interval,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,9 +92,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def serve(cfg: PrefillConfig, log: logging.Logger) -> int:
-    rt = InstanceRuntime(SERVICE, cfg.instance_id, cfg.model, host=cfg.host, http_port=cfg.http_port,
-                         nats_url=cfg.nats_url, drain_seconds=cfg.drain_seconds,
-                         heartbeat_interval=cfg.heartbeat_interval, log=log)
+    rt = InstanceRuntime(
+        SERVICE,
+        cfg.instance_id,
+        cfg.model,
+        host=cfg.host,
+        http_port=cfg.http_port,
+        nats_url=cfg.nats_url,
+        drain_seconds=cfg.drain_seconds,
+        heartbeat_interval=cfg.heartbeat_interval,
+        log=log,
+    )
     async with AsyncExitStack() as stack:
         rc = await rt.start(stack)
         if rc is not None:
@@ -89,10 +114,17 @@ async def serve(cfg: PrefillConfig, log: logging.Logger) -> int:
         kvstore = GrpcKVStore(cfg.kvstore_address) if cfg.kvstore_address else None
         if kvstore is not None:
             stack.push_async_callback(kvstore.close)
-        handler = PrefillHandler(rt.loop, nc.publish, pusher, instance_id=cfg.instance_id,
-                                 model_name=cfg.model.model_name, block_size=cfg.model.block_size,
-                                 max_model_len=rt.loop.engine.scheduler_config.max_model_len,
-                                 kvstore=kvstore, tracer=tracer(SERVICE))
+        handler = PrefillHandler(
+            rt.loop,
+            nc.publish,
+            pusher,
+            instance_id=cfg.instance_id,
+            model_name=cfg.model.model_name,
+            block_size=cfg.model.block_size,
+            max_model_len=rt.loop.engine.scheduler_config.max_model_len,
+            kvstore=kvstore,
+            tracer=tracer(SERVICE),
+        )
 
         async def on_task(msg: object) -> None:
             try:
@@ -105,11 +137,16 @@ async def serve(cfg: PrefillConfig, log: logging.Logger) -> int:
         async def on_abort(msg: object) -> None:
             await handler.on_abort(control_pb2.Abort.FromString(msg.data))  # type: ignore[attr-defined]
 
-        subs = [await nc.subscribe(subjects.prefill_task(cfg.instance_id), cb=on_task),
-                await nc.subscribe(subjects.ABORT, cb=on_abort)]
+        subs = [
+            await nc.subscribe(subjects.prefill_task(cfg.instance_id), cb=on_task),
+            await nc.subscribe(subjects.ABORT, cb=on_abort),
+        ]
         await rt.ready(handler.status)
-        log.info("taking tasks on %s (kvstore: %s)", subjects.prefill_task(cfg.instance_id),
-                 cfg.kvstore_address or "none")
+        log.info(
+            "taking tasks on %s (kvstore: %s)",
+            subjects.prefill_task(cfg.instance_id),
+            cfg.kvstore_address or "none",
+        )
         await rt.stop.wait()
         await rt.leave(handler, subs)
     log.info("stopped")

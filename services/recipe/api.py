@@ -19,15 +19,23 @@ import deepseek_recipe as dr
 class APIError(Exception):
     """An error reply. ``retry_after`` (seconds) sets the Retry-After header."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 retry_after: int | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type = status, message, type
         self.param, self.code, self.retry_after = param, code, retry_after
 
 
-def invalid(message: str, param: str | None = None, code: str = "invalid_request_error") -> APIError:
+def invalid(
+    message: str, param: str | None = None, code: str = "invalid_request_error"
+) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
@@ -36,18 +44,30 @@ def conversion_error(exc: Exception) -> APIError:
     if isinstance(exc, dr.ConversionError):
         try:
             err = json.loads(exc.body)["error"]
-            return APIError(exc.status_code if 400 <= exc.status_code < 500 else 400,
-                            str(err["message"]), str(err.get("type") or "invalid_request_error"),
-                            err.get("param"), err.get("code"))
+            return APIError(
+                exc.status_code if 400 <= exc.status_code < 500 else 400,
+                str(err["message"]),
+                str(err.get("type") or "invalid_request_error"),
+                err.get("param"),
+                err.get("code"),
+            )
         except (ValueError, KeyError, TypeError):
             return invalid(str(exc))
     return invalid(str(exc))
 
 
 # Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-                    429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
 
 
 @dataclass(frozen=True)
@@ -64,8 +84,14 @@ class Protocol:
         if self.anthropic:
             kind = _ANTHROPIC_TYPES.get(err.status, "api_error")
             return {"type": "error", "error": {"type": kind, "message": err.message}}
-        return {"error": {"message": err.message, "type": err.type, "param": err.param,
-                          "code": err.code}}
+        return {
+            "error": {
+                "message": err.message,
+                "type": err.type,
+                "param": err.param,
+                "code": err.code,
+            }
+        }
 
     def sse(self, name: str | None, data: str) -> bytes:
         head = f"event: {name}\n" if name else ""
@@ -77,7 +103,12 @@ class Protocol:
             return self.sse(None, json.dumps(self.error_body(err), ensure_ascii=False))
         if self.anthropic:
             return self.sse("error", json.dumps(self.error_body(err), ensure_ascii=False))
-        body = {"type": "error", "code": err.code or err.type, "message": err.message, "param": err.param}
+        body = {
+            "type": "error",
+            "code": err.code or err.type,
+            "message": err.message,
+            "param": err.param,
+        }
         return self.sse("error", json.dumps(body, ensure_ascii=False))
 
     def sse_done(self) -> bytes:
@@ -85,6 +116,8 @@ class Protocol:
         return self.sse(None, done) if done is not None else b""
 
 
-CHAT = Protocol("chat_completions", dr.ChatCompletionRequest, dr.ChatCompletionResponse, "chatcmpl-")
+CHAT = Protocol(
+    "chat_completions", dr.ChatCompletionRequest, dr.ChatCompletionResponse, "chatcmpl-"
+)
 RESPONSES = Protocol("responses", dr.ResponsesRequest, dr.ResponsesResponse, "resp_")
 MESSAGES = Protocol("messages", dr.MessagesRequest, dr.MessagesResponse, "msg_", anthropic=True)

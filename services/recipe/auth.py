@@ -28,7 +28,9 @@ def parse_keys(text: str) -> dict[str, str]:
             key, _, tenant = entry.partition("=")
             key, tenant = key.strip(), tenant.strip()
             if not key or any(c.isspace() for c in key):
-                raise ValueError(f"API key entry {entry[:4]!r}...: a key is one word without spaces")
+                raise ValueError(
+                    f"API key entry {entry[:4]!r}...: a key is one word without spaces"
+                )
             out[key] = tenant or "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
     return out
 

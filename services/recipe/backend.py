@@ -33,7 +33,9 @@ class GenerateCall(Protocol):
 
 
 class GenerateBackend(Protocol):
-    def generate(self, request: generate_pb2.GenerateRequest, traceparent: str = "") -> GenerateCall:
+    def generate(
+        self, request: generate_pb2.GenerateRequest, traceparent: str = ""
+    ) -> GenerateCall:
         """Start a request; errors (also at start) surface while iterating, as BackendError."""
         ...
 
@@ -62,13 +64,19 @@ class _GrpcCall:
 class GrpcGenerateBackend:
     def __init__(self, address: str, max_message_bytes: int = 64 << 20) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes)])
+        self.channel = grpc.aio.insecure_channel(
+            address,
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+            ],
+        )
         self.stub = generate_pb2_grpc.GenerateStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
-    def generate(self, request: generate_pb2.GenerateRequest, traceparent: str = "") -> GenerateCall:
+    def generate(
+        self, request: generate_pb2.GenerateRequest, traceparent: str = ""
+    ) -> GenerateCall:
         metadata = (("traceparent", traceparent),) if traceparent else None
         return _GrpcCall(self.stub.Generate(request, metadata=metadata))
 
@@ -78,7 +86,10 @@ class GrpcGenerateBackend:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 return True, f"entrypoint at {self.address} answers (no health service)"
-            return False, f"entrypoint at {self.address} unreachable: {exc.code().name} {exc.details()}"
+            return (
+                False,
+                f"entrypoint at {self.address} unreachable: {exc.code().name} {exc.details()}",
+            )
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             state = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
             return False, f"entrypoint at {self.address} is {state}"

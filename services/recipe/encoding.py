@@ -60,8 +60,11 @@ class PromptEncoder:
         self.full = Tokenizer.from_file(path)
         self.plain = plain_text_tokenizer(self.full)
         self.encoding = dr.DeepseekV4Encoding().with_tokenizer(self.tokenizer)
-        self.options = dr.ConversionOptions(default_thinking_mode=default_thinking).with_model_versions_by_name(
-            {name: dr.ModelVersion.DeepseekV4Pro for name in served_names})
+        self.options = dr.ConversionOptions(
+            default_thinking_mode=default_thinking
+        ).with_model_versions_by_name(
+            {name: dr.ModelVersion.DeepseekV4Pro for name in served_names}
+        )
         self.vocab_size = self.full.get_vocab_size(with_added_tokens=True)
         added = self.full.get_added_tokens_decoder()
         self.added_ids = frozenset(added)
@@ -74,17 +77,38 @@ class PromptEncoder:
         """Special tokens the renderer itself inserts, found by rendering harmless conversations
         that use every structure (system, turns, thinking on and off, tools, tool calls and
         results)."""
-        tool = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {
-            "type": "object", "properties": {"a": {"type": "string"}}}}}
-        turns = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                 {"role": "assistant", "content": "a", "reasoning_content": "r", "tool_calls": [
-                     {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-                 {"role": "tool", "tool_call_id": "c", "content": "t"},
-                 {"role": "assistant", "content": "b"}, {"role": "user", "content": "v"}]
+        tool = {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "description": "d",
+                "parameters": {"type": "object", "properties": {"a": {"type": "string"}}},
+            },
+        }
+        turns = [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "u"},
+            {
+                "role": "assistant",
+                "content": "a",
+                "reasoning_content": "r",
+                "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c", "content": "t"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "v"},
+        ]
         name = next(iter(self._served))
         found: set[str] = {EOS}
         for thinking in ("enabled", "disabled"):
-            body = {"model": name, "messages": turns, "tools": [tool], "thinking": {"type": thinking}}
+            body = {
+                "model": name,
+                "messages": turns,
+                "tools": [tool],
+                "thinking": {"type": thinking},
+            }
             conv = dr.ChatCompletionRequest(body).convert(self.options).conversation
             rp = self.encoding.render_conversation(conv)
             found.update(rp.prompt[s:e] for s, e in rp.special_ranges)
@@ -111,8 +135,9 @@ class PromptEncoder:
                 out.append(r.prompt[pos:start])
             tid = self.full.token_to_id(spelled)
             if tid is None:
-                raise ValueError(f"the renderer emitted {spelled!r}, which the "
-                                 "tokenizer's vocabulary lacks")
+                raise ValueError(
+                    f"the renderer emitted {spelled!r}, which the tokenizer's vocabulary lacks"
+                )
             out.append(int(tid))
             pos = end
         if pos < len(r.prompt):
@@ -128,7 +153,9 @@ class PromptEncoder:
         if parallel:
             # encode_batch_fast: no offsets to compute; the GIL is released and Rayon spreads the
             # pieces over every core.
-            encoded = iter([e.ids for e in self.plain.encode_batch_fast(texts, add_special_tokens=False)])
+            encoded = iter(
+                [e.ids for e in self.plain.encode_batch_fast(texts, add_special_tokens=False)]
+            )
         else:
             encoded = iter([self.plain.encode(t, add_special_tokens=False).ids for t in texts])
         ids: list[int] = []

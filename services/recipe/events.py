@@ -44,24 +44,34 @@ def api_error(exc: BackendError, retry_after: int) -> APIError:
         message = f"the server is at capacity ({message}); retry in {retry_after} s"
     elif status == 502:
         message = f"the model backend failed ({exc.code.name}: {message})"
-    return APIError(status, message, type_, code=code,
-                    retry_after=retry_after if status in (429, 503) else None)
+    return APIError(
+        status, message, type_, code=code, retry_after=retry_after if status in (429, 503) else None
+    )
 
 
 def inference_chunks(ev: generate_pb2.GenerateEvent, eos: int) -> list[dr.InferenceChunk]:
     """A Generate event as the library's input. The EOS id never reaches the processor as text."""
     kind = ev.WhichOneof("event")
     if kind == "ready":
-        return [dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(
-            prompt_tokens=ev.ready.prompt_tokens, prompt_cache_hit_tokens=ev.ready.cached_tokens))]
+        return [
+            dr.InferenceChunk.ready(
+                prompt_usage=dr.PromptUsage(
+                    prompt_tokens=ev.ready.prompt_tokens,
+                    prompt_cache_hit_tokens=ev.ready.cached_tokens,
+                )
+            )
+        ]
     if kind == "tokens":
         ids = [int(t) for t in ev.tokens.token_ids if t != eos]
         return [dr.InferenceChunk.tokens(ids)] if ids else []
     if kind == "finish":
         if ev.finish.reason == "abort":
             raise BackendError(grpc.StatusCode.ABORTED, "the backend aborted the request")
-        reason = dr.InferenceFinishReason.Length if ev.finish.reason == "length" \
+        reason = (
+            dr.InferenceFinishReason.Length
+            if ev.finish.reason == "length"
             else dr.InferenceFinishReason.Stop
+        )
         return [dr.InferenceChunk.finish(reason)]
     return []
 
@@ -88,8 +98,9 @@ class Job:
         kind = ev.WhichOneof("event")
         if kind == "ready":
             self.prompt_tokens, self.cached_tokens = ev.ready.prompt_tokens, ev.ready.cached_tokens
-            self.response = self.proto.response_cls(self.rid, self.model, int(time.time()),
-                                                     self.prompt_tokens, self.cached_tokens)
+            self.response = self.proto.response_cls(
+                self.rid, self.model, int(time.time()), self.prompt_tokens, self.cached_tokens
+            )
         elif kind == "tokens":
             self.completion_tokens += len(ev.tokens.token_ids)
         out: list[tuple[str | None, str]] = []

@@ -71,7 +71,9 @@ class AppConfig:
         if not self.model_name:
             raise ValueError("--model-name must not be empty")
         if self.default_max_tokens <= 0:
-            raise ValueError(f"--default-max-tokens must be positive, got {self.default_max_tokens}")
+            raise ValueError(
+                f"--default-max-tokens must be positive, got {self.default_max_tokens}"
+            )
         if self.max_context <= 0:
             raise ValueError(f"--max-context must be positive, got {self.max_context}")
         if self.max_body_bytes <= 0:
@@ -81,21 +83,36 @@ class AppConfig:
 class Metrics:
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.registry = registry
-        self.requests = Counter("deepserve_recipe_requests_total",
-                                "HTTP requests by route, status and tenant",
-                                ["route", "status", "tenant"], registry=registry)
-        self.latency = Histogram("deepserve_recipe_request_seconds",
-                                 "generation time, to the last byte", ["stream"], registry=registry,
-                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
-        self.ttft = Histogram("deepserve_recipe_time_to_first_token_seconds", "request to first token",
-                              registry=registry,
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-        self.tokens = Counter("deepserve_recipe_tokens_total",
-                              "tokens by kind (prompt, cached, completion) and tenant",
-                              ["kind", "tenant"], registry=registry)
-        self.disconnects = Counter("deepserve_recipe_client_disconnects_total",
-                                   "requests whose client went away before the answer ended",
-                                   registry=registry)
+        self.requests = Counter(
+            "deepserve_recipe_requests_total",
+            "HTTP requests by route, status and tenant",
+            ["route", "status", "tenant"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "deepserve_recipe_request_seconds",
+            "generation time, to the last byte",
+            ["stream"],
+            registry=registry,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+        )
+        self.ttft = Histogram(
+            "deepserve_recipe_time_to_first_token_seconds",
+            "request to first token",
+            registry=registry,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+        self.tokens = Counter(
+            "deepserve_recipe_tokens_total",
+            "tokens by kind (prompt, cached, completion) and tenant",
+            ["kind", "tenant"],
+            registry=registry,
+        )
+        self.disconnects = Counter(
+            "deepserve_recipe_client_disconnects_total",
+            "requests whose client went away before the answer ended",
+            registry=registry,
+        )
 
 
 class ClientGone(Exception):
@@ -117,7 +134,9 @@ async def _wait_disconnect(request: Request) -> None:
 class _CancellingStream(StreamingResponse):
     """A StreamingResponse that always stops its generation when it ends, however it ends."""
 
-    def __init__(self, content: AsyncIterator[bytes], call: GenerateCall, headers: dict[str, str]) -> None:
+    def __init__(
+        self, content: AsyncIterator[bytes], call: GenerateCall, headers: dict[str, str]
+    ) -> None:
         super().__init__(content, media_type="text/event-stream", headers=headers)
         self._content, self._call = content, call
 
@@ -130,8 +149,9 @@ class _CancellingStream(StreamingResponse):
 
 
 class Frontend:
-    def __init__(self, cfg: AppConfig, encoder: PromptEncoder, backend: GenerateBackend,
-                 metrics: Metrics) -> None:
+    def __init__(
+        self, cfg: AppConfig, encoder: PromptEncoder, backend: GenerateBackend, metrics: Metrics
+    ) -> None:
         self.cfg, self.encoder, self.backend, self.metrics = cfg, encoder, backend, metrics
         self.tracer = tracer("recipe")
 
@@ -140,45 +160,69 @@ class Frontend:
         tenant = self.cfg.keys.tenant(request.headers)
         if tenant is None:
             given = KeyTable.presented(request.headers) is not None
-            raise APIError(401, "Incorrect API key provided" if given else
-                           "No API key provided: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
-                           "authentication_error", code="invalid_api_key")
+            raise APIError(
+                401,
+                "Incorrect API key provided"
+                if given
+                else "No API key provided: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                "authentication_error",
+                code="invalid_api_key",
+            )
         return tenant
 
     async def _body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.cfg.max_body_bytes:
-            raise APIError(413, f"request body is {declared} bytes; the limit is "
-                           f"{self.cfg.max_body_bytes}", code="request_too_large")
+            raise APIError(
+                413,
+                f"request body is {declared} bytes; the limit is {self.cfg.max_body_bytes}",
+                code="request_too_large",
+            )
         chunks, size = [], 0
         async for part in request.stream():
             size += len(part)
             if size > self.cfg.max_body_bytes:
-                raise APIError(413, f"request body exceeds {self.cfg.max_body_bytes} bytes",
-                               code="request_too_large")
+                raise APIError(
+                    413,
+                    f"request body exceeds {self.cfg.max_body_bytes} bytes",
+                    code="request_too_large",
+                )
             chunks.append(part)
         return b"".join(chunks)
 
-    def _convert(self, proto: Protocol, body: bytes, rid: str) -> tuple[str, dr.ConversationRequest, Any]:
+    def _convert(
+        self, proto: Protocol, body: bytes, rid: str
+    ) -> tuple[str, dr.ConversationRequest, Any]:
         """(model, conversation request, chunk generator); APIError for what the caller got wrong."""
         try:
             decoded = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
-            raise invalid(f"could not parse the JSON body of your request: {exc}",
-                          code="invalid_json") from None
+            raise invalid(
+                f"could not parse the JSON body of your request: {exc}", code="invalid_json"
+            ) from None
         if not isinstance(decoded, dict):
             raise invalid("the request body must be a JSON object")
         model = decoded.get("model")
         if not isinstance(model, str) or not model:
-            raise invalid("model is required (a string naming the served model)", "model",
-                          "missing_required_parameter")
+            raise invalid(
+                "model is required (a string naming the served model)",
+                "model",
+                "missing_required_parameter",
+            )
         if model != self.cfg.model_name:
-            raise APIError(404, f"The model {model!r} does not exist; this server serves "
-                           f"{self.cfg.model_name!r}", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model {model!r} does not exist; this server serves {self.cfg.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         try:
             req = proto.request_cls(body)
-            extra = (req.namespace_tool_map(self.encoder.options), req.echo()) \
-                if proto is RESPONSES else None
+            extra = (
+                (req.namespace_tool_map(self.encoder.options), req.echo())
+                if proto is RESPONSES
+                else None
+            )
             conv = req.convert(self.encoder.options)
             gen = proto.request_cls.chunk_generator(conv, proto.id_prefix + rid, model)
         except (dr.ConversionError, ValueError, TypeError, OverflowError) as exc:
@@ -236,20 +280,36 @@ class Frontend:
         self.metrics.requests.labels("count_tokens", str(response.status_code), tenant).inc()
         return response
 
-    async def _serve(self, request: Request, proto: Protocol, rid: str, tenant: str,
-                     t0: float) -> Response:
+    async def _serve(
+        self, request: Request, proto: Protocol, rid: str, tenant: str, t0: float
+    ) -> Response:
         model, conv, gen = self._convert(proto, await self._body(request), rid)
         prompt = await asyncio.to_thread(self.encoder.encode, conv.conversation)
-        agent = bool(conv.conversation.tools) or \
-            request.headers.get(TRAFFIC_CLASS_HEADER, "").strip().lower() == "agent"
+        agent = (
+            bool(conv.conversation.tools)
+            or request.headers.get(TRAFFIC_CLASS_HEADER, "").strip().lower() == "agent"
+        )
         gen_req = generate_pb2.GenerateRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling=self._sampling(conv, len(prompt)),
-            model=self.cfg.model_name, tenant="" if tenant == "-" else tenant,
-            traffic_class=common_pb2.TRAFFIC_CLASS_AGENT if agent else common_pb2.TRAFFIC_CLASS_CHAT)
-        job = Job(proto, proto.id_prefix + rid, model, tenant, conv,
-                   dr.StreamProcessor(gen, conv.parsing_options, self.encoder.tokenizer))
-        span = self.tracer.start_span(f"recipe.{proto.name}",
-                                      context=extract_context(request.headers.get("traceparent", "")))
+            request_id=rid,
+            prompt_token_ids=prompt,
+            sampling=self._sampling(conv, len(prompt)),
+            model=self.cfg.model_name,
+            tenant="" if tenant == "-" else tenant,
+            traffic_class=common_pb2.TRAFFIC_CLASS_AGENT
+            if agent
+            else common_pb2.TRAFFIC_CLASS_CHAT,
+        )
+        job = Job(
+            proto,
+            proto.id_prefix + rid,
+            model,
+            tenant,
+            conv,
+            dr.StreamProcessor(gen, conv.parsing_options, self.encoder.tokenizer),
+        )
+        span = self.tracer.start_span(
+            f"recipe.{proto.name}", context=extract_context(request.headers.get("traceparent", ""))
+        )
         span.set_attribute("request.id", rid)
         span.set_attribute("prompt.tokens", len(prompt))
         with trace.use_span(span, end_on_exit=False):
@@ -262,14 +322,17 @@ class Frontend:
             pending = self._push(job, first)
             if conv.stream:
                 handed_over = True
-                return _CancellingStream(self._stream(job, events, pending, call, span, t0), call,
-                                         {"X-Request-Id": rid, "Cache-Control": "no-cache",
-                                          "X-Accel-Buffering": "no"})
+                return _CancellingStream(
+                    self._stream(job, events, pending, call, span, t0),
+                    call,
+                    {"X-Request-Id": rid, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                )
             await self._unless_gone(request, self._collect(job, events), call)
             self._count(job)
             self.metrics.latency.labels("false").observe(time.perf_counter() - t0)
-            return Response(job.response.to_json(), media_type="application/json",
-                            headers={"X-Request-Id": rid})
+            return Response(
+                job.response.to_json(), media_type="application/json", headers={"X-Request-Id": rid}
+            )
         finally:
             if not handed_over:
                 job.processor.close()
@@ -282,17 +345,27 @@ class Frontend:
         except BackendError as exc:
             raise api_error(exc, self.cfg.retry_after_s) from None
         except RuntimeError as exc:  # the processor could not decode the backend's ids
-            raise APIError(502, f"could not parse the model output: {exc}", "server_error",
-                           code="upstream_error") from None
+            raise APIError(
+                502,
+                f"could not parse the model output: {exc}",
+                "server_error",
+                code="upstream_error",
+            ) from None
 
-    async def _next(self, events: AsyncIterator[generate_pb2.GenerateEvent]) -> generate_pb2.GenerateEvent:
+    async def _next(
+        self, events: AsyncIterator[generate_pb2.GenerateEvent]
+    ) -> generate_pb2.GenerateEvent:
         try:
             return await anext(events)
         except BackendError as exc:
             raise api_error(exc, self.cfg.retry_after_s) from None
         except StopAsyncIteration:
-            raise APIError(502, "the model backend ended the request without an answer",
-                           "server_error", code="upstream_error") from None
+            raise APIError(
+                502,
+                "the model backend ended the request without an answer",
+                "server_error",
+                code="upstream_error",
+            ) from None
 
     async def _collect(self, job: Job, events: AsyncIterator[generate_pb2.GenerateEvent]) -> None:
         try:
@@ -303,8 +376,12 @@ class Frontend:
         except BackendError as exc:
             raise api_error(exc, self.cfg.retry_after_s) from None
         if not job.finished:
-            raise APIError(502, "the model backend ended the stream before finishing",
-                           "server_error", code="upstream_error")
+            raise APIError(
+                502,
+                "the model backend ended the stream before finishing",
+                "server_error",
+                code="upstream_error",
+            )
 
     async def _unless_gone(self, request: Request, work: Awaitable[T], call: GenerateCall) -> T:
         """Await ``work``; if the client disconnects first, cancel the call and raise ClientGone."""
@@ -321,9 +398,15 @@ class Frontend:
         call.cancel()
         raise ClientGone()
 
-    async def _stream(self, job: Job, events: AsyncIterator[generate_pb2.GenerateEvent],
-                      pending: list[tuple[str | None, str]], call: GenerateCall, span: trace.Span,
-                      t0: float) -> AsyncIterator[bytes]:
+    async def _stream(
+        self,
+        job: Job,
+        events: AsyncIterator[generate_pb2.GenerateEvent],
+        pending: list[tuple[str | None, str]],
+        call: GenerateCall,
+        span: trace.Span,
+        t0: float,
+    ) -> AsyncIterator[bytes]:
         proto, ended = job.proto, False
         try:
             for name, data in pending:
@@ -358,15 +441,23 @@ class Frontend:
         self.metrics.tokens.labels("completion", job.tenant).inc(job.completion_tokens)
 
 
-def build_app(cfg: AppConfig, encoder: PromptEncoder, backend: GenerateBackend,
-              metrics: Metrics | None = None) -> Starlette:
+def build_app(
+    cfg: AppConfig, encoder: PromptEncoder, backend: GenerateBackend, metrics: Metrics | None = None
+) -> Starlette:
     metrics = metrics or Metrics(CollectorRegistry())
     front = Frontend(cfg, encoder, backend, metrics)
     created = int(time.time())
 
     def model_card() -> dict[str, Any]:
-        return {"id": cfg.model_name, "object": "model", "created": created, "owned_by": "deepserve",
-                "type": "model", "display_name": cfg.model_name, "created_at": "1970-01-01T00:00:00Z"}
+        return {
+            "id": cfg.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "deepserve",
+            "type": "model",
+            "display_name": cfg.model_name,
+            "created_at": "1970-01-01T00:00:00Z",
+        }
 
     def guarded(request: Request) -> Response | None:
         try:
@@ -378,9 +469,15 @@ def build_app(cfg: AppConfig, encoder: PromptEncoder, backend: GenerateBackend,
     async def models(request: Request) -> Response:
         refused = guarded(request)
         metrics.requests.labels("models", "401" if refused else "200", "-").inc()
-        return refused or JSONResponse({"object": "list", "data": [model_card()],
-                                        "has_more": False, "first_id": cfg.model_name,
-                                        "last_id": cfg.model_name})
+        return refused or JSONResponse(
+            {
+                "object": "list",
+                "data": [model_card()],
+                "has_more": False,
+                "first_id": cfg.model_name,
+                "last_id": cfg.model_name,
+            }
+        )
 
     async def model(request: Request) -> Response:
         refused = guarded(request)
@@ -388,14 +485,20 @@ def build_app(cfg: AppConfig, encoder: PromptEncoder, backend: GenerateBackend,
             return refused
         if request.path_params["model"] != cfg.model_name:
             name = request.path_params["model"]
-            return error_response(CHAT, APIError(404, f"The model {name!r} does not exist",
-                                                 param="model", code="model_not_found"))
+            return error_response(
+                CHAT,
+                APIError(
+                    404, f"The model {name!r} does not exist", param="model", code="model_not_found"
+                ),
+            )
         return JSONResponse(model_card())
 
     async def healthz(request: Request) -> Response:
         ok, detail = await backend.check()
-        return JSONResponse({"status": "ok" if ok else "unavailable", "detail": detail},
-                            status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable", "detail": detail},
+            status_code=200 if ok else 503,
+        )
 
     async def prometheus(request: Request) -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -411,9 +514,15 @@ def build_app(cfg: AppConfig, encoder: PromptEncoder, backend: GenerateBackend,
 
     async def server_error(request: Request, exc: Exception) -> Response:
         log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
-        return error_response(proto_of(request), APIError(
-            500, "internal server error; the server log has the details", "server_error",
-            code="internal_error"))
+        return error_response(
+            proto_of(request),
+            APIError(
+                500,
+                "internal server error; the server log has the details",
+                "server_error",
+                code="internal_error",
+            ),
+        )
 
     async def chat(request: Request) -> Response:
         return await front.handle(request, CHAT)
@@ -434,5 +543,6 @@ def build_app(cfg: AppConfig, encoder: PromptEncoder, backend: GenerateBackend,
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
     ]
-    return Starlette(routes=routes,
-                     exception_handlers={HTTPException: http_error, Exception: server_error})
+    return Starlette(
+        routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error}
+    )

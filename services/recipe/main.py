@@ -30,10 +30,21 @@ def build_parser() -> argparse.ArgumentParser:
     flag(p, "--port", type=int, default=8000, help="HTTP port of the API (and /healthz, /metrics)")
     flag(p, "--entrypoint-address", default="127.0.0.1:50051", help="entrypoint gRPC host:port")
     flag(p, "--model-name", default="deepseek-tiny", help="the served model name (/v1/models)")
-    flag(p, "--default-max-tokens", type=int, default=4096, help="max_tokens when a request names none")
+    flag(
+        p,
+        "--default-max-tokens",
+        type=int,
+        default=4096,
+        help="max_tokens when a request names none",
+    )
     flag(p, "--max-context", type=int, default=163840, help="prompt + completion token limit")
-    flag(p, "--default-thinking", type=bool, default=False,
-         help="thinking mode for requests that do not say (deepseek-recipe's default is on)")
+    flag(
+        p,
+        "--default-thinking",
+        type=bool,
+        default=False,
+        help="thinking mode for requests that do not say (deepseek-recipe's default is on)",
+    )
     flag(p, "--max-body-bytes", type=int, default=32 << 20, help="largest accepted request body")
     flag(p, "--api-keys", default="", help="API keys: KEY=TENANT entries, comma-separated")
     flag(p, "--api-keys-file", default="", help="file of KEY=TENANT lines (# comments)")
@@ -54,22 +65,41 @@ async def serve(args: argparse.Namespace, cfg: AppConfig) -> int:
     instance = new_instance_id(SERVICE, args.instance_id)
     stop = asyncio.Event()
     install_stop_handlers(stop)
-    encoder = await asyncio.to_thread(PromptEncoder, [cfg.model_name],
-                                     bool(args.default_thinking))
+    encoder = await asyncio.to_thread(PromptEncoder, [cfg.model_name], bool(args.default_thinking))
     backend = GrpcGenerateBackend(args.entrypoint_address)
     app = build_app(cfg, encoder, backend, Metrics())
-    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, lifespan="off",
-                                    log_level=args.log_level.lower(), access_log=False,
-                                    timeout_graceful_shutdown=max(1, int(args.drain_seconds))))
+    server = _Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            lifespan="off",
+            log_level=args.log_level.lower(),
+            access_log=False,
+            timeout_graceful_shutdown=max(1, int(args.drain_seconds)),
+        )
+    )
     task = asyncio.create_task(server.serve())
-    log.info("%s serving the OpenAI and Anthropic APIs on %s:%d for model %s via entrypoint %s",
-             instance, args.host, args.port, cfg.model_name, args.entrypoint_address)
+    log.info(
+        "%s serving the OpenAI and Anthropic APIs on %s:%d for model %s via entrypoint %s",
+        instance,
+        args.host,
+        args.port,
+        cfg.model_name,
+        args.entrypoint_address,
+    )
     if cfg.keys.open:
-        log.warning("no API keys configured (--api-keys / --api-keys-file): the API is OPEN to "
-                    "anyone who can reach port %d", args.port)
+        log.warning(
+            "no API keys configured (--api-keys / --api-keys-file): the API is OPEN to "
+            "anyone who can reach port %d",
+            args.port,
+        )
     else:
-        log.info("API keys required: %d keys for %d tenants", len(cfg.keys.keys),
-                 len(set(cfg.keys.keys.values())))
+        log.info(
+            "API keys required: %d keys for %d tenants",
+            len(cfg.keys.keys),
+            len(set(cfg.keys.keys.values())),
+        )
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():
@@ -96,9 +126,13 @@ def main(argv: list[str] | None = None) -> int:
                     keys.update(parse_keys(f.read()))
             except OSError as exc:
                 raise ValueError(f"--api-keys-file: {exc}") from None
-        cfg = AppConfig(model_name=args.model_name, default_max_tokens=args.default_max_tokens,
-                        max_context=args.max_context, max_body_bytes=args.max_body_bytes,
-                        keys=KeyTable(keys))
+        cfg = AppConfig(
+            model_name=args.model_name,
+            default_max_tokens=args.default_max_tokens,
+            max_context=args.max_context,
+            max_body_bytes=args.max_body_bytes,
+            keys=KeyTable(keys),
+        )
         if not 0 <= args.port < 65536:
             raise ValueError(f"--port must lie in [0, 65535], got {args.port}")
     except ValueError as exc:

@@ -46,35 +46,60 @@ def test_kernel_path_gives_reference_tokens_fp32(blocks: int) -> None:
     prompts = _prompts(8, loaded.model.cfg.vocab_size)
     outs = {}
     for kernels in ("torch", "triton"):
-        engine = Engine(EngineConfig(model="tiny", device="cuda", dtype="float32", block_size=16,
-                                     num_kv_blocks=blocks, time_budget_s=None, kernels=kernels),
-                        loaded=loaded)
+        engine = Engine(
+            EngineConfig(
+                model="tiny",
+                device="cuda",
+                dtype="float32",
+                block_size=16,
+                num_kv_blocks=blocks,
+                time_budget_s=None,
+                kernels=kernels,
+            ),
+            loaded=loaded,
+        )
         outs[kernels] = _serve(engine, prompts, sp)
     assert outs["triton"] == outs["torch"]
 
 
 def _forced(variant: dict[str, object], prompts: list[list[int]], forced: list[list[int]]):
-    engine = Engine(EngineConfig(model="tiny", device="cuda", block_size=16, num_kv_blocks=256,
-                                 time_budget_s=None, seed=2, **variant))  # type: ignore[arg-type]
+    engine = Engine(
+        EngineConfig(
+            model="tiny",
+            device="cuda",
+            block_size=16,
+            num_kv_blocks=256,
+            time_budget_s=None,
+            seed=2,
+            **variant,
+        )
+    )  # type: ignore[arg-type]
     rows = capture_logits(engine, prompts, forced)
     del engine
     torch.cuda.empty_cache()
     return rows
 
 
-@pytest.mark.parametrize("variant,bound", [
-    # Bounds from the fp32 CPU reference on this tiny random model: fp8 6.2e-2, fp4 7.5e-2.
-    ({"dtype": "bfloat16", "kv_cache_dtype": "fp8"}, 0.1),
-    ({"dtype": "bfloat16", "expert_dtype": "fp4"}, 0.15),
-])
-def test_quantized_logits_error_against_bf16_is_bounded(variant: dict[str, object], bound: float) -> None:
+@pytest.mark.parametrize(
+    "variant,bound",
+    [
+        # Bounds from the fp32 CPU reference on this tiny random model: fp8 6.2e-2, fp4 7.5e-2.
+        ({"dtype": "bfloat16", "kv_cache_dtype": "fp8"}, 0.1),
+        ({"dtype": "bfloat16", "expert_dtype": "fp4"}, 0.15),
+    ],
+)
+def test_quantized_logits_error_against_bf16_is_bounded(
+    variant: dict[str, object], bound: float
+) -> None:
     """Same weights, same (teacher-forced) tokens: only the quantization differs."""
     prompts, forced = quality_inputs(129280, 4, 200, 16)
     ref = _forced({"dtype": "bfloat16"}, prompts, forced)
     got = _forced(variant, prompts, forced)
     stats = compare_logits(got, ref, 200)
-    print(f"{variant}: relative logits error vs bf16 {stats['relative_error']:.3e}, "
-          f"top-1 agreement {stats['top1_agreement']:.3f}")
+    print(
+        f"{variant}: relative logits error vs bf16 {stats['relative_error']:.3e}, "
+        f"top-1 agreement {stats['top1_agreement']:.3f}"
+    )
     assert stats["relative_error"] < bound
 
 
@@ -82,8 +107,12 @@ def test_bf16_kernel_path_adds_no_error_beyond_bf16() -> None:
     """Against the fp32 reference, the bf16 kernel path errs no more than bf16 PyTorch does."""
     prompts, forced = quality_inputs(129280, 4, 200, 16)
     ref = _forced({"dtype": "float32", "kernels": "torch"}, prompts, forced)
-    plain = compare_logits(_forced({"dtype": "bfloat16", "kernels": "torch"}, prompts, forced), ref, 200)
+    plain = compare_logits(
+        _forced({"dtype": "bfloat16", "kernels": "torch"}, prompts, forced), ref, 200
+    )
     fast = compare_logits(_forced({"dtype": "bfloat16"}, prompts, forced), ref, 200)
-    print(f"vs fp32: bf16 kernels {fast['relative_error']:.3e} (top-1 {fast['top1_agreement']:.3f}), "
-          f"bf16 PyTorch {plain['relative_error']:.3e} (top-1 {plain['top1_agreement']:.3f})")
+    print(
+        f"vs fp32: bf16 kernels {fast['relative_error']:.3e} (top-1 {fast['top1_agreement']:.3f}), "
+        f"bf16 PyTorch {plain['relative_error']:.3e} (top-1 {plain['top1_agreement']:.3f})"
+    )
     assert fast["relative_error"] <= 1.5 * plain["relative_error"] + 1e-3

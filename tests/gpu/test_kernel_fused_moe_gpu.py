@@ -119,13 +119,21 @@ def test_align_kernel_matches_sort(name: str, t: int) -> None:
 @pytest.mark.parametrize("t", [1, 64, 256])
 @pytest.mark.parametrize("fp4", [False, True], ids=["bf16", "fp4"])
 @pytest.mark.parametrize(("block_m", "block_n", "block_k"), [(16, 64, 128), (32, 128, 64)])
-def test_swap_ab_matches_reference(model: tuple[str, Weights], t: int, fp4: bool, block_m: int,
-                                   block_n: int, block_k: int) -> None:
+def test_swap_ab_matches_reference(
+    model: tuple[str, Weights], t: int, fp4: bool, block_m: int, block_n: int, block_k: int
+) -> None:
     name, (w13, w2, q13, q2) = model
     x, weights, ids = _inputs(name, t, seed=t + 100)
     a13, a2 = (q13, q2) if fp4 else (w13, w2)
-    cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 1,
-           "num_warps": 4, "num_stages": 4, "SWAP_AB": True}
+    cfg = {
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "BLOCK_K": block_k,
+        "GROUP_M": 1,
+        "num_warps": 4,
+        "num_stages": 4,
+        "SWAP_AB": True,
+    }
     out = torch.full_like(x, float("nan"))
     fused_moe(x, a13, a2, weights, ids, out=out, config=cfg)
     torch.cuda.synchronize()

@@ -40,9 +40,16 @@ def _case(batch: int, heads: int, max_ctx: int, dtype: torch.dtype, seed: int) -
     table = pages.view(batch, max_blocks).int()
     q = torch.randn(batch, heads, R + P, generator=gen, device="cuda").to(dtype)
     kv = torch.randn(pool * BLOCK, R + P, generator=gen, device="cuda").to(dtype)
-    return dict(q_lat=q[..., :R], q_pe=q[..., R:], latent=kv[:, :R], rope=kv[:, R:],
-                block_table=table, seq_lens=lens.int(), block_size=BLOCK,
-                sm_scale=192 ** -0.5)
+    return dict(
+        q_lat=q[..., :R],
+        q_pe=q[..., R:],
+        latent=kv[:, :R],
+        rope=kv[:, R:],
+        block_table=table,
+        seq_lens=lens.int(),
+        block_size=BLOCK,
+        sm_scale=192**-0.5,
+    )
 
 
 def _checked_run(case: dict, **kw: object) -> torch.Tensor:

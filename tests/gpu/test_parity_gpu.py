@@ -25,8 +25,16 @@ CUDA = torch.device("cuda")
 
 
 def _engine(path, dtype: str) -> Engine:
-    return Engine(EngineConfig(model=str(path), device="cuda", dtype=dtype, block_size=16,
-                               num_kv_blocks=256, time_budget_s=None))
+    return Engine(
+        EngineConfig(
+            model=str(path),
+            device="cuda",
+            dtype=dtype,
+            block_size=16,
+            num_kv_blocks=256,
+            time_budget_s=None,
+        )
+    )
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -50,7 +58,7 @@ def test_fp32_logits_and_greedy_match_transformers_on_cuda(saved) -> None:
     engine.add_request("g", p, SamplingParams(max_tokens=32, ignore_eos=True), hold_kv=True)
     while engine.has_unfinished():
         engine.step()
-    assert list(engine.info("g").token_ids[len(p):]) == hf_greedy(hf, p, 32)
+    assert list(engine.info("g").token_ids[len(p) :]) == hf_greedy(hf, p, 32)
     hf.cpu()
 
 
@@ -68,7 +76,9 @@ def test_bf16_logits_within_stated_tolerance(saved) -> None:
         hf_err = (theirs - ref).abs().max().item()
         agree += (mine.argmax(-1) == theirs.argmax(-1)).sum().item()
         total += len(prompt)
-        print(f"{name} bf16 len={len(prompt)} ours_err={ours_err:.3e} transformers_err={hf_err:.3e}")
+        print(
+            f"{name} bf16 len={len(prompt)} ours_err={ours_err:.3e} transformers_err={hf_err:.3e}"
+        )
         assert ours_err <= 2 * hf_err + 0.02
     print(f"{name} bf16 argmax agreement {agree}/{total}")
     assert agree >= 0.95 * total

@@ -33,8 +33,9 @@ def start_stack(run_dir: Path, **kwargs: object) -> Stack:
 
 
 def dump_logs(stack: Stack) -> str:
-    return "\n".join(f"--- {c.name} ({c.log_path})\n{log_tail(c.log_path, 30)}"
-                     for c in stack.children)
+    return "\n".join(
+        f"--- {c.name} ({c.log_path})\n{log_tail(c.log_path, 30)}" for c in stack.children
+    )
 
 
 @pytest.fixture
@@ -54,8 +55,16 @@ def nats_url(tmp_path: Path) -> Iterator[str]:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     run_dir = tmp_path_factory.mktemp("stack")
     env = {**os.environ, "DEEPSERVE_TRACE_FILE": str(run_dir / "spans-{service}.jsonl")}
-    s = Stack(run_dir, prefill=1, decode=1, model="tiny", model_name=MODEL_NAME,
-              ready_timeout=READY_TIMEOUT, drain_seconds=5.0, env=env)
+    s = Stack(
+        run_dir,
+        prefill=1,
+        decode=1,
+        model="tiny",
+        model_name=MODEL_NAME,
+        ready_timeout=READY_TIMEOUT,
+        drain_seconds=5.0,
+        env=env,
+    )
     try:
         s.start()
         yield s
@@ -81,20 +90,31 @@ class Generation:
     finish: generate_pb2.Finish | None
 
 
-def sampling(max_tokens: int, temperature: float = 0.0,
-             seed: int | None = None) -> common_pb2.SamplingParams:
+def sampling(
+    max_tokens: int, temperature: float = 0.0, seed: int | None = None
+) -> common_pb2.SamplingParams:
     params = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=1.0)
     if seed is not None:
         params.seed = seed
     return params
 
 
-def grpc_generate(stub: generate_pb2_grpc.GenerateStub, prompt_ids: Sequence[int], max_tokens: int,
-                  temperature: float = 0.0, seed: int | None = None, request_id: str = "",
-                  timeout: float = 120.0) -> Generation:
+def grpc_generate(
+    stub: generate_pb2_grpc.GenerateStub,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    request_id: str = "",
+    timeout: float = 120.0,
+) -> Generation:
     """One ``Generate`` call, its events collected (Ready, then Tokens..., then Finish)."""
-    req = generate_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=list(prompt_ids),
-                                       sampling=sampling(max_tokens, temperature, seed), model=MODEL_NAME)
+    req = generate_pb2.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=list(prompt_ids),
+        sampling=sampling(max_tokens, temperature, seed),
+        model=MODEL_NAME,
+    )
     out = Generation(None, [], None)
     for event in stub.Generate(req, timeout=timeout):
         kind = event.WhichOneof("event")
@@ -117,16 +137,35 @@ class ReferenceRuns:
         self._procs: dict[str, subprocess.Popen[str]] = {}
         self._results: dict[str, dict[str, object]] = {}
 
-    def launch(self, name: str, prompt_ids: Sequence[int], max_tokens: int, temperature: float = 0.0,
-               seed: int | None = None) -> None:
-        cmd = [sys.executable, "-m", "deepserve.cli", "generate", "--model", "tiny",
-               "--prompt-ids", ",".join(map(str, prompt_ids)), "--max-tokens", str(max_tokens),
-               "--temperature", str(temperature), "--json"]
+    def launch(
+        self,
+        name: str,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        temperature: float = 0.0,
+        seed: int | None = None,
+    ) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "deepserve.cli",
+            "generate",
+            "--model",
+            "tiny",
+            "--prompt-ids",
+            ",".join(map(str, prompt_ids)),
+            "--max-tokens",
+            str(max_tokens),
+            "--temperature",
+            str(temperature),
+            "--json",
+        ]
         if seed is not None:
             cmd += ["--seed", str(seed)]
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-        self._procs[name] = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, text=True,
-                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self._procs[name] = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
 
     def result(self, name: str) -> dict[str, object]:
         if name not in self._results:

@@ -22,16 +22,32 @@ MODEL = "deepseek-tiny"
 
 @pytest.fixture
 def balancer(nats_url: str, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with service("balancer", ["--nats-url", nats_url, "--heartbeat-timeout", "3.0",
-                              "--warmup-seconds", "0.2", "--drain-seconds", "2"], tmp_path) as proc:
+    with service(
+        "balancer",
+        [
+            "--nats-url",
+            nats_url,
+            "--heartbeat-timeout",
+            "3.0",
+            "--warmup-seconds",
+            "0.2",
+            "--drain-seconds",
+            "2",
+        ],
+        tmp_path,
+    ) as proc:
         yield proc
 
 
 def status(name: str, role: int) -> bytes:
     return control_pb2.InstanceStatus(
-        instance_id=name, role=role, model=MODEL,
+        instance_id=name,
+        role=role,
+        model=MODEL,
         address=f"127.0.0.1:{5000 + int(name[1:])}" if role == control_pb2.ROLE_DECODE else "",
-        free_kv_blocks=100, total_kv_blocks=100, sent_unix_ms=int(time.time() * 1000),
+        free_kv_blocks=100,
+        total_kv_blocks=100,
+        sent_unix_ms=int(time.time() * 1000),
     ).SerializeToString()
 
 
@@ -51,10 +67,15 @@ async def route(nc: nats.aio.client.Client, i: int) -> control_pb2.RouteDecision
 
 
 async def test_routes_spread_and_silent_instances_drop_out(
-        balancer: subprocess.Popen[bytes], client: nats.aio.client.Client) -> None:
+    balancer: subprocess.Popen[bytes], client: nats.aio.client.Client
+) -> None:
     nc = client
-    beating = {"p1": control_pb2.ROLE_PREFILL, "p2": control_pb2.ROLE_PREFILL,
-               "d1": control_pb2.ROLE_DECODE, "d2": control_pb2.ROLE_DECODE}
+    beating = {
+        "p1": control_pb2.ROLE_PREFILL,
+        "p2": control_pb2.ROLE_PREFILL,
+        "d1": control_pb2.ROLE_DECODE,
+        "d2": control_pb2.ROLE_DECODE,
+    }
 
     stop = asyncio.Event()
 
@@ -78,7 +99,9 @@ async def test_routes_spread_and_silent_instances_drop_out(
         # ties go by a hash of the request id), so neither takes more than 4 of 6.
         assert set(pre) == {"p1", "p2"} and set(dec) == {"d1", "d2"}
         assert max(Counter(pre).values()) <= 4 and max(Counter(dec).values()) <= 4, (pre, dec)
-        assert all(d.decode_address == f"127.0.0.1:{5000 + int(d.decode_instance[1:])}" for d in got)
+        assert all(
+            d.decode_address == f"127.0.0.1:{5000 + int(d.decode_instance[1:])}" for d in got
+        )
 
         del beating["p2"], beating["d2"]  # these two go silent
         await asyncio.sleep(3.6)

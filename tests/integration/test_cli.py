@@ -12,31 +12,57 @@ from libs.engine.sampling_params import SamplingParams
 
 
 def deepserve(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "deepserve.cli", *args], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "deepserve.cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_generate_prints_tokens_and_text_equal_to_the_library(tiny_loaded) -> None:
-    out = deepserve("generate", "--model", "tiny", "--prompt-ids", "5,6,7,8,9", "--max-tokens", "6", "--json")
+    out = deepserve(
+        "generate", "--model", "tiny", "--prompt-ids", "5,6,7,8,9", "--max-tokens", "6", "--json"
+    )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     from libs.engine.engine import Engine, EngineConfig
 
     ref = LLM(engine=Engine(EngineConfig(model="tiny"), loaded=tiny_loaded)).generate(
-        [[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6))[0]
-    assert got["token_ids"] == list(ref.token_ids) and got["text"] == ref.text and len(got["token_ids"]) == 6
+        [[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6)
+    )[0]
+    assert (
+        got["token_ids"] == list(ref.token_ids)
+        and got["text"] == ref.text
+        and len(got["token_ids"]) == 6
+    )
 
 
 def test_generate_with_text_and_sampling_is_reproducible() -> None:
-    args = ("generate", "--model", "tiny", "--prompt", "Hello, world", "--max-tokens", "5",
-            "--temperature", "0.9", "--top-p", "0.95", "--top-k", "40", "--seed", "11", "--json")
+    args = (
+        "generate",
+        "--model",
+        "tiny",
+        "--prompt",
+        "Hello, world",
+        "--max-tokens",
+        "5",
+        "--temperature",
+        "0.9",
+        "--top-p",
+        "0.95",
+        "--top-k",
+        "40",
+        "--seed",
+        "11",
+        "--json",
+    )
     a, b = deepserve(*args), deepserve(*args)
     assert a.returncode == 0, a.stderr
     assert json.loads(a.stdout) == json.loads(b.stdout)
 
 
 def test_generate_refuses_bad_input_with_a_message() -> None:
-    out = deepserve("generate", "--model", "tiny", "--prompt-ids", "1,2,99999999", "--max-tokens", "2")
+    out = deepserve(
+        "generate", "--model", "tiny", "--prompt-ids", "1,2,99999999", "--max-tokens", "2"
+    )
     assert out.returncode == 2 and "outside the vocabulary" in out.stderr
     out = deepserve("generate", "--model", "tiny", "--prompt-ids", "1,x", "--max-tokens", "2")
     assert out.returncode == 2 and "comma-separated integers" in out.stderr
@@ -46,9 +72,28 @@ def test_generate_refuses_bad_input_with_a_message() -> None:
 
 def test_bench_engine_writes_its_figures(tmp_path: Path) -> None:
     path = tmp_path / "engine.json"
-    out = deepserve("bench", "engine", "--preset", "tiny", "--device", "cpu", "--prefill-tokens", "256",
-                    "--decode-batches", "1,4", "--context", "128", "--decode-steps", "3", "--json", str(path))
+    out = deepserve(
+        "bench",
+        "engine",
+        "--preset",
+        "tiny",
+        "--device",
+        "cpu",
+        "--prefill-tokens",
+        "256",
+        "--decode-batches",
+        "1,4",
+        "--context",
+        "128",
+        "--decode-steps",
+        "3",
+        "--json",
+        str(path),
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(path.read_text())
-    assert set(result["decode_tokens_per_s"]) == {"1", "4"} and result["prefill_tokens_per_s"]["256"] > 0
+    assert (
+        set(result["decode_tokens_per_s"]) == {"1", "4"}
+        and result["prefill_tokens_per_s"]["256"] > 0
+    )
     assert 0 < result["decode_roofline_fraction"]["4"] and 0 < result["prefill_mfu"]["256"]

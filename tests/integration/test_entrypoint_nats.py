@@ -30,9 +30,23 @@ HANG = 999  # a prompt starting with this token never finishes (decode goes quie
 @pytest.fixture
 def entrypoint(nats_url: str, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     grpc_port = procs.free_port()
-    with (service("balancer", ["--nats-url", nats_url, "--warmup-seconds", "0"], tmp_path),
-          service("entrypoint", ["--nats-url", nats_url, "--grpc-port", str(grpc_port),
-                                 "--model-name", MODEL, "--drain-seconds", "2"], tmp_path) as proc):
+    with (
+        service("balancer", ["--nats-url", nats_url, "--warmup-seconds", "0"], tmp_path),
+        service(
+            "entrypoint",
+            [
+                "--nats-url",
+                nats_url,
+                "--grpc-port",
+                str(grpc_port),
+                "--model-name",
+                MODEL,
+                "--drain-seconds",
+                "2",
+            ],
+            tmp_path,
+        ) as proc,
+    ):
         yield proc, f"127.0.0.1:{grpc_port}"
 
 
@@ -52,9 +66,13 @@ class Instances:
 
         def ev(i: int) -> bytes:
             return control_pb2.TokenEvent(
-                request_id=task.request_id, index=i, token_ids=[out[i]], finished=i == n - 1,
+                request_id=task.request_id,
+                index=i,
+                token_ids=[out[i]],
+                finished=i == n - 1,
                 finish_reason="length" if i == n - 1 else "",
-                prompt_tokens=len(task.prompt_token_ids)).SerializeToString()
+                prompt_tokens=len(task.prompt_token_ids),
+            ).SerializeToString()
 
         subject = task.events_subject
         if task.prompt_token_ids[0] == HANG:
@@ -71,10 +89,13 @@ class Instances:
         # Ends on ``stop``, not only on cancel: Python 3.11's wait_for (inside nats-py) can
         # swallow a cancellation, and then the fixture would wait on this task forever.
         while not stop.is_set():
-            for name, role, r in (("p1", control_pb2.ROLE_PREFILL, "prefill"),
-                                  ("d1", control_pb2.ROLE_DECODE, "decode")):
-                status = control_pb2.InstanceStatus(instance_id=name, role=role, model=MODEL,
-                                                    address="127.0.0.1:1")
+            for name, role, r in (
+                ("p1", control_pb2.ROLE_PREFILL, "prefill"),
+                ("d1", control_pb2.ROLE_DECODE, "decode"),
+            ):
+                status = control_pb2.InstanceStatus(
+                    instance_id=name, role=role, model=MODEL, address="127.0.0.1:1"
+                )
                 await self.nc.publish(subjects.heartbeat(r, name), status.SerializeToString())
             await asyncio.sleep(0.5)
 
@@ -99,16 +120,21 @@ async def instances(nats_url: str) -> AsyncIterator[Instances]:
 
 def request(prompt: list[int], max_tokens: int, rid: str = "") -> generate_pb2.GenerateRequest:
     return generate_pb2.GenerateRequest(
-        request_id=rid, prompt_token_ids=prompt, model=MODEL,
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
+        request_id=rid,
+        prompt_token_ids=prompt,
+        model=MODEL,
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens),
+    )
 
 
-async def test_generate_over_nats_and_grpc(entrypoint: tuple[subprocess.Popen[bytes], str],
-                                           instances: Instances) -> None:
+async def test_generate_over_nats_and_grpc(
+    entrypoint: tuple[subprocess.Popen[bytes], str], instances: Instances
+) -> None:
     proc, address = entrypoint
     async with grpc.aio.insecure_channel(address) as channel:
         health = await health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=""), timeout=5)
+            health_pb2.HealthCheckRequest(service=""), timeout=5
+        )
         assert health.status == health_pb2.HealthCheckResponse.SERVING
 
         stub = generate_pb2_grpc.GenerateStub(channel)
@@ -135,8 +161,9 @@ async def test_generate_over_nats_and_grpc(entrypoint: tuple[subprocess.Popen[by
             if instances.aborts:
                 break
             await asyncio.sleep(0.05)
-        assert [a.request_id for a in instances.aborts] == [t.request_id for t in instances.tasks
-                                                            if t.request_id.startswith("rid-hang-")]
+        assert [a.request_id for a in instances.aborts] == [
+            t.request_id for t in instances.tasks if t.request_id.startswith("rid-hang-")
+        ]
 
     proc.terminate()  # SIGTERM: drains and exits cleanly
     assert await asyncio.to_thread(proc.wait, 10) == 0

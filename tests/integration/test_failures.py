@@ -35,13 +35,28 @@ RECOVERY_S = DEAD_AFTER + 1.0 + 10.0
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp("failures"), prefill=2, decode=2, model="fake",
-              model_name=MODEL, ready_timeout=120, drain_seconds=3.0, extra_args={
-                  # a 4,000-token prompt takes 2 s to prefill: long enough to kill it mid-way
-                  "prefill": ["--fake-token-us", "500"],
-                  "decode": ["--fake-step-ms", "3"],
-                  "entrypoint": ["--max-inflight", "1", "--max-waiting", "0",
-                                 "--instance-dead-after", str(DEAD_AFTER)]})
+    s = Stack(
+        tmp_path_factory.mktemp("failures"),
+        prefill=2,
+        decode=2,
+        model="fake",
+        model_name=MODEL,
+        ready_timeout=120,
+        drain_seconds=3.0,
+        extra_args={
+            # a 4,000-token prompt takes 2 s to prefill: long enough to kill it mid-way
+            "prefill": ["--fake-token-us", "500"],
+            "decode": ["--fake-step-ms", "3"],
+            "entrypoint": [
+                "--max-inflight",
+                "1",
+                "--max-waiting",
+                "0",
+                "--instance-dead-after",
+                str(DEAD_AFTER),
+            ],
+        },
+    )
     try:
         s.start()
         yield s
@@ -50,8 +65,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def request(prompt: list[int], max_tokens: int) -> generate_pb2.GenerateRequest:
-    return generate_pb2.GenerateRequest(prompt_token_ids=prompt, model=MODEL,
-                                        sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
+    return generate_pb2.GenerateRequest(
+        prompt_token_ids=prompt,
+        model=MODEL,
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens),
+    )
 
 
 def kill(stack: Stack, instance_id: str) -> None:
@@ -61,12 +79,17 @@ def kill(stack: Stack, instance_id: str) -> None:
     child.proc.wait(10)
 
 
-async def survivors_free_everything(stack: Stack, timeout: float = 15.0) -> dict[str, tuple[int, int]]:
+async def survivors_free_everything(
+    stack: Stack, timeout: float = 15.0
+) -> dict[str, tuple[int, int]]:
     """Latest (free, total) KV blocks per live instance, once all are fully free (or timeout)."""
-    live = {c.instance_id for c in stack.children if c.service in ("prefill", "decode") and c.running()}
+    live = {
+        c.instance_id for c in stack.children if c.service in ("prefill", "decode") and c.running()
+    }
     latest: dict[str, tuple[int, int]] = {}
     nc = await nats.connect(stack.nats_url)
     try:
+
         async def on_beat(msg: object) -> None:
             st = control_pb2.InstanceStatus.FromString(msg.data)  # type: ignore[attr-defined]
             latest[st.instance_id] = (st.free_kv_blocks, st.total_kv_blocks)
@@ -82,8 +105,9 @@ async def survivors_free_everything(stack: Stack, timeout: float = 15.0) -> dict
     return {i: latest.get(i, (-1, -1)) for i in live}
 
 
-async def run_and_kill(stack: Stack, prompt: list[int], max_tokens: int, role: str,
-                       after_tokens: int, after_s: float) -> tuple[list[int], grpc.StatusCode | None, str, float]:
+async def run_and_kill(
+    stack: Stack, prompt: list[int], max_tokens: int, role: str, after_tokens: int, after_s: float
+) -> tuple[list[int], grpc.StatusCode | None, str, float]:
     """Start a Generate; kill -9 the ``role`` instance serving it once ``after_s`` passed since
     the task went out and ``after_tokens`` tokens arrived. Returns (tokens, error code, error
     details, seconds from the kill to the end of the call)."""
@@ -93,7 +117,9 @@ async def run_and_kill(stack: Stack, prompt: list[int], max_tokens: int, role: s
         await nc.flush()
         got: list[int] = []
         async with grpc.aio.insecure_channel(stack.grpc_address) as ch:
-            call = generate_pb2_grpc.GenerateStub(ch).Generate(request(prompt, max_tokens), timeout=90)
+            call = generate_pb2_grpc.GenerateStub(ch).Generate(
+                request(prompt, max_tokens), timeout=90
+            )
 
             async def consume() -> tuple[grpc.StatusCode | None, str]:
                 try:

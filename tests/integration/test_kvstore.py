@@ -44,7 +44,9 @@ class KVStoreProc:
 
     def healthz(self) -> tuple[int, dict[str, str]]:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/healthz", timeout=5) as r:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.http_port}/healthz", timeout=5
+            ) as r:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
@@ -54,8 +56,11 @@ class KVStoreProc:
 
     def block_files(self) -> list[Path]:
         """Every shard file on the 12 default targets (``<data_dir>/targets/tNN``)."""
-        return sorted(p for p in (self.data_dir / "targets").rglob("*")
-                      if p.is_file() and not p.name.startswith(".deepserve"))
+        return sorted(
+            p
+            for p in (self.data_dir / "targets").rglob("*")
+            if p.is_file() and not p.name.startswith(".deepserve")
+        )
 
     def shard_files(self, h: bytes) -> list[Path]:
         return sorted(self.data_dir.glob(f"targets/t*/{h.hex()[:2]}/{h.hex()}.*"))
@@ -66,15 +71,38 @@ def start_kvstore(tmp: Path, redis_port: int) -> KVStoreProc:
     data_dir = tmp / "data"
     with open(tmp / "kvstore.log", "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.kvstore", "--grpc-port", str(grpc_port),
-             "--http-port", str(http_port), "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
-             "--data-dir", str(data_dir), "--drain-seconds", "2"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "services.kvstore",
+                "--grpc-port",
+                str(grpc_port),
+                "--http-port",
+                str(http_port),
+                "--redis-url",
+                f"redis://127.0.0.1:{redis_port}/0",
+                "--data-dir",
+                str(data_dir),
+                "--drain-seconds",
+                "2",
+            ],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     wait_port("127.0.0.1", grpc_port, 30, proc)
     wait_port("127.0.0.1", http_port, 30, proc)
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-    return KVStoreProc(proc, grpc_port, http_port, redis_port, data_dir,
-                       kvstore_pb2_grpc.KVStoreStub(channel), channel)
+    return KVStoreProc(
+        proc,
+        grpc_port,
+        http_port,
+        redis_port,
+        data_dir,
+        kvstore_pb2_grpc.KVStoreStub(channel),
+        channel,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +132,10 @@ def engine_blocks(tiny_loaded) -> dict[str, object]:
 
 
 def make_engine(tiny_loaded) -> Engine:
-    return Engine(EngineConfig(model="tiny", block_size=BS, num_kv_blocks=64, time_budget_s=None),
-                  loaded=tiny_loaded)
+    return Engine(
+        EngineConfig(model="tiny", block_size=BS, num_kv_blocks=64, time_budget_s=None),
+        loaded=tiny_loaded,
+    )
 
 
 def prompt(n: int, salt: int) -> list[int]:
@@ -122,8 +152,10 @@ def drain(e: Engine) -> dict[str, list[int]]:
 
 
 def put(stub: kvstore_pb2_grpc.KVStoreStub, blocks, **kw) -> kvstore_pb2.PutReply:
-    msgs = [kvstore_pb2.PutBlock(hash=h, parent_hash=parent, data=data, **kw)
-            for h, parent, data in blocks]
+    msgs = [
+        kvstore_pb2.PutBlock(hash=h, parent_hash=parent, data=data, **kw)
+        for h, parent, data in blocks
+    ]
     return stub.Put(iter(msgs), timeout=30)
 
 
@@ -141,8 +173,10 @@ def stats(stub: kvstore_pb2_grpc.KVStoreStub) -> tuple[int, int]:
 
 
 def test_kvstore_does_not_import_torch() -> None:
-    code = ("import sys, services.kvstore.main, services.kvstore.store, services.kvstore.handlers; "
-            "assert 'torch' not in sys.modules, 'kvstore imported torch'")
+    code = (
+        "import sys, services.kvstore.main, services.kvstore.store, services.kvstore.handlers; "
+        "assert 'torch' not in sys.modules, 'kvstore imported torch'"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
@@ -221,7 +255,9 @@ def test_bad_blocks_are_refused_and_nothing_is_stored(kv: KVStoreProc, tiny_load
     assert kv.block_files() == files, "a refused put left files behind"
     with pytest.raises(grpc.RpcError) as err:
         lookup(kv.stub, [b"short"])
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "hashes[0]" in err.value.details()
+    assert (
+        err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "hashes[0]" in err.value.details()
+    )
 
 
 def test_delete(kv: KVStoreProc, tiny_loaded) -> None:
@@ -239,7 +275,9 @@ def test_delete(kv: KVStoreProc, tiny_loaded) -> None:
     assert not any(p.name.split(".")[0] in {h.hex() for h in hashes} for p in kv.block_files())
 
 
-def test_invisible_without_metadata_and_damaged_files_drop_out(kv: KVStoreProc, tiny_loaded) -> None:
+def test_invisible_without_metadata_and_damaged_files_drop_out(
+    kv: KVStoreProc, tiny_loaded
+) -> None:
     e = make_engine(tiny_loaded)
     e.add_request("o", prompt(2 * BS + 1, 17), SamplingParams(max_tokens=1), hold_kv=True)
     drain(e)
@@ -289,8 +327,10 @@ def test_redis_down_means_unavailable_then_recovers(tmp_path: Path) -> None:
             lookup(k.stub, [bytes(32)])
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "Redis" in err.value.details()
         health = health_pb2_grpc.HealthStub(k.channel)
-        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
-            health_pb2.HealthCheckResponse.NOT_SERVING
+        assert (
+            health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            == health_pb2.HealthCheckResponse.NOT_SERVING
+        )
 
         redis_proc = start_redis(redis_port, tmp_path / "redis")
         deadline = time.monotonic() + 10

@@ -65,14 +65,21 @@ def redis_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
 
 
 @pytest.fixture
-async def env(tmp_path: Path, redis_port: int) -> AsyncIterator[tuple[BlockStore, list[Path], Clock]]:
+async def env(
+    tmp_path: Path, redis_port: int
+) -> AsyncIterator[tuple[BlockStore, list[Path], Clock]]:
     db = int(hashlib.sha256(str(tmp_path).encode()).hexdigest(), 16) % 15 + 1
     r = aioredis.from_url(f"redis://127.0.0.1:{redis_port}/{db}")
     await r.flushdb()
     dirs = [tmp_path / f"ssd{i:02d}" for i in range(12)]
     clock = Clock()
-    store = BlockStore(r, [DirTarget(d) for d in dirs], Codec(),
-                       Retention({"chat": 7 * DAY_S, "agent": 3 * DAY_S}), clock)
+    store = BlockStore(
+        r,
+        [DirTarget(d) for d in dirs],
+        Codec(),
+        Retention({"chat": 7 * DAY_S, "agent": 3 * DAY_S}),
+        clock,
+    )
     store.prepare()
     try:
         yield store, dirs, clock
@@ -153,7 +160,9 @@ async def test_fsck_removes_orphans_and_lost_blocks(env) -> None:
         shard_path(dirs, meta, blocks[1].hash, i).unlink()
     report = await fsck(store, grace_s=0)
     assert len(report.orphans) == 13 and report.lost_blocks == [blocks[1].hash.hex()]
-    assert await store.lookup([b.hash for b in blocks]) == 2, "fsck without --repair changes nothing"
+    assert await store.lookup([b.hash for b in blocks]) == 2, (
+        "fsck without --repair changes nothing"
+    )
     report = await fsck(store, repair=True, grace_s=0)
     assert report.clean and report.removed_orphans == 13
     assert await store.lookup([b.hash for b in blocks]) == 1
@@ -202,7 +211,9 @@ async def test_lookup_is_one_round_trip_for_2048_hashes(env) -> None:
     store, _, _ = env
     blocks = make_chain(8, 4, size=256)
     await store.put(blocks)
-    chain = [b.hash for b in blocks] + [hashlib.sha256(str(i).encode()).digest() for i in range(2044)]
+    chain = [b.hash for b in blocks] + [
+        hashlib.sha256(str(i).encode()).digest() for i in range(2044)
+    ]
     calls = 0
     real = store._lookup
 
@@ -252,29 +263,72 @@ async def test_s3_targets_on_seaweedfs(seaweed: str, redis_port: int) -> None:
 
 
 # -- the service as processes ------------------------------------------------------------------
-def start_service(data_dir: Path, redis_port: int, log: Path) -> tuple[subprocess.Popen[bytes], grpc.Channel]:
+def start_service(
+    data_dir: Path, redis_port: int, log: Path
+) -> tuple[subprocess.Popen[bytes], grpc.Channel]:
     port = free_port()
     with open(log, "ab") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.kvstore", "--grpc-port", str(port),
-             "--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--data-dir", str(data_dir),
-             "--drain-seconds", "1"], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-            start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "services.kvstore",
+                "--grpc-port",
+                str(port),
+                "--redis-url",
+                f"redis://127.0.0.1:{redis_port}/0",
+                "--data-dir",
+                str(data_dir),
+                "--drain-seconds",
+                "1",
+            ],
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     wait_port("127.0.0.1", port, 30, proc)
-    opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    opts = [
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.max_send_message_length", 64 << 20),
+    ]
     return proc, grpc.insecure_channel(f"127.0.0.1:{port}", options=opts)
 
 
 def to_msgs(blocks: list[BlockPut]) -> list[kvstore_pb2.PutBlock]:
-    return [kvstore_pb2.PutBlock(hash=b.hash, parent_hash=b.parent, data=b.data,
-                                 traffic_class=common_pb2.TRAFFIC_CLASS_CHAT) for b in blocks]
+    return [
+        kvstore_pb2.PutBlock(
+            hash=b.hash,
+            parent_hash=b.parent,
+            data=b.data,
+            traffic_class=common_pb2.TRAFFIC_CLASS_CHAT,
+        )
+        for b in blocks
+    ]
 
 
 def fsck_cli(data_dir: Path, redis_port: int, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "deepserve.cli", "kvstore", "fsck", "--redis-url",
-         f"redis://127.0.0.1:{redis_port}/0", "--data-dir", str(data_dir), "--grace", "0", *extra],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+        [
+            sys.executable,
+            "-m",
+            "deepserve.cli",
+            "kvstore",
+            "fsck",
+            "--redis-url",
+            f"redis://127.0.0.1:{redis_port}/0",
+            "--data-dir",
+            str(data_dir),
+            "--grace",
+            "0",
+            *extra,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_kill_9_during_puts_leaves_whole_blocks_or_nothing(tmp_path: Path) -> None:
@@ -289,8 +343,9 @@ def test_kill_9_during_puts_leaves_whole_blocks_or_nothing(tmp_path: Path) -> No
             proc, channel = start_service(data, redis_port, tmp_path / "kv.log")
             stub = kvstore_pb2_grpc.KVStoreStub(channel)
 
-            def stream(stub: kvstore_pb2_grpc.KVStoreStub = stub,
-                       todo: list[list[BlockPut]] = todo) -> None:
+            def stream(
+                stub: kvstore_pb2_grpc.KVStoreStub = stub, todo: list[list[BlockPut]] = todo
+            ) -> None:
                 for g in todo:
                     try:
                         stub.Put(iter(to_msgs(g)), timeout=10)
@@ -308,7 +363,9 @@ def test_kill_9_during_puts_leaves_whole_blocks_or_nothing(tmp_path: Path) -> No
         stub = kvstore_pb2_grpc.KVStoreStub(channel)
         visible = 0
         for g in groups:
-            n = stub.Lookup(kvstore_pb2.LookupRequest(hashes=[b.hash for b in g]), timeout=10).num_present
+            n = stub.Lookup(
+                kvstore_pb2.LookupRequest(hashes=[b.hash for b in g]), timeout=10
+            ).num_present
             assert n in (0, len(g)), "a put's blocks become visible together or not at all"
             if n:
                 visible += 1
@@ -339,7 +396,9 @@ def test_two_processes_serve_one_store(tmp_path: Path) -> None:
         hashes = [x.hash for x in blocks]
         assert sa.Put(iter(to_msgs(blocks)), timeout=30).stored == 3
         assert sb.Put(iter(to_msgs(blocks)), timeout=30).skipped == 3
-        assert [x.data for x in sb.Get(kvstore_pb2.GetRequest(hashes=hashes))] == [x.data for x in blocks]
+        assert [x.data for x in sb.Get(kvstore_pb2.GetRequest(hashes=hashes))] == [
+            x.data for x in blocks
+        ]
         assert sb.Delete(kvstore_pb2.DeleteRequest(hashes=hashes[2:]), timeout=10).deleted == 1
         assert sa.Lookup(kvstore_pb2.LookupRequest(hashes=hashes), timeout=10).num_present == 2
         assert sa.Stats(kvstore_pb2.StatsRequest(), timeout=10).blocks == 2

@@ -64,14 +64,37 @@ class Stack:
 def spawn(name: str, service: str, run_dir: Path, nats_url: str, extra: list[str]) -> Proc:
     http_port = procs.free_port()
     log = run_dir / f"{name}.log"
-    argv = [sys.executable, "-m", f"services.{service}", "--nats-url", nats_url, "--http-port", str(http_port),
-            "--instance-id", name, "--drain-seconds", "20", "--model", "tiny", "--device", "cpu",
-            "--model-name", MODEL_NAME, "--num-kv-blocks", str(NUM_KV_BLOCKS), "--block-size", "128",
-            "--weights-seed", "0", *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        f"services.{service}",
+        "--nats-url",
+        nats_url,
+        "--http-port",
+        str(http_port),
+        "--instance-id",
+        name,
+        "--drain-seconds",
+        "20",
+        "--model",
+        "tiny",
+        "--device",
+        "cpu",
+        "--model-name",
+        MODEL_NAME,
+        "--num-kv-blocks",
+        str(NUM_KV_BLOCKS),
+        "--block-size",
+        "128",
+        "--weights-seed",
+        "0",
+        *extra,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     with open(log, "wb") as out:
-        popen = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                 start_new_session=True)
+        popen = subprocess.Popen(
+            argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     return Proc(name, popen, log, http_port)
 
 
@@ -120,19 +143,34 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 def llm(tiny_loaded) -> LLM:
-    engine = Engine(EngineConfig(model="tiny", block_size=128, num_kv_blocks=NUM_KV_BLOCKS), loaded=tiny_loaded)
+    engine = Engine(
+        EngineConfig(model="tiny", block_size=128, num_kv_blocks=NUM_KV_BLOCKS), loaded=tiny_loaded
+    )
     return LLM("tiny", engine=engine)
 
 
-def prefill_task(stack: Stack, rid: str, prompt: list[int], sp: SamplingParams) -> control_pb2.PrefillTask:
+def prefill_task(
+    stack: Stack, rid: str, prompt: list[int], sp: SamplingParams
+) -> control_pb2.PrefillTask:
     return control_pb2.PrefillTask(
-        request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(sp),
-        decode_instance=DECODE_ID, decode_address=stack.decode_address,
-        events_subject=subjects.token_events(rid))
+        request_id=rid,
+        prompt_token_ids=prompt,
+        sampling=sampling_to_proto(sp),
+        decode_instance=DECODE_ID,
+        decode_address=stack.decode_address,
+        events_subject=subjects.token_events(rid),
+    )
 
 
-async def generate(nc: nats.NATS, stack: Stack, rid: str, prompt: list[int], sp: SamplingParams,
-                   on_event: object = None, timeout: float = 120.0) -> list[control_pb2.TokenEvent]:
+async def generate(
+    nc: nats.NATS,
+    stack: Stack,
+    rid: str,
+    prompt: list[int],
+    sp: SamplingParams,
+    on_event: object = None,
+    timeout: float = 120.0,
+) -> list[control_pb2.TokenEvent]:
     """Act as the entrypoint: subscribe to the events, publish the task, collect until finished."""
     events: list[control_pb2.TokenEvent] = []
     done = asyncio.Event()
@@ -147,18 +185,27 @@ async def generate(nc: nats.NATS, stack: Stack, rid: str, prompt: list[int], sp:
 
     sub = await nc.subscribe(subjects.token_events(rid), cb=on_msg)
     await nc.flush()
-    await nc.publish(subjects.prefill_task(PREFILL_ID), prefill_task(stack, rid, prompt, sp).SerializeToString())
+    await nc.publish(
+        subjects.prefill_task(PREFILL_ID), prefill_task(stack, rid, prompt, sp).SerializeToString()
+    )
     try:
         await asyncio.wait_for(done.wait(), timeout)
     except TimeoutError:
-        pytest.fail(f"request {rid} did not finish in {timeout:.0f}s; got {len(events)} events\n{stack.logs()}")
+        pytest.fail(
+            f"request {rid} did not finish in {timeout:.0f}s; got {len(events)} events\n{stack.logs()}"
+        )
     finally:
         await sub.unsubscribe()
     return sorted(events, key=lambda e: e.index)
 
 
-def check_matches(events: list[control_pb2.TokenEvent], llm: LLM, prompt: list[int], sp: SamplingParams,
-                  stack: Stack) -> None:
+def check_matches(
+    events: list[control_pb2.TokenEvent],
+    llm: LLM,
+    prompt: list[int],
+    sp: SamplingParams,
+    stack: Stack,
+) -> None:
     assert not any(e.error for e in events), f"{[e.error for e in events]}\n{stack.logs()}"
     want = llm.generate([prompt], sp, decode_text=False)[0]
     assert [e.index for e in events] == list(range(len(events)))
@@ -180,10 +227,13 @@ async def test_greedy_through_prefill_and_decode(stack: Stack, llm: LLM) -> None
 async def test_seeded_sampling_survives_the_handoff(stack: Stack, llm: LLM) -> None:
     nc = await nats.connect(stack.nats_url)
     try:
-        sp = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=1234, max_tokens=8, ignore_eos=True)
+        sp = SamplingParams(
+            temperature=0.8, top_p=0.95, top_k=50, seed=1234, max_tokens=8, ignore_eos=True
+        )
         prompt = PROMPT[:40]
-        runs = await asyncio.gather(generate(nc, stack, "seeded-1", prompt, sp),
-                                    generate(nc, stack, "seeded-2", prompt, sp))
+        runs = await asyncio.gather(
+            generate(nc, stack, "seeded-1", prompt, sp), generate(nc, stack, "seeded-2", prompt, sp)
+        )
         for events in runs:
             check_matches(events, llm, prompt, sp, stack)
     finally:

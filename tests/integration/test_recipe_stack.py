@@ -30,10 +30,26 @@ def keyed_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     run_dir = tmp_path_factory.mktemp("recipe-stack")
     keys_file = run_dir / "keys"
     keys_file.write_text("# tenant globex\nsk-beta=globex\n")
-    s = Stack(run_dir, prefill=1, decode=1, model="tiny", model_name=MODEL_NAME,
-              ready_timeout=READY_TIMEOUT, drain_seconds=5.0, env=dict(os.environ),
-              extra_args={"recipe": ["--api-keys", "sk-alpha=acme", "--api-keys-file", str(keys_file),
-                                          "--max-body-bytes", str(1 << 20)]})
+    s = Stack(
+        run_dir,
+        prefill=1,
+        decode=1,
+        model="tiny",
+        model_name=MODEL_NAME,
+        ready_timeout=READY_TIMEOUT,
+        drain_seconds=5.0,
+        env=dict(os.environ),
+        extra_args={
+            "recipe": [
+                "--api-keys",
+                "sk-alpha=acme",
+                "--api-keys-file",
+                str(keys_file),
+                "--max-body-bytes",
+                str(1 << 20),
+            ]
+        },
+    )
     try:
         s.start()
         yield s
@@ -52,69 +68,108 @@ def claude(stack: Stack, key: str = "sk-beta") -> anthropic.Anthropic:
 
 def test_chat_completions_shapes_and_usage(keyed_stack: Stack) -> None:
     c = oai(keyed_stack)
-    out = c.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hello"}],
-                                    max_tokens=6, temperature=0)
+    out = c.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Hello"}],
+        max_tokens=6,
+        temperature=0,
+    )
     u = out.usage
     assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert 1 <= u.completion_tokens <= 6 and u.total_tokens == u.prompt_tokens + u.completion_tokens
-    assert (u.model_extra or {})["prompt_cache_miss_tokens"] == u.prompt_tokens - u.prompt_tokens_details.cached_tokens
-    parts = list(c.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=0,
-        stream=True, stream_options={"include_usage": True}))
+    assert (u.model_extra or {})[
+        "prompt_cache_miss_tokens"
+    ] == u.prompt_tokens - u.prompt_tokens_details.cached_tokens
+    parts = list(
+        c.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert parts[0].choices[0].delta.role == "assistant"
     assert [p.usage for p in parts if p.usage][-1].prompt_tokens == u.prompt_tokens
-    thinking = c.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
-                                         max_tokens=4, extra_body={"thinking": {"type": "enabled"}})
+    thinking = c.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        extra_body={"thinking": {"type": "enabled"}},
+    )
     assert thinking.usage.completion_tokens >= 1
 
 
 def test_responses_and_messages(keyed_stack: Stack) -> None:
     r = oai(keyed_stack).responses.create(model=MODEL_NAME, input="Hello", max_output_tokens=5)
     assert r.status in ("completed", "incomplete") and r.usage.output_tokens >= 1
-    events = list(oai(keyed_stack).responses.create(model=MODEL_NAME, input="Hello", max_output_tokens=5,
-                                                    stream=True))
-    assert events[0].type == "response.created" and events[-1].type in ("response.completed",
-                                                                       "response.incomplete")
-    m = claude(keyed_stack).messages.create(model=MODEL_NAME, max_tokens=5,
-                                            messages=[{"role": "user", "content": "Hello"}])
+    events = list(
+        oai(keyed_stack).responses.create(
+            model=MODEL_NAME, input="Hello", max_output_tokens=5, stream=True
+        )
+    )
+    assert events[0].type == "response.created" and events[-1].type in (
+        "response.completed",
+        "response.incomplete",
+    )
+    m = claude(keyed_stack).messages.create(
+        model=MODEL_NAME, max_tokens=5, messages=[{"role": "user", "content": "Hello"}]
+    )
     assert m.type == "message" and m.stop_reason in ("end_turn", "max_tokens", "tool_use")
     assert m.usage.input_tokens > 0 and m.usage.output_tokens >= 1
-    with claude(keyed_stack).messages.stream(model=MODEL_NAME, max_tokens=5, thinking={
-            "type": "enabled", "budget_tokens": 1024}, messages=[{"role": "user", "content": "Hi"}]) as s:
+    with claude(keyed_stack).messages.stream(
+        model=MODEL_NAME,
+        max_tokens=5,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        messages=[{"role": "user", "content": "Hi"}],
+    ) as s:
         types = [e.type for e in s]
     assert types[0] == "message_start" and types[-1] == "message_stop"
-    n = claude(keyed_stack).messages.count_tokens(model=MODEL_NAME,
-                                                  messages=[{"role": "user", "content": "Hello"}])
+    n = claude(keyed_stack).messages.count_tokens(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hello"}]
+    )
     assert n.input_tokens > 0
 
 
 def test_errors(keyed_stack: Stack) -> None:
     with pytest.raises(openai.AuthenticationError):
         oai(keyed_stack, "sk-wrong").chat.completions.create(
-            model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+            model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=2
+        )
     with pytest.raises(anthropic.AuthenticationError):
         claude(keyed_stack, "sk-wrong").messages.create(
-            model=MODEL_NAME, max_tokens=2, messages=[{"role": "user", "content": "x"}])
+            model=MODEL_NAME, max_tokens=2, messages=[{"role": "user", "content": "x"}]
+        )
     with pytest.raises(openai.NotFoundError):
-        oai(keyed_stack).chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+        oai(keyed_stack).chat.completions.create(
+            model="gpt-4", messages=[{"role": "user", "content": "x"}]
+        )
     with pytest.raises(anthropic.NotFoundError):
-        claude(keyed_stack).messages.create(model="claude-x", max_tokens=2,
-                                            messages=[{"role": "user", "content": "x"}])
+        claude(keyed_stack).messages.create(
+            model="claude-x", max_tokens=2, messages=[{"role": "user", "content": "x"}]
+        )
     with pytest.raises(openai.BadRequestError):
         oai(keyed_stack).chat.completions.create(model=MODEL_NAME, messages=[])
     with pytest.raises(anthropic.BadRequestError):
         claude(keyed_stack).messages.create(model=MODEL_NAME, max_tokens=2, messages=[])
     with pytest.raises(openai.APIStatusError) as e:
-        oai(keyed_stack).chat.completions.create(model=MODEL_NAME, messages=[
-            {"role": "user", "content": "x" * (2 << 20)}])
+        oai(keyed_stack).chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "x" * (2 << 20)}]
+        )
     assert e.value.status_code == 413
 
 
 def test_tenant_salts_the_kvstore(keyed_stack: Stack) -> None:
     """The same long prompt hits the cache for its own tenant only."""
+
     def cached(c: openai.OpenAI) -> int:
-        out = c.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": LONG_TEXT}],
-                                        max_tokens=2, temperature=0)
+        out = c.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": LONG_TEXT}],
+            max_tokens=2,
+            temperature=0,
+        )
         return out.usage.prompt_tokens_details.cached_tokens
 
     alpha, beta = oai(keyed_stack, "sk-alpha"), oai(keyed_stack, "sk-beta")
@@ -131,11 +186,20 @@ def test_tenant_salts_the_kvstore(keyed_stack: Stack) -> None:
 def test_disconnect_aborts_downstream_within_a_second(keyed_stack: Stack) -> None:
     import httpx
 
-    body = {"model": MODEL_NAME, "max_tokens": 4000, "stream": True, "temperature": 1.0,
-            "messages": [{"role": "user", "content": "Tell me a long story."}]}
+    body = {
+        "model": MODEL_NAME,
+        "max_tokens": 4000,
+        "stream": True,
+        "temperature": 1.0,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+    }
     with httpx.Client(timeout=60) as http:
-        with http.stream("POST", f"{keyed_stack.api_url}/chat/completions", json=body,
-                         headers={"authorization": "Bearer sk-alpha"}) as r:
+        with http.stream(
+            "POST",
+            f"{keyed_stack.api_url}/chat/completions",
+            json=body,
+            headers={"authorization": "Bearer sk-alpha"},
+        ) as r:
             assert r.status_code == 200
             rid = r.headers["x-request-id"]
             lines = r.iter_lines()
@@ -143,26 +207,43 @@ def test_disconnect_aborts_downstream_within_a_second(keyed_stack: Stack) -> Non
                 pass
         gone = time.monotonic()  # leaving the block closed the connection
     log = next(c.log_path for c in keyed_stack.children if c.name == "entrypoint")
-    aborted = re.compile(rf"request {rid}(-\w+)?: aborting upstream")  # the entrypoint may suffix ids
+    aborted = re.compile(
+        rf"request {rid}(-\w+)?: aborting upstream"
+    )  # the entrypoint may suffix ids
     while time.monotonic() - gone < 1.0 and not aborted.search(log.read_text()):
         time.sleep(0.05)
     assert aborted.search(log.read_text()), f"the entrypoint did not abort {rid} within 1 s"
 
 
-@pytest.mark.parametrize("keys, expected", [("", "the API is OPEN"), ("k1=t1,k2=t2", "API keys required: 2 keys")])
+@pytest.mark.parametrize(
+    "keys, expected", [("", "the API is OPEN"), ("k1=t1,k2=t2", "API keys required: 2 keys")]
+)
 def test_startup_log_and_no_backend_is_503(keys: str, expected: str) -> None:
     import signal
     import subprocess
     import sys
 
-    from deepserve.up import REPO_ROOT
     from deepserve.procs import free_port
+    from deepserve.up import REPO_ROOT
 
     port = free_port()
     env = {**os.environ, "DEEPSERVE_API_KEYS": keys, "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "services.recipe", "--port", str(port),
-                             "--entrypoint-address", "127.0.0.1:9"], cwd=REPO_ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.recipe",
+            "--port",
+            str(port),
+            "--entrypoint-address",
+            "127.0.0.1:9",
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     seen = []
     try:
         assert proc.stdout is not None
@@ -176,8 +257,9 @@ def test_startup_log_and_no_backend_is_503(keys: str, expected: str) -> None:
             while True:
                 try:
                     c = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30)
-                    c.chat.completions.create(model=MODEL_NAME, max_tokens=2,
-                                              messages=[{"role": "user", "content": "x"}])
+                    c.chat.completions.create(
+                        model=MODEL_NAME, max_tokens=2, messages=[{"role": "user", "content": "x"}]
+                    )
                 except openai.APIConnectionError:
                     assert time.monotonic() < deadline
                     time.sleep(0.2)
@@ -188,8 +270,12 @@ def test_startup_log_and_no_backend_is_503(keys: str, expected: str) -> None:
                 raise AssertionError("a request with no entrypoint succeeded")
             with pytest.raises(anthropic.APIStatusError) as err:
                 anthropic.Anthropic(base_url=base, api_key="x", max_retries=0).messages.create(
-                    model=MODEL_NAME, max_tokens=2, messages=[{"role": "user", "content": "x"}])
-            assert err.value.status_code == 503 and err.value.body["error"]["type"] == "overloaded_error"
+                    model=MODEL_NAME, max_tokens=2, messages=[{"role": "user", "content": "x"}]
+                )
+            assert (
+                err.value.status_code == 503
+                and err.value.body["error"]["type"] == "overloaded_error"
+            )
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)

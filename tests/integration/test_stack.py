@@ -58,15 +58,18 @@ def _ok(gen: Generation, prompt_len: int, max_tokens: int) -> None:
 
 # -- OpenAI API (recipe) ---------------------------------------------------------------------
 
+
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:
     assert MODEL_NAME in [m.id for m in client.models.list()]
 
 
 def test_chat_completion_streaming_matches_non_streaming(client: openai.OpenAI) -> None:
     messages: list[ChatCompletionMessageParam] = [
-        {"role": "user", "content": "Say hello to the integration test."}]
-    full = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=8,
-                                          temperature=0)
+        {"role": "user", "content": "Say hello to the integration test."}
+    ]
+    full = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0
+    )
     text = full.choices[0].message.content
     assert text, f"empty completion: {full}"
     assert full.choices[0].finish_reason in ("stop", "length")
@@ -75,9 +78,14 @@ def test_chat_completion_streaming_matches_non_streaming(client: openai.OpenAI) 
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
 
     pieces, usage, finish = [], None, None
-    stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=8,
-                                            temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
@@ -87,11 +95,14 @@ def test_chat_completion_streaming_matches_non_streaming(client: openai.OpenAI) 
     assert "".join(pieces) == text
     assert finish == full.choices[0].finish_reason
     assert usage is not None, "no usage chunk although stream_options.include_usage was set"
-    assert (usage.prompt_tokens, usage.completion_tokens) == (full.usage.prompt_tokens,
-                                                              full.usage.completion_tokens)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        full.usage.prompt_tokens,
+        full.usage.completion_tokens,
+    )
 
 
 # -- token API (entrypoint): same tokens as one process -------------------------------------
+
 
 def test_greedy_equals_single_process(grpc_stub: Stub, references: ReferenceRuns) -> None:
     gen = grpc_generate(grpc_stub, SHORT, 12)
@@ -107,8 +118,9 @@ def test_seeded_sampling_equals_single_process(grpc_stub: Stub, references: Refe
     assert again.token_ids == gen.token_ids
 
 
-def test_repeated_long_prompt_hits_the_kvstore(grpc_stub: Stub, references: ReferenceRuns,
-                                               stack: Stack) -> None:
+def test_repeated_long_prompt_hits_the_kvstore(
+    grpc_stub: Stub, references: ReferenceRuns, stack: Stack
+) -> None:
     first = grpc_generate(grpc_stub, LONG, 12)
     _ok(first, len(LONG), 12)
     assert first.token_ids == references.result("long")["token_ids"]
@@ -124,7 +136,8 @@ def test_repeated_long_prompt_hits_the_kvstore(grpc_stub: Stub, references: Refe
         time.sleep(0.5)
     assert again.ready.cached_tokens == 256, (
         f"no kvstore hit for a repeated 300-token prompt (cached_tokens="
-        f"{again.ready.cached_tokens})\n{dump_logs(stack)}")
+        f"{again.ready.cached_tokens})\n{dump_logs(stack)}"
+    )
     assert again.finish.usage.cached_tokens == 256
 
 
@@ -143,8 +156,12 @@ def test_one_request_is_one_trace_across_every_hop(client: openai.OpenAI, stack:
 
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
     client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": "trace me"}], max_tokens=3,
-        temperature=0, extra_headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "trace me"}],
+        max_tokens=3,
+        temperature=0,
+        extra_headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
+    )
     seen: dict[str, set[str]] = {}
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:  # decode's span ends just after the last token is sent
@@ -153,7 +170,9 @@ def test_one_request_is_one_trace_across_every_hop(client: openai.OpenAI, stack:
             for line in path.read_text().splitlines():
                 span = json.loads(line)
                 if span["context"]["trace_id"] == "0x" + trace_id:
-                    seen.setdefault(span["resource"]["attributes"]["service.name"], set()).add(span["name"])
+                    seen.setdefault(span["resource"]["attributes"]["service.name"], set()).add(
+                        span["name"]
+                    )
         if {"recipe", "entrypoint", "prefill", "decode"} <= seen.keys():
             break
         time.sleep(0.2)

@@ -22,8 +22,8 @@ import grpc
 import httpx
 import pytest
 
-from deepserve.up import REPO_ROOT, Stack
 from deepserve.procs import free_port
+from deepserve.up import REPO_ROOT, Stack
 from libs.proto.deepserve.v1 import generate_pb2_grpc
 
 from .conftest import MODEL_NAME, grpc_generate, start_stack
@@ -41,14 +41,21 @@ def test_requests_spread_over_two_prefill_and_two_decode_instances(tmp_path: Pat
         rids = [f"spread-{i}-{uuid.uuid4().hex[:6]}" for i in range(8)]
         outputs = [grpc_generate(stub, PROMPT, 3, request_id=rid).token_ids for rid in rids]
         channel.close()
-        assert all(out == outputs[0] for out in outputs), "same prompt, different instances, other tokens"
+        assert all(out == outputs[0] for out in outputs), (
+            "same prompt, different instances, other tokens"
+        )
         # Per instance, from its /metrics: prefill tasks that produced a first token
         # (handed to decode, or finished right there), KV pushes decode accepted.
-        counted = {"prefill": ("deepserve_prefill_requests_total", {"handed_over", "finished"}),
-                   "decode": ("deepserve_decode_requests_total", {"accepted"})}
+        counted = {
+            "prefill": ("deepserve_prefill_requests_total", {"handed_over", "finished"}),
+            "decode": ("deepserve_decode_requests_total", {"accepted"}),
+        }
         for role, (metric, outcomes) in counted.items():
-            handled = {c.name: _counter(c.health_port, metric, outcomes)
-                       for c in stack.children if c.service == role}
+            handled = {
+                c.name: _counter(c.health_port, metric, outcomes)
+                for c in stack.children
+                if c.service == role
+            }
             assert len(handled) == 2
             assert all(n >= 1 for n in handled.values()), f"a {role} got no work: {handled}"
             if role == "prefill":
@@ -68,13 +75,14 @@ def _counter(port: int, name: str, outcomes: set[str]) -> float:
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name + "{"):
-            labels, value = line[len(name) + 1:].rsplit("} ", 1)
+            labels, value = line[len(name) + 1 :].rsplit("} ", 1)
             if any(f'outcome="{o}"' in labels for o in outcomes):
                 total += float(value)
     return total
 
 
 # -- deepserve up -----------------------------------------------------------------------------
+
 
 def _alive(pid: int) -> bool:
     """Running (not a zombie waiting to be reaped) per /proc."""
@@ -106,9 +114,24 @@ def test_deepserve_up_serves_and_stops_cleanly_on_sigterm(tmp_path: Path) -> Non
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     env.pop("NATS_URL", None)
     env.pop("REDIS_URL", None)
-    proc = subprocess.Popen([sys.executable, "-m", "deepserve.cli", "up", "--port", str(port),
-                             "--run-dir", str(run_dir)], cwd=REPO_ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "deepserve.cli",
+            "up",
+            "--port",
+            str(port),
+            "--run-dir",
+            str(run_dir),
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     lines: queue.Queue[str] = queue.Queue()
     output: list[str] = []
 
@@ -134,8 +157,16 @@ def test_deepserve_up_serves_and_stops_cleanly_on_sigterm(tmp_path: Path) -> Non
         assert url == f"http://127.0.0.1:{port}/v1", "".join(output)
         assert MODEL_NAME in line
         pids = json.loads((run_dir / "stack.json").read_text())["pids"]
-        assert {"nats", "redis", "kvstore", "balancer", "prefill-0", "decode-0", "entrypoint",
-                "recipe"} <= set(pids)
+        assert {
+            "nats",
+            "redis",
+            "kvstore",
+            "balancer",
+            "prefill-0",
+            "decode-0",
+            "entrypoint",
+            "recipe",
+        } <= set(pids)
         resp = httpx.get(f"{url}/models", timeout=30)
         assert resp.status_code == 200
         assert MODEL_NAME in [m["id"] for m in resp.json()["data"]]
@@ -163,9 +194,23 @@ def test_deepserve_up_refuses_a_taken_port(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        res = subprocess.run([sys.executable, "-m", "deepserve.cli", "up", "--port", str(port),
-                              "--run-dir", str(tmp_path / "run")], cwd=REPO_ROOT, text=True,
-                             capture_output=True, timeout=60, check=False)
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "deepserve.cli",
+                "up",
+                "--port",
+                str(port),
+                "--run-dir",
+                str(tmp_path / "run"),
+            ],
+            cwd=REPO_ROOT,
+            text=True,
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
     assert res.returncode != 0
     assert f"port {port}" in res.stderr and "in use" in res.stderr
     assert not (tmp_path / "run" / "stack.json").exists()

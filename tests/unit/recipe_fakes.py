@@ -19,9 +19,11 @@ from services.recipe.encoding import PromptEncoder
 MODEL = "deepseek-tiny"
 ANSWER = "Hello, 世界! ünï 🎉 done."
 REASONING = "Let me think."
-TOOL_CALL = ('Calling.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
-             '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
-             '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+TOOL_CALL = (
+    'Calling.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+    '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+)
 
 
 class FakeCall:
@@ -74,16 +76,25 @@ class FakeBackend:
             events.append(self.fail_at_start)
         n_prompt = len(request.prompt_token_ids)
         cached = (n_prompt - 1) // 128 * 128
-        events.append(generate_pb2.GenerateEvent(ready=generate_pb2.Ready(
-            request_id=request.request_id, prompt_tokens=n_prompt, cached_tokens=cached)))
+        events.append(
+            generate_pb2.GenerateEvent(
+                ready=generate_pb2.Ready(
+                    request_id=request.request_id, prompt_tokens=n_prompt, cached_tokens=cached
+                )
+            )
+        )
         out = self.answer_ids(request)[: request.sampling.max_tokens]
         for k, t in enumerate(out):
             if self.fail_after is not None and k == self.fail_after:
                 events.append(BackendError(grpc.StatusCode.UNAVAILABLE, "decode instance died"))
             events.append(generate_pb2.GenerateEvent(tokens=generate_pb2.Tokens(token_ids=[t])))
         reason = "stop" if out[-1] == self.encoder.eos else "length"
-        use = common_pb2.Usage(prompt_tokens=n_prompt, cached_tokens=cached, completion_tokens=len(out))
-        events.append(generate_pb2.GenerateEvent(finish=generate_pb2.Finish(reason=reason, usage=use)))
+        use = common_pb2.Usage(
+            prompt_tokens=n_prompt, cached_tokens=cached, completion_tokens=len(out)
+        )
+        events.append(
+            generate_pb2.GenerateEvent(finish=generate_pb2.Finish(reason=reason, usage=use))
+        )
         call = FakeCall(events, self.hang_after)
         self.calls.append(call)
         return call

@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 
 from libs.proto.deepserve.v1 import control_pb2
-from services.balancer.handlers import BalancerHandlers
 from libs.routing.policy import DECODE, PREFILL, Instance, NoInstance, RoutingPolicy
+from services.balancer.handlers import BalancerHandlers
 
 
 class FakeClock:
@@ -56,8 +56,8 @@ def test_equal_instances_alternate_between_heartbeats(policy: RoutingPolicy) -> 
     pre, dec = [p for p, _ in got], [d for _, d in got]
     assert Counter(pre) == {"p1": 3, "p2": 3} and Counter(dec) == {"d1": 3, "d2": 3}
     # Never ahead by more than one: each consecutive pair covers both instances.
-    assert all(set(pre[i:i + 2]) == {"p1", "p2"} for i in range(0, 6, 2)), pre
-    assert all(set(dec[i:i + 2]) == {"d1", "d2"} for i in range(0, 6, 2)), dec
+    assert all(set(pre[i : i + 2]) == {"p1", "p2"} for i in range(0, 6, 2)), pre
+    assert all(set(dec[i : i + 2]) == {"d1", "d2"} for i in range(0, 6, 2)), dec
 
 
 def test_ties_spread_evenly_over_many_instances(clock: FakeClock) -> None:
@@ -76,7 +76,9 @@ def test_decision_carries_the_decode_address(policy: RoutingPolicy) -> None:
     assert d.decode.address == f"{d.decode.instance_id}.local:9000"
 
 
-def test_dead_instance_is_dropped_after_the_timeout(policy: RoutingPolicy, clock: FakeClock) -> None:
+def test_dead_instance_is_dropped_after_the_timeout(
+    policy: RoutingPolicy, clock: FakeClock
+) -> None:
     clock.now += 2.0
     policy.observe(prefill("p1"))  # p1 and both decodes keep heartbeating; p2 goes quiet
     policy.observe(decode("d1"))
@@ -165,12 +167,22 @@ def test_handlers_answer_route_requests_from_heartbeats(clock: FakeClock) -> Non
     h = BalancerHandlers(RoutingPolicy(clock=clock))
     route = control_pb2.RouteRequest(request_id="r", model="m").SerializeToString()
     assert "no live prefill" in control_pb2.RouteDecision.FromString(h.on_route(route)).error
-    for name, role, addr in (("p1", control_pb2.ROLE_PREFILL, ""),
-                             ("d1", control_pb2.ROLE_DECODE, "h:1")):
-        h.on_heartbeat(control_pb2.InstanceStatus(instance_id=name, role=role, model="m",
-                                                  address=addr).SerializeToString())
+    for name, role, addr in (
+        ("p1", control_pb2.ROLE_PREFILL, ""),
+        ("d1", control_pb2.ROLE_DECODE, "h:1"),
+    ):
+        h.on_heartbeat(
+            control_pb2.InstanceStatus(
+                instance_id=name, role=role, model="m", address=addr
+            ).SerializeToString()
+        )
     h.on_heartbeat(b"\xff not a proto")  # ignored, not fatal
     h.on_heartbeat(control_pb2.InstanceStatus(instance_id="x").SerializeToString())  # no role
     d = control_pb2.RouteDecision.FromString(h.on_route(route))
-    assert (d.prefill_instance, d.decode_instance, d.decode_address, d.error) == ("p1", "d1", "h:1", "")
+    assert (d.prefill_instance, d.decode_instance, d.decode_address, d.error) == (
+        "p1",
+        "d1",
+        "h:1",
+        "",
+    )
     assert control_pb2.RouteDecision.FromString(h.on_route(b"\xff\xff")).error

@@ -10,8 +10,8 @@ import pytest
 from libs.common.hashchain import chain_hashes
 from libs.proto.deepserve.v1 import control_pb2
 from libs.routing import buckets as bk
-from services.balancer.handlers import BalancerHandlers
 from libs.routing.policy import DECODE, PREFILL, Instance, RoutingPolicy
+from services.balancer.handlers import BalancerHandlers
 
 from .test_balancer_policy import FakeClock, decode, prefill
 
@@ -40,7 +40,14 @@ def make(clock: FakeClock, *insts: Instance, **kw: object) -> RoutingPolicy:
 
 def test_bucket_of_and_names() -> None:
     b = bk.DEFAULT_BOUNDS
-    assert [bk.bucket_of(n, b) for n in (0, 16 * K - 1, 16 * K, 64 * K, 256 * K, 10**7)] == [0, 0, 1, 2, 3, 3]
+    assert [bk.bucket_of(n, b) for n in (0, 16 * K - 1, 16 * K, 64 * K, 256 * K, 10**7)] == [
+        0,
+        0,
+        1,
+        2,
+        3,
+        3,
+    ]
     assert bk.bucket_names(b) == ["<16K", "16K-64K", "64K-256K", ">=256K"]
     assert bk.parse_bounds("1000,2000") == (1000, 2000)
     with pytest.raises(ValueError, match="increasing"):
@@ -65,10 +72,14 @@ def test_requests_go_to_the_instances_of_their_bucket() -> None:
     p.observe(decode("d1"))
     assign = p.assignment("m")
     assert sorted(Counter(assign.values()).items()) == [(0, 1), (2, 3)]  # tokens: 100K >> 1K
-    short = {p.route(model="m", request_id=f"s{i}", prompt_tokens=500).prefill.instance_id
-             for i in range(8)}
-    long = {p.route(model="m", request_id=f"l{i}", prompt_tokens=80 * K).prefill.instance_id
-            for i in range(8)}
+    short = {
+        p.route(model="m", request_id=f"s{i}", prompt_tokens=500).prefill.instance_id
+        for i in range(8)
+    }
+    long = {
+        p.route(model="m", request_id=f"l{i}", prompt_tokens=80 * K).prefill.instance_id
+        for i in range(8)
+    }
     assert short == {i for i, b in assign.items() if b == 0}
     assert long == {i for i, b in assign.items() if b == 2}
     # A bucket nobody serves still gets an answer (from any instance), never a refusal.
@@ -98,50 +109,86 @@ def test_buckets_move_as_demand_shifts() -> None:
 
 def test_a_long_resident_prefix_beats_a_shorter_queue(clock: FakeClock) -> None:
     hs = hashes(100)  # 12,800-token prefix
-    p = make(clock, prefill("p1", resident=resident(hs), queued_tokens=4000),
-             prefill("p2", queued_tokens=0), decode("d1"))
+    p = make(
+        clock,
+        prefill("p1", resident=resident(hs), queued_tokens=4000),
+        prefill("p2", queued_tokens=0),
+        decode("d1"),
+    )
     d = p.route(model="m", request_id="r", prompt_tokens=13000, block_hashes=hs)
     assert d.prefill.instance_id == "p1" and d.resident_blocks == 100
 
 
 def test_load_wins_when_the_cache_saves_less_than_the_queue_costs(clock: FakeClock) -> None:
     hs = hashes(10)  # 1,280 tokens resident on p1, but 8,000 queued there
-    p = make(clock, prefill("p1", resident=resident(hs), queued_tokens=8000),
-             prefill("p2", queued_tokens=0), decode("d1"))
-    assert p.route(model="m", request_id="r", prompt_tokens=2000, block_hashes=hs).prefill.instance_id == "p2"
+    p = make(
+        clock,
+        prefill("p1", resident=resident(hs), queued_tokens=8000),
+        prefill("p2", queued_tokens=0),
+        decode("d1"),
+    )
+    assert (
+        p.route(model="m", request_id="r", prompt_tokens=2000, block_hashes=hs).prefill.instance_id
+        == "p2"
+    )
 
 
 def test_equal_caches_go_to_the_shorter_queue(clock: FakeClock) -> None:
     hs = hashes(20)
     r = resident(hs)
-    p = make(clock, prefill("p1", resident=r, queued_tokens=3000),
-             prefill("p2", resident=r, queued_tokens=500), decode("d1"))
-    assert p.route(model="m", request_id="r", prompt_tokens=3000, block_hashes=hs).prefill.instance_id == "p2"
+    p = make(
+        clock,
+        prefill("p1", resident=r, queued_tokens=3000),
+        prefill("p2", resident=r, queued_tokens=500),
+        decode("d1"),
+    )
+    assert (
+        p.route(model="m", request_id="r", prompt_tokens=3000, block_hashes=hs).prefill.instance_id
+        == "p2"
+    )
 
 
 def test_only_the_leading_run_counts(clock: FakeClock) -> None:
     hs = hashes(30)
-    p = make(clock, prefill("p1", resident=resident(hs[1:])),  # everything but block 0
-             prefill("p2", resident=resident(hs[:5])), decode("d1"))
-    assert p.route(model="m", request_id="r", prompt_tokens=3840, block_hashes=hs).prefill.instance_id == "p2"
+    p = make(
+        clock,
+        prefill("p1", resident=resident(hs[1:])),  # everything but block 0
+        prefill("p2", resident=resident(hs[:5])),
+        decode("d1"),
+    )
+    assert (
+        p.route(model="m", request_id="r", prompt_tokens=3840, block_hashes=hs).prefill.instance_id
+        == "p2"
+    )
 
 
 def test_decode_goes_to_the_most_free_kv_memory(clock: FakeClock) -> None:
-    p = make(clock, prefill("p1"), decode("d1", free_kv_blocks=100, total_kv_blocks=1000),
-             decode("d2", free_kv_blocks=900, total_kv_blocks=1000, running=30),
-             decode("d3", free_kv_blocks=500, total_kv_blocks=1000))
+    p = make(
+        clock,
+        prefill("p1"),
+        decode("d1", free_kv_blocks=100, total_kv_blocks=1000),
+        decode("d2", free_kv_blocks=900, total_kv_blocks=1000, running=30),
+        decode("d3", free_kv_blocks=500, total_kv_blocks=1000),
+    )
     assert p.route(model="m", request_id="r").decode.instance_id == "d2"
 
 
 def test_decode_with_equal_memory_goes_to_fewer_running(clock: FakeClock) -> None:
-    p = make(clock, prefill("p1"), decode("d1", free_kv_blocks=500, total_kv_blocks=1000, running=9),
-             decode("d2", free_kv_blocks=505, total_kv_blocks=1000, running=3))
+    p = make(
+        clock,
+        prefill("p1"),
+        decode("d1", free_kv_blocks=500, total_kv_blocks=1000, running=9),
+        decode("d2", free_kv_blocks=505, total_kv_blocks=1000, running=3),
+    )
     assert p.route(model="m", request_id="r").decode.instance_id == "d2"
 
 
 def test_ties_never_pile_onto_one_instance(clock: FakeClock) -> None:
-    p = make(clock, *(prefill(f"p{i}") for i in range(5)),
-             *(decode(f"d{i}", free_kv_blocks=64, total_kv_blocks=64) for i in range(3)))
+    p = make(
+        clock,
+        *(prefill(f"p{i}") for i in range(5)),
+        *(decode(f"d{i}", free_kv_blocks=64, total_kv_blocks=64) for i in range(3)),
+    )
     firsts = Counter()
     for burst in range(40):  # a fresh heartbeat before every request: nothing routed counts
         for i in range(5):
@@ -152,25 +199,44 @@ def test_ties_never_pile_onto_one_instance(clock: FakeClock) -> None:
 
 def test_replicas_with_the_same_heartbeats_choose_identically() -> None:
     hs = hashes(8)
-    insts = [prefill("p1", resident=resident(hs[:4])), prefill("p2", resident=resident(hs[:4])),
-             prefill("p3", queued_tokens=256), decode("d1", free_kv_blocks=10, total_kv_blocks=20),
-             decode("d2", free_kv_blocks=10, total_kv_blocks=20)]
+    insts = [
+        prefill("p1", resident=resident(hs[:4])),
+        prefill("p2", resident=resident(hs[:4])),
+        prefill("p3", queued_tokens=256),
+        decode("d1", free_kv_blocks=10, total_kv_blocks=20),
+        decode("d2", free_kv_blocks=10, total_kv_blocks=20),
+    ]
     a, b = make(FakeClock(), *insts), make(FakeClock(), *reversed(insts))
     b.route(model="m", request_id="warm", prompt_tokens=0)  # b answered one more: differs only
     b.observe(insts[0]), b.observe(insts[3])  # until the heartbeats after it
     a.observe(insts[0]), a.observe(insts[3])
     for i in range(12):
-        kw = {"model": "m", "request_id": f"req-{i}", "prompt_tokens": 1024 + 37 * i, "block_hashes": hs}
+        kw = {
+            "model": "m",
+            "request_id": f"req-{i}",
+            "prompt_tokens": 1024 + 37 * i,
+            "block_hashes": hs,
+        }
         da, db = a.route(**kw), b.route(**kw)  # type: ignore[arg-type]
-        assert (da.prefill.instance_id, da.decode.instance_id) == (db.prefill.instance_id, db.decode.instance_id)
+        assert (da.prefill.instance_id, da.decode.instance_id) == (
+            db.prefill.instance_id,
+            db.decode.instance_id,
+        )
 
 
 def test_exclude_and_liveness_still_hold_with_locality(clock: FakeClock) -> None:
     hs = hashes(50)
     p = make(clock, prefill("p1", resident=resident(hs)), prefill("p2"), decode("d1"), decode("d2"))
-    assert p.route(model="m", request_id="r", prompt_tokens=6400, block_hashes=hs).prefill.instance_id == "p1"
-    assert p.route(model="m", request_id="r", prompt_tokens=6400, block_hashes=hs,
-                   exclude=["p1"]).prefill.instance_id == "p2"
+    assert (
+        p.route(model="m", request_id="r", prompt_tokens=6400, block_hashes=hs).prefill.instance_id
+        == "p1"
+    )
+    assert (
+        p.route(
+            model="m", request_id="r", prompt_tokens=6400, block_hashes=hs, exclude=["p1"]
+        ).prefill.instance_id
+        == "p2"
+    )
     clock.now += 2
     p.observe(prefill("p2")), p.observe(decode("d2"))
     clock.now += 1.5  # p1 silent for 3.5 s: dead however good its cache
@@ -182,11 +248,20 @@ def test_handler_passes_lengths_hashes_and_resident_prefixes(clock: FakeClock) -
     hs = hashes(20)
     h = BalancerHandlers(RoutingPolicy(clock=clock))
     for name, res in (("p1", []), ("p2", [x[:8] for x in hs])):
-        h.on_heartbeat(control_pb2.InstanceStatus(
-            instance_id=name, role=control_pb2.ROLE_PREFILL, model="m", queued_tokens=100,
-            resident_prefixes=res).SerializeToString())
-    h.on_heartbeat(control_pb2.InstanceStatus(instance_id="d1", role=control_pb2.ROLE_DECODE,
-                                              model="m", address="h:1").SerializeToString())
+        h.on_heartbeat(
+            control_pb2.InstanceStatus(
+                instance_id=name,
+                role=control_pb2.ROLE_PREFILL,
+                model="m",
+                queued_tokens=100,
+                resident_prefixes=res,
+            ).SerializeToString()
+        )
+    h.on_heartbeat(
+        control_pb2.InstanceStatus(
+            instance_id="d1", role=control_pb2.ROLE_DECODE, model="m", address="h:1"
+        ).SerializeToString()
+    )
     req = control_pb2.RouteRequest(request_id="r", model="m", prompt_tokens=2560, block_hashes=hs)
     d = control_pb2.RouteDecision.FromString(h.on_route(req.SerializeToString()))
     assert d.prefill_instance == "p2" and not d.error

@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepserve.bench.hf_peer import build_hf_peer, decode_prompts, hf_decode_throughput, shared_fraction
+from deepserve.bench.hf_peer import (
+    build_hf_peer,
+    decode_prompts,
+    hf_decode_throughput,
+    shared_fraction,
+)
 from libs.engine.engine import Engine, EngineConfig
 from libs.engine.sampling_params import SamplingParams
 from tests.hf_reference import build_hf, save_hf
@@ -38,15 +43,25 @@ def _check(engine: Engine, attn: str | None) -> None:
     ours = dict(engine.model.named_parameters())
     theirs = dict(hf.named_parameters())
     # Every big tensor is ours, by address: the embedding, the head, the fused experts.
-    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.self_attn.kv_b_proj.weight"):
+    for name in (
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.layers.1.self_attn.kv_b_proj.weight",
+    ):
         assert theirs[name].data_ptr() == ours[name].data_ptr(), name
-    for layer in range(engine.model_config.first_k_dense_replace, engine.model_config.num_hidden_layers):
+    for layer in range(
+        engine.model_config.first_k_dense_replace, engine.model_config.num_hidden_layers
+    ):
         base = f"model.layers.{layer}.mlp.experts."
-        spans = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in (ours[base + "w13"], ours[base + "w2"])]
+        spans = [
+            (t.data_ptr(), t.data_ptr() + t.nbytes) for t in (ours[base + "w13"], ours[base + "w2"])
+        ]
         experts = [t for n, t in theirs.items() if n.startswith(base)]
         assert experts and all(any(a <= t.data_ptr() < b for a, b in spans) for t in experts), base
     assert shared_fraction(hf, engine.model) == 1.0
-    prompt = torch.randint(2, engine.model_config.vocab_size, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt = torch.randint(
+        2, engine.model_config.vocab_size, (37,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
     mine = _engine_logits(engine, prompt)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0].float()
@@ -59,15 +74,21 @@ def _check(engine: Engine, attn: str | None) -> None:
 
 
 def test_peer_shares_the_tiny_presets_weights() -> None:
-    engine = Engine(EngineConfig(model="tiny", device="cpu", dtype="float32", num_kv_blocks=16,
-                                 time_budget_s=None))
+    engine = Engine(
+        EngineConfig(
+            model="tiny", device="cpu", dtype="float32", num_kv_blocks=16, time_budget_s=None
+        )
+    )
     _check(engine, None)  # transformers' defaults, as the bench runs it
 
 
 def test_peer_of_a_v2_checkpoint(tmp_path: Path) -> None:
     path = save_hf(build_hf("v2-group-limited", seed=3), tmp_path / "v2")
-    engine = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", num_kv_blocks=16,
-                                 time_budget_s=None))
+    engine = Engine(
+        EngineConfig(
+            model=str(path), device="cpu", dtype="float32", num_kv_blocks=16, time_budget_s=None
+        )
+    )
     _check(engine, "eager")
 
 

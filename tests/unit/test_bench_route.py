@@ -10,7 +10,10 @@ from deepserve.bench import route
 def test_traces_are_deterministic_and_sessions_share_prefixes() -> None:
     a, b = route.trace("agent", 3, 60), route.trace("agent", 3, 60)
     assert a == b and a != route.trace("agent", 4, 60)
-    first, later = a[0], [r for r in a if r.request_id.rsplit(".", 1)[0] == a[0].request_id.rsplit(".", 1)[0]]
+    first, later = (
+        a[0],
+        [r for r in a if r.request_id.rsplit(".", 1)[0] == a[0].request_id.rsplit(".", 1)[0]],
+    )
     assert len(later) > 1 and all(r.blocks[: len(first.blocks)] == first.blocks for r in later)
     assert all(y.tokens > x.tokens for x, y in itertools.pairwise(later))  # turns grow
 

@@ -9,7 +9,9 @@ from libs.engine.kv.transfer import KVFormatError, decode_frame
 from libs.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
-SEEDED = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=10, ignore_eos=True)
+SEEDED = SamplingParams(
+    temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=10, ignore_eos=True
+)
 
 
 MODE: dict[str, object] = {}
@@ -31,7 +33,9 @@ def prompt(n: int, salt: int = 0) -> list[int]:
     return [(i * 7919 + salt * 104729) % 120000 + 3 for i in range(n)]
 
 
-def run(engine: Engine, reqs: dict[str, tuple[list[int], SamplingParams]], **add_kw) -> dict[str, list[int]]:
+def run(
+    engine: Engine, reqs: dict[str, tuple[list[int], SamplingParams]], **add_kw
+) -> dict[str, list[int]]:
     """Serve the requests together; the generated tokens as the caller sees them (events)."""
     for rid, (p, sp) in reqs.items():
         engine.add_request(rid, p, sp, **add_kw)
@@ -121,8 +125,13 @@ def test_export_import_equals_uninterrupted(tiny_loaded, sp: SamplingParams) -> 
     assert pre.blocks.num_used == 0 or pre.blocks.num_cached >= 2
     # "Decode": continue from the imported KV in another engine.
     dec = make(tiny_loaded)
-    dec.add_request("r", p + [first], SamplingParams(**{**sp.__dict__, "max_tokens": sp.max_tokens - 1}),
-                    kv=frame, hold_kv=True)
+    dec.add_request(
+        "r",
+        p + [first],
+        SamplingParams(**{**sp.__dict__, "max_tokens": sp.max_tokens - 1}),
+        kv=frame,
+        hold_kv=True,
+    )
     assert dec.info("r").num_computed_tokens == 45
     while dec.has_unfinished():
         dec.step()
@@ -170,9 +179,15 @@ def test_import_rejects_kv_of_other_tokens_or_models(tiny_loaded) -> None:
 
 
 def test_preemption_by_recompute_equals_uninterrupted(tiny_loaded) -> None:
-    reqs = {f"r{i}": (prompt(30 + 9 * i, 20 + i), SamplingParams(
-        temperature=0.7, seed=i, max_tokens=40, ignore_eos=True) if i % 2 else
-        SamplingParams(max_tokens=40, ignore_eos=True)) for i in range(4)}
+    reqs = {
+        f"r{i}": (
+            prompt(30 + 9 * i, 20 + i),
+            SamplingParams(temperature=0.7, seed=i, max_tokens=40, ignore_eos=True)
+            if i % 2
+            else SamplingParams(max_tokens=40, ignore_eos=True),
+        )
+        for i in range(4)
+    }
     small = make(tiny_loaded, num_kv_blocks=14)  # 224 slots for ~4 x 80 tokens: must preempt
     outputs = run(small, reqs)
     assert small.scheduler.num_preemptions > 0, "the test must actually preempt"
@@ -183,10 +198,26 @@ def test_preemption_by_recompute_equals_uninterrupted(tiny_loaded) -> None:
 
 
 def test_seed_gives_same_sample_whatever_the_companions(tiny_loaded) -> None:
-    target = (prompt(20, 30), SamplingParams(temperature=1.0, seed=42, max_tokens=12, ignore_eos=True))
+    target = (
+        prompt(20, 30),
+        SamplingParams(temperature=1.0, seed=42, max_tokens=12, ignore_eos=True),
+    )
     solo = run(make(tiny_loaded), {"t": target})["t"]
-    crowd = {"t": target, **{f"o{i}": (prompt(10 + 13 * i, 40 + i), SamplingParams(
-        temperature=1.0, seed=None if i % 2 else 1000 + i, max_tokens=12, ignore_eos=True)) for i in range(4)}}
+    crowd = {
+        "t": target,
+        **{
+            f"o{i}": (
+                prompt(10 + 13 * i, 40 + i),
+                SamplingParams(
+                    temperature=1.0,
+                    seed=None if i % 2 else 1000 + i,
+                    max_tokens=12,
+                    ignore_eos=True,
+                ),
+            )
+            for i in range(4)
+        },
+    }
     assert run(make(tiny_loaded), crowd)["t"] == solo
     other_seed = SamplingParams(temperature=1.0, seed=43, max_tokens=12, ignore_eos=True)
     assert run(make(tiny_loaded), {"t": (target[0], other_seed)})["t"] != solo
@@ -197,14 +228,21 @@ def test_stop_conditions_and_finish_reasons(tiny_loaded) -> None:
     free_run = alone(tiny_loaded, p, GREEDY)
     stop_at = free_run[3]
     engine = make(tiny_loaded)
-    engine.add_request("s", p, SamplingParams(max_tokens=10, stop_token_ids=(stop_at,), ignore_eos=True),
-                       hold_kv=True)
+    engine.add_request(
+        "s",
+        p,
+        SamplingParams(max_tokens=10, stop_token_ids=(stop_at,), ignore_eos=True),
+        hold_kv=True,
+    )
     engine.add_request("l", p, SamplingParams(max_tokens=4, ignore_eos=True), hold_kv=True)
     events = []
     while engine.has_unfinished():
         events += engine.step()
     s, l = engine.info("s"), engine.info("l")
-    assert list(s.token_ids[12:]) == free_run[: free_run.index(stop_at) + 1] and s.finish_reason == "stop"
+    assert (
+        list(s.token_ids[12:]) == free_run[: free_run.index(stop_at) + 1]
+        and s.finish_reason == "stop"
+    )
     assert len(l.token_ids) == 16 and l.finish_reason == "length"
     finals = [e for e in events if e.finished]
     assert {(e.request_id, e.finish_reason) for e in finals} == {("s", "stop"), ("l", "length")}
@@ -234,11 +272,14 @@ def test_abort_frees_every_block(tiny_loaded) -> None:
     engine.blocks.check()
 
 
-@pytest.mark.parametrize("tokens,match", [
-    ([], "must not be empty"),
-    ([1, 2, 129280], "outside the vocabulary"),
-    ([-1], "outside the vocabulary"),
-])
+@pytest.mark.parametrize(
+    "tokens,match",
+    [
+        ([], "must not be empty"),
+        ([1, 2, 129280], "outside the vocabulary"),
+        ([-1], "outside the vocabulary"),
+    ],
+)
 def test_invalid_requests_are_refused_and_leave_nothing(tiny_loaded, tokens, match) -> None:
     engine = make(tiny_loaded)
     with pytest.raises(InvalidRequest, match=match):
@@ -250,7 +291,9 @@ def test_context_limit_and_duplicate_ids(tiny_loaded) -> None:
     engine = make(tiny_loaded, max_model_len=64)
     with pytest.raises(InvalidRequest, match="context limit"):
         engine.add_request("long", prompt(64), GREEDY)
-    engine.add_request("ok", prompt(60), SamplingParams(max_tokens=50, ignore_eos=True), hold_kv=True)
+    engine.add_request(
+        "ok", prompt(60), SamplingParams(max_tokens=50, ignore_eos=True), hold_kv=True
+    )
     with pytest.raises(InvalidRequest, match="already in use"):
         engine.add_request("ok", prompt(3), GREEDY)
     while engine.has_unfinished():

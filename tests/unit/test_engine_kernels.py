@@ -20,12 +20,24 @@ SEEDED = SamplingParams(temperature=0.9, top_k=40, seed=7, max_tokens=5, ignore_
 
 
 def _prompts() -> list[list[int]]:
-    return [[(i * 7919 + s * 104729) % 120000 + 3 for i in range(n)] for s, n in enumerate([1, 9, 40, 17])]
+    return [
+        [(i * 7919 + s * 104729) % 120000 + 3 for i in range(n)]
+        for s, n in enumerate([1, 9, 40, 17])
+    ]
 
 
 def _serve(loaded, sp: SamplingParams, **kw) -> dict[str, list[int]]:
-    engine = Engine(EngineConfig(model="tiny", block_size=16, num_kv_blocks=64, time_budget_s=None,
-                                 max_tokens_per_step=48, **kw), loaded=loaded)
+    engine = Engine(
+        EngineConfig(
+            model="tiny",
+            block_size=16,
+            num_kv_blocks=64,
+            time_budget_s=None,
+            max_tokens_per_step=48,
+            **kw,
+        ),
+        loaded=loaded,
+    )
     out: dict[str, list[int]] = {}
     for i, p in enumerate(_prompts()):
         engine.add_request(f"r{i}", p, sp)
@@ -54,5 +66,7 @@ def test_fp8_cache_and_fp4_experts_run_through_the_kernels() -> None:
 
 def test_shapes_the_kernels_do_not_take_are_refused_by_name(tiny_loaded) -> None:
     with pytest.raises(ValueError, match="block_size=8"):
-        Engine(EngineConfig(model="tiny", block_size=8, num_kv_blocks=64, kernels="triton"),
-               loaded=tiny_loaded)
+        Engine(
+            EngineConfig(model="tiny", block_size=8, num_kv_blocks=64, kernels="triton"),
+            loaded=tiny_loaded,
+        )

@@ -15,8 +15,10 @@ SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=8, ignore
 
 
 def make(tiny_loaded) -> Engine:
-    return Engine(EngineConfig(model="tiny", block_size=16, num_kv_blocks=256, time_budget_s=None),
-                  loaded=tiny_loaded)
+    return Engine(
+        EngineConfig(model="tiny", block_size=16, num_kv_blocks=256, time_budget_s=None),
+        loaded=tiny_loaded,
+    )
 
 
 def prompt(n: int, salt: int) -> list[int]:
@@ -55,6 +57,7 @@ async def test_concurrent_requests_match_the_engine_alone(tiny_loaded) -> None:
     loop = EngineLoop(make(tiny_loaded))
     loop.start()
     try:
+
         async def one(rid: str) -> tuple[list[int], str | None]:
             p, sp = REQS[rid]
             return await collect(await loop.add(rid, p, sp))
@@ -74,7 +77,9 @@ async def test_abort_midway_ends_the_stream_and_frees_blocks(tiny_loaded) -> Non
     loop = EngineLoop(make(tiny_loaded))
     loop.start()
     try:
-        stream = await loop.add("long", prompt(50, 4), SamplingParams(max_tokens=10_000, ignore_eos=True))
+        stream = await loop.add(
+            "long", prompt(50, 4), SamplingParams(max_tokens=10_000, ignore_eos=True)
+        )
         first = await stream.next()
         assert first is not None and first.token_id is not None and not first.finished
         used = await loop.call(lambda e: e.blocks.num_used)
@@ -113,7 +118,9 @@ async def test_errors_reach_the_caller_and_close_ends_open_streams(tiny_loaded) 
     assert loop.num_streams == 0
     with pytest.raises(KeyError):
         await loop.call(lambda e: e.export_kv("nope"))
-    stream = await loop.add("open", prompt(8, 6), SamplingParams(max_tokens=10_000, ignore_eos=True))
+    stream = await loop.add(
+        "open", prompt(8, 6), SamplingParams(max_tokens=10_000, ignore_eos=True)
+    )
     await stream.next()
     await loop.close()
     _, reason = await collect(stream)
@@ -162,7 +169,9 @@ async def test_an_add_cancelled_after_the_engine_took_it_leaves_nothing_behind(t
     loop = EngineLoop(engine)
     loop.start()
     try:
-        task = asyncio.create_task(loop.add("r", prompt(30, 9), SamplingParams(max_tokens=500, ignore_eos=True)))
+        task = asyncio.create_task(
+            loop.add("r", prompt(30, 9), SamplingParams(max_tokens=500, ignore_eos=True))
+        )
         await asyncio.to_thread(took_it.wait, 5)
         task.cancel()  # e.g. the gRPC Push that carried it was cancelled
         with pytest.raises(asyncio.CancelledError):

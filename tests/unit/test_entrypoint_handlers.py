@@ -11,6 +11,7 @@ import pytest
 
 from libs.common import subjects
 from libs.common.hashchain import chain_hashes
+from libs.gateway.policy import Limits
 from libs.proto.deepserve.v1 import common_pb2, control_pb2, generate_pb2
 from services.entrypoint.handlers import (
     BusUnavailable,
@@ -18,7 +19,6 @@ from services.entrypoint.handlers import (
     HandlerConfig,
     LookupFailed,
 )
-from libs.gateway.policy import Limits
 
 LIMITS = Limits(model_name="tiny", vocab_size=1000, max_context=4096, block_size=4)
 
@@ -64,8 +64,9 @@ class FakeBus:
         self.subs: dict[str, FakeSub] = {}
         self.published: list[tuple[str, bytes]] = []
         self.routes: list[control_pb2.RouteRequest] = []
-        self.decision = control_pb2.RouteDecision(prefill_instance="p1", decode_instance="d1",
-                                                  decode_address="127.0.0.1:7001")
+        self.decision = control_pb2.RouteDecision(
+            prefill_instance="p1", decode_instance="d1", decode_address="127.0.0.1:7001"
+        )
         self.balancer_up = True
         self.prefill = prefill or (lambda task: greedy_events(task, [7, 8, 9]))
 
@@ -92,18 +93,28 @@ class FakeBus:
         return [control_pb2.Abort.FromString(d) for s, d in self.published if s == subjects.ABORT]
 
     def tasks(self) -> list[control_pb2.PrefillTask]:
-        return [control_pb2.PrefillTask.FromString(d) for s, d in self.published
-                if s.startswith("ds.prefill.")]
+        return [
+            control_pb2.PrefillTask.FromString(d)
+            for s, d in self.published
+            if s.startswith("ds.prefill.")
+        ]
 
 
-def greedy_events(task: control_pb2.PrefillTask, out: list[int],
-                  order: list[int] | None = None) -> list[control_pb2.TokenEvent]:
-    evs = [control_pb2.TokenEvent(request_id=task.request_id, index=i, token_ids=[t],
-                                  prompt_tokens=len(task.prompt_token_ids),
-                                  cached_tokens=task.cached_blocks * LIMITS.block_size,
-                                  finished=i == len(out) - 1,
-                                  finish_reason="length" if i == len(out) - 1 else "")
-           for i, t in enumerate(out)]
+def greedy_events(
+    task: control_pb2.PrefillTask, out: list[int], order: list[int] | None = None
+) -> list[control_pb2.TokenEvent]:
+    evs = [
+        control_pb2.TokenEvent(
+            request_id=task.request_id,
+            index=i,
+            token_ids=[t],
+            prompt_tokens=len(task.prompt_token_ids),
+            cached_tokens=task.cached_blocks * LIMITS.block_size,
+            finished=i == len(out) - 1,
+            finish_reason="length" if i == len(out) - 1 else "",
+        )
+        for i, t in enumerate(out)
+    ]
     return [evs[i] for i in order] if order else evs
 
 
@@ -125,7 +136,8 @@ def make(bus: FakeBus, kv: FakeLookup | None = None, **cfg: Any) -> EntrypointHa
 
 def req(prompt: list[int], max_tokens: int = 3, **kw: Any) -> generate_pb2.GenerateRequest:
     return generate_pb2.GenerateRequest(
-        prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens), **kw)
+        prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens), **kw
+    )
 
 
 async def collect(h: EntrypointHandlers, r: generate_pb2.GenerateRequest) -> list[Any]:
@@ -139,12 +151,18 @@ async def test_generate_relays_tokens_in_order_with_ready_and_usage() -> None:
     events = await collect(make(bus, kv), req(prompt, tenant="acme", request_id="r1"))
     kinds = [e.WhichOneof("event") for e in events]
     assert kinds == ["ready", "tokens", "tokens", "tokens", "finish"]
-    assert (events[0].ready.request_id, events[0].ready.prompt_tokens,
-            events[0].ready.cached_tokens) == ("r1", 10, 4)
+    assert (
+        events[0].ready.request_id,
+        events[0].ready.prompt_tokens,
+        events[0].ready.cached_tokens,
+    ) == ("r1", 10, 4)
     assert [t for e in events[1:4] for t in e.tokens.token_ids] == [7, 8, 9]
     assert events[-1].finish.reason == "length"
-    assert (events[-1].finish.usage.prompt_tokens, events[-1].finish.usage.cached_tokens,
-            events[-1].finish.usage.completion_tokens) == (10, 4, 3)
+    assert (
+        events[-1].finish.usage.prompt_tokens,
+        events[-1].finish.usage.cached_tokens,
+        events[-1].finish.usage.completion_tokens,
+    ) == (10, 4, 3)
 
     hashes = chain_hashes(prompt[:8], 4, salt=b"acme")
     assert kv.calls == [hashes]
@@ -152,9 +170,18 @@ async def test_generate_relays_tokens_in_order_with_ready_and_usage() -> None:
     (task,) = bus.tasks()
     wire = task.request_id  # this attempt's upstream id: the client's id plus a unique suffix
     assert wire.startswith("r1-") and len(wire) == len("r1-") + 8
-    assert (route.request_id, route.model, route.prompt_tokens, route.cached_blocks) == (wire, "tiny", 10, 1)
+    assert (route.request_id, route.model, route.prompt_tokens, route.cached_blocks) == (
+        wire,
+        "tiny",
+        10,
+        1,
+    )
     assert list(task.prompt_token_ids) == prompt and task.cache_salt == b"acme"
-    assert (task.cached_blocks, task.decode_instance, task.decode_address) == (1, "d1", "127.0.0.1:7001")
+    assert (task.cached_blocks, task.decode_instance, task.decode_address) == (
+        1,
+        "d1",
+        "127.0.0.1:7001",
+    )
     assert task.events_subject == subjects.token_events(wire)
     assert task.sampling.max_tokens == 3 and task.sampling.top_p == 1.0
     assert not bus.aborts() and not bus.subs  # clean finish: no abort, unsubscribed
@@ -208,14 +235,24 @@ async def test_kvstore_down_is_a_miss_not_an_error() -> None:
 async def test_retryable_instance_error_is_unavailable_and_aborts() -> None:
     def failing(task: control_pb2.PrefillTask) -> list[control_pb2.TokenEvent]:
         first = greedy_events(task, [7, 8, 9])[0]
-        return [first, control_pb2.TokenEvent(request_id=task.request_id, index=1,
-                                              error="KV push to d1 failed", retryable=True)]
+        return [
+            first,
+            control_pb2.TokenEvent(
+                request_id=task.request_id, index=1, error="KV push to d1 failed", retryable=True
+            ),
+        ]
+
     bus = FakeBus(failing)
     got: list[Any] = []
     with pytest.raises(Aborted) as info:
-        async for ev in make(bus, max_attempts=1).Generate(req([1, 2], request_id="r2"), FakeContext()):
+        async for ev in make(bus, max_attempts=1).Generate(
+            req([1, 2], request_id="r2"), FakeContext()
+        ):
             got.append(ev)
-    assert info.value.code == grpc.StatusCode.UNAVAILABLE and "KV push to d1 failed" in info.value.details
+    assert (
+        info.value.code == grpc.StatusCode.UNAVAILABLE
+        and "KV push to d1 failed" in info.value.details
+    )
     assert [e.WhichOneof("event") for e in got] == ["ready", "tokens"]
     await asyncio.sleep(0)  # the abort goes out on its own task
     assert [a.request_id for a in bus.aborts()] == [t.request_id for t in bus.tasks()]
@@ -227,7 +264,9 @@ async def test_silence_past_the_request_timeout_is_deadline_exceeded() -> None:
         await collect(make(bus, request_timeout=0.2), req([1, 2], request_id="r3"))
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     await asyncio.sleep(0)
-    assert [(a.request_id, a.reason) for a in bus.aborts()] == [(bus.tasks()[0].request_id, "timeout")]
+    assert [(a.request_id, a.reason) for a in bus.aborts()] == [
+        (bus.tasks()[0].request_id, "timeout")
+    ]
 
 
 async def test_client_going_away_aborts_upstream() -> None:

@@ -9,9 +9,9 @@ from typing import Any
 import grpc
 import pytest
 
-from libs.proto.deepserve.v1 import control_pb2
 from libs.gateway.policy import Finish, Ready, Tokens
 from libs.gateway.retry import Action, Progress, Watch, decide, exact_continuation
+from libs.proto.deepserve.v1 import control_pb2
 
 from .test_entrypoint_handlers import Aborted, FakeBus, FakeContext, collect, make, req
 
@@ -20,16 +20,22 @@ FULL = [7, 8, 9, 10, 11]  # the uninterrupted completion of every test prompt he
 
 # -- decision ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("retryable", "attempt", "sent", "exact", "want"), [
-    (True, 1, 0, False, Action.FRESH),      # nothing sent: always safe to start over
-    (True, 1, 3, True, Action.CONTINUE),    # sent, greedy/seeded: resend prompt + sent
-    (True, 1, 3, False, Action.FAIL),       # sent, unseeded sampling: cannot be the same draw
-    (True, 3, 0, True, Action.FAIL),        # out of attempts
-    (False, 1, 0, True, Action.FAIL),       # not retryable
-])
+
+@pytest.mark.parametrize(
+    ("retryable", "attempt", "sent", "exact", "want"),
+    [
+        (True, 1, 0, False, Action.FRESH),  # nothing sent: always safe to start over
+        (True, 1, 3, True, Action.CONTINUE),  # sent, greedy/seeded: resend prompt + sent
+        (True, 1, 3, False, Action.FAIL),  # sent, unseeded sampling: cannot be the same draw
+        (True, 3, 0, True, Action.FAIL),  # out of attempts
+        (False, 1, 0, True, Action.FAIL),  # not retryable
+    ],
+)
 def test_decide(retryable: bool, attempt: int, sent: int, exact: bool, want: Action) -> None:
-    assert decide(retryable=retryable, attempt=attempt, max_attempts=3, tokens_sent=sent,
-                  exact=exact) is want
+    assert (
+        decide(retryable=retryable, attempt=attempt, max_attempts=3, tokens_sent=sent, exact=exact)
+        is want
+    )
 
 
 def test_exact_continuation_needs_greedy_or_a_seed() -> None:
@@ -77,6 +83,7 @@ def test_watch_drops_prefill_after_handover_and_gives_unknown_instances_grace() 
 
 # -- the handler retrying ---------------------------------------------------------------------
 
+
 class FlakyBus(FakeBus):
     """Attempt k goes to prefill p<k>/decode d<k>; ``scripts[k-1]`` says how far it gets."""
 
@@ -89,8 +96,9 @@ class FlakyBus(FakeBus):
         self.attempts += 1
         self.routes.append(control_pb2.RouteRequest.FromString(data))
         k = self.attempts
-        return control_pb2.RouteDecision(prefill_instance=f"p{k}", decode_instance=f"d{k}",
-                                         decode_address="x:1").SerializeToString()
+        return control_pb2.RouteDecision(
+            prefill_instance=f"p{k}", decode_instance=f"d{k}", decode_address="x:1"
+        ).SerializeToString()
 
     async def publish(self, subject: str, data: bytes) -> None:
         self.published.append((subject, data))
@@ -103,17 +111,23 @@ class FlakyBus(FakeBus):
         script = self.scripts[self.attempts - 1]
         for i in range(task.sampling.max_tokens):
             if script == f"error@{i}":
-                ev = control_pb2.TokenEvent(request_id=task.request_id, index=i, error="boom",
-                                            retryable=True)
+                ev = control_pb2.TokenEvent(
+                    request_id=task.request_id, index=i, error="boom", retryable=True
+                )
                 sub.queue.put_nowait(ev.SerializeToString())
                 return
             if script == f"silent@{i}":
                 return
             last = i == task.sampling.max_tokens - 1
-            ev = control_pb2.TokenEvent(request_id=task.request_id, index=i,
-                                        token_ids=[FULL[done + i]], finished=last,
-                                        finish_reason="length" if last else "",
-                                        prompt_tokens=len(prompt), cached_tokens=0)
+            ev = control_pb2.TokenEvent(
+                request_id=task.request_id,
+                index=i,
+                token_ids=[FULL[done + i]],
+                finished=last,
+                finish_reason="length" if last else "",
+                prompt_tokens=len(prompt),
+                cached_tokens=0,
+            )
             sub.queue.put_nowait(ev.SerializeToString())
 
 
@@ -139,7 +153,10 @@ async def test_failure_after_tokens_continues_exactly_with_prompt_plus_sent() ->
     kinds = [e.WhichOneof("event") for e in events]
     assert kinds.count("ready") == 1 and kinds[-1] == "finish"
     assert events[0].ready.prompt_tokens == 3
-    assert (events[-1].finish.usage.prompt_tokens, events[-1].finish.usage.completion_tokens) == (3, 5)
+    assert (events[-1].finish.usage.prompt_tokens, events[-1].finish.usage.completion_tokens) == (
+        3,
+        5,
+    )
     second = bus.tasks()[1]
     assert list(second.prompt_token_ids) == [1, 2, 3, 7, 8] and second.sampling.max_tokens == 3
 
@@ -170,10 +187,13 @@ async def test_out_of_attempts_is_unavailable() -> None:
     bus = FlakyBus(["error@0", "error@0"])
     with pytest.raises(Aborted) as info:
         await collect(make(bus, max_attempts=2), req([1, 2, 3], max_tokens=5))
-    assert info.value.code == grpc.StatusCode.UNAVAILABLE and "after 2 attempts" in info.value.details
+    assert (
+        info.value.code == grpc.StatusCode.UNAVAILABLE and "after 2 attempts" in info.value.details
+    )
 
 
 # -- backpressure -----------------------------------------------------------------------------
+
 
 async def test_over_max_inflight_is_resource_exhausted_with_a_retry_hint() -> None:
     bus = FakeBus(lambda task: [])  # requests hang upstream: they hold their slots

@@ -6,7 +6,6 @@ import random
 
 import pytest
 
-from libs.proto.deepserve.v1 import common_pb2, generate_pb2
 from libs.gateway.policy import (
     Chunk,
     Finish,
@@ -21,6 +20,7 @@ from libs.gateway.policy import (
     lookup_prefix,
     validate_request,
 )
+from libs.proto.deepserve.v1 import common_pb2, generate_pb2
 
 LIMITS = Limits(model_name="deepseek-tiny", vocab_size=1000, max_context=4096, block_size=128)
 
@@ -29,7 +29,8 @@ def request(prompt: list[int] | None = None, **sampling: object) -> generate_pb2
     s = {"max_tokens": 16, **sampling}
     return generate_pb2.GenerateRequest(
         prompt_token_ids=[1, 2, 3] if prompt is None else prompt,
-        sampling=common_pb2.SamplingParams(**s))  # type: ignore[arg-type]
+        sampling=common_pb2.SamplingParams(**s),
+    )  # type: ignore[arg-type]
 
 
 def invalid_field(req: generate_pb2.GenerateRequest) -> str:
@@ -41,13 +42,18 @@ def invalid_field(req: generate_pb2.GenerateRequest) -> str:
 
 # -- validation --------------------------------------------------------------------------------
 
+
 def test_a_good_request_passes_with_defaults_filled_in() -> None:
     v = validate_request(request(temperature=0.7, top_k=50, seed=7, stop_token_ids=[5]), LIMITS)
     assert v.prompt_token_ids == (1, 2, 3)
     assert v.model == "deepseek-tiny"  # empty model = the served one
     assert v.request_id == ""  # assigned later
     assert v.sampling.top_p == 1.0  # 0 on the wire means 1
-    assert (v.sampling.temperature, v.sampling.top_k, v.sampling.seed) == (pytest.approx(0.7), 50, 7)
+    assert (v.sampling.temperature, v.sampling.top_k, v.sampling.seed) == (
+        pytest.approx(0.7),
+        50,
+        7,
+    )
     assert v.sampling.stop_token_ids == (5,)
     assert validate_request(request(), LIMITS).sampling.seed is None
 
@@ -78,21 +84,26 @@ def test_missing_sampling_means_no_max_tokens() -> None:
 
 def test_max_tokens_past_the_context_limit() -> None:
     validate_request(request([1] * 4000, max_tokens=96), LIMITS)  # exactly fits
-    with pytest.raises(InvalidArgument, match="sampling.max_tokens.*context limit of 4096; at most 96"):
+    with pytest.raises(
+        InvalidArgument, match="sampling.max_tokens.*context limit of 4096; at most 96"
+    ):
         validate_request(request([1] * 4000, max_tokens=97), LIMITS)
 
 
-@pytest.mark.parametrize(("sampling", "field"), [
-    ({"temperature": -0.1}, "sampling.temperature"),
-    ({"temperature": float("nan")}, "sampling.temperature"),
-    ({"temperature": float("inf")}, "sampling.temperature"),
-    ({"top_p": -0.5}, "sampling.top_p"),
-    ({"top_p": 1.5}, "sampling.top_p"),
-    ({"top_p": float("nan")}, "sampling.top_p"),
-    ({"top_k": -1}, "sampling.top_k"),
-    ({"seed": 2**63}, "sampling.seed"),
-    ({"stop_token_ids": [3, 1000]}, "sampling.stop_token_ids[1]"),
-])
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [
+        ({"temperature": -0.1}, "sampling.temperature"),
+        ({"temperature": float("nan")}, "sampling.temperature"),
+        ({"temperature": float("inf")}, "sampling.temperature"),
+        ({"top_p": -0.5}, "sampling.top_p"),
+        ({"top_p": 1.5}, "sampling.top_p"),
+        ({"top_p": float("nan")}, "sampling.top_p"),
+        ({"top_k": -1}, "sampling.top_k"),
+        ({"seed": 2**63}, "sampling.seed"),
+        ({"stop_token_ids": [3, 1000]}, "sampling.stop_token_ids[1]"),
+    ],
+)
 def test_bad_sampling_names_the_field(sampling: dict[str, object], field: str) -> None:
     assert invalid_field(request(**sampling)) == field
 
@@ -108,7 +119,9 @@ def test_bad_request_id() -> None:
 def test_unknown_model() -> None:
     req = request()
     req.model = "gpt-5"
-    with pytest.raises(UnknownModel, match="'gpt-5' is not served here; available: 'deepseek-tiny'"):
+    with pytest.raises(
+        UnknownModel, match="'gpt-5' is not served here; available: 'deepseek-tiny'"
+    ):
         validate_request(req, LIMITS)
 
 
@@ -121,6 +134,7 @@ def test_lookup_covers_full_blocks_inside_prompt_minus_one() -> None:
 
 
 # -- reordering --------------------------------------------------------------------------------
+
 
 def tokens_of(chunks: list[Chunk]) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
@@ -195,6 +209,7 @@ def test_a_gap_that_never_fills_overflows() -> None:
 
 
 # -- what the client sees ----------------------------------------------------------------------
+
 
 def test_stream_emits_ready_tokens_finish_with_usage() -> None:
     s = RequestStream(prompt_tokens=300, max_tokens=3)

@@ -6,7 +6,9 @@ from libs.engine.sampling_params import SamplingParams
 from libs.serving.fake_engine import FakeEngine, fake_completion
 
 
-def run(engine: FakeEngine, rid: str, prompt: list[int], max_tokens: int, **kw: object) -> list[int]:
+def run(
+    engine: FakeEngine, rid: str, prompt: list[int], max_tokens: int, **kw: object
+) -> list[int]:
     engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens), **kw)  # type: ignore[arg-type]
     out: list[int] = []
     while engine.has_unfinished():
@@ -24,11 +26,17 @@ def test_output_is_the_hash_completion_and_resuming_from_prompt_plus_output_is_e
 
 
 def test_kv_moves_between_two_fake_engines_like_prefill_to_decode() -> None:
-    pre, dec = FakeEngine(step_seconds=0, token_seconds=0), FakeEngine(step_seconds=0, token_seconds=0)
+    pre, dec = (
+        FakeEngine(step_seconds=0, token_seconds=0),
+        FakeEngine(step_seconds=0, token_seconds=0),
+    )
     prompt = list(range(5, 305))
     first = run(pre, "r", prompt, 1, hold_kv=True)
     frame = pre.export_kv("r", include_partial=True)
     pre.release("r")
     rest = run(dec, "r", prompt + first, 7, kv=frame)
     assert first + rest == fake_completion(prompt, 8)
-    assert pre.blocks.num_free == pre.blocks.num_blocks and dec.blocks.num_free == dec.blocks.num_blocks
+    assert (
+        pre.blocks.num_free == pre.blocks.num_blocks
+        and dec.blocks.num_free == dec.blocks.num_blocks
+    )

@@ -43,10 +43,14 @@ def test_continuing_a_chain_matches_hashing_from_scratch() -> None:
 
 
 def test_same_digests_in_another_process_with_another_hash_seed() -> None:
-    code = ("from libs.common.hashchain import chain_hashes; "
-            "print(chain_hashes(list(range(1000, 1700)), 128, b'x')[-1].hex())")
+    code = (
+        "from libs.common.hashchain import chain_hashes; "
+        "print(chain_hashes(list(range(1000, 1700)), 128, b'x')[-1].hex())"
+    )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
     assert out.stdout.strip() == chain_hashes(TOKENS, 128, b"x")[-1].hex()
 
 

@@ -39,8 +39,9 @@ def _weights(h: int, i: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]
     return w13, w2
 
 
-def _routing(t: int, k: int, seed: int = 0,
-             skewed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _routing(
+    t: int, k: int, seed: int = 0, skewed: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x, weights, ids: distinct random experts per token, or (skewed) expert 3 in every
     token's first slot, the other slots from {5, 6}, so experts 0, 1, 2, 4, 7 get nothing."""
     g = torch.Generator().manual_seed(seed)
@@ -55,8 +56,14 @@ def _routing(t: int, k: int, seed: int = 0,
 
 
 def test_reference_matches_model_experts() -> None:
-    cfg = ModelConfig(n_routed_experts=E, num_experts_per_tok=3, n_group=1, topk_group=1,
-                      hidden_size=64, moe_intermediate_size=128)
+    cfg = ModelConfig(
+        n_routed_experts=E,
+        num_experts_per_tok=3,
+        n_group=1,
+        topk_group=1,
+        hidden_size=64,
+        moe_intermediate_size=128,
+    )
     experts = Experts(cfg, torch.float32, torch.device("cpu"))
     w13, w2 = _weights(64, 128)
     experts.w13.data.copy_(w13)
@@ -84,11 +91,19 @@ def test_align_covers_every_pair_once_in_its_experts_blocks() -> None:
     assert total.item() == int(((counts + block_m - 1) // block_m * block_m).sum())
 
 
-@pytest.mark.parametrize(("t", "k", "e", "block_m", "mode"), [
-    (1, 2, 8, 16, "random"), (37, 3, 8, 16, "random"), (37, 3, 8, 16, "skewed"),
-    (64, 6, 64, 16, "random"), (256, 6, 64, 64, "random"), (40, 8, 256, 16, "skewed"),
-    (300, 4, 16, 32, "one_expert"), (1100, 2, 8, 16, "random"),
-])
+@pytest.mark.parametrize(
+    ("t", "k", "e", "block_m", "mode"),
+    [
+        (1, 2, 8, 16, "random"),
+        (37, 3, 8, 16, "random"),
+        (37, 3, 8, 16, "skewed"),
+        (64, 6, 64, 16, "random"),
+        (256, 6, 64, 64, "random"),
+        (40, 8, 256, 16, "skewed"),
+        (300, 4, 16, 32, "one_expert"),
+        (1100, 2, 8, 16, "random"),
+    ],
+)
 def test_align_kernel_matches_sort(t: int, k: int, e: int, block_m: int, mode: str) -> None:
     """The one-launch Triton alignment gives buffers identical to the argsort path, including
     experts without tokens, one expert in every token, and more pairs than one 1024-chunk."""
@@ -96,8 +111,9 @@ def test_align_kernel_matches_sort(t: int, k: int, e: int, block_m: int, mode: s
     if mode == "skewed":  # a few experts take everything, most get nothing
         ids = torch.randint(0, 3, (t, k), generator=g) * (e // 3)
     elif mode == "one_expert":
-        ids = torch.cat([torch.full((t, 1), e - 1), torch.randint(0, e - 1, (t, k - 1),
-                                                                   generator=g)], dim=1)
+        ids = torch.cat(
+            [torch.full((t, 1), e - 1), torch.randint(0, e - 1, (t, k - 1), generator=g)], dim=1
+        )
     else:
         ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     for dtype in (torch.int64, torch.int32):
@@ -127,9 +143,15 @@ def test_e2m1_decode_all_nibbles() -> None:
     assert torch.equal(hi * 16384, table[codes // 16])
 
 
-@pytest.mark.parametrize(("t", "k", "i", "skewed"), [
-    (1, 2, 64, False), (5, 3, 128, False), (37, 2, 64, False), (37, 3, 128, True),
-])
+@pytest.mark.parametrize(
+    ("t", "k", "i", "skewed"),
+    [
+        (1, 2, 64, False),
+        (5, 3, 128, False),
+        (37, 2, 64, False),
+        (37, 3, 128, True),
+    ],
+)
 def test_fused_moe_fp32_matches_reference(t: int, k: int, i: int, skewed: bool) -> None:
     w13, w2 = _weights(64, i, seed=t)
     x, weights, ids = _routing(t, k, seed=t, skewed=skewed)
@@ -147,8 +169,10 @@ def test_fused_moe_uneven_shapes_and_configs() -> None:
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(t)]).to(torch.int32)
     weights = torch.rand(t, k, generator=g)
     ref = fused_moe_reference(x, w13, w2, weights, ids)
-    for cfg in ({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1},
-                {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4}):
+    for cfg in (
+        {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1},
+        {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 4},
+    ):
         cfg |= {"num_warps": 4, "num_stages": 2}
         assert _rel(fused_moe(x, w13, w2, weights, ids, config=cfg), ref) < 1e-3
 
@@ -184,8 +208,9 @@ def test_fp4_byte_layout() -> None:
     assert q.packed.dtype == torch.uint8 and q.shape == (1, 1, 128)
     codes = torch.where(w == 0, 0, codes)  # -0 is stored as +0
     lo = torch.arange(32)
-    expect = torch.cat([codes[..., 64 * j + lo] | (codes[..., 64 * j + 32 + lo] << 4)
-                        for j in range(2)], dim=-1)
+    expect = torch.cat(
+        [codes[..., 64 * j + lo] | (codes[..., 64 * j + 32 + lo] << 4) for j in range(2)], dim=-1
+    )
     assert torch.equal(q.packed.long(), expect)
     assert torch.equal(q.scales.float(), torch.ones(1, 1, 4))
 
@@ -224,14 +249,21 @@ def test_fused_moe_fp4_matches_reference(t: int, k: int, skewed: bool) -> None:
     w13, w2 = _weights(64, 128, seed=9)
     q13, q2 = quantize_fp4(w13), quantize_fp4(w2)
     x, weights, ids = _routing(t, k, seed=9, skewed=skewed)
-    ref = fused_moe_reference(x, dequantize_fp4(q13, torch.float32),
-                              dequantize_fp4(q2, torch.float32), weights, ids)
+    ref = fused_moe_reference(
+        x, dequantize_fp4(q13, torch.float32), dequantize_fp4(q2, torch.float32), weights, ids
+    )
     out = torch.full((t, 64), float("nan"))
     fused_moe(x, q13, q2, weights, ids, out=out)
     assert _rel(out, ref) < 1e-3
     assert _rel(fused_moe_reference(x, q13, q2, weights, ids), ref) < 1e-6
-    cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 2, "num_warps": 4,
-           "num_stages": 2}
+    cfg = {
+        "BLOCK_M": 16,
+        "BLOCK_N": 32,
+        "BLOCK_K": 128,
+        "GROUP_M": 2,
+        "num_warps": 4,
+        "num_stages": 2,
+    }
     assert _rel(fused_moe(x, q13, q2, weights, ids, config=cfg), ref) < 1e-3
 
 
@@ -256,12 +288,21 @@ def test_default_config_decode_and_prefill() -> None:
     assert default_config(256, 6, 64, 2816, 2048, fp4=False)["SWAP_AB"]
     prefill = default_config(4096, 8, 256, 4096, 7168, fp4=False)
     assert (prefill["BLOCK_M"], prefill["BLOCK_N"], prefill["BLOCK_K"], prefill["num_warps"]) == (
-        128, 128, 64, 8)
+        128,
+        128,
+        64,
+        8,
+    )
 
 
-@pytest.mark.parametrize(("block_m", "block_n", "block_k", "skewed"), [
-    (16, 32, 32, False), (32, 64, 64, True), (16, 64, 128, True),
-])
+@pytest.mark.parametrize(
+    ("block_m", "block_n", "block_k", "skewed"),
+    [
+        (16, 32, 32, False),
+        (32, 64, 64, True),
+        (16, 64, 128, True),
+    ],
+)
 def test_fused_moe_swap_ab_fp32(block_m: int, block_n: int, block_k: int, skewed: bool) -> None:
     """SWAP_AB (weights as tl.dot's A operand, transposed tiles) on bf16-path (fp32) weights,
     including sizes that are not tile multiples."""
@@ -272,23 +313,41 @@ def test_fused_moe_swap_ab_fp32(block_m: int, block_n: int, block_k: int, skewed
     x, weights, ids = _routing(23, 3, seed=11, skewed=skewed)
     x = torch.randn(23, h, generator=g)
     ref = fused_moe_reference(x, w13, w2, weights, ids)
-    cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 1,
-           "num_warps": 4, "num_stages": 3, "SWAP_AB": True}
+    cfg = {
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "BLOCK_K": block_k,
+        "GROUP_M": 1,
+        "num_warps": 4,
+        "num_stages": 3,
+        "SWAP_AB": True,
+    }
     out = torch.full((23, h), float("nan"))
     fused_moe(x, w13, w2, weights, ids, out=out, config=cfg)
     assert _rel(out, ref) < 1e-3
 
 
-@pytest.mark.parametrize(("block_m", "block_n", "block_k", "skewed"), [
-    (16, 64, 64, False), (32, 32, 128, True),
-])
+@pytest.mark.parametrize(
+    ("block_m", "block_n", "block_k", "skewed"),
+    [
+        (16, 64, 64, False),
+        (32, 32, 128, True),
+    ],
+)
 def test_fused_moe_swap_ab_fp4(block_m: int, block_n: int, block_k: int, skewed: bool) -> None:
     w13, w2 = _weights(64, 128, seed=12)
     q13, q2 = quantize_fp4(w13), quantize_fp4(w2)
     x, weights, ids = _routing(19, 3, seed=12, skewed=skewed)
     ref = fused_moe_reference(x, q13, q2, weights, ids)
-    cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 1,
-           "num_warps": 4, "num_stages": 4, "SWAP_AB": True}
+    cfg = {
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "BLOCK_K": block_k,
+        "GROUP_M": 1,
+        "num_warps": 4,
+        "num_stages": 4,
+        "SWAP_AB": True,
+    }
     out = torch.full((19, 64), float("nan"))
     fused_moe(x, q13, q2, weights, ids, out=out, config=cfg)
     assert _rel(out, ref) < 1e-3
@@ -304,7 +363,14 @@ def test_fused_moe_swap_ab_fp4(block_m: int, block_n: int, block_k: int, skewed:
 def test_swap_ab_rejects_block_m_below_16() -> None:
     w13, w2 = _weights(64, 64, seed=14)
     x, weights, ids = _routing(3, 2, seed=14)
-    cfg = {"BLOCK_M": 8, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4,
-           "num_stages": 2, "SWAP_AB": True}
+    cfg = {
+        "BLOCK_M": 8,
+        "BLOCK_N": 32,
+        "BLOCK_K": 64,
+        "GROUP_M": 1,
+        "num_warps": 4,
+        "num_stages": 2,
+        "SWAP_AB": True,
+    }
     with pytest.raises(ValueError, match="SWAP_AB"):
         fused_moe(x, w13, w2, weights, ids, config=cfg)

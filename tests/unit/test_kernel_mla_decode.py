@@ -26,8 +26,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def _block_table(seq_lens: list[int], block_size: int, max_blocks: int,
-                 gen: torch.Generator) -> tuple[torch.Tensor, int]:
+def _block_table(
+    seq_lens: list[int], block_size: int, max_blocks: int, gen: torch.Generator
+) -> tuple[torch.Tensor, int]:
     """Shuffled pages from a pool twice the need; unused entries are -1. Returns (table, slots)."""
     pool = 2 * len(seq_lens) * max_blocks
     pages = torch.randperm(pool, generator=gen)
@@ -47,9 +48,16 @@ def _case(b_lens: list[int], h: int, r: int, p: int, block_size: int, seed: int 
     # [slots, R + P + 4] tensor whose first R + P columns are the latent cache.
     q = torch.randn(b, h, r + p + 8, generator=gen)
     kv = torch.randn(slots, r + p + 4, generator=gen)
-    return dict(q_lat=q[..., :r], q_pe=q[..., r : r + p], latent=kv[:, :r], rope=kv[:, r : r + p],
-                block_table=table, seq_lens=torch.tensor(b_lens, dtype=torch.int32),
-                block_size=block_size, sm_scale=(r + p) ** -0.5)
+    return dict(
+        q_lat=q[..., :r],
+        q_pe=q[..., r : r + p],
+        latent=kv[:, :r],
+        rope=kv[:, r : r + p],
+        block_table=table,
+        seq_lens=torch.tensor(b_lens, dtype=torch.int32),
+        block_size=block_size,
+        sm_scale=(r + p) ** -0.5,
+    )
 
 
 def _run(case: dict, **kw: object) -> torch.Tensor:
@@ -76,8 +84,9 @@ CASES = [
 
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("lens,h,r,p,bs", CASES)
-def test_fp32_cache_matches_reference(lens: list[int], h: int, r: int, p: int, bs: int,
-                                      num_splits: int) -> None:
+def test_fp32_cache_matches_reference(
+    lens: list[int], h: int, r: int, p: int, bs: int, num_splits: int
+) -> None:
     case = _case(lens, h, r, p, bs)
     out = _run(case, num_splits=num_splits)
     ref = mla_decode_reference(**case)
@@ -177,8 +186,13 @@ def test_reference_matches_model_absorbed_path() -> None:
 
     w_uk, w_uv = attn._kv_b()
     q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
-    case = dict(case, q_lat=q_lat, latent=cache[:, : cfg.kv_lora_rank],
-                rope=cache[:, cfg.kv_lora_rank :], sm_scale=attn.scale)
+    case = dict(
+        case,
+        q_lat=q_lat,
+        latent=cache[:, : cfg.kv_lora_rank],
+        rope=cache[:, cfg.kv_lora_rank :],
+        sm_scale=attn.scale,
+    )
     for o_lat in (mla_decode_reference(**case), _run(case, num_splits=2)):
         got = torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
         assert _rel(got, expected) < 1e-4

@@ -51,8 +51,12 @@ def test_placement_needs_twelve_distinct_targets() -> None:
 def test_ttl_by_traffic_class_from_last_use() -> None:
     r = Retention()
     now = 100 * DAY_S
-    blocks = chain("c", 2, now - 6.9 * DAY_S) + chain("a", 2, now - 3.1 * DAY_S, cls="agent") \
-        + chain("x", 1, now - 7.1 * DAY_S) + chain("y", 1, now - 2.9 * DAY_S, cls="agent")
+    blocks = (
+        chain("c", 2, now - 6.9 * DAY_S)
+        + chain("a", 2, now - 3.1 * DAY_S, cls="agent")
+        + chain("x", 1, now - 7.1 * DAY_S)
+        + chain("y", 1, now - 2.9 * DAY_S, cls="agent")
+    )
     plan = plan_reclaim(blocks, r, now)
     assert set(plan.expired) == {"a00", "a01", "x00"} and not plan.evicted
     assert r.ttl("unknown-class") == 7 * DAY_S

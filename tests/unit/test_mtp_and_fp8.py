@@ -26,7 +26,9 @@ def _with_mtp_tensors(src: Path, dst: Path, n_layers: int, seed: int) -> dict[st
     mtp = {}
     for k, v in state.items():
         if k.startswith(last):
-            mtp[f"model.layers.{n_layers}." + k[len(last):]] = v + 0.02 * torch.randn(v.shape, generator=g)
+            mtp[f"model.layers.{n_layers}." + k[len(last) :]] = v + 0.02 * torch.randn(
+                v.shape, generator=g
+            )
     h = state["model.embed_tokens.weight"].shape[1]
     pre = f"model.layers.{n_layers}."
     mtp[pre + "enorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
@@ -36,14 +38,20 @@ def _with_mtp_tensors(src: Path, dst: Path, n_layers: int, seed: int) -> dict[st
     mtp[pre + "embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
     mtp[pre + "shared_head.head.weight"] = state["lm_head.weight"].clone()
     save_file({**state, **mtp}, str(dst / "model.safetensors"))
-    (dst / "config.json").write_text((src / "config.json").read_text().replace(
-        '"num_nextn_predict_layers": 0', '"num_nextn_predict_layers": 1'))
+    (dst / "config.json").write_text(
+        (src / "config.json")
+        .read_text()
+        .replace('"num_nextn_predict_layers": 0', '"num_nextn_predict_layers": 1')
+    )
     return mtp
 
 
 def test_mtp_layer_matches_a_transformers_decoder_layer_reference(tmp_path: Path) -> None:
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
-        DeepseekV3DecoderLayer, DeepseekV3RMSNorm, DeepseekV3RotaryEmbedding)
+        DeepseekV3DecoderLayer,
+        DeepseekV3RMSNorm,
+        DeepseekV3RotaryEmbedding,
+    )
 
     hf = build_hf("v3-yarn-grouped", seed=11)
     base = save_hf(hf, tmp_path / "base")
@@ -73,14 +81,28 @@ def test_mtp_layer_matches_a_transformers_decoder_layer_reference(tmp_path: Path
 
     pre = f"model.layers.{n}."
     layer = DeepseekV3DecoderLayer(hf.config, layer_idx=n).eval()
-    own = {k[len(pre):]: v for k, v in mtp.items() if k.startswith(pre) and k[len(pre):].split(".")[0]
-           in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")}
+    own = {
+        k[len(pre) :]: v
+        for k, v in mtp.items()
+        if k.startswith(pre)
+        and k[len(pre) :].split(".")[0]
+        in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+    }
     experts = hf.config.n_routed_experts  # transformers holds experts fused in memory
-    own["mlp.experts.gate_up_proj"] = torch.stack([torch.cat((own.pop(f"mlp.experts.{e}.gate_proj.weight"),
-                                                              own.pop(f"mlp.experts.{e}.up_proj.weight")))
-                                                   for e in range(experts)])
-    own["mlp.experts.down_proj"] = torch.stack([own.pop(f"mlp.experts.{e}.down_proj.weight")
-                                                for e in range(experts)])
+    own["mlp.experts.gate_up_proj"] = torch.stack(
+        [
+            torch.cat(
+                (
+                    own.pop(f"mlp.experts.{e}.gate_proj.weight"),
+                    own.pop(f"mlp.experts.{e}.up_proj.weight"),
+                )
+            )
+            for e in range(experts)
+        ]
+    )
+    own["mlp.experts.down_proj"] = torch.stack(
+        [own.pop(f"mlp.experts.{e}.down_proj.weight") for e in range(experts)]
+    )
     layer.load_state_dict(own)
     norms = {}
     for name in ("enorm", "hnorm", "shared_head.norm"):
@@ -88,7 +110,10 @@ def test_mtp_layer_matches_a_transformers_decoder_layer_reference(tmp_path: Path
         norms[name].weight.data.copy_(mtp[pre + name + ".weight"])
     with torch.no_grad():
         emb = torch.nn.functional.embedding(next_ids, mtp[pre + "embed_tokens.weight"])
-        x = torch.cat((norms["enorm"](emb), norms["hnorm"](hidden)), -1) @ mtp[pre + "eh_proj.weight"].T
+        x = (
+            torch.cat((norms["enorm"](emb), norms["hnorm"](hidden)), -1)
+            @ mtp[pre + "eh_proj.weight"].T
+        )
         cos_sin = DeepseekV3RotaryEmbedding(hf.config)(x[None], pos[None])
         mask = torch.full((L, L), float("-inf")).triu(1)[None, None]
         x = layer(x[None], attention_mask=mask, position_embeddings=cos_sin)[0]
@@ -103,10 +128,10 @@ def _quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty_like(w, dtype=torch.float8_e4m3fn)
     for i in range(tr):
         for j in range(tc):
-            tile = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+            tile = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
             s = tile.abs().max().clamp_min(1e-12) / 448.0
             scale[i, j] = s
-            q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (tile / s).to(torch.float8_e4m3fn)
+            q[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = (tile / s).to(torch.float8_e4m3fn)
     return q, scale
 
 
@@ -121,7 +146,9 @@ def test_fp8_block_quantized_weights_are_dequantized_on_load(tmp_path: Path) -> 
         q, s = _quantize_fp8(state[k])
         state[k], state[k + "_scale_inv"] = q, s
         rows, cols = q.shape
-        expected[k] = q.float() * s.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+        expected[k] = (
+            q.float() * s.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+        )
     out = tmp_path / "fp8"
     out.mkdir()
     save_file(state, str(out / "model.safetensors"))
@@ -129,4 +156,6 @@ def test_fp8_block_quantized_weights_are_dequantized_on_load(tmp_path: Path) -> 
     params = dict(Engine(EngineConfig(model=str(out), num_kv_blocks=8)).model.named_parameters())
     for k, want in expected.items():
         assert torch.equal(params[k], want), k
-        assert (params[k] - load_file(str(base / "model.safetensors"))[k]).abs().max() < 0.1 * want.abs().max()
+        assert (
+            params[k] - load_file(str(base / "model.safetensors"))[k]
+        ).abs().max() < 0.1 * want.abs().max()

@@ -47,8 +47,17 @@ def engine_logits(engine: Engine, prompts: list[list[int]]) -> list[torch.Tensor
 
 
 def _engine(path: Path, **kw: object) -> Engine:
-    return Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", block_size=16,
-                               num_kv_blocks=256, time_budget_s=None, **kw))  # type: ignore[arg-type]
+    return Engine(
+        EngineConfig(
+            model=str(path),
+            device="cpu",
+            dtype="float32",
+            block_size=16,
+            num_kv_blocks=256,
+            time_budget_s=None,
+            **kw,
+        )
+    )  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -80,7 +89,7 @@ def test_greedy_continuations_match_transformers(saved, absorb: bool) -> None:
     while engine.has_unfinished():
         engine.step()
     for i, p in enumerate(prompts):
-        ours = list(engine.info(f"g{i}").token_ids[len(p):])
+        ours = list(engine.info(f"g{i}").token_ids[len(p) :])
         assert ours == hf_greedy(hf, p, 32), f"{name}: greedy continuation differs for prompt {i}"
 
 

@@ -21,8 +21,10 @@ BS = 16
 
 
 def make(tiny_loaded) -> Engine:
-    return Engine(EngineConfig(model="tiny", block_size=BS, num_kv_blocks=256, time_budget_s=None),
-                  loaded=tiny_loaded)
+    return Engine(
+        EngineConfig(model="tiny", block_size=BS, num_kv_blocks=256, time_budget_s=None),
+        loaded=tiny_loaded,
+    )
 
 
 def prompt(n: int, salt: int) -> list[int]:
@@ -54,6 +56,7 @@ class Bus:
             while not any(e.finished for e in self.events[subjects.token_events(rid)]):
                 self.changed.clear()
                 await self.changed.wait()
+
         await asyncio.wait_for(done(), timeout)
         return sorted(self.events[subjects.token_events(rid)], key=lambda e: e.index)
 
@@ -97,28 +100,53 @@ async def stack(tiny_loaded):
     ploop, dloop = EngineLoop(make(tiny_loaded), name="p"), EngineLoop(make(tiny_loaded), name="d")
     ploop.start()
     dloop.start()
-    decode = DecodeHandler(dloop, bus.publish, instance_id="decode-0", model_name="m",
-                           address="inproc:0", block_size=BS)
+    decode = DecodeHandler(
+        dloop,
+        bus.publish,
+        instance_id="decode-0",
+        model_name="m",
+        address="inproc:0",
+        block_size=BS,
+    )
     pusher = DirectPusher(decode)
     kv = MemoryKVStore()
-    prefill = PrefillHandler(ploop, bus.publish, pusher, instance_id="prefill-0", model_name="m",
-                             block_size=BS, max_model_len=163840, kvstore=kv)
+    prefill = PrefillHandler(
+        ploop,
+        bus.publish,
+        pusher,
+        instance_id="prefill-0",
+        model_name="m",
+        block_size=BS,
+        max_model_len=163840,
+        kvstore=kv,
+    )
     yield bus, prefill, decode, pusher, kv
     await ploop.close()
     await dloop.close()
 
 
-def task(rid: str, p: list[int], sp: SamplingParams, cached_blocks: int = 0) -> control_pb2.PrefillTask:
-    return control_pb2.PrefillTask(request_id=rid, prompt_token_ids=p, sampling=sampling_to_proto(sp),
-                                   cached_blocks=cached_blocks, decode_instance="decode-0",
-                                   decode_address="inproc:0", events_subject=subjects.token_events(rid))
+def task(
+    rid: str, p: list[int], sp: SamplingParams, cached_blocks: int = 0
+) -> control_pb2.PrefillTask:
+    return control_pb2.PrefillTask(
+        request_id=rid,
+        prompt_token_ids=p,
+        sampling=sampling_to_proto(sp),
+        cached_blocks=cached_blocks,
+        decode_instance="decode-0",
+        decode_address="inproc:0",
+        events_subject=subjects.token_events(rid),
+    )
 
 
 async def test_handoff_gives_the_engines_tokens(stack, tiny_loaded) -> None:
     bus, prefill, decode, _, _ = stack
     cases = {
         "greedy": (prompt(37, 1), SamplingParams(max_tokens=8, ignore_eos=True)),
-        "seeded": (prompt(20, 2), SamplingParams(temperature=0.9, top_k=40, seed=5, max_tokens=8, ignore_eos=True)),
+        "seeded": (
+            prompt(20, 2),
+            SamplingParams(temperature=0.9, top_k=40, seed=5, max_tokens=8, ignore_eos=True),
+        ),
     }
     for rid, (p, sp) in cases.items():
         prefill.submit(task(rid, p, sp))
@@ -155,8 +183,16 @@ async def test_cached_prefix_from_kvstore_gives_the_same_tokens(stack, tiny_load
     ploop = EngineLoop(make(tiny_loaded), name="p2")
     ploop.start()
     try:
-        cold = PrefillHandler(ploop, bus.publish, prefill.pusher, instance_id="prefill-1",
-                              model_name="m", block_size=BS, max_model_len=163840, kvstore=kv)
+        cold = PrefillHandler(
+            ploop,
+            bus.publish,
+            prefill.pusher,
+            instance_id="prefill-1",
+            model_name="m",
+            block_size=BS,
+            max_model_len=163840,
+            kvstore=kv,
+        )
         follow = shared + [7, 8, 9]
         cold.submit(task("hit", follow, sp, cached_blocks=3))
         events = await bus.wait_done("hit")
@@ -201,7 +237,11 @@ async def test_abort_stops_decode_and_frees_its_blocks(stack) -> None:
     assert not any(e.finished for e in bus.events[subject])  # client aborts get no answer
     assert await decode.loop.call(lambda e: e.blocks.num_used) == 0
     # A push that arrives after its abort is refused.
-    late = control_pb2.DecodeTask(request_id=rid, token_ids=[1, 2, 3], num_prompt_tokens=2,
-                                  sampling=sampling_to_proto(SamplingParams(max_tokens=5)))
+    late = control_pb2.DecodeTask(
+        request_id=rid,
+        token_ids=[1, 2, 3],
+        num_prompt_tokens=2,
+        sampling=sampling_to_proto(SamplingParams(max_tokens=5)),
+    )
     reply = await decode.accept(late, b"")
     assert not reply.accepted and "aborted" in reply.error

@@ -8,7 +8,7 @@ import torch
 from libs.engine.config import ModelConfig
 from libs.engine.kv.layout import mla_cache_spec
 from libs.engine.model.model import DeepseekForCausalLM
-from libs.engine.presets import PRESETS, _hash32, _M32, uniform_block
+from libs.engine.presets import _M32, PRESETS, _hash32, uniform_block
 
 CPU = torch.device("cpu")
 
@@ -24,8 +24,11 @@ def _lowbias32(x: int) -> int:
 def test_weight_stream_matches_its_plain_python_definition() -> None:
     key, start = 0xABCDEF, (5 << 32) + 100
     hi = _lowbias32(((start >> 32) * 0x85EBCA6B + key) & 0xFFFFFFFF)
-    expect = [(_lowbias32(((((start + i) & 0xFFFFFFFF) * 0x9E3779B1) + hi) & 0xFFFFFFFF) >> 8) * 2.0**-23 - 1.0
-              for i in range(5)]
+    expect = [
+        (_lowbias32(((((start + i) & 0xFFFFFFFF) * 0x9E3779B1) + hi) & 0xFFFFFFFF) >> 8) * 2.0**-23
+        - 1.0
+        for i in range(5)
+    ]
     got = uniform_block(key, start, 5, CPU).tolist()
     assert got == expect
 
@@ -57,12 +60,21 @@ def _billions(cfg: ModelConfig, with_mtp: bool = False) -> float:
     return sum(p.numel() for p in model.parameters()) / 1e9
 
 
-@pytest.mark.parametrize("name,cfg,billions", [
-    ("v2-lite", PRESETS["v2-lite"], 15.7),  # DeepSeek-V2-Lite: 15.7B parameters
-    ("v3-full", PRESETS["v3-slice"].replace(num_hidden_layers=61, first_k_dense_replace=3), 671.0),
-    ("v3-slice", PRESETS["v3-slice"], 36.96),  # 1 dense + 3 of the full model's MoE layers
-])
-def test_large_presets_have_the_published_shapes(name: str, cfg: ModelConfig, billions: float) -> None:
+@pytest.mark.parametrize(
+    "name,cfg,billions",
+    [
+        ("v2-lite", PRESETS["v2-lite"], 15.7),  # DeepSeek-V2-Lite: 15.7B parameters
+        (
+            "v3-full",
+            PRESETS["v3-slice"].replace(num_hidden_layers=61, first_k_dense_replace=3),
+            671.0,
+        ),
+        ("v3-slice", PRESETS["v3-slice"], 36.96),  # 1 dense + 3 of the full model's MoE layers
+    ],
+)
+def test_large_presets_have_the_published_shapes(
+    name: str, cfg: ModelConfig, billions: float
+) -> None:
     assert abs(_billions(cfg) - billions) / billions < 0.005, name
     spec = mla_cache_spec(cfg, name)
     assert spec.paged[0].bytes_per_token == 576 * 2  # latent 512 + rope 64, bf16
@@ -82,16 +94,42 @@ def test_tiny_preset_uses_the_bundled_tokenizer_vocabulary() -> None:
 
 def test_config_from_original_deepseek_v3_json() -> None:
     raw = {  # as in DeepSeek-V3's own config.json (legacy rope_scaling, fp8 quantization)
-        "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
-        "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
-        "first_k_dense_replace": 3, "num_attention_heads": 128, "q_lora_rank": 1536,
-        "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8,
-        "topk_group": 4, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
-        "routed_scaling_factor": 2.5, "max_position_embeddings": 163840, "rope_theta": 10000,
-        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-        "num_nextn_predict_layers": 1, "bos_token_id": 0, "eos_token_id": 1,
+        "model_type": "deepseek_v3",
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "first_k_dense_replace": 3,
+        "num_attention_heads": 128,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "max_position_embeddings": 163840,
+        "rope_theta": 10000,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "num_nextn_predict_layers": 1,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
         "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
     }
     cfg = ModelConfig.from_hf(raw)
@@ -100,13 +138,16 @@ def test_config_from_original_deepseek_v3_json() -> None:
     assert cfg.kv_cache_dim == 576 and cfg.rope_interleave
 
 
-@pytest.mark.parametrize("bad,match", [
-    (dict(model_type="llama"), "model_type"),
-    (dict(n_routed_experts=10, n_group=4), "equal groups"),
-    (dict(topk_group=9), "topk_group"),
-    (dict(num_experts_per_tok=300), "num_experts_per_tok"),
-    (dict(qk_rope_head_dim=7), "even"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(model_type="llama"), "model_type"),
+        (dict(n_routed_experts=10, n_group=4), "equal groups"),
+        (dict(topk_group=9), "topk_group"),
+        (dict(num_experts_per_tok=300), "num_experts_per_tok"),
+        (dict(qk_rope_head_dim=7), "even"),
+    ],
+)
 def test_bad_configs_are_refused_with_a_reason(bad, match) -> None:
     with pytest.raises(ValueError, match=match):
         PRESETS["tiny"].replace(**bad)
@@ -117,8 +158,12 @@ def test_layout_hash_names_everything_that_shapes_block_bytes() -> None:
     base = mla_cache_spec(cfg, "m", 128, "bfloat16")
     assert base.bytes_per_block == cfg.num_hidden_layers * 128 * cfg.kv_cache_dim * 2
     assert base.layout_hash() == mla_cache_spec(cfg, "m", 128, "bfloat16").layout_hash()
-    for other in (mla_cache_spec(cfg, "m", 64, "bfloat16"), mla_cache_spec(cfg, "m", 128, "float32"),
-                  mla_cache_spec(cfg, "m2", 128, "bfloat16"), mla_cache_spec(cfg, "m", 128, "bfloat16", 4)):
+    for other in (
+        mla_cache_spec(cfg, "m", 64, "bfloat16"),
+        mla_cache_spec(cfg, "m", 128, "float32"),
+        mla_cache_spec(cfg, "m2", 128, "bfloat16"),
+        mla_cache_spec(cfg, "m", 128, "bfloat16", 4),
+    ):
         assert other.layout_hash() != base.layout_hash()
     json.dumps(base.layout_hash())
 
@@ -130,7 +175,9 @@ def test_service_flags_pass_fp8_kv_and_fp4_experts_to_the_engine() -> None:
 
     parser = argparse.ArgumentParser()
     add_model_flags(parser)
-    cfg = model_flags_from(parser.parse_args(["--kv-cache-dtype", "fp8", "--experts", "fp4"])).engine_config()
+    cfg = model_flags_from(
+        parser.parse_args(["--kv-cache-dtype", "fp8", "--experts", "fp4"])
+    ).engine_config()
     assert (cfg.kv_cache_dtype, cfg.expert_dtype) == ("float8_e4m3fn", "fp4")
     default = model_flags_from(parser.parse_args([])).engine_config()
     assert (default.kv_cache_dtype, default.expert_dtype) == (None, "auto")

@@ -16,8 +16,14 @@ def test_generated_proto_code_is_fresh(tmp_path: Path) -> None:
     gen_proto.generate(fresh)
     committed = ROOT / "libs" / "proto"
     fresh_files = {p.relative_to(fresh): p.read_text() for p in fresh.rglob("*.py*")}
-    committed_files = {p.relative_to(committed): p.read_text() for p in committed.rglob("*.py*")
-                       if "__pycache__" not in p.parts}
-    stale = sorted(str(k) for k in fresh_files.keys() | committed_files.keys()
-                   if fresh_files.get(k) != committed_files.get(k))
+    committed_files = {
+        p.relative_to(committed): p.read_text()
+        for p in committed.rglob("*.py*")
+        if "__pycache__" not in p.parts
+    }
+    stale = sorted(
+        str(k)
+        for k in fresh_files.keys() | committed_files.keys()
+        if fresh_files.get(k) != committed_files.get(k)
+    )
     assert not stale, f"libs/proto is stale; run `python scripts/gen_proto.py` ({', '.join(stale)})"

@@ -26,9 +26,16 @@ from services.recipe.handlers import AppConfig, Metrics, build_app
 
 from .recipe_fakes import ANSWER, MODEL, REASONING, TOOL_CALL, FakeBackend
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather",
-                                           "parameters": {"type": "object",
-                                                          "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 NO_THINK = {"thinking": {"type": "disabled"}}
 
 
@@ -43,8 +50,17 @@ def backend(encoder: PromptEncoder) -> FakeBackend:
 
 
 def make_app(encoder: PromptEncoder, backend: FakeBackend, keys: dict[str, str] | None = None):
-    return build_app(AppConfig(model_name=MODEL, default_max_tokens=64, max_body_bytes=1 << 20,
-                               keys=KeyTable(keys or {})), encoder, backend, Metrics(CollectorRegistry()))
+    return build_app(
+        AppConfig(
+            model_name=MODEL,
+            default_max_tokens=64,
+            max_body_bytes=1 << 20,
+            keys=KeyTable(keys or {}),
+        ),
+        encoder,
+        backend,
+        Metrics(CollectorRegistry()),
+    )
 
 
 @pytest.fixture
@@ -59,14 +75,19 @@ def client(app) -> TestClient:
 
 @pytest.fixture
 def oai(app) -> openai.OpenAI:
-    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0,
-                         http_client=TestClient(app))
+    return openai.OpenAI(
+        base_url="http://testserver/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=TestClient(app),
+    )
 
 
 @pytest.fixture
 def claude(app) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url="http://testserver", api_key="unused", max_retries=0,
-                               http_client=TestClient(app))
+    return anthropic.Anthropic(
+        base_url="http://testserver", api_key="unused", max_retries=0, http_client=TestClient(app)
+    )
 
 
 def chat(**kw: Any) -> dict[str, Any]:
@@ -92,8 +113,9 @@ def test_chat_thinking_on_and_off(oai: openai.OpenAI, backend: FakeBackend) -> N
     msg = out.choices[0].message
     assert msg.content == ANSWER and msg.reasoning_content == REASONING  # type: ignore[attr-defined]
     assert out.choices[0].finish_reason == "stop"
-    out = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                      extra_body=NO_THINK)
+    out = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], extra_body=NO_THINK
+    )
     assert out.choices[0].message.content == ANSWER
     assert getattr(out.choices[0].message, "reasoning_content", None) in (None, "")
     assert backend.requests[-1].prompt_token_ids[-1] == backend.encoder.full.token_to_id("</think>")
@@ -102,9 +124,15 @@ def test_chat_thinking_on_and_off(oai: openai.OpenAI, backend: FakeBackend) -> N
 def test_thinking_default_off(backend: FakeBackend) -> None:
     """The service's default (--no-default-thinking): no thinking field, no reasoning."""
     app = make_app(PromptEncoder([MODEL]), backend)
-    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="x", max_retries=0, http_client=TestClient(app))
-    out = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0)
-    assert out.choices[0].message.content == ANSWER and backend.requests[-1].sampling.temperature == 0
+    sdk = openai.OpenAI(
+        base_url="http://testserver/v1", api_key="x", max_retries=0, http_client=TestClient(app)
+    )
+    out = sdk.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0
+    )
+    assert (
+        out.choices[0].message.content == ANSWER and backend.requests[-1].sampling.temperature == 0
+    )
 
 
 def test_chat_usage_fields(oai: openai.OpenAI, backend: FakeBackend) -> None:
@@ -112,7 +140,9 @@ def test_chat_usage_fields(oai: openai.OpenAI, backend: FakeBackend) -> None:
     out = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long}])
     u = out.usage
     n = len(backend.requests[-1].prompt_token_ids)
-    assert u.prompt_tokens == n and u.prompt_tokens_details.cached_tokens == (n - 1) // 128 * 128 > 0
+    assert (
+        u.prompt_tokens == n and u.prompt_tokens_details.cached_tokens == (n - 1) // 128 * 128 > 0
+    )
     extra = u.model_extra or {}
     assert extra["prompt_cache_hit_tokens"] == u.prompt_tokens_details.cached_tokens
     assert extra["prompt_cache_hit_tokens"] + extra["prompt_cache_miss_tokens"] == n
@@ -121,23 +151,36 @@ def test_chat_usage_fields(oai: openai.OpenAI, backend: FakeBackend) -> None:
 
 def test_chat_tool_call_and_agent_class(oai: openai.OpenAI, backend: FakeBackend) -> None:
     backend.script = TOOL_CALL
-    out = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "weather?"}],
-                                      tools=TOOLS, extra_body=NO_THINK)
+    out = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "weather?"}],
+        tools=TOOLS,
+        extra_body=NO_THINK,
+    )
     call = out.choices[0].message.tool_calls[0]
     assert out.choices[0].finish_reason == "tool_calls"
-    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {
+        "city": "Paris"
+    }
     assert backend.requests[-1].traffic_class == common_pb2.TRAFFIC_CLASS_AGENT
-    stream = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w?"}],
-                                         tools=TOOLS, stream=True)
+    stream = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "w?"}], tools=TOOLS, stream=True
+    )
     parts = list(stream)
-    args = "".join(tc.function.arguments or "" for p in parts if p.choices
-                   for tc in (p.choices[0].delta.tool_calls or []))
+    args = "".join(
+        tc.function.arguments or ""
+        for p in parts
+        if p.choices
+        for tc in (p.choices[0].delta.tool_calls or [])
+    )
     assert json.loads(args) == {"city": "Paris"}
     assert parts[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_chat_streaming_sequence(client: TestClient) -> None:
-    r = client.post("/v1/chat/completions", json=chat(stream=True, stream_options={"include_usage": True}))
+    r = client.post(
+        "/v1/chat/completions", json=chat(stream=True, stream_options={"include_usage": True})
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = sse_events(r.text)
     assert events[-1] == (None, "[DONE]")
@@ -145,46 +188,79 @@ def test_chat_streaming_sequence(client: TestClient) -> None:
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-    reasoning = "".join(c["choices"][0]["delta"].get("reasoning_content") or ""
-                        for c in chunks if c["choices"])
+    reasoning = "".join(
+        c["choices"][0]["delta"].get("reasoning_content") or "" for c in chunks if c["choices"]
+    )
     assert (text, reasoning) == (ANSWER, REASONING)
     assert any(c.get("usage") for c in chunks)
 
 
 def test_chat_stream_sdk(oai: openai.OpenAI) -> None:
-    parts = list(oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                             stream=True, stream_options={"include_usage": True},
-                                             extra_body=NO_THINK))
+    parts = list(
+        oai.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=NO_THINK,
+        )
+    )
     assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == ANSWER
     assert [p.usage for p in parts if p.usage][-1].completion_tokens > 0
 
 
 def test_json_object_output(oai: openai.OpenAI, backend: FakeBackend) -> None:
     backend.script = 'Here:\n```json\n{"a": 1}\n```'
-    out = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "json please"}],
-                                      response_format={"type": "json_object"}, extra_body=NO_THINK)
+    out = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "json please"}],
+        response_format={"type": "json_object"},
+        extra_body=NO_THINK,
+    )
     assert json.loads(out.choices[0].message.content) == {"a": 1}
 
 
-def test_stop_sequence_ends_the_answer_and_the_generation(oai: openai.OpenAI, backend: FakeBackend) -> None:
-    out = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                      stop=["世界"], extra_body=NO_THINK)
+def test_stop_sequence_ends_the_answer_and_the_generation(
+    oai: openai.OpenAI, backend: FakeBackend
+) -> None:
+    out = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        stop=["世界"],
+        extra_body=NO_THINK,
+    )
     assert out.choices[0].message.content == "Hello, " and out.choices[0].finish_reason == "stop"
     assert backend.calls[-1].cancelled
 
 
 def test_sampling_maps_into_the_token_request(oai: openai.OpenAI, backend: FakeBackend) -> None:
-    oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=7,
-                                temperature=0.3, top_p=0.5, seed=42, extra_body=NO_THINK)
+    oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=7,
+        temperature=0.3,
+        top_p=0.5,
+        seed=42,
+        extra_body=NO_THINK,
+    )
     sp = backend.requests[-1].sampling
-    assert (sp.max_tokens, round(sp.temperature, 3), round(sp.top_p, 3), sp.seed) == (7, 0.3, 0.5, 42)
+    assert (sp.max_tokens, round(sp.temperature, 3), round(sp.top_p, 3), sp.seed) == (
+        7,
+        0.3,
+        0.5,
+        42,
+    )
     assert backend.requests[-1].traffic_class == common_pb2.TRAFFIC_CLASS_CHAT
-    oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                extra_headers={"x-deepserve-traffic-class": "agent"})
+    oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        extra_headers={"x-deepserve-traffic-class": "agent"},
+    )
     assert backend.requests[-1].traffic_class == common_pb2.TRAFFIC_CLASS_AGENT
     assert backend.requests[-1].sampling.max_tokens == 64  # --default-max-tokens caps the default
-    out = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                      max_tokens=3, extra_body=NO_THINK)
+    out = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, extra_body=NO_THINK
+    )
     assert out.choices[0].finish_reason == "length"
 
 
@@ -195,8 +271,17 @@ def test_responses(oai: openai.OpenAI, backend: FakeBackend) -> None:
     assert [o.type for o in out.output] == ["reasoning", "message"]
     assert out.usage.input_tokens == len(backend.requests[-1].prompt_token_ids)
     backend.script = TOOL_CALL
-    out = oai.responses.create(model=MODEL, input="weather?", tools=[
-        {"type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}])
+    out = oai.responses.create(
+        model=MODEL,
+        input="weather?",
+        tools=[
+            {
+                "type": "function",
+                "name": "get_weather",
+                "parameters": TOOLS[0]["function"]["parameters"],
+            }
+        ],
+    )
     calls = [o for o in out.output if o.type == "function_call"]
     assert calls[0].name == "get_weather" and json.loads(calls[0].arguments) == {"city": "Paris"}
 
@@ -204,29 +289,48 @@ def test_responses(oai: openai.OpenAI, backend: FakeBackend) -> None:
 def test_responses_stream(oai: openai.OpenAI) -> None:
     events = list(oai.responses.create(model=MODEL, input="hi", stream=True))
     types = [e.type for e in events]
-    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
+    assert (
+        types[:2] == ["response.created", "response.in_progress"]
+        and types[-1] == "response.completed"
+    )
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == ANSWER
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
 # -- Anthropic Messages ----------------------------------------------------------------------------
 def test_messages_thinking_on_and_off(claude: anthropic.Anthropic) -> None:
-    out = claude.messages.create(model=MODEL, max_tokens=100, messages=[{"role": "user", "content": "hi"}],
-                                 thinking={"type": "enabled", "budget_tokens": 1024})
+    out = claude.messages.create(
+        model=MODEL,
+        max_tokens=100,
+        messages=[{"role": "user", "content": "hi"}],
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    )
     assert [b.type for b in out.content] == ["thinking", "text"]
     assert out.content[0].thinking == REASONING and out.content[1].text == ANSWER
     assert out.stop_reason == "end_turn" and out.usage.output_tokens > 0
-    out = claude.messages.create(model=MODEL, max_tokens=100, messages=[{"role": "user", "content": "hi"}],
-                                 thinking={"type": "disabled"})
+    out = claude.messages.create(
+        model=MODEL,
+        max_tokens=100,
+        messages=[{"role": "user", "content": "hi"}],
+        thinking={"type": "disabled"},
+    )
     assert [b.type for b in out.content] == ["text"] and out.content[0].text == ANSWER
 
 
 def test_messages_usage_and_tool_use(claude: anthropic.Anthropic, backend: FakeBackend) -> None:
     backend.script = TOOL_CALL
-    out = claude.messages.create(model=MODEL, max_tokens=100, messages=[{"role": "user", "content": "w " * 400}],
-                                 tools=[{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}])
+    out = claude.messages.create(
+        model=MODEL,
+        max_tokens=100,
+        messages=[{"role": "user", "content": "w " * 400}],
+        tools=[{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}],
+    )
     use = next(b for b in out.content if b.type == "tool_use")
-    assert out.stop_reason == "tool_use" and use.name == "get_weather" and use.input == {"city": "Paris"}
+    assert (
+        out.stop_reason == "tool_use"
+        and use.name == "get_weather"
+        and use.input == {"city": "Paris"}
+    )
     n = len(backend.requests[-1].prompt_token_ids)
     cached = (n - 1) // 128 * 128
     assert out.usage.cache_read_input_tokens == cached > 0 and out.usage.input_tokens == n - cached
@@ -234,8 +338,12 @@ def test_messages_usage_and_tool_use(claude: anthropic.Anthropic, backend: FakeB
 
 
 def test_messages_stream(claude: anthropic.Anthropic) -> None:
-    with claude.messages.stream(model=MODEL, max_tokens=100, messages=[{"role": "user", "content": "hi"}],
-                                thinking={"type": "enabled", "budget_tokens": 1024}) as stream:
+    with claude.messages.stream(
+        model=MODEL,
+        max_tokens=100,
+        messages=[{"role": "user", "content": "hi"}],
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    ) as stream:
         types = [e.type for e in stream]
         final = stream.get_final_message()
     assert types[0] == "message_start" and types[-1] == "message_stop"
@@ -243,9 +351,14 @@ def test_messages_stream(claude: anthropic.Anthropic) -> None:
 
 
 def test_count_tokens(claude: anthropic.Anthropic, encoder: PromptEncoder) -> None:
-    n = claude.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}]).input_tokens
-    conv = anthropic_conv = __import__("deepseek_recipe").MessagesRequest(
-        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).convert(encoder.options)
+    n = claude.messages.count_tokens(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}]
+    ).input_tokens
+    conv = anthropic_conv = (
+        __import__("deepseek_recipe")
+        .MessagesRequest({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        .convert(encoder.options)
+    )
     assert n == len(encoder.encode_reference(conv.conversation)) > 5
     del anthropic_conv
 
@@ -256,7 +369,9 @@ def test_errors_openai_shape(oai: openai.OpenAI, backend: FakeBackend) -> None:
         oai.chat.completions.create(model=MODEL, messages=[])
     assert e.value.body["message"] == "Empty input messages"  # the library's message
     with pytest.raises(openai.BadRequestError):
-        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=10**7)
+        oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=10**7
+        )
     with pytest.raises(openai.NotFoundError) as e:
         oai.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
     assert e.value.body["code"] == "model_not_found"
@@ -265,16 +380,22 @@ def test_errors_openai_shape(oai: openai.OpenAI, backend: FakeBackend) -> None:
     with pytest.raises(openai.NotFoundError):
         oai.responses.create(model="nope", input="x")
     with pytest.raises(openai.BadRequestError, match="logprobs"):
-        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], logprobs=True)
+        oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], logprobs=True
+        )
     assert not backend.requests, "a refused request must not reach the backend"
 
 
 def test_errors_anthropic_shape(claude: anthropic.Anthropic, client: TestClient) -> None:
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model=MODEL, max_tokens=10, messages=[])
-    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert (
+        e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    )
     with pytest.raises(anthropic.NotFoundError) as e:
-        claude.messages.create(model="claude-9", max_tokens=10, messages=[{"role": "user", "content": "x"}])
+        claude.messages.create(
+            model="claude-9", max_tokens=10, messages=[{"role": "user", "content": "x"}]
+        )
     assert e.value.body["error"]["type"] == "not_found_error"
     r = client.post("/v1/messages", content=b"x" * (2 << 20))
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
@@ -283,15 +404,33 @@ def test_errors_anthropic_shape(claude: anthropic.Anthropic, client: TestClient)
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("code, status", [
-    (grpc.StatusCode.UNAVAILABLE, 503), (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
-    (grpc.StatusCode.INVALID_ARGUMENT, 400), (grpc.StatusCode.INTERNAL, 502)])
-def test_backend_errors_map_to_http(client: TestClient, backend: FakeBackend, code, status, stream) -> None:
+@pytest.mark.parametrize(
+    "code, status",
+    [
+        (grpc.StatusCode.UNAVAILABLE, 503),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+        (grpc.StatusCode.INVALID_ARGUMENT, 400),
+        (grpc.StatusCode.INTERNAL, 502),
+    ],
+)
+def test_backend_errors_map_to_http(
+    client: TestClient, backend: FakeBackend, code, status, stream
+) -> None:
     backend.fail_at_start = BackendError(code, "nope")
-    for path, body, anth in (("/v1/chat/completions", chat(stream=stream), False),
-                             ("/v1/responses", {"model": MODEL, "input": "x", "stream": stream}, False),
-                             ("/v1/messages", {"model": MODEL, "max_tokens": 9, "stream": stream,
-                                               "messages": [{"role": "user", "content": "x"}]}, True)):
+    for path, body, anth in (
+        ("/v1/chat/completions", chat(stream=stream), False),
+        ("/v1/responses", {"model": MODEL, "input": "x", "stream": stream}, False),
+        (
+            "/v1/messages",
+            {
+                "model": MODEL,
+                "max_tokens": 9,
+                "stream": stream,
+                "messages": [{"role": "user", "content": "x"}],
+            },
+            True,
+        ),
+    ):
         r = client.post(path, json=body)
         assert r.status_code == status, (path, r.text)
         assert ("type" in r.json() and r.json()["type"] == "error") == anth
@@ -301,23 +440,38 @@ def test_backend_errors_map_to_http(client: TestClient, backend: FakeBackend, co
             assert "retry-after" not in r.headers
 
 
-def test_sdk_sees_429_and_503(oai: openai.OpenAI, claude: anthropic.Anthropic, backend: FakeBackend) -> None:
+def test_sdk_sees_429_and_503(
+    oai: openai.OpenAI, claude: anthropic.Anthropic, backend: FakeBackend
+) -> None:
     backend.fail_at_start = BackendError(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
     with pytest.raises(openai.RateLimitError):
         oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
     backend.fail_at_start = BackendError(grpc.StatusCode.UNAVAILABLE, "down")
     with pytest.raises(anthropic.InternalServerError) as e:
-        claude.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "x"}])
+        claude.messages.create(
+            model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "x"}]
+        )
     assert e.value.status_code == 503 and e.value.body["error"]["type"] == "overloaded_error"
 
 
 def test_mid_stream_failure_is_an_error_event(client: TestClient, backend: FakeBackend) -> None:
     backend.fail_after = 2
     events = sse_events(client.post("/v1/chat/completions", json=chat(stream=True)).text)
-    assert events[-1][1]["error"]["code"] == "service_unavailable" and (None, "[DONE]") not in events
+    assert (
+        events[-1][1]["error"]["code"] == "service_unavailable" and (None, "[DONE]") not in events
+    )
     backend.fail_after = 2
-    events = sse_events(client.post("/v1/messages", json={
-        "model": MODEL, "max_tokens": 50, "stream": True, "messages": [{"role": "user", "content": "x"}]}).text)
+    events = sse_events(
+        client.post(
+            "/v1/messages",
+            json={
+                "model": MODEL,
+                "max_tokens": 50,
+                "stream": True,
+                "messages": [{"role": "user", "content": "x"}],
+            },
+        ).text
+    )
     assert events[-1][0] == "error" and events[-1][1]["error"]["type"] == "overloaded_error"
 
 
@@ -327,20 +481,30 @@ def test_auth_keys_and_tenants(encoder: PromptEncoder, backend: FakeBackend) -> 
     assert keys["k-alpha"] == "acme" and keys["k-gamma"].startswith("key-")
     app = make_app(encoder, backend, keys)
     http = TestClient(app)
-    good = openai.OpenAI(base_url="http://testserver/v1", api_key="k-alpha", max_retries=0, http_client=http)
+    good = openai.OpenAI(
+        base_url="http://testserver/v1", api_key="k-alpha", max_retries=0, http_client=http
+    )
     good.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
     assert backend.requests[-1].tenant == "acme"
-    bad = openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", max_retries=0, http_client=http)
+    bad = openai.OpenAI(
+        base_url="http://testserver/v1", api_key="wrong", max_retries=0, http_client=http
+    )
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
-    claude = anthropic.Anthropic(base_url="http://testserver", api_key="k-beta", max_retries=0, http_client=http)
+    claude = anthropic.Anthropic(
+        base_url="http://testserver", api_key="k-beta", max_retries=0, http_client=http
+    )
     claude.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "x"}])
     assert backend.requests[-1].tenant == "globex"
-    claude_bad = anthropic.Anthropic(base_url="http://testserver", api_key="nope", max_retries=0, http_client=http)
+    claude_bad = anthropic.Anthropic(
+        base_url="http://testserver", api_key="nope", max_retries=0, http_client=http
+    )
     with pytest.raises(anthropic.AuthenticationError) as e:
-        claude_bad.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "x"}])
+        claude_bad.messages.create(
+            model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "x"}]
+        )
     assert e.value.body["error"]["type"] == "authentication_error"
     assert http.post("/v1/messages/count_tokens", json={}).status_code == 401
     assert http.get("/healthz").status_code == 200
@@ -355,7 +519,9 @@ def test_open_api_has_empty_tenant(oai: openai.OpenAI, backend: FakeBackend) -> 
 
 
 # -- ops routes ------------------------------------------------------------------------------------
-def test_models_health_metrics(client: TestClient, backend: FakeBackend, oai: openai.OpenAI) -> None:
+def test_models_health_metrics(
+    client: TestClient, backend: FakeBackend, oai: openai.OpenAI
+) -> None:
     assert [m.id for m in oai.models.list()] == [MODEL]
     assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
     assert client.get("/v1/models/gpt-4").status_code == 404
@@ -369,7 +535,9 @@ def test_models_health_metrics(client: TestClient, backend: FakeBackend, oai: op
 
 
 # -- client disconnects cancel the generation --------------------------------------------------
-async def _asgi(app, path: str, body: dict[str, Any], disconnect_after_chunks: int) -> list[dict[str, Any]]:
+async def _asgi(
+    app, path: str, body: dict[str, Any], disconnect_after_chunks: int
+) -> list[dict[str, Any]]:
     """Drive the ASGI app directly; the client disconnects after some body chunks."""
     sent: list[dict[str, Any]] = []
     raw = json.dumps(body).encode()
@@ -391,20 +559,43 @@ async def _asgi(app, path: str, body: dict[str, Any], disconnect_after_chunks: i
 
     if disconnect_after_chunks == 0:
         enough.set()
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": path, "raw_path": b"",
-             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
-             "client": ("127.0.0.1", 1), "server": ("testserver", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": b"",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("testserver", 80),
+    }
     await asyncio.wait_for(app(scope, receive, send), 1.0)  # aborted within a second
     return sent
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/chat/completions", chat(stream=True)),
-    ("/v1/responses", {"model": MODEL, "input": "x", "stream": True}),
-    ("/v1/messages", {"model": MODEL, "max_tokens": 50, "stream": True,
-                      "messages": [{"role": "user", "content": "x"}]})])
-async def test_disconnect_mid_stream_cancels_the_call(app, backend: FakeBackend, path, body) -> None:
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", chat(stream=True)),
+        ("/v1/responses", {"model": MODEL, "input": "x", "stream": True}),
+        (
+            "/v1/messages",
+            {
+                "model": MODEL,
+                "max_tokens": 50,
+                "stream": True,
+                "messages": [{"role": "user", "content": "x"}],
+            },
+        ),
+    ],
+)
+async def test_disconnect_mid_stream_cancels_the_call(
+    app, backend: FakeBackend, path, body
+) -> None:
     backend.hang_after = 4  # ready + 3 tokens, then the backend would wait forever
     sent = await _asgi(app, path, body, disconnect_after_chunks=2)
     assert backend.calls[-1].cancelled
@@ -412,7 +603,9 @@ async def test_disconnect_mid_stream_cancels_the_call(app, backend: FakeBackend,
 
 
 @pytest.mark.parametrize("hang_after", [0, 3])
-async def test_disconnect_before_the_answer_cancels_the_call(app, backend: FakeBackend, hang_after) -> None:
+async def test_disconnect_before_the_answer_cancels_the_call(
+    app, backend: FakeBackend, hang_after
+) -> None:
     backend.hang_after = hang_after  # 0: before the first event; 3: while collecting
     await _asgi(app, "/v1/chat/completions", chat(), disconnect_after_chunks=0)
     assert backend.calls[-1].cancelled

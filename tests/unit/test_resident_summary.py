@@ -42,9 +42,23 @@ def test_summary_is_bounded_and_reaches_the_balancer() -> None:
     assert len(summary) == 7 and all(len(d) == 8 for d in summary)
     assert summary[:4] == tuple(n[:8] for n in names[:4])
     stats = EngineStats(running=1, resident_prefixes=summary)
-    pre = instance_status(stats, instance_id="p", role=control_pb2.ROLE_PREFILL, model="m",
-                          address="", draining=False, block_size=4)
-    dec = instance_status(stats, instance_id="d", role=control_pb2.ROLE_DECODE, model="m",
-                          address="h:1", draining=False, block_size=4)
+    pre = instance_status(
+        stats,
+        instance_id="p",
+        role=control_pb2.ROLE_PREFILL,
+        model="m",
+        address="",
+        draining=False,
+        block_size=4,
+    )
+    dec = instance_status(
+        stats,
+        instance_id="d",
+        role=control_pb2.ROLE_DECODE,
+        model="m",
+        address="h:1",
+        draining=False,
+        block_size=4,
+    )
     assert list(pre.resident_prefixes) == list(summary) and not dec.resident_prefixes
     assert instance_from_status(pre).resident_run(names) == 4 + 3  # held, then recent free

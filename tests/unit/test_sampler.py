@@ -61,9 +61,19 @@ def test_seeded_draw_depends_only_on_seed_and_position() -> None:
     assert position_seed(7, 5) != position_seed(7, 6) != position_seed(8, 5)
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
-                                dict(max_tokens=0), dict(seed=-3), dict(stop_token_ids=(-1,)),
-                                dict(temperature=float("nan"))])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=-1.0),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(top_k=-1),
+        dict(max_tokens=0),
+        dict(seed=-3),
+        dict(stop_token_ids=(-1,)),
+        dict(temperature=float("nan")),
+    ],
+)
 def test_bad_sampling_values_are_refused(kw) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**kw)

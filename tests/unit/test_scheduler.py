@@ -19,7 +19,9 @@ def sched(**kw) -> Scheduler:
 
 
 def req(rid: str, n: int, max_tokens: int = 4) -> Request:
-    return Request(rid, list(range(10, 10 + n)), n, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return Request(
+        rid, list(range(10, 10 + n)), n, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    )
 
 
 def drive(s: Scheduler, plan, token: int = 7, seconds: float | None = None):

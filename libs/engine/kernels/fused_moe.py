@@ -127,9 +127,13 @@ def _expert_weight(w: torch.Tensor | Fp4Weight, e: int) -> torch.Tensor:
     return w[e].to(torch.float32)
 
 
-def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor | Fp4Weight,
-                        w2: torch.Tensor | Fp4Weight, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor) -> torch.Tensor:
+def fused_moe_reference(
+    x: torch.Tensor,
+    w13: torch.Tensor | Fp4Weight,
+    w2: torch.Tensor | Fp4Weight,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
     """Plain-PyTorch routed experts in fp32 (FP4 weights decoded one expert at a time)."""
     t, k = topk_ids.shape
     xf = x.to(torch.float32)
@@ -159,8 +163,14 @@ def default_config(t: int, k: int, e: int, n: int, kdim: int, fp4: bool) -> dict
     weight bytes, so 64-wide tiles would move more activation than weight bytes."""
     rows_per_expert = t * k / e
     if rows_per_expert >= 96:
-        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
-                "num_warps": 8, "num_stages": 3 if fp4 else 4}
+        return {
+            "BLOCK_M": 128,
+            "BLOCK_N": 128,
+            "BLOCK_K": 64,
+            "GROUP_M": 8,
+            "num_warps": 8,
+            "num_stages": 3 if fp4 else 4,
+        }
     # Decode: measured inside CUDA graphs on an H200 (bench_fused_moe.py --quick; V2-Lite and
     # V3 at T = 64 and 256). Weights as the A operand (SWAP_AB) and 16/32-row token tiles win
     # for bf16 (V2-Lite T=256: 0.287 ms vs 0.351 ms with 64-row tiles); FP4 swaps only once an
@@ -169,12 +179,32 @@ def default_config(t: int, k: int, e: int, n: int, kdim: int, fp4: bool) -> dict
     block_m = 16 if rows_per_expert <= 12 else 32
     if fp4:
         if block_m == 16:
-            return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": bk, "GROUP_M": 1,
-                    "num_warps": 4, "num_stages": 4}
-        return {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 1,
-                "num_warps": 4, "num_stages": 4, "SWAP_AB": True}
-    return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": bk, "GROUP_M": 1,
-            "num_warps": 4, "num_stages": 4, "SWAP_AB": True}
+            return {
+                "BLOCK_M": 16,
+                "BLOCK_N": 64,
+                "BLOCK_K": bk,
+                "GROUP_M": 1,
+                "num_warps": 4,
+                "num_stages": 4,
+            }
+        return {
+            "BLOCK_M": 32,
+            "BLOCK_N": 128,
+            "BLOCK_K": 64,
+            "GROUP_M": 1,
+            "num_warps": 4,
+            "num_stages": 4,
+            "SWAP_AB": True,
+        }
+    return {
+        "BLOCK_M": block_m,
+        "BLOCK_N": 64,
+        "BLOCK_K": bk,
+        "GROUP_M": 1,
+        "num_warps": 4,
+        "num_stages": 4,
+        "SWAP_AB": True,
+    }
 
 
 @triton.jit
@@ -216,9 +246,20 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):  # type: ign
 
 
 @triton.jit
-def _matmul_rows(acc, a_rows, a_ok, w_rows, s_rows, n_ok,  # type: ignore[no-untyped-def]
-                 K: tl.constexpr, FP4: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _matmul_rows(
+    acc,
+    a_rows,
+    a_ok,
+    w_rows,
+    s_rows,
+    n_ok,  # type: ignore[no-untyped-def]
+    K: tl.constexpr,
+    FP4: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """``acc[BM, BN] += A[a_rows, :K] @ W[w_rows, :K]^T``.
 
     ``a_rows``/``w_rows`` are per-row base pointers (last dim contiguous); for FP4, ``w_rows``
@@ -244,8 +285,9 @@ def _matmul_rows(acc, a_rows, a_ok, w_rows, s_rows, n_ok,  # type: ignore[no-unt
                 byte = tl.load(w_rows[None, :] + (kb + j)[:, None], mask=b_mask, other=0)
                 # 2**14 undoes the decode's fp16 exponent offset (exact: a power of two).
                 s_lo = tl.load(s_rows + kb // 16, mask=s_mask, other=0.0).to(tl.float32) * 16384.0
-                s_hi = tl.load(s_rows + kb // 16 + 1, mask=s_mask,
-                               other=0.0).to(tl.float32) * 16384.0
+                s_hi = (
+                    tl.load(s_rows + kb // 16 + 1, mask=s_mask, other=0.0).to(tl.float32) * 16384.0
+                )
                 c_lo, c_hi = _e2m1_halves(byte)
                 w_lo = (c_lo * s_lo[None, :]).to(a_lo.dtype)
                 w_hi = (c_hi * s_hi[None, :]).to(a_lo.dtype)
@@ -260,18 +302,31 @@ def _matmul_rows(acc, a_rows, a_ok, w_rows, s_rows, n_ok,  # type: ignore[no-unt
                 b = tl.load(w_rows[None, :] + kk[:, None], mask=n_ok[None, :], other=0.0)
             else:
                 k_ok = kk < K
-                a = tl.load(a_rows[:, None] + kk[None, :], mask=a_ok[:, None] & k_ok[None, :],
-                            other=0.0)
-                b = tl.load(w_rows[None, :] + kk[:, None], mask=n_ok[None, :] & k_ok[:, None],
-                            other=0.0)
+                a = tl.load(
+                    a_rows[:, None] + kk[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0
+                )
+                b = tl.load(
+                    w_rows[None, :] + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
+                )
             acc = _dot(a, b.to(a.dtype), acc, PRECISION, UPCAST)
     return acc
 
 
 @triton.jit
-def _matmul_rows_t(acc, a_rows, a_ok, w_rows, s_rows, n_ok,  # type: ignore[no-untyped-def]
-                   K: tl.constexpr, FP4: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _matmul_rows_t(
+    acc,
+    a_rows,
+    a_ok,
+    w_rows,
+    s_rows,
+    n_ok,  # type: ignore[no-untyped-def]
+    K: tl.constexpr,
+    FP4: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """Swap-AB form of :func:`_matmul_rows`: ``acc[BN, BM] += W[w_rows, :K] @ A[a_rows, :K]^T``.
 
     The (decoded) weight tile is the A operand of ``tl.dot`` (which Hopper's wgmma can take from
@@ -295,8 +350,9 @@ def _matmul_rows_t(acc, a_rows, a_ok, w_rows, s_rows, n_ok,  # type: ignore[no-u
                 a_hi = tl.load(a_rows[None, :] + (kg + 32 + j)[:, None], mask=a_mask, other=0.0)
                 byte = tl.load(w_rows[:, None] + (kb + j)[None, :], mask=w_mask, other=0)
                 s_lo = tl.load(s_rows + kb // 16, mask=s_mask, other=0.0).to(tl.float32) * 16384.0
-                s_hi = tl.load(s_rows + kb // 16 + 1, mask=s_mask,
-                               other=0.0).to(tl.float32) * 16384.0
+                s_hi = (
+                    tl.load(s_rows + kb // 16 + 1, mask=s_mask, other=0.0).to(tl.float32) * 16384.0
+                )
                 c_lo, c_hi = _e2m1_halves(byte)
                 w_lo = (c_lo * s_lo[:, None]).to(a_lo.dtype)
                 w_hi = (c_hi * s_hi[:, None]).to(a_lo.dtype)
@@ -311,24 +367,47 @@ def _matmul_rows_t(acc, a_rows, a_ok, w_rows, s_rows, n_ok,  # type: ignore[no-u
                 w = tl.load(w_rows[:, None] + kk[None, :], mask=n_ok[:, None], other=0.0)
             else:
                 k_ok = kk < K
-                a = tl.load(a_rows[None, :] + kk[:, None], mask=a_ok[None, :] & k_ok[:, None],
-                            other=0.0)
-                w = tl.load(w_rows[:, None] + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                            other=0.0)
+                a = tl.load(
+                    a_rows[None, :] + kk[:, None], mask=a_ok[None, :] & k_ok[:, None], other=0.0
+                )
+                w = tl.load(
+                    w_rows[:, None] + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
+                )
             acc = _dot(w.to(a.dtype), a, acc, PRECISION, UPCAST)
     return acc
 
 
 # Row counts vary with the batch; specializing on their divisibility would only add recompiles.
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
-def _gate_up_kernel(x_ptr, w_ptr, s_ptr, inter_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr,
-                    num_pairs, top_k, I, num_pid_m,
-                    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_im,
-                    K: tl.constexpr, FP4: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                    SWAP_AB: tl.constexpr = False):  # type: ignore[no-untyped-def]
+def _gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    inter_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    total_ptr,
+    num_pairs,
+    top_k,
+    I,
+    num_pid_m,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_im,
+    K: tl.constexpr,
+    FP4: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    SWAP_AB: tl.constexpr = False,
+):  # type: ignore[no-untyped-def]
     """inter[row, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for one tile."""
     HALF_N: tl.constexpr = BLOCK_N // 2
     pid_m, pid_n = _tile_ids(num_pid_m, tl.cdiv(I, HALF_N), GROUP_M)
@@ -347,20 +426,40 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, inter_ptr, sorted_ids_ptr, expert_ids_p
     offs_n = pid_n * HALF_N + tl.arange(0, HALF_N)
     if SWAP_AB:  # acc^T: rows 0..HALF_N-1 gate rows n, the rest up rows I + n
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_t = _matmul_rows_t(acc_t, x_ptr + tokens * stride_xm, row_ok,
-                               w_ptr + expert * stride_we + w_n.to(tl.int64) * stride_wn,
-                               s_ptr + expert * stride_se + w_n.to(tl.int64) * stride_sn, n_ok,
-                               K, FP4, BLOCK_K, EVEN_K, PRECISION, UPCAST)
+        acc_t = _matmul_rows_t(
+            acc_t,
+            x_ptr + tokens * stride_xm,
+            row_ok,
+            w_ptr + expert * stride_we + w_n.to(tl.int64) * stride_wn,
+            s_ptr + expert * stride_se + w_n.to(tl.int64) * stride_sn,
+            n_ok,
+            K,
+            FP4,
+            BLOCK_K,
+            EVEN_K,
+            PRECISION,
+            UPCAST,
+        )
         gate_t, up_t = tl.split(tl.permute(tl.reshape(acc_t, (2, HALF_N, BLOCK_M)), (1, 2, 0)))
         h_t = gate_t / (1.0 + tl.exp(-gate_t)) * up_t
         ptrs_t = inter_ptr + offs_m.to(tl.int64)[None, :] * stride_im + offs_n[:, None]
         tl.store(ptrs_t, h_t.to(inter_ptr.dtype.element_ty), mask=(offs_n < I)[:, None])
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = _matmul_rows(acc, x_ptr + tokens * stride_xm, row_ok,
-                           w_ptr + expert * stride_we + w_n.to(tl.int64) * stride_wn,
-                           s_ptr + expert * stride_se + w_n.to(tl.int64) * stride_sn, n_ok, K,
-                           FP4, BLOCK_K, EVEN_K, PRECISION, UPCAST)
+        acc = _matmul_rows(
+            acc,
+            x_ptr + tokens * stride_xm,
+            row_ok,
+            w_ptr + expert * stride_we + w_n.to(tl.int64) * stride_wn,
+            s_ptr + expert * stride_se + w_n.to(tl.int64) * stride_sn,
+            n_ok,
+            K,
+            FP4,
+            BLOCK_K,
+            EVEN_K,
+            PRECISION,
+            UPCAST,
+        )
         gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF_N)), (0, 2, 1)))
         h = gate / (1.0 + tl.exp(-gate)) * up
         ptrs = inter_ptr + offs_m.to(tl.int64)[:, None] * stride_im + offs_n[None, :]
@@ -368,14 +467,35 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, inter_ptr, sorted_ids_ptr, expert_ids_p
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
-def _down_kernel(inter_ptr, w_ptr, s_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr,
-                 total_ptr, num_pairs, H, num_pid_m,
-                 stride_im, stride_we, stride_wn, stride_se, stride_sn, stride_om,
-                 K: tl.constexpr, FP4: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                 PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                 SWAP_AB: tl.constexpr = False):  # type: ignore[no-untyped-def]
+def _down_kernel(
+    inter_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    topk_w_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    total_ptr,
+    num_pairs,
+    H,
+    num_pid_m,
+    stride_im,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_om,
+    K: tl.constexpr,
+    FP4: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    SWAP_AB: tl.constexpr = False,
+):  # type: ignore[no-untyped-def]
     """out[pair, n] = weight[pair] * (inter[row] . w2[e, n]) for one tile."""
     pid_m, pid_n = _tile_ids(num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -389,20 +509,39 @@ def _down_kernel(inter_ptr, w_ptr, s_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, e
     weight = tl.load(topk_w_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
     if SWAP_AB:  # acc^T [BLOCK_N, BLOCK_M]: weight rows x pair columns
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_t = _matmul_rows_t(acc_t, inter_ptr + offs_m.to(tl.int64) * stride_im, row_ok,
-                               w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn,
-                               s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn,
-                               n_ok, K, FP4, BLOCK_K, EVEN_K, PRECISION, UPCAST)
+        acc_t = _matmul_rows_t(
+            acc_t,
+            inter_ptr + offs_m.to(tl.int64) * stride_im,
+            row_ok,
+            w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn,
+            s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn,
+            n_ok,
+            K,
+            FP4,
+            BLOCK_K,
+            EVEN_K,
+            PRECISION,
+            UPCAST,
+        )
         acc_t = acc_t * weight[None, :]
         ptrs_t = out_ptr + pairs.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
-        tl.store(ptrs_t, acc_t.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[None, :] & n_ok[:, None])
+        tl.store(ptrs_t, acc_t.to(out_ptr.dtype.element_ty), mask=row_ok[None, :] & n_ok[:, None])
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = _matmul_rows(acc, inter_ptr + offs_m.to(tl.int64) * stride_im, row_ok,
-                           w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn,
-                           s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn, n_ok, K,
-                           FP4, BLOCK_K, EVEN_K, PRECISION, UPCAST)
+        acc = _matmul_rows(
+            acc,
+            inter_ptr + offs_m.to(tl.int64) * stride_im,
+            row_ok,
+            w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn,
+            s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn,
+            n_ok,
+            K,
+            FP4,
+            BLOCK_K,
+            EVEN_K,
+            PRECISION,
+            UPCAST,
+        )
         acc = acc * weight[:, None]
         ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -415,9 +554,18 @@ _ALIGN_BLOCK = 1024
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_rows"])
-def _align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr, num_pairs, num_rows,
-                  NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+def _align_kernel(
+    ids_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    total_ptr,
+    num_pairs,
+    num_rows,
+    NUM_EXPERTS: tl.constexpr,
+    E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # type: ignore[no-untyped-def]
     """Program ``e`` places expert ``e``'s pairs (in pair order) and padding in ``sorted_ids``
     and writes its blocks' ``expert_ids``; the last program also writes ``total`` and fills the
     unused tail (padding rows, expert ``E - 1``) exactly like the sort-based path."""
@@ -452,8 +600,9 @@ def _align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr, num_pairs,
     b0 = start // BLOCK_M
     while b0 < end // BLOCK_M:
         blk = b0 + offs
-        tl.store(expert_ids_ptr + blk, tl.full((BLOCK,), 0, tl.int32) + e,
-                 mask=blk < end // BLOCK_M)
+        tl.store(
+            expert_ids_ptr + blk, tl.full((BLOCK,), 0, tl.int32) + e, mask=blk < end // BLOCK_M
+        )
         b0 += BLOCK
     if e == NUM_EXPERTS - 1:
         total = tl.sum(padded, axis=0)
@@ -463,14 +612,20 @@ def _align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr, num_pairs,
             r = r0 + offs
             r_ok = r < num_rows
             tl.store(sorted_ids_ptr + r, tl.full((BLOCK,), 0, tl.int32) + num_pairs, mask=r_ok)
-            tl.store(expert_ids_ptr + r // BLOCK_M,
-                     tl.full((BLOCK,), NUM_EXPERTS - 1, tl.int32),
-                     mask=r_ok & (r % BLOCK_M == 0))
+            tl.store(
+                expert_ids_ptr + r // BLOCK_M,
+                tl.full((BLOCK,), NUM_EXPERTS - 1, tl.int32),
+                mask=r_ok & (r % BLOCK_M == 0),
+            )
             r0 += BLOCK
 
 
-def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int, method: str | None = None,
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def _align(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    method: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Sort (token, slot) pairs by expert and pad each expert's run to a multiple of ``block_m``.
 
     Returns ``sorted_ids`` (int32, flat pair index per padded row, ``T*k`` for padding; within an
@@ -493,9 +648,18 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int, method: str |
         expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
         total = torch.empty(1, dtype=torch.int64, device=dev)
         _align_kernel[(num_experts,)](
-            ids, sorted_ids, expert_ids, total, m, num_blocks * block_m,
-            NUM_EXPERTS=num_experts, E_POW2=_pow2_at_least(num_experts), BLOCK_M=block_m,
-            BLOCK=_ALIGN_BLOCK, num_warps=4)
+            ids,
+            sorted_ids,
+            expert_ids,
+            total,
+            m,
+            num_blocks * block_m,
+            NUM_EXPERTS=num_experts,
+            E_POW2=_pow2_at_least(num_experts),
+            BLOCK_M=block_m,
+            BLOCK=_ALIGN_BLOCK,
+            num_warps=4,
+        )
         return sorted_ids, expert_ids, total, num_blocks
     if method != "sort":
         raise ValueError(f"unknown alignment method {method!r}")
@@ -526,10 +690,16 @@ def _operands(w: torch.Tensor | Fp4Weight) -> tuple[torch.Tensor, torch.Tensor, 
     return w, w, False
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor | Fp4Weight, w2: torch.Tensor | Fp4Weight,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
-              out: torch.Tensor | None = None,
-              config: dict[str, int] | None = None) -> torch.Tensor:
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor | Fp4Weight,
+    w2: torch.Tensor | Fp4Weight,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
     """Routed experts: ``sum_j w[t,j] * (silu(x Wg^T) * (x Wu^T)) W2^T`` of expert ``ids[t,j]``.
 
     ``x [T, H]`` (bf16/fp32), ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` (tensors or :class:`Fp4Weight`),
@@ -548,11 +718,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor | Fp4Weight, w2: torch.Tensor |
     k = topk_ids.shape[1]
     e, two_i, h13 = w13.shape
     e2, h2, inter_dim = w2.shape
-    if (h13 != hidden or h2 != hidden or two_i != 2 * inter_dim or e2 != e
-            or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape):
-        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
-                         f"w2 {tuple(w2.shape)}, topk_weights {tuple(topk_weights.shape)}, "
-                         f"topk_ids {tuple(topk_ids.shape)}")
+    if (
+        h13 != hidden
+        or h2 != hidden
+        or two_i != 2 * inter_dim
+        or e2 != e
+        or topk_ids.shape[0] != t
+        or topk_weights.shape != topk_ids.shape
+    ):
+        raise ValueError(
+            f"shape mismatch: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
+            f"w2 {tuple(w2.shape)}, topk_weights {tuple(topk_weights.shape)}, "
+            f"topk_ids {tuple(topk_ids.shape)}"
+        )
     if out is None:
         out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     if t == 0:
@@ -569,22 +747,70 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor | Fp4Weight, w2: torch.Tensor |
     swap = bool(cfg.get("SWAP_AB", False))
     if swap and bm < 16:
         raise ValueError(f"SWAP_AB needs BLOCK_M >= 16 (tl.dot dims), got {bm}")
-    launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
-              "PRECISION": precision, "UPCAST": _INTERPRET, "SWAP_AB": swap}
+    launch = {
+        "num_warps": cfg["num_warps"],
+        "num_stages": cfg["num_stages"],
+        "PRECISION": precision,
+        "UPCAST": _INTERPRET,
+        "SWAP_AB": swap,
+    }
     inter = torch.empty(num_pid_m * bm, inter_dim, dtype=x.dtype, device=x.device)
     grid1 = (num_pid_m * triton.cdiv(inter_dim, bn // 2),)
     _gate_up_kernel[grid1](
-        x, w13_t, s13, inter, sorted_ids, expert_ids, total, t * k, k, inter_dim, num_pid_m,
-        x.stride(0), w13_t.stride(0), w13_t.stride(1), s13.stride(0), s13.stride(1),
-        inter.stride(0), K=hidden, FP4=fp4_13, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=cfg["GROUP_M"], EVEN_K=hidden % bk == 0, **launch)
+        x,
+        w13_t,
+        s13,
+        inter,
+        sorted_ids,
+        expert_ids,
+        total,
+        t * k,
+        k,
+        inter_dim,
+        num_pid_m,
+        x.stride(0),
+        w13_t.stride(0),
+        w13_t.stride(1),
+        s13.stride(0),
+        s13.stride(1),
+        inter.stride(0),
+        K=hidden,
+        FP4=fp4_13,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=cfg["GROUP_M"],
+        EVEN_K=hidden % bk == 0,
+        **launch,
+    )
     pair_out = torch.empty(t * k, hidden, dtype=x.dtype, device=x.device)
     grid2 = (num_pid_m * triton.cdiv(hidden, bn),)
     _down_kernel[grid2](
-        inter, w2_t, s2, pair_out, topk_weights.reshape(-1).contiguous(), sorted_ids, expert_ids,
-        total, t * k, hidden, num_pid_m, inter.stride(0), w2_t.stride(0), w2_t.stride(1),
-        s2.stride(0), s2.stride(1), pair_out.stride(0), K=inter_dim, FP4=fp4_2, BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], EVEN_K=inter_dim % bk == 0,
-        **launch)
+        inter,
+        w2_t,
+        s2,
+        pair_out,
+        topk_weights.reshape(-1).contiguous(),
+        sorted_ids,
+        expert_ids,
+        total,
+        t * k,
+        hidden,
+        num_pid_m,
+        inter.stride(0),
+        w2_t.stride(0),
+        w2_t.stride(1),
+        s2.stride(0),
+        s2.stride(1),
+        pair_out.stride(0),
+        K=inter_dim,
+        FP4=fp4_2,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=cfg["GROUP_M"],
+        EVEN_K=inter_dim % bk == 0,
+        **launch,
+    )
     torch.sum(pair_out.view(t, k, hidden), dim=1, out=out)
     return out

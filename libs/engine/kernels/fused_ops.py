@@ -16,9 +16,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, eps, n_cols,
-                     stride_x, stride_res, stride_out, stride_sum,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    eps,
+    n_cols,
+    stride_x,
+    stride_res,
+    stride_out,
+    stride_sum,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -34,8 +46,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, eps, n_cols,
     tl.store(out_ptr + row * stride_out + cols, y.to(x.dtype), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm(x + residual) * weight, x + residual)`` for ``x`` [rows, dim] (residual optional:
     then the second result is ``x``). Rows may be strided; the last dim must be contiguous."""
     rows, dim = x.shape
@@ -45,17 +58,40 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if rows:
         block = triton.next_power_of_2(dim)
         _rms_norm_kernel[(rows,)](
-            x, residual if residual is not None else x, weight, out, summed, eps, dim,
-            x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-            summed.stride(0), HAS_RES=residual is not None, BLOCK=block,
-            num_warps=4 if block <= 2048 else 8)
+            x,
+            residual if residual is not None else x,
+            weight,
+            out,
+            summed,
+            eps,
+            dim,
+            x.stride(0),
+            residual.stride(0) if residual is not None else 0,
+            out.stride(0),
+            summed.stride(0),
+            HAS_RES=residual is not None,
+            BLOCK=block,
+            num_warps=4 if block <= 2048 else 8,
+        )
     return out, summed
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_heads,
-                 stride_xt, stride_xh, stride_ot, stride_oh, stride_c,
-                 HALF: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rope_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    n_heads,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
+    stride_c,
+    HALF: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     t = tl.program_id(0)
     hb = tl.program_id(1)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -90,8 +126,21 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
     if t:
         block_h = min(triton.next_power_of_2(h), 16)
         _rope_kernel[(t, triton.cdiv(h, block_h))](
-            x3, cos, sin, out, h, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1),
-            cos.stride(0), HALF=d // 2, INTERLEAVE=interleave, BLOCK_H=block_h, num_warps=1)
+            x3,
+            cos,
+            sin,
+            out,
+            h,
+            x3.stride(0),
+            x3.stride(1),
+            out.stride(0),
+            out.stride(1),
+            cos.stride(0),
+            HALF=d // 2,
+            INTERLEAVE=interleave,
+            BLOCK_H=block_h,
+            num_warps=1,
+        )
     return out.squeeze(1) if squeeze else out
 
 
@@ -104,8 +153,11 @@ def _silu_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_out, BLOCK: tl.con
     u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
     gf = g.to(tl.float32)
     act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # F.silu rounds to the input dtype
-    tl.store(out_ptr + row * stride_out + cols, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype),
-             mask=mask)
+    tl.store(
+        out_ptr + row * stride_out + cols,
+        (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype),
+        mask=mask,
+    )
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -116,6 +168,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
     if rows:
         block = min(triton.next_power_of_2(n), 1024)
-        _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0),
-                                                          out.stride(0), BLOCK=block, num_warps=4)
+        _silu_mul_kernel[(rows, triton.cdiv(n, block))](
+            gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4
+        )
     return out

@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from ..kv.cache import FP8_MAX, quantize_fp8
+
 _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 32
@@ -60,10 +61,29 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 @triton.jit
 def _attend_tile(
-    q_lat, q_pe, m_i, l_i, acc, n0, end, bt_row, latent_ptr, rope_ptr, scale_ptr,
-    qk_scale, stride_ls, stride_lr, stride_rs, stride_rd, stride_scale,
-    R: tl.constexpr, P: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q_lat,
+    q_pe,
+    m_i,
+    l_i,
+    acc,
+    n0,
+    end,
+    bt_row,
+    latent_ptr,
+    rope_ptr,
+    scale_ptr,
+    qk_scale,
+    stride_ls,
+    stride_lr,
+    stride_rs,
+    stride_rd,
+    stride_scale,
+    R: tl.constexpr,
+    P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Fold context tokens ``[n0, min(n0 + BLOCK_N, end))`` (one page) into the online softmax.
 
@@ -76,10 +96,16 @@ def _attend_tile(
     page = tl.load(bt_row + n0 // BLOCK_SIZE).to(tl.int64)
     slots = page * BLOCK_SIZE + (n0 % BLOCK_SIZE) + offs_n
     mask_n = (n0 + offs_n) < end
-    k = tl.load(latent_ptr + slots[:, None] * stride_ls + offs_r[None, :] * stride_lr,
-                mask=mask_n[:, None], other=0.0).to(q_lat.dtype)
-    k_pe = tl.load(rope_ptr + slots[:, None] * stride_rs + offs_d[None, :] * stride_rd,
-                   mask=mask_n[:, None], other=0.0).to(q_pe.dtype)
+    k = tl.load(
+        latent_ptr + slots[:, None] * stride_ls + offs_r[None, :] * stride_lr,
+        mask=mask_n[:, None],
+        other=0.0,
+    ).to(q_lat.dtype)
+    k_pe = tl.load(
+        rope_ptr + slots[:, None] * stride_rs + offs_d[None, :] * stride_rd,
+        mask=mask_n[:, None],
+        other=0.0,
+    ).to(q_pe.dtype)
 
     s_lat = tl.dot(q_lat, tl.trans(k), input_precision=DOT_PRECISION)
     if HAS_SCALE:
@@ -100,20 +126,44 @@ def _attend_tile(
 
 @triton.jit
 def _mla_decode_stage1(
-    q_lat_ptr, q_pe_ptr, latent_ptr, rope_ptr, scale_ptr, block_table_ptr, seq_lens_ptr,
-    out_ptr, lse_ptr,
-    qk_scale, num_heads, num_splits,
-    stride_qb, stride_qh, stride_qr,
-    stride_pb, stride_ph, stride_pd,
-    stride_ls, stride_lr,
-    stride_rs, stride_rd,
+    q_lat_ptr,
+    q_pe_ptr,
+    latent_ptr,
+    rope_ptr,
+    scale_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    lse_ptr,
+    qk_scale,
+    num_heads,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_qr,
+    stride_pb,
+    stride_ph,
+    stride_pd,
+    stride_ls,
+    stride_lr,
+    stride_rs,
+    stride_rd,
     stride_scale,
     stride_bt,
-    stride_ob, stride_oh, stride_os, stride_or,
-    stride_lseb, stride_lseh,
-    R: tl.constexpr, P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SCALE: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_or,
+    stride_lseb,
+    stride_lseh,
+    R: tl.constexpr,
+    P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    DIRECT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     WHILE_LOOP: tl.constexpr,
 ):
     """One (sequence, head block, split): online softmax over the split's context tiles.
@@ -137,10 +187,16 @@ def _mla_decode_stage1(
     offs_r = tl.arange(0, R)
     offs_d = tl.arange(0, P)
 
-    q_lat = tl.load(q_lat_ptr + pid_b * stride_qb + offs_h[:, None] * stride_qh
-                    + offs_r[None, :] * stride_qr, mask=mask_h[:, None], other=0.0)
-    q_pe = tl.load(q_pe_ptr + pid_b * stride_pb + offs_h[:, None] * stride_ph
-                   + offs_d[None, :] * stride_pd, mask=mask_h[:, None], other=0.0)
+    q_lat = tl.load(
+        q_lat_ptr + pid_b * stride_qb + offs_h[:, None] * stride_qh + offs_r[None, :] * stride_qr,
+        mask=mask_h[:, None],
+        other=0.0,
+    )
+    q_pe = tl.load(
+        q_pe_ptr + pid_b * stride_pb + offs_h[:, None] * stride_ph + offs_d[None, :] * stride_pd,
+        mask=mask_h[:, None],
+        other=0.0,
+    )
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -151,21 +207,62 @@ def _mla_decode_stage1(
         n0 = start
         while n0 < end:
             m_i, l_i, acc = _attend_tile(
-                q_lat, q_pe, m_i, l_i, acc, n0, end, bt_row, latent_ptr, rope_ptr, scale_ptr,
-                qk_scale, stride_ls, stride_lr, stride_rs, stride_rd, stride_scale,
-                R, P, BLOCK_SIZE, BLOCK_N, HAS_SCALE, DOT_PRECISION)
+                q_lat,
+                q_pe,
+                m_i,
+                l_i,
+                acc,
+                n0,
+                end,
+                bt_row,
+                latent_ptr,
+                rope_ptr,
+                scale_ptr,
+                qk_scale,
+                stride_ls,
+                stride_lr,
+                stride_rs,
+                stride_rd,
+                stride_scale,
+                R,
+                P,
+                BLOCK_SIZE,
+                BLOCK_N,
+                HAS_SCALE,
+                DOT_PRECISION,
+            )
             n0 += BLOCK_N
     else:
         for n0 in range(start, end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
-                q_lat, q_pe, m_i, l_i, acc, n0, end, bt_row, latent_ptr, rope_ptr, scale_ptr,
-                qk_scale, stride_ls, stride_lr, stride_rs, stride_rd, stride_scale,
-                R, P, BLOCK_SIZE, BLOCK_N, HAS_SCALE, DOT_PRECISION)
+                q_lat,
+                q_pe,
+                m_i,
+                l_i,
+                acc,
+                n0,
+                end,
+                bt_row,
+                latent_ptr,
+                rope_ptr,
+                scale_ptr,
+                qk_scale,
+                stride_ls,
+                stride_lr,
+                stride_rs,
+                stride_rd,
+                stride_scale,
+                R,
+                P,
+                BLOCK_SIZE,
+                BLOCK_N,
+                HAS_SCALE,
+                DOT_PRECISION,
+            )
 
     has_ctx = l_i > 0.0
     o = acc / tl.where(has_ctx, l_i, 1.0)[:, None]
-    o_ptrs = (out_ptr + pid_b * stride_ob + offs_h[:, None] * stride_oh
-              + offs_r[None, :] * stride_or)
+    o_ptrs = out_ptr + pid_b * stride_ob + offs_h[:, None] * stride_oh + offs_r[None, :] * stride_or
     if DIRECT:
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
     else:
@@ -176,11 +273,20 @@ def _mla_decode_stage1(
 
 @triton.jit
 def _mla_decode_combine(
-    part_ptr, lse_ptr, out_ptr,
-    stride_pb, stride_ph, stride_ps,
-    stride_lseb, stride_lseh,
-    stride_ob, stride_oh, stride_or,
-    R: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lseb,
+    stride_lseh,
+    stride_ob,
+    stride_oh,
+    stride_or,
+    R: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
 ):
     """Merge one (sequence, head)'s split partial outputs by their base-2 log-sum-exp."""
     pid_b = tl.program_id(0)
@@ -189,8 +295,11 @@ def _mla_decode_combine(
     offs_r = tl.arange(0, R)
     mask_s = offs_s < NUM_SPLITS
 
-    lse = tl.load(lse_ptr + pid_b * stride_lseb + pid_h * stride_lseh + offs_s, mask=mask_s,
-                  other=float("-inf"))
+    lse = tl.load(
+        lse_ptr + pid_b * stride_lseb + pid_h * stride_lseh + offs_s,
+        mask=mask_s,
+        other=float("-inf"),
+    )
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0, output 0
     w = tl.exp2(lse - m)
@@ -202,8 +311,10 @@ def _mla_decode_combine(
     for s in tl.static_range(NUM_SPLITS):
         w_s = tl.sum(tl.where(offs_s == s, w, 0.0), axis=0)
         acc += w_s * tl.load(base + s * stride_ps + offs_r)
-    tl.store(out_ptr + pid_b * stride_ob + pid_h * stride_oh + offs_r * stride_or,
-             acc.to(out_ptr.dtype.element_ty))
+    tl.store(
+        out_ptr + pid_b * stride_ob + pid_h * stride_oh + offs_r * stride_or,
+        acc.to(out_ptr.dtype.element_ty),
+    )
 
 
 def _default_block_h(num_heads: int) -> int:
@@ -214,8 +325,7 @@ def _is_pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
 
-def choose_num_splits(batch: int, num_heads: int, max_seq_len_hint: int,
-                      num_sms: int = 132) -> int:
+def choose_num_splits(batch: int, num_heads: int, max_seq_len_hint: int, num_sms: int = 132) -> int:
     """Splits of the context per (sequence, head block) so the stage-1 grid fills the GPU.
 
     Aims at about two waves of programs (``2 * num_sms``): measured on the H200 (V2-Lite
@@ -234,21 +344,32 @@ quantize_latent_fp8 = quantize_fp8
 
 def unsupported(kv_lora_rank: int, rope_dim: int, block_size: int) -> str | None:
     """Why this kernel cannot serve a model/cache shape, or None when it can."""
-    if not (_is_pow2(kv_lora_rank) and _is_pow2(rope_dim) and kv_lora_rank >= 16 and rope_dim >= 16):
+    if not (
+        _is_pow2(kv_lora_rank) and _is_pow2(rope_dim) and kv_lora_rank >= 16 and rope_dim >= 16
+    ):
         return f"kv_lora_rank={kv_lora_rank} and qk_rope_head_dim={rope_dim} must be powers of two >= 16"
     if not _is_pow2(block_size) or block_size < 16:
         return f"block_size={block_size} must be a power of two >= 16"
     return None
 
 
-def _check(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor,
-           block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-           kv_scale: torch.Tensor | None) -> None:
+def _check(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    kv_scale: torch.Tensor | None,
+) -> None:
     b, h, r = q_lat.shape
     p = q_pe.shape[-1]
     if q_pe.shape[:2] != (b, h) or latent.shape[-1] != r or rope.shape[-1] != p:
-        raise ValueError(f"shape mismatch: q_lat {tuple(q_lat.shape)}, q_pe {tuple(q_pe.shape)}, "
-                         f"latent {tuple(latent.shape)}, rope {tuple(rope.shape)}")
+        raise ValueError(
+            f"shape mismatch: q_lat {tuple(q_lat.shape)}, q_pe {tuple(q_pe.shape)}, "
+            f"latent {tuple(latent.shape)}, rope {tuple(rope.shape)}"
+        )
     if latent.shape[0] != rope.shape[0]:
         raise ValueError("latent and rope must cover the same slots")
     if block_table.shape[0] != b or seq_lens.shape != (b,):
@@ -261,11 +382,21 @@ def _check(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, rope: 
         raise ValueError(f"block_size={block_size} must be a power of two >= 16")
 
 
-def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
-               rope: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
-               block_size: int, sm_scale: float, kv_scale: torch.Tensor | None = None,
-               num_splits: int | None = None, out: torch.Tensor | None = None,
-               config: dict[str, int] | None = None) -> torch.Tensor:
+def mla_decode(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    block_size: int,
+    sm_scale: float,
+    kv_scale: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
     """Absorbed MLA decode attention over the paged cache (see the module docstring).
 
     ``q_lat [B, H, R]``, ``q_pe [B, H, P]`` (any strides), ``latent [S, R]``, ``rope [S, P]``
@@ -291,8 +422,9 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
     if not _is_pow2(block_h) or block_h < 16:
         raise ValueError(f"BLOCK_H={block_h} must be a power of two >= 16")
     if num_splits is None:
-        num_splits = choose_num_splits(b, h, block_table.shape[1] * block_size,
-                                       _num_sms(q_lat.device))
+        num_splits = choose_num_splits(
+            b, h, block_table.shape[1] * block_size, _num_sms(q_lat.device)
+        )
     if out is None:
         out = torch.empty_like(q_lat, memory_format=torch.contiguous_format)
     elif out.shape != q_lat.shape or out.dtype != q_lat.dtype:
@@ -314,23 +446,52 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
 
     grid = (b, triton.cdiv(h, block_h), num_splits)
     _mla_decode_stage1[grid](
-        q_lat, q_pe, latent, rope, scale_arg, block_table, seq_lens, part, lse,
-        sm_scale * _LOG2E, h, num_splits,
-        *q_lat.stride(), *q_pe.stride(), *latent.stride(), *rope.stride(),
+        q_lat,
+        q_pe,
+        latent,
+        rope,
+        scale_arg,
+        block_table,
+        seq_lens,
+        part,
+        lse,
+        sm_scale * _LOG2E,
+        h,
+        num_splits,
+        *q_lat.stride(),
+        *q_pe.stride(),
+        *latent.stride(),
+        *rope.stride(),
         kv_scale.stride(0) if kv_scale is not None else 0,
         block_table.stride(0),
-        *part_strides, *lse_strides,
-        R=r, P=p, BLOCK_SIZE=block_size, BLOCK_H=block_h, BLOCK_N=block_n,
-        HAS_SCALE=has_scale, DIRECT=direct, DOT_PRECISION=precision, WHILE_LOOP=_INTERPRET,
-        num_warps=num_warps, num_stages=num_stages,
+        *part_strides,
+        *lse_strides,
+        R=r,
+        P=p,
+        BLOCK_SIZE=block_size,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        HAS_SCALE=has_scale,
+        DIRECT=direct,
+        DOT_PRECISION=precision,
+        WHILE_LOOP=_INTERPRET,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if not direct:
         _mla_decode_combine[(b, h)](
-            part, lse, out,
-            part.stride(0), part.stride(1), part.stride(2),
-            lse.stride(0), lse.stride(1),
+            part,
+            lse,
+            out,
+            part.stride(0),
+            part.stride(1),
+            part.stride(2),
+            lse.stride(0),
+            lse.stride(1),
             *out.stride(),
-            R=r, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
+            R=r,
+            NUM_SPLITS=num_splits,
+            SPLITS_P2=triton.next_power_of_2(num_splits),
             num_warps=4,
         )
     return out
@@ -342,11 +503,20 @@ def _num_sms(device: torch.device) -> int:
     return 132
 
 
-def mla_decode_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
-                         rope: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                         *, block_size: int, sm_scale: float,
-                         kv_scale: torch.Tensor | None = None, num_splits: int | None = None,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+def mla_decode_reference(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    block_size: int,
+    sm_scale: float,
+    kv_scale: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Plain-PyTorch :func:`mla_decode` (gathers every slot, fp32 math); for tests.
 
     ``num_splits`` is accepted for signature parity and ignored.
@@ -360,8 +530,10 @@ def mla_decode_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.
     lat = latent[slots].float()  # [B, L, R]
     if kv_scale is not None:
         lat = lat * kv_scale[slots].float()[..., None]
-    scores = (torch.einsum("bhr,blr->bhl", q_lat.float(), lat)
-              + torch.einsum("bhd,bld->bhl", q_pe.float(), rope[slots].float())) * sm_scale
+    scores = (
+        torch.einsum("bhr,blr->bhl", q_lat.float(), lat)
+        + torch.einsum("bhd,bld->bhl", q_pe.float(), rope[slots].float())
+    ) * sm_scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows: 0, not NaN
     result = torch.einsum("bhl,blr->bhr", probs, lat).to(q_lat.dtype)
@@ -371,5 +543,10 @@ def mla_decode_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.
     return out
 
 
-__all__ = ["FP8_MAX", "choose_num_splits", "mla_decode", "mla_decode_reference",
-           "quantize_latent_fp8"]
+__all__ = [
+    "FP8_MAX",
+    "choose_num_splits",
+    "mla_decode",
+    "mla_decode_reference",
+    "quantize_latent_fp8",
+]

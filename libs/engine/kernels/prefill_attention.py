@@ -20,7 +20,9 @@ from torch.nn.attention.bias import causal_lower_right
 PAD_VALUES = True
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
     """``q`` [L, H, D], ``k`` [S, H, D], ``v`` [S, H, Dv] with S >= L -> [L, H, Dv]."""
     length, ctx = q.shape[0], k.shape[0]
     dv = v.shape[-1]
@@ -30,6 +32,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     if length == ctx:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
     else:
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(length, ctx),
-                                           scale=scale)
+        o = F.scaled_dot_product_attention(
+            qt, kt, vt, attn_mask=causal_lower_right(length, ctx), scale=scale
+        )
     return o[0, ..., :dv].transpose(0, 1)

@@ -59,12 +59,18 @@ class LayerCache:
         if self.kv is not None:
             return self.kv[slots].to(dtype)
         assert self.scale is not None
-        latent = (self.latent.view(torch.uint8)[slots].view(torch.float8_e4m3fn).to(torch.float32)
-                  * self.scale[slots].unsqueeze(-1))
+        latent = self.latent.view(torch.uint8)[slots].view(torch.float8_e4m3fn).to(
+            torch.float32
+        ) * self.scale[slots].unsqueeze(-1)
         return torch.cat((latent.to(dtype), self.rope[slots].to(dtype)), dim=-1)
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                "float8_e4m3fn": torch.float8_e4m3fn}
+
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
@@ -75,15 +81,21 @@ class PagedKVCache:
     write there (``scratch_slot``), so they never touch a request's pages.
     """
 
-    def __init__(self, spec: CacheSpec, num_blocks: int, device: torch.device, rope_dim: int) -> None:
+    def __init__(
+        self, spec: CacheSpec, num_blocks: int, device: torch.device, rope_dim: int
+    ) -> None:
         self.spec = spec
         self.rope_dim = rope_dim
         self.num_blocks = num_blocks
         self.device = device
         bs = spec.block_size
         self.scratch_slot = num_blocks * bs
-        self.tensors = [torch.zeros((num_blocks + 1) * bs, *e.token_shape, dtype=TORCH_DTYPES[e.dtype],
-                                    device=device) for e in spec.paged]
+        self.tensors = [
+            torch.zeros(
+                (num_blocks + 1) * bs, *e.token_shape, dtype=TORCH_DTYPES[e.dtype], device=device
+            )
+            for e in spec.paged
+        ]
         self.layers = self._layer_views()
 
     def _layer_views(self) -> list[LayerCache]:
@@ -98,10 +110,12 @@ class PagedKVCache:
                 r = kv.shape[1] - self.rope_dim
                 views.append(LayerCache(kv[:, :r], kv[:, r:], kv=kv))
             else:
-                views.append(LayerCache(parts["mla_latent"], parts["mla_rope"],
-                                        scale=parts["mla_scale"].view(-1)))
+                views.append(
+                    LayerCache(
+                        parts["mla_latent"], parts["mla_rope"], scale=parts["mla_scale"].view(-1)
+                    )
+                )
         return views
-
 
     def _slots(self, blocks: Sequence[int]) -> torch.Tensor:
         bs = self.spec.block_size
@@ -114,8 +128,10 @@ class PagedKVCache:
             return b""
         slots = self._slots(blocks)
         n = len(blocks)
-        parts = [t.index_select(0, slots).reshape(n, -1).contiguous().view(torch.uint8)
-                 for t in self.tensors]
+        parts = [
+            t.index_select(0, slots).reshape(n, -1).contiguous().view(torch.uint8)
+            for t in self.tensors
+        ]
         return torch.cat(parts, dim=1).cpu().numpy().tobytes()
 
     def write_blocks(self, blocks: Sequence[int], payload: bytes | memoryview) -> None:

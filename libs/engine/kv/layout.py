@@ -24,7 +24,9 @@ def dtype_bytes(dtype: str) -> int:
     try:
         return DTYPE_BYTES[dtype]
     except KeyError:
-        raise ValueError(f"unsupported cache dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}") from None
+        raise ValueError(
+            f"unsupported cache dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -80,17 +82,28 @@ class CacheSpec:
 
     def layout_hash(self) -> str:
         """Digest of everything that decides how block bytes are laid out and read."""
-        blob = json.dumps({"block_size": self.block_size, "paged": [asdict(e) for e in self.paged],
-                           "state": [asdict(s) for s in self.state], "model_id": self.model_id},
-                          sort_keys=True).encode()
+        blob = json.dumps(
+            {
+                "block_size": self.block_size,
+                "paged": [asdict(e) for e in self.paged],
+                "state": [asdict(s) for s in self.state],
+                "model_id": self.model_id,
+            },
+            sort_keys=True,
+        ).encode()
         return hashlib.sha256(blob).hexdigest()[:32]
 
 
 FP8 = "float8_e4m3fn"
 
 
-def mla_cache_spec(cfg: ModelConfig, model_id: str, block_size: int = 128, dtype: str = "bfloat16",
-                   num_layers: int | None = None) -> CacheSpec:
+def mla_cache_spec(
+    cfg: ModelConfig,
+    model_id: str,
+    block_size: int = 128,
+    dtype: str = "bfloat16",
+    num_layers: int | None = None,
+) -> CacheSpec:
     """The DeepSeek-V3 MLA layout.
 
     Per layer, one entry ``mla`` of latent (kv_lora_rank) + rotated key (rope dim) values in
@@ -102,10 +115,15 @@ def mla_cache_spec(cfg: ModelConfig, model_id: str, block_size: int = 128, dtype
     layers = cfg.num_hidden_layers if num_layers is None else num_layers
     dtype_bytes(dtype)
     if dtype == FP8:
-        paged = tuple(e for i in range(layers) for e in (
-            PagedEntry("mla_latent", i, (cfg.kv_lora_rank,), FP8),
-            PagedEntry("mla_scale", i, (1,), "float32"),
-            PagedEntry("mla_rope", i, (cfg.qk_rope_head_dim,), "bfloat16")))
+        paged = tuple(
+            e
+            for i in range(layers)
+            for e in (
+                PagedEntry("mla_latent", i, (cfg.kv_lora_rank,), FP8),
+                PagedEntry("mla_scale", i, (1,), "float32"),
+                PagedEntry("mla_rope", i, (cfg.qk_rope_head_dim,), "bfloat16"),
+            )
+        )
     else:
         paged = tuple(PagedEntry("mla", i, (cfg.kv_cache_dim,), dtype) for i in range(layers))
     return CacheSpec(model_id=model_id, block_size=block_size, paged=paged)

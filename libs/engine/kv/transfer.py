@@ -50,11 +50,16 @@ class KVHeader:
 
     def to_json(self) -> bytes:
         d = {
-            "model_id": self.model_id, "layout_hash": self.layout_hash,
-            "block_size": self.block_size, "dtype": self.dtype,
-            "bytes_per_block": self.bytes_per_block, "num_tokens": self.num_tokens,
-            "first_block": self.first_block, "num_blocks": self.num_blocks,
-            "chain_hash": self.chain_hash, "block_hashes": list(self.block_hashes),
+            "model_id": self.model_id,
+            "layout_hash": self.layout_hash,
+            "block_size": self.block_size,
+            "dtype": self.dtype,
+            "bytes_per_block": self.bytes_per_block,
+            "num_tokens": self.num_tokens,
+            "first_block": self.first_block,
+            "num_blocks": self.num_blocks,
+            "chain_hash": self.chain_hash,
+            "block_hashes": list(self.block_hashes),
         }
         return json.dumps(d, separators=(",", ":")).encode()
 
@@ -82,9 +87,12 @@ def decode_frame(data: bytes | memoryview) -> tuple[KVHeader, memoryview]:
     try:
         raw = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + head_len]))
         header = KVHeader(
-            model_id=str(raw["model_id"]), layout_hash=str(raw["layout_hash"]),
-            block_size=int(raw["block_size"]), dtype=str(raw["dtype"]),
-            bytes_per_block=int(raw["bytes_per_block"]), num_tokens=int(raw["num_tokens"]),
+            model_id=str(raw["model_id"]),
+            layout_hash=str(raw["layout_hash"]),
+            block_size=int(raw["block_size"]),
+            dtype=str(raw["dtype"]),
+            bytes_per_block=int(raw["bytes_per_block"]),
+            num_tokens=int(raw["num_tokens"]),
             first_block=int(raw["first_block"]),
             block_hashes=tuple(str(h) for h in raw["block_hashes"]),
         )
@@ -94,9 +102,15 @@ def decode_frame(data: bytes | memoryview) -> tuple[KVHeader, memoryview]:
     if len(payload) != header.num_blocks * header.bytes_per_block:
         raise KVFormatError(
             f"KV frame payload is {len(payload)} bytes, header promises "
-            f"{header.num_blocks} x {header.bytes_per_block}")
+            f"{header.num_blocks} x {header.bytes_per_block}"
+        )
     bs = header.block_size
-    if bs <= 0 or not header.first_block * bs <= header.num_tokens <= (header.first_block + header.num_blocks) * bs:
+    if (
+        bs <= 0
+        or not header.first_block * bs
+        <= header.num_tokens
+        <= (header.first_block + header.num_blocks) * bs
+    ):
         raise KVFormatError("KV frame token count does not match its blocks")
     return header, payload
 

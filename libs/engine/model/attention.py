@@ -70,8 +70,14 @@ class AttentionMetadata:
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: Rotary, dtype: torch.dtype, device: torch.device,
-                 absorb_decode: bool = True) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rotary: Rotary,
+        dtype: torch.dtype,
+        device: torch.device,
+        absorb_decode: bool = True,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.rotary = rotary
@@ -88,13 +94,15 @@ class MLAttention(nn.Module):
             self.q_b_proj = _linear(nh * cfg.qk_head_dim, cfg.q_lora_rank, False, dtype, device)
         self.kv_a_proj_with_mqa = _linear(cfg.kv_cache_dim, h, cfg.attention_bias, dtype, device)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype, device)
-        self.kv_b_proj = _linear(nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank,
-                                 False, dtype, device)
+        self.kv_b_proj = _linear(
+            nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank, False, dtype, device
+        )
         self.o_proj = _linear(h, nh * cfg.v_head_dim, cfg.attention_bias, dtype, device)
 
     # -- projections -------------------------------------------------------------------------
-    def _queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _queries(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         if cfg.q_lora_rank is None:
             q = self.q_proj(x)
@@ -112,13 +120,20 @@ class MLAttention(nn.Module):
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj as (W_uk [H, nope, r], W_uv [H, v, r])."""
         cfg = self.cfg
-        w = self.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
-                                       cfg.kv_lora_rank)
+        w = self.kv_b_proj.weight.view(
+            cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank
+        )
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
 
     # -- forward ----------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, cache: LayerCache) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: LayerCache,
+    ) -> torch.Tensor:
         """``cache``: this layer's pages; the step's latents are written in place first."""
         cfg = self.cfg
         q_nope, q_pe = self._queries(x, cos, sin)
@@ -135,9 +150,13 @@ class MLAttention(nn.Module):
                 assert meta.decode_slots is not None and meta.decode_mask is not None
                 r = meta.decode_rows
                 if self.absorb_decode:
-                    o = self._absorbed(q_nope[r], q_pe[r], meta.decode_slots, meta.decode_mask, cache)
+                    o = self._absorbed(
+                        q_nope[r], q_pe[r], meta.decode_slots, meta.decode_mask, cache
+                    )
                 else:
-                    o = self._expanded_padded(q_nope[r], q_pe[r], meta.decode_slots, meta.decode_mask, cache)
+                    o = self._expanded_padded(
+                        q_nope[r], q_pe[r], meta.decode_slots, meta.decode_mask, cache
+                    )
                 out[r] = o
         result: torch.Tensor = self.o_proj(out.flatten(1))
         return result
@@ -145,13 +164,22 @@ class MLAttention(nn.Module):
     # -- kernel path --------------------------------------------------------------------------
     def _absorbed_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous (W_uk [H, nope, r], W_uv^T [H, r, v]), made once from kv_b_proj."""
-        if self._absorbed_weights is None or self._absorbed_weights[0].device != self.kv_b_proj.weight.device:
+        if (
+            self._absorbed_weights is None
+            or self._absorbed_weights[0].device != self.kv_b_proj.weight.device
+        ):
             w_uk, w_uv = self._kv_b()
             self._absorbed_weights = (w_uk.contiguous(), w_uv.transpose(1, 2).contiguous())
         return self._absorbed_weights
 
-    def _forward_kernels(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor,
-                         meta: AttentionMetadata, cache: LayerCache) -> torch.Tensor:
+    def _forward_kernels(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latents: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: LayerCache,
+    ) -> torch.Tensor:
         from ..kernels.mla_decode import mla_decode
         from ..kernels.prefill_attention import prefill_attention
 
@@ -164,31 +192,48 @@ class MLAttention(nn.Module):
             # A prompt with nothing cached before it attends to the latents it just made --
             # unless the cache is FP8: then to the cached values, as its later decodes will, so
             # a prompt reads the same numbers whether it is prefilled whole or in chunks.
-            ctx = (latents[rows] if ctx_len == seq.q_len and not cache.fp8
-                   else cache.gather(seq.ctx_slots, q_nope.dtype))
+            ctx = (
+                latents[rows]
+                if ctx_len == seq.q_len and not cache.fp8
+                else cache.gather(seq.ctx_slots, q_nope.dtype)
+            )
             latent, k_pe = torch.split(ctx, [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
             kv = self.kv_b_proj(latent).view(ctx_len, cfg.num_attention_heads, -1)
             k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
             q = torch.cat((q_nope[rows], q_pe[rows]), dim=-1)
-            k = torch.cat((k_nope, k_pe[:, None, :].expand(-1, cfg.num_attention_heads, -1)), dim=-1)
+            k = torch.cat(
+                (k_nope, k_pe[:, None, :].expand(-1, cfg.num_attention_heads, -1)), dim=-1
+            )
             out[rows] = prefill_attention(q, k, v, self.scale)
         if meta.decode_start is not None and meta.decode_start < t:
             assert meta.block_table is not None and meta.seq_lens is not None
             d = slice(meta.decode_start, t)
             w_uk, w_uv_t = self._absorbed_kv_b()
             q_lat = torch.bmm(q_nope[d].transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, r]
-            o_lat = mla_decode(q_lat, q_pe[d], cache.latent, cache.rope, meta.block_table,
-                               meta.seq_lens, block_size=meta.block_size, sm_scale=self.scale,
-                               kv_scale=cache.scale, num_splits=meta.num_splits)
+            o_lat = mla_decode(
+                q_lat,
+                q_pe[d],
+                cache.latent,
+                cache.rope,
+                meta.block_table,
+                meta.seq_lens,
+                block_size=meta.block_size,
+                sm_scale=self.scale,
+                kv_scale=cache.scale,
+                num_splits=meta.num_splits,
+            )
             out[d] = torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
         return out
 
-    def _expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, seq: SeqAttention,
-                  cache: LayerCache) -> torch.Tensor:
+    def _expanded(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, seq: SeqAttention, cache: LayerCache
+    ) -> torch.Tensor:
         cfg = self.cfg
         ctx = cache.gather(seq.ctx_slots, q_nope.dtype)
         latent, k_pe = torch.split(ctx, [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(latent).view(-1, cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        kv = self.kv_b_proj(latent).view(
+            -1, cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim
+        )
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         k_nope_f, k_pe_f, v_f = k_nope.float(), k_pe.float(), v.float()
         key_pos = torch.arange(ctx.shape[0], device=ctx.device)
@@ -196,35 +241,51 @@ class MLAttention(nn.Module):
         for t0 in range(0, q_nope.shape[0], _QUERY_TILE):
             qn = q_nope[t0 : t0 + _QUERY_TILE].float()
             qp = q_pe[t0 : t0 + _QUERY_TILE].float()
-            scores = torch.einsum("qhd,khd->hqk", qn, k_nope_f) + torch.einsum("qhd,kd->hqk", qp, k_pe_f)
+            scores = torch.einsum("qhd,khd->hqk", qn, k_nope_f) + torch.einsum(
+                "qhd,kd->hqk", qp, k_pe_f
+            )
             allowed = key_pos[None, :] <= seq.q_positions[t0 : t0 + _QUERY_TILE, None]
             scores = (scores * self.scale).masked_fill(~allowed[None], float("-inf"))
             probs = scores.softmax(dim=-1)
             outs.append(torch.einsum("hqk,khd->qhd", probs, v_f))
         return torch.cat(outs).to(q_nope.dtype)
 
-    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, slots: torch.Tensor,
-                  mask: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+    def _absorbed(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        slots: torch.Tensor,
+        mask: torch.Tensor,
+        cache: LayerCache,
+    ) -> torch.Tensor:
         """One query per sequence; ``slots``/``mask``: [B, L]."""
         cfg = self.cfg
         w_uk, w_uv = self._kv_b()
         ctx = cache.gather(slots, torch.float32)  # [B, L, r + rope]
         latent, k_pe = torch.split(ctx, [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         q_lat = torch.einsum("bhn,hnr->bhr", q_nope.float(), w_uk.float())
-        scores = torch.einsum("bhr,blr->bhl", q_lat, latent) + torch.einsum("bhd,bld->bhl", q_pe.float(), k_pe)
+        scores = torch.einsum("bhr,blr->bhl", q_lat, latent) + torch.einsum(
+            "bhd,bld->bhl", q_pe.float(), k_pe
+        )
         scores = (scores * self.scale).masked_fill(~mask[:, None, :], float("-inf"))
         o_lat = torch.einsum("bhl,blr->bhr", scores.softmax(dim=-1), latent)
         return torch.einsum("bhr,hvr->bhv", o_lat, w_uv.float()).to(q_nope.dtype)
 
-    def _expanded_padded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, slots: torch.Tensor,
-                         mask: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+    def _expanded_padded(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        slots: torch.Tensor,
+        mask: torch.Tensor,
+        cache: LayerCache,
+    ) -> torch.Tensor:
         cfg = self.cfg
         ctx = cache.gather(slots, q_nope.dtype)
         latent, k_pe = torch.split(ctx, [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         kv = self.kv_b_proj(latent).view(*latent.shape[:2], cfg.num_attention_heads, -1)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
-        scores = (torch.einsum("bhd,blhd->bhl", q_nope.float(), k_nope.float())
-                  + torch.einsum("bhd,bld->bhl", q_pe.float(), k_pe.float()))
+        scores = torch.einsum("bhd,blhd->bhl", q_nope.float(), k_nope.float()) + torch.einsum(
+            "bhd,bld->bhl", q_pe.float(), k_pe.float()
+        )
         scores = (scores * self.scale).masked_fill(~mask[:, None, :], float("-inf"))
         return torch.einsum("bhl,blhd->bhd", scores.softmax(dim=-1), v.float()).to(q_nope.dtype)
-

@@ -21,7 +21,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.use_kernels = False
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(x + residual), x + residual)``, in one kernel on the kernel path."""
         if self.use_kernels and x.stride(-1) == 1 and residual.stride(-1) == 1:
             from ..kernels.fused_ops import rms_norm
@@ -41,7 +43,9 @@ class RMSNorm(nn.Module):
         return out
 
 
-def _linear(out_f: int, in_f: int, bias: bool, dtype: torch.dtype, device: torch.device) -> nn.Linear:
+def _linear(
+    out_f: int, in_f: int, bias: bool, dtype: torch.dtype, device: torch.device
+) -> nn.Linear:
     layer = nn.Linear(in_f, out_f, bias=bias, dtype=dtype, device=device)
     layer.requires_grad_(False)
     return layer
@@ -89,13 +93,15 @@ class Router(nn.Module):
         super().__init__()
         self.cfg = cfg
         e = cfg.n_routed_experts
-        self.weight = nn.Parameter(torch.empty(e, cfg.hidden_size, dtype=dtype, device=device),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(e, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
         self._weight_fp32: torch.Tensor | None = None
         if cfg.topk_method == "noaux_tc":
             # Kept in fp32 whatever the model dtype: it shifts sigmoid scores near 1e-3 apart.
             self.e_score_correction_bias = nn.Parameter(
-                torch.zeros(e, dtype=torch.float32, device=device), requires_grad=False)
+                torch.zeros(e, dtype=torch.float32, device=device), requires_grad=False
+            )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
@@ -134,8 +140,9 @@ class Router(nn.Module):
         return weights, idx
 
 
-def _mask_groups(scores: torch.Tensor, group_scores: torch.Tensor, topk_group: int,
-                 per_group: int, fill: float) -> torch.Tensor:
+def _mask_groups(
+    scores: torch.Tensor, group_scores: torch.Tensor, topk_group: int, per_group: int, fill: float
+) -> torch.Tensor:
     group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
     score_mask = group_mask.unsqueeze(-1).expand(-1, -1, per_group).reshape(scores.shape)
@@ -153,8 +160,12 @@ class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype, device=device), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype, device=device), requires_grad=False)
+        self.w13 = nn.Parameter(
+            torch.empty(e, 2 * i, h, dtype=dtype, device=device), requires_grad=False
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(e, h, i, dtype=dtype, device=device), requires_grad=False
+        )
         self.use_kernels = False
         self.fp4: tuple[Fp4Weight, Fp4Weight] | None = None
 
@@ -180,13 +191,23 @@ class Experts(nn.Module):
         if self.fp4 is not None:
             from ..kernels.fused_moe import dequantize_fp4
 
-            return self._grouped(x, weights, idx, dequantize_fp4(self.fp4[0], x.dtype),
-                                 dequantize_fp4(self.fp4[1], x.dtype))
+            return self._grouped(
+                x,
+                weights,
+                idx,
+                dequantize_fp4(self.fp4[0], x.dtype),
+                dequantize_fp4(self.fp4[1], x.dtype),
+            )
         return self._grouped(x, weights, idx, self.w13, self.w2)
 
     @staticmethod
-    def _grouped(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor,
-                 w2: torch.Tensor) -> torch.Tensor:
+    def _grouped(
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        idx: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+    ) -> torch.Tensor:
         """Reference grouped path: tokens sorted by expert, one GEMM pair per expert hit."""
         t, k = idx.shape
         flat = idx.reshape(-1)
@@ -215,7 +236,8 @@ class MoE(nn.Module):
         self.experts = Experts(cfg, dtype, device)
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, device)
-            if cfg.n_shared_experts else None
+            if cfg.n_shared_experts
+            else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -22,19 +22,30 @@ from .rope import Rotary
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, moe: bool, rotary: Rotary, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, moe: bool, rotary: Rotary, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.self_attn = MLAttention(cfg, rotary, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp: nn.Module = (MoE(cfg, dtype, device) if moe
-                               else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device))
+        self.mlp: nn.Module = (
+            MoE(cfg, dtype, device)
+            if moe
+            else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+        )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, cache: LayerCache) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: LayerCache,
+    ) -> torch.Tensor:
         h, x = self.post_attention_layernorm.add_forward(
-            self.self_attn(self.input_layernorm(x), cos, sin, meta, cache), x)
+            self.self_attn(self.input_layernorm(x), cos, sin, meta, cache), x
+        )
         out: torch.Tensor = x + self.mlp(h)
         return out
 
@@ -54,7 +65,9 @@ class MTPLayer(DecoderLayer):
     ``shared_head`` (norm + vocabulary projection) predicts token ``i + 2``.
     """
 
-    def __init__(self, cfg: ModelConfig, rotary: Rotary, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, rotary: Rotary, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__(cfg, True, rotary, dtype, device)
         h = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h, dtype=dtype, device=device)
@@ -64,8 +77,14 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = _linear(h, 2 * h, False, dtype, device)
         self.shared_head = SharedHead(cfg, dtype, device)
 
-    def predict(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def predict(
+        self,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: LayerCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this depth's hidden states, fp32 logits for the token after ``next_ids``)."""
         emb = self.embed_tokens(next_ids)
         x = self.eh_proj(torch.cat((self.enorm(emb), self.hnorm(hidden)), dim=-1))
@@ -76,9 +95,13 @@ class MTPLayer(DecoderLayer):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: Rotary, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, rotary: Rotary, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device
+        )
         self.embed_tokens.requires_grad_(False)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, cfg.is_moe_layer(i), rotary, dtype, device)
@@ -88,8 +111,13 @@ class Backbone(nn.Module):
 
 
 class DeepseekForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", with_mtp: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        with_mtp: bool = False,
+    ) -> None:
         super().__init__()
         device = torch.device(device)
         self.cfg = cfg
@@ -124,8 +152,13 @@ class DeepseekForCausalLM(nn.Module):
                 module.quantize_fp4()
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                caches: list[LayerCache]) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        caches: list[LayerCache],
+    ) -> torch.Tensor:
         """Final-norm hidden states [tokens, hidden] of every input token."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions)

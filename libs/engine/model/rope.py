@@ -44,12 +44,14 @@ def inv_freq_and_attention_factor(rope: RopeConfig, dim: int) -> tuple[torch.Ten
         high += 0.001  # avoid a zero-width ramp
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
     extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
     return inv_freq, attn_factor
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
-    scale = cfg.qk_head_dim ** -0.5
+    scale = cfg.qk_head_dim**-0.5
     rope = cfg.rope
     if rope.type != "default" and rope.mscale_all_dim:
         m = _yarn_mscale(rope.factor, rope.mscale_all_dim)
@@ -67,7 +69,9 @@ class Rotary:
     """
 
     def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
-        inv_freq, self.attention_factor = inv_freq_and_attention_factor(cfg.rope, cfg.qk_rope_head_dim)
+        inv_freq, self.attention_factor = inv_freq_and_attention_factor(
+            cfg.rope, cfg.qk_rope_head_dim
+        )
         self.inv_freq = inv_freq.to(device)
         self.interleave = cfg.rope_interleave
         self.use_kernels = False

@@ -23,8 +23,13 @@ test: setup
 test-gpu: setup
 	$(PY) -m pytest tests/gpu -q
 
+# Fails on any finding: ruff (rules and the 100-column format) and mypy --strict over the
+# libraries, the services and the tools package.
+LINT_PATHS := libs services deepserve tests scripts
 lint: setup
-	$(VENV)/bin/ruff check libs tests || true
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy libs services deepserve
 
 clean:
 	rm -rf $(VENV) .run

@@ -7,9 +7,11 @@ deepserve bench engine --preset tiny --device cpu --json OUT [--plot PNG] [--kv-
 deepserve bench recipe [--prompt-tokens 220000] --json OUT
 deepserve bench kvstore --json OUT
 deepserve bench serve [--long-tokens 32768] --json OUT
+deepserve bench serve --url http://HOST:PORT/v1 --trace agent|chat --concurrency N --json OUT
 deepserve bench route --trace agent|chat|mixed --json OUT
 deepserve kvstore fsck [--repair] [--grace S] --redis-url URL (--data-dir DIR | --target T ...)
-deepserve up [--port 8000] [--prefill N] [--decode N] [--model M] [--model-name NAME] [--run-dir .run]
+deepserve up [--port 8000] [--prefill N] [--decode N] [--model M] [--model-name NAME]
+             [--run-dir .run]
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+
+from deepserve.bench import http_load
 
 
 def _ids(text: str) -> list[int]:
@@ -32,7 +36,7 @@ def _ids(text: str) -> list[int]:
     return ids
 
 
-def _add_generate(sub: argparse._SubParsersAction) -> None:
+def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("generate", help="generate from one prompt in this process")
     p.add_argument(
         "--model", default="tiny", help="preset name (tiny, v2-lite, v3-slice) or checkpoint dir"
@@ -87,7 +91,7 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:
+def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("bench", help="benchmarks that print figures")
     bsub = p.add_subparsers(dest="what", required=True)
     e = bsub.add_parser("engine", help="prefill and decode throughput of the engine")
@@ -101,7 +105,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     e.add_argument(
         "--transformers-batches",
         default=None,
-        help="comma-separated batch sizes of the transformers peer (default: cuda 1,16,64; cpu 1,4)",
+        help="comma-separated batch sizes of the transformers peer "
+        "(default: cuda 1,16,64; cpu 1,4)",
     )
     e.add_argument(
         "--transformers-steps", type=int, default=8, help="decode steps timed for the peer"
@@ -141,7 +146,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--prompt-tokens", type=int, default=512, help="prompt size of the fake phase")
     sv.add_argument("--ttft-requests", type=int, default=100, help="sequential requests timed")
     sv.add_argument("--load-requests", type=int, default=400, help="requests of the load phase")
-    sv.add_argument("--concurrency", type=int, default=16, help="clients of the load phase")
+    sv.add_argument(
+        "--concurrency", type=int, default=16, help="clients of the load phase (--url: sessions)"
+    )
     sv.add_argument("--max-tokens", type=int, default=16, help="completion tokens per load request")
     sv.add_argument(
         "--long-tokens",
@@ -151,6 +158,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     sv.add_argument("--run-dir", default="", help="logs of the stacks (default: a temp dir)")
     sv.add_argument("--json", dest="json_out", default=None, help="write the result JSON here")
+    http_load.add_arguments(sv)
     r = bsub.add_parser("recipe", help="parallel prompt encoding against single-threaded encoding")
     r.add_argument(
         "--prompt-tokens", type=int, default=220_000, help="prompt size (>= 200K for the figure)"
@@ -204,6 +212,8 @@ def _bench(args: argparse.Namespace) -> int:
         from deepserve.bench.route import main as bench_route
 
         return bench_route(args)
+    if args.what == "serve" and args.url:
+        return http_load.run(args)
     if args.what == "serve":
         from deepserve.bench.serve import main as bench_serve
 
@@ -215,7 +225,7 @@ def _bench(args: argparse.Namespace) -> int:
     raise AssertionError(args.what)
 
 
-def _add_kvstore(sub: argparse._SubParsersAction) -> None:
+def _add_kvstore(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("kvstore", help="kvstore maintenance")
     try:
         from services.kvstore.main import build_parser
@@ -282,7 +292,7 @@ def _kvstore(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
-def _add_up(sub: argparse._SubParsersAction) -> None:
+def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("up", help="run the whole stack (NATS, Redis, every service) until Ctrl-C")
     p.add_argument("--port", type=int, default=8000, help="port of the OpenAI-compatible API")
     p.add_argument("--prefill", type=int, default=1, help="prefill instances")

@@ -33,7 +33,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -43,7 +43,14 @@ from libs.engine.sampling_params import SamplingParams
 
 from .hf_peer import decode_prompts, free_memory, sync
 
-DEFAULTS = {
+
+class _Defaults(TypedDict):
+    prefill: list[int]
+    batches: list[int]
+    context: int
+
+
+DEFAULTS: dict[str, _Defaults] = {
     "cpu": {"prefill": [512, 2048], "batches": [1, 4, 16], "context": 512},
     "cuda": {"prefill": [4096, 16384, 32768], "batches": [1, 16, 64, 256], "context": 2048},
 }
@@ -179,7 +186,7 @@ def _no_graphs_no_overlap() -> dict[str, Any]:
     return {k: False for k in ("cuda_graphs", "overlap") if k in known}
 
 
-# -- quality: logits of a quantized engine against the unquantized one ------------------------------
+# -- quality: logits of a quantized engine against the unquantized one -----------------------------
 def quality_inputs(
     vocab: int, prompts: int, tokens: int, steps: int
 ) -> tuple[list[list[int]], list[list[int]]]:
@@ -252,14 +259,15 @@ def compare_logits(
             "ref_logit_std": float(b.std()),
         }
 
-    out = stats(keys)
+    out: dict[str, Any] = stats(keys)
     out["prefill"] = stats([k for k in keys if k[1] == prompt_len])
     out["decode"] = stats([k for k in keys if k[1] > prompt_len])
     return out
 
 
 def bench_quality(args: argparse.Namespace, opts: dict[str, Any]) -> dict[str, Any]:
-    """Reference (default options) engine first, its logits to the CPU, freed; then the configured one."""
+    """Reference (default options) engine first, its logits to the CPU, freed; then the
+    configured one."""
     device = torch.device(args.device)
     n, tokens, steps = args.quality_prompts, args.quality_tokens, args.quality_steps
     base = dict(
@@ -294,7 +302,7 @@ def bench_quality(args: argparse.Namespace, opts: dict[str, Any]) -> dict[str, A
     return result
 
 
-# -- the transformers peer --------------------------------------------------------------------------
+# -- the transformers peer -------------------------------------------------------------------------
 def bench_transformers(
     model: torch.nn.Module, batches: list[int], context: int, steps: int, device: torch.device
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -425,7 +433,8 @@ def main(args: argparse.Namespace) -> int:
     for r in peer:
         if "tokens_per_s" in r:
             print(
-                f"transformers batch {r['batch']:>4} @ {r['context']}: {r['tokens_per_s']:>9.1f} tok/s "
+                f"transformers batch {r['batch']:>4} @ {r['context']}: "
+                f"{r['tokens_per_s']:>9.1f} tok/s "
                 f"({r['per_user_tokens_per_s']:.1f}/user)"
             )
         else:

@@ -28,6 +28,7 @@ import gc
 import re
 import statistics
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -103,7 +104,7 @@ def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def _our_tensor(
-    name: str, shape: torch.Size, ours: dict[str, torch.Tensor], inter: int
+    name: str, shape: torch.Size, ours: Mapping[str, torch.Tensor], inter: int
 ) -> torch.Tensor:
     """A view of our tensor that transformers' parameter ``name`` of ``shape`` is (no copy)."""
     m = _PER_EXPERT.match(name)
@@ -141,7 +142,7 @@ def build_hf_peer(
     model: torch.nn.Module,
     attn_implementation: str | None = None,
     experts_implementation: str | None = None,
-) -> torch.nn.Module:
+) -> Any:
     """The transformers model of our ``DeepseekForCausalLM`` ``model``, sharing its weights.
 
     ``attn_implementation`` / ``experts_implementation``: None for transformers' defaults
@@ -155,6 +156,8 @@ def build_hf_peer(
         kw["attn_implementation"] = attn_implementation
     if experts_implementation is not None:
         kw["experts_implementation"] = experts_implementation
+    config_cls: Any
+    model_cls: Any
     if cfg.model_type == "deepseek_v3":
         config_cls, model_cls = transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM
     else:
@@ -198,7 +201,8 @@ def shared_fraction(hf: torch.nn.Module, model: torch.nn.Module) -> float:
 
 
 def decode_prompts(batch: int, context: int, vocab: int) -> torch.Tensor:
-    """The prompts ``deepserve bench engine`` decodes at this batch size (same generator, same order)."""
+    """The prompts ``deepserve bench engine`` decodes at this batch size (same generator,
+    same order)."""
     g = torch.Generator().manual_seed(batch)
     return torch.stack([torch.randint(3, vocab, (context,), generator=g) for _ in range(batch)])
 
@@ -217,7 +221,7 @@ def free_memory(device: torch.device) -> None:
 
 
 def hf_decode_throughput(
-    hf_model: torch.nn.Module,
+    hf_model: Any,
     batch: int,
     context: int,
     new_tokens: int,

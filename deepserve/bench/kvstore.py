@@ -108,7 +108,8 @@ async def get_gbps(store: BlockStore, blocks: list[BlockPut]) -> float:
 
 
 async def lookup_phase(store: BlockStore, count: int, chain: int) -> tuple[float, float]:
-    """Metadata for a ``chain``-long chain (no shards: Lookup never reads them), then timed Lookups."""
+    """Metadata for a ``chain``-long chain (no shards: Lookup never reads them), then timed
+    Lookups."""
     hashes, parent = [], b""
     pipe = store.redis.pipeline(transaction=False)
     now = store.clock()

@@ -6,7 +6,8 @@ user/assistant turns and tool results, rendered by deepseek-recipe's DeepseekV4E
 ``reference`` -- the library's own ``DeepseekV4Encoding.encode`` (one thread); ``sequential``
 -- our split pieces encoded one after the other; ``parallel`` -- the same pieces through
 ``tokenizers``' ``encode_batch_fast`` (GIL released, Rayon pool). All three must give identical ids.
-``encode_speedup`` is reference time / parallel time (best of ``--repeats``, the methods taking turns).
+``encode_speedup`` is reference time / parallel time (best of ``--repeats``, the methods taking
+turns).
 """
 
 from __future__ import annotations

@@ -286,7 +286,8 @@ def run(
 
 def _lines(result: dict[str, Any]) -> Iterator[str]:
     yield (
-        f"{result['trace']}: {result['requests']} requests, {result['prompt_tokens']:,} prompt tokens, "
+        f"{result['trace']}: {result['requests']} requests, "
+        f"{result['prompt_tokens']:,} prompt tokens, "
         f"{result['instances']} prefill instances"
     )
     for name, r in result["routers"].items():

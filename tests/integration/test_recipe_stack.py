@@ -280,3 +280,41 @@ def test_startup_log_and_no_backend_is_503(keys: str, expected: str) -> None:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
     assert any(expected in line for line in seen), "".join(seen)
+
+
+def test_bench_serve_url_drives_the_stack_over_http(keyed_stack: Stack) -> None:
+    """``deepserve bench serve --url``'s driver against the real stack: every turn answered,
+    usage read from the stream, and later turns of a session served from the prefix cache."""
+    import asyncio
+
+    from deepserve.bench import http_load
+
+    shape = http_load.TraceShape(
+        turns=3, system_words=200, context_words=200, user_words=20, max_tokens=4
+    )
+    sessions = http_load.make_sessions(shape, 2, seed=7)
+    results, seconds = asyncio.run(
+        http_load.drive(
+            keyed_stack.api_url,
+            MODEL_NAME,
+            sessions,
+            shape,
+            concurrency=2,
+            rate=0.0,
+            timeout=120.0,
+            api_key="sk-alpha",
+            seed=7,
+        )
+    )
+    summary = http_load.summarize(
+        results, seconds, price=http_load.OFF_PEAK_PRICE, gpus=1, engine=None
+    )
+    assert summary["requests"] == 6 and summary["ok"] == 6, [r.status for r in results]
+    assert all(r.prompt_tokens > 0 and r.completion_tokens == 4 for r in results)
+    later = [r for r in results if r.turn > 0]
+    assert all(r.allowed_cached_tokens >= 128 for r in later)
+    # The previous turn's prompt is a prefix of this one: its full blocks come from the cache.
+    assert all(r.cached_tokens >= r.allowed_cached_tokens for r in later), [
+        (r.cached_tokens, r.allowed_cached_tokens) for r in later
+    ]
+    assert summary["ttft"]["p50_ms"] > 0 and summary["output_tokens_per_s"] > 0

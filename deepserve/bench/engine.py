@@ -37,9 +37,9 @@ from typing import Any, TypedDict
 
 import torch
 
+from libs.common.sampling import SamplingParams
 from libs.engine.cost_model import StepShape
 from libs.engine.engine import Engine, EngineConfig
-from libs.engine.sampling_params import SamplingParams
 
 from .hf_peer import decode_prompts, free_memory, sync
 

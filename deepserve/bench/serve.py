@@ -49,10 +49,10 @@ def _prompt(i: int, n: int) -> list[int]:
 
 def inprocess_ttft(n: int, prompt_tokens: int) -> list[float]:
     """The fake engine in this process: add a request, step until its first token."""
-    from libs.engine.sampling_params import SamplingParams
-    from libs.serving.fake_engine import FakeEngine
+    from libs.common.sampling import SamplingParams
+    from libs.serving.fake_engine import build_fake_engine
 
-    engine = FakeEngine()
+    engine = build_fake_engine()
     out = []
     for i in range(n):
         t0 = time.perf_counter()

@@ -30,8 +30,10 @@ async def connect_nats(
         log.info("NATS reconnected to %s", url)
 
     while not stop.is_set():
-        try:
-            nc = await nats.connect(
+        # With max_reconnect_attempts=-1 nats.connect itself retries a server that is not
+        # there yet, forever: race it against the stop event so SIGTERM still ends the wait.
+        attempt = asyncio.ensure_future(
+            nats.connect(
                 servers=[url],
                 name=name,
                 error_cb=on_error,
@@ -42,12 +44,41 @@ async def connect_nats(
                 connect_timeout=2,
                 drain_timeout=max(1, int(drain_timeout)),
             )
+        )
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({attempt, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            if not attempt.done():
+                attempt.cancel()
+                await asyncio.wait({attempt})
+        if attempt.cancelled():
+            return None  # stopped while connecting
+        exc = attempt.exception()
+        if exc is None:
+            nc = attempt.result()
             closing.append(nc)
             return nc
-        except Exception as exc:  # noqa: BLE001 - nats raises several kinds for "not there yet"
-            log.warning("NATS at %s not reachable (%s); retrying in 1 s", url, exc)
-            try:
-                await asyncio.wait_for(stop.wait(), 1.0)
-            except TimeoutError:
-                pass
+        log.warning("NATS at %s not reachable (%s); retrying in 1 s", url, exc)
+        try:
+            await asyncio.wait_for(stop.wait(), 1.0)
+        except TimeoutError:
+            pass
     return None
+
+
+async def close_nats(nc: Client, log: logging.Logger, drain_timeout: float | None = None) -> None:
+    """Drain ``nc`` for up to ``drain_timeout`` seconds (None: no drain), then close it.
+
+    A drain that fails or runs late must not hang the exit: the connection is closed anyway.
+    """
+    if nc.is_closed:
+        return
+    if drain_timeout is not None:
+        try:
+            await asyncio.wait_for(nc.drain(), drain_timeout)
+        except Exception as exc:  # noqa: BLE001 - shutting down; close below regardless
+            log.warning("NATS drain: %s", exc)
+    if not nc.is_closed:
+        await nc.close()

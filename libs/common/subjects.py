@@ -1,4 +1,4 @@
-"""NATS subjects, defined once (listed in docs/architecture.md). Every payload is a proto message."""
+"""NATS subjects, defined once (listed in docs/architecture.md); every payload is a proto."""
 
 from __future__ import annotations
 

@@ -17,17 +17,18 @@ from dataclasses import dataclass
 
 import torch
 
+from libs.common.errors import InvalidArgument
 from libs.common.hashchain import chain_hashes
+from libs.common.sampling import SamplingParams
 
-from .cost_model import CostModel
 from .kv.block_manager import BlockManager, NoFreeBlocks
-from .kv.cache import DTYPE_NAMES, TORCH_DTYPES, PagedKVCache
-from .kv.layout import mla_cache_spec
+from .kv.cache import TORCH_DTYPES
 from .kv.transfer import KVFormatError, KVHeader, check_compatible, decode_frame, encode_frame
-from .loader import LoadedModel, load
+from .loader import LoadedModel
+from .model.model import DeepseekForCausalLM
+from .parts import EngineParts, build_parts, max_model_len
 from .runner import Launched, ModelRunner
 from .sampler import Sampler
-from .sampling_params import SamplingParams
 from .scheduler import Request, Scheduler, SchedulerConfig, Status, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ __all__ = [
 ]
 
 
-class InvalidRequest(ValueError):
+class InvalidRequest(InvalidArgument):
     """A request the engine refuses as given (recoverable by fixing the request)."""
 
 
@@ -120,112 +121,58 @@ class RequestInfo:
 
 
 class Engine:
+    """Policy around a runner and a KV cache: requests, scheduling, KV export/import.
+
+    ``parts``: what it runs on (model runner, KV cache, cost model...); without them they are
+    built from ``config`` by :func:`~libs.engine.parts.build_parts`, which loads the model
+    (``loaded``: an already loaded one). The fake engine passes its own.
+    """
+
     def __init__(
-        self, config: EngineConfig | None = None, loaded: LoadedModel | None = None
+        self,
+        config: EngineConfig | None = None,
+        loaded: LoadedModel | None = None,
+        *,
+        parts: EngineParts | None = None,
     ) -> None:
         self.config = config = config or EngineConfig()
-        self.device = torch.device(config.device)
-        dtype = config.torch_dtype
-        self.loaded = loaded or load(config.model, self.device, dtype, config.seed, config.with_mtp)
-        self.model = self.loaded.model
-        self.model.set_absorb_decode(config.absorb_decode)
-        self.use_kernels = self._kernels_usable(config)
-        self.model.set_kernels(self.use_kernels)
-        if config.expert_dtype == "fp4":
-            self.model.quantize_experts_fp4()
-        self.model_config = cfg = self.model.cfg
-        self.model_id = self.loaded.model_id
-        kv_dtype = config.kv_cache_dtype or DTYPE_NAMES[dtype]
-        self.spec = mla_cache_spec(
-            cfg, self.model_id, config.block_size, kv_dtype, num_layers=self.model.num_cache_layers
-        )
-        num_blocks = config.num_kv_blocks or self._blocks_for_memory()
-        self.cache = PagedKVCache(self.spec, num_blocks, self.device, cfg.qk_rope_head_dim)
-        self.blocks = BlockManager(num_blocks, config.block_size)
-        max_len = min(
-            config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
-        )
+        parts = parts or build_parts(config, loaded)
+        self.parts = parts
+        self.device = parts.device
+        self.model_config = cfg = parts.model_config
+        self.model_id = parts.model_id
+        self.spec = parts.spec
+        self.cache = parts.cache
+        self.runner = parts.runner
+        self.cost = parts.cost
+        self.blocks = BlockManager(parts.num_blocks, config.block_size)
         self.scheduler_config = SchedulerConfig(
-            config.max_tokens_per_step, config.time_budget_s, config.max_running, max_len
-        )
-        per_layer = self.spec.bytes_per_block / config.block_size / self.model.num_cache_layers
-        self.cost = CostModel.for_model(
-            cfg,
-            torch.finfo(dtype).bits // 8,
-            torch.finfo(TORCH_DTYPES[kv_dtype]).bits // 8,
-            *self._nominal_rates(),
-            expert_param_bytes=0.5 + 2 / 32 if config.expert_dtype == "fp4" else None,
-            kv_token_layer_bytes=per_layer,
+            config.max_tokens_per_step,
+            config.time_budget_s,
+            config.max_running,
+            max_model_len(config, cfg),
         )
         self.scheduler = Scheduler(self.scheduler_config, self.blocks, self.cost, cfg.eos_token_ids)
-        self.sampler = Sampler(self.device, config.sampler_seed)
-        self.runner = ModelRunner(
-            self.model,
-            self.cache,
-            self.sampler,
-            self.use_kernels,
-            config.cuda_graphs,
-            max_len,
-            max_graph_batch=config.max_running,
-        )
         self._inflight: Launched | None = None
-        self.runner.capture_all()
         self.last_step_seconds = 0.0
         self.last_step_tokens = 0
 
-    def _kernels_usable(self, config: EngineConfig) -> bool:
-        """``kernels="auto"`` falls back to PyTorch for shapes the decode kernel does not take
-        (every DeepSeek checkpoint fits: 512 + 64); ``"triton"`` refuses them."""
-        if not config.use_kernels:
-            return False
-        from .kernels.mla_decode import unsupported
+    # -- the model behind a real runner (a fake one has none: AttributeError) ------------------
+    @property
+    def loaded(self) -> LoadedModel:
+        if self.parts.loaded is None:
+            raise AttributeError(f"engine {self.model_id!r} runs no model")
+        return self.parts.loaded
 
-        cfg = self.model.cfg
-        why = unsupported(cfg.kv_lora_rank, cfg.qk_rope_head_dim, config.block_size)
-        if why is None:
-            return True
-        if config.kernels == "triton":
-            raise ValueError(f"kernels='triton' cannot serve this model: {why}")
-        log.warning("engine: PyTorch attention and MoE instead of the kernels: %s", why)
-        return False
+    @property
+    def model(self) -> DeepseekForCausalLM:
+        return self.loaded.model
 
-    # -- sizing -------------------------------------------------------------------------------
-    def _blocks_for_memory(self) -> int:
-        budget = self.config.kv_cache_bytes
-        if budget is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int((free - self._activation_reserve()) * 0.9)
-            else:
-                budget = 1 << 30
-        n = budget // self.spec.bytes_per_block
-        if n <= 0:
-            raise ValueError(
-                f"kv_cache_bytes={budget} holds no {self.spec.bytes_per_block}-byte block"
-            )
-        return int(n)
-
-    def _activation_reserve(self) -> int:
-        """Bytes a full step's activations need beside the cache: per token of the step,
-        the routed-expert buffers (k x (2H + 3I): gathered input, gate/up, SiLU·up, outputs)
-        and ~16 hidden-sized tensors (projections, residuals, norms), in the model dtype."""
-        cfg = self.model.cfg
-        per_token = (
-            cfg.num_experts_per_tok * (2 * cfg.hidden_size + 3 * cfg.moe_intermediate_size)
-            + 16 * cfg.hidden_size
-        )
-        return int(
-            self.config.max_tokens_per_step
-            * per_token
-            * torch.finfo(self.config.torch_dtype).bits
-            // 8
-        )
-
-    def _nominal_rates(self) -> tuple[float, float]:
-        """Starting FLOP/s and bytes/s for the cost model; calibrated by measured steps."""
-        if self.device.type == "cuda":
-            return 6e14, 4e12  # H200-class bf16 dense / HBM; the calibration corrects the rest
-        return 5e10, 1e10
+    @property
+    def sampler(self) -> Sampler:
+        if not isinstance(self.runner, ModelRunner):
+            raise AttributeError(f"engine {self.model_id!r} runs no sampler")
+        return self.runner.sampler
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(
@@ -410,15 +357,7 @@ class Engine:
         except BaseException:
             self.blocks.release(hits + fresh)
             raise
-        req.blocks = hits + fresh
-        req.block_hashes = list(names)
-        for i in range(len(hits), n_full):
-            self.blocks.register(req.blocks[i], names[i])
-        req.num_registered = n_full
-        req.num_computed = usable
-        req.num_cached_tokens = min(usable, req.num_prompt_tokens)
-        req.admitted = True
-        req.status = Status.RUNNING
+        self.scheduler.admit_imported(req, hits + fresh, names, len(hits), usable)
 
     # -- stepping -----------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:

@@ -1,4 +1,4 @@
-"""Offline generation: ``LLM(model).generate(prompts, params)`` drives an :class:`Engine` to the end."""
+"""Offline generation: ``LLM(model).generate(prompts, params)`` drives an Engine to the end."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from libs.common.sampling import SamplingParams
+
 from .engine import Engine, EngineConfig
-from .sampling_params import SamplingParams
 from .scheduler import TokenEvent
 from .tokenizer import load_tokenizer
 

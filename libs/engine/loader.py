@@ -56,7 +56,8 @@ def load(
     path = Path(source)
     if not (path / "config.json").is_file():
         raise CheckpointError(
-            f"{source!r} is neither a preset ({', '.join(PRESETS)}) nor a directory with config.json"
+            f"{source!r} is neither a preset ({', '.join(PRESETS)}) "
+            "nor a directory with config.json"
         )
     raw = json.loads((path / "config.json").read_text())
     try:

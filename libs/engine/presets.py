@@ -126,7 +126,7 @@ _CHUNK = 1 << 24  # elements per generation chunk (aligned, so a chunk never cro
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 on int64 tensors holding uint32 values (products wrap; the low 32 bits are exact)."""
+    """lowbias32 on int64 tensors holding uint32 values (products wrap; low 32 bits exact)."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _M32
     x = x ^ (x >> 15)

@@ -24,11 +24,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from libs.common.sampling import SamplingParams
+
 from .kv.cache import PagedKVCache
 from .model.attention import AttentionMetadata, SeqAttention
 from .model.model import DeepseekForCausalLM
 from .sampler import Sampler
-from .sampling_params import SamplingParams
 from .scheduler import PLACEHOLDER, ScheduledSeq, StepPlan
 
 GRAPH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)

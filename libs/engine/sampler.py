@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .sampling_params import SamplingParams
+from libs.common.sampling import SamplingParams
 
 
 def position_seed(seed: int, position: int) -> int:

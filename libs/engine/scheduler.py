@@ -33,10 +33,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from libs.common.hashchain import chain_hashes
+from libs.common.sampling import SamplingParams
 
 from .cost_model import CostModel, StepShape
 from .kv.block_manager import BlockManager
-from .sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # a sampled token not yet copied back from the device
 
@@ -183,6 +183,33 @@ class Scheduler:
             self.running.append(req)
         else:
             self.waiting.append(req)
+
+    def admit_imported(
+        self,
+        req: Request,
+        blocks: list[int],
+        names: list[bytes],
+        num_named: int,
+        num_computed: int,
+    ) -> None:
+        """Give a request not yet added the KV the engine imported for it, so :meth:`add`
+        runs it from ``num_computed`` on instead of queueing it.
+
+        ``blocks`` (acquired by the caller, owned by ``req`` from here on) hold the first
+        ``num_computed`` tokens; ``names`` are the chain digests of its full blocks, of which
+        the first ``num_named`` are already named in the block manager (prefix hits) and the
+        rest are named here.
+        """
+        assert req.request_id not in self.requests and not req.blocks, "admit before add"
+        for i in range(num_named, len(names)):
+            self.bm.register(blocks[i], names[i])
+        req.blocks = list(blocks)
+        req.block_hashes = list(names)
+        req.num_registered = len(names)
+        req.num_computed = num_computed
+        req.num_cached_tokens = min(num_computed, req.num_prompt_tokens)
+        req.admitted = True
+        req.status = Status.RUNNING
 
     def abort(self, request_id: str) -> TokenEvent | None:
         req = self.requests.get(request_id)

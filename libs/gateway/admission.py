@@ -8,13 +8,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-
-class Overloaded(Exception):
-    """No slot: the message says why and ``retry_after_ms`` when to come back."""
-
-    def __init__(self, message: str, retry_after_ms: int) -> None:
-        super().__init__(message)
-        self.retry_after_ms = retry_after_ms
+from libs.common.errors import Overloaded
 
 
 class Admission:

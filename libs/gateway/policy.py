@@ -1,8 +1,10 @@
 """Entrypoint policy: request validation and the ordered token stream. No I/O.
 
-:func:`validate_request` turns a ``GenerateRequest`` into a :class:`ValidRequest` or raises
-:class:`InvalidArgument` naming the offending field (mapped to gRPC INVALID_ARGUMENT at the
-service edge). :class:`TokenReorderBuffer` puts token events back in output order: the first
+:func:`validate_request` turns a ``GenerateRequest`` into a :class:`ValidRequest` (its sampling
+settings a :class:`~libs.common.sampling.SamplingParams`, checked once on creation) or raises
+:class:`~libs.common.errors.InvalidArgument` naming the offending field, or
+:class:`~libs.common.errors.NotFound` for a model not served here (mapped to a gRPC status at
+the service edge). :class:`TokenReorderBuffer` puts token events back in output order: the first
 token comes from the prefill instance and the rest from a decode instance, over different
 NATS connections, so index 1 can overtake index 0. :class:`RequestStream` turns the ordered
 events into what the client sees: Ready once, Tokens, Finish once.
@@ -10,28 +12,16 @@ events into what the client sees: Ready once, Tokens, Finish once.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from libs.common.errors import InvalidArgument, NotFound
+from libs.common.sampling import SamplingParams
 from libs.proto.deepserve.v1 import common_pb2, generate_pb2
 
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")  # becomes part of a NATS subject
 MAX_TENANT_BYTES = 256
-MAX_SEED = 2**63  # the engine's sampler keys draws by a signed 64-bit seed
-
-
-class InvalidArgument(ValueError):
-    """The request is wrong as sent; ``field`` names the proto field to fix."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-
-
-class UnknownModel(LookupError):
-    """The request names a model this entrypoint does not serve."""
 
 
 @dataclass(frozen=True)
@@ -50,23 +40,10 @@ class Limits:
 
 
 @dataclass(frozen=True)
-class Sampling:
-    """Validated sampling settings (``top_p`` 0 on the wire already turned into 1)."""
-
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    max_tokens: int
-    stop_token_ids: tuple[int, ...]
-    ignore_eos: bool
-
-
-@dataclass(frozen=True)
 class ValidRequest:
     request_id: str  # "" = the entrypoint assigns one
     prompt_token_ids: tuple[int, ...]
-    sampling: Sampling
+    sampling: SamplingParams
     model: str
     tenant: str
     traffic_class: int
@@ -76,75 +53,53 @@ def _check_ids(name: str, ids: Sequence[int], vocab: int) -> None:
     for i, t in enumerate(ids):
         if not 0 <= t < vocab:
             raise InvalidArgument(
-                f"{name}[{i}]", f"token id {t} is outside the vocabulary [0, {vocab})"
+                f"token id {t} is outside the vocabulary [0, {vocab})", field=f"{name}[{i}]"
             )
 
 
-def validate_sampling(s: common_pb2.SamplingParams, prompt_len: int, limits: Limits) -> Sampling:
-    if not math.isfinite(s.temperature) or s.temperature < 0:
-        raise InvalidArgument(
-            "sampling.temperature",
-            f"must be a finite number >= 0 (0 = greedy), got {s.temperature}",
-        )
-    if not math.isfinite(s.top_p) or not 0 <= s.top_p <= 1:
-        raise InvalidArgument("sampling.top_p", f"must lie in (0, 1] (0 means 1), got {s.top_p}")
-    if s.top_k < 0:
-        raise InvalidArgument("sampling.top_k", f"must be >= 0 (0 = off), got {s.top_k}")
-    if s.max_tokens <= 0:
-        raise InvalidArgument("sampling.max_tokens", f"must be > 0, got {s.max_tokens}")
+def _sampling(msg: common_pb2.SamplingParams, prompt_len: int, limits: Limits) -> SamplingParams:
+    """The request's SamplingParams (whose own checks run on creation), then the checks that
+    need this deployment's limits."""
+    sampling = SamplingParams.from_proto(msg)
     room = limits.max_context - prompt_len
-    if s.max_tokens > room:
+    if sampling.max_tokens > room:
         raise InvalidArgument(
-            "sampling.max_tokens",
             f"prompt ({prompt_len} tokens) + max_tokens "
-            f"({s.max_tokens}) exceeds the context limit of {limits.max_context}; "
+            f"({sampling.max_tokens}) exceeds the context limit of {limits.max_context}; "
             f"at most {room} here",
+            field="sampling.max_tokens",
         )
-    seed = s.seed if s.HasField("seed") else None
-    if seed is not None and seed >= MAX_SEED:
-        raise InvalidArgument("sampling.seed", f"must lie in [0, 2**63), got {seed}")
-    _check_ids("sampling.stop_token_ids", s.stop_token_ids, limits.vocab_size)
-    return Sampling(
-        temperature=s.temperature,
-        top_p=s.top_p or 1.0,
-        top_k=s.top_k,
-        seed=seed,
-        max_tokens=s.max_tokens,
-        stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-    )
+    _check_ids("sampling.stop_token_ids", sampling.stop_token_ids, limits.vocab_size)
+    return sampling
 
 
 def validate_request(req: generate_pb2.GenerateRequest, limits: Limits) -> ValidRequest:
-    """A checked copy of ``req``; InvalidArgument (naming the field) or UnknownModel otherwise."""
+    """A checked copy of ``req``; InvalidArgument (naming the field) or NotFound otherwise."""
     if req.request_id and not REQUEST_ID_RE.match(req.request_id):
         raise InvalidArgument(
-            "request_id",
             "must be 1-128 characters of A-Z a-z 0-9 _ - "
             f"(or empty to get one assigned), got {req.request_id[:64]!r}",
+            field="request_id",
         )
     model = req.model or limits.model_name
     if model != limits.model_name:
-        raise UnknownModel(
-            f"model {req.model!r} is not served here; available: {limits.model_name!r}"
-        )
+        raise NotFound(f"model {req.model!r} is not served here; available: {limits.model_name!r}")
     if len(req.tenant.encode()) > MAX_TENANT_BYTES:
-        raise InvalidArgument("tenant", f"must be at most {MAX_TENANT_BYTES} bytes")
+        raise InvalidArgument(f"must be at most {MAX_TENANT_BYTES} bytes", field="tenant")
     prompt = tuple(req.prompt_token_ids)
     if not prompt:
-        raise InvalidArgument("prompt_token_ids", "must not be empty")
+        raise InvalidArgument("must not be empty", field="prompt_token_ids")
     _check_ids("prompt_token_ids", prompt, limits.vocab_size)
     if len(prompt) >= limits.max_context:
         raise InvalidArgument(
-            "prompt_token_ids",
             f"has {len(prompt)} tokens; the context limit "
             f"is {limits.max_context} (prompt + completion)",
+            field="prompt_token_ids",
         )
-    sampling = validate_sampling(req.sampling, len(prompt), limits)
     return ValidRequest(
         request_id=req.request_id,
         prompt_token_ids=prompt,
-        sampling=sampling,
+        sampling=_sampling(req.sampling, len(prompt), limits),
         model=model,
         tenant=req.tenant,
         traffic_class=int(req.traffic_class),

@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from libs.common.errors import InstanceFailed
+
 from .policy import Finish, Output, Ready, Tokens
 
 
@@ -88,7 +90,7 @@ class Progress:
         return Finish(out.reason, len(self.prompt), self.cached_tokens, len(self.sent))
 
 
-class AttemptFailed(Exception):
+class AttemptFailed(InstanceFailed):
     """One attempt ended because an instance failed (retryable); ``instances`` to avoid."""
 
     def __init__(self, message: str, instances: tuple[str, ...]) -> None:

@@ -69,7 +69,7 @@ class Retention:
 
 @dataclass(frozen=True)
 class BlockInfo:
-    """What retention needs of one stored block (hex digests; ``parent`` is "" for a first block)."""
+    """What retention needs of one stored block (hex digests; ``parent`` "" for a first block)."""
 
     hash: str
     parent: str

@@ -63,7 +63,7 @@ def bucket_names(bounds: Sequence[int]) -> list[str]:
 
 
 def shares(demand: Sequence[float], n: int) -> list[int]:
-    """Instances per bucket for ``n`` instances and per-bucket ``demand`` (sum == n if any demand)."""
+    """Instances per bucket for ``n`` instances and per-bucket ``demand`` (sum n if any demand)."""
     busy = [i for i, d in enumerate(demand) if d > 0]
     out = [0] * len(demand)
     if not busy or n <= 0:

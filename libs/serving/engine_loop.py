@@ -29,8 +29,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, InvalidRequest
-from libs.engine.sampling_params import SamplingParams
 from libs.engine.scheduler import TokenEvent
 
 log = logging.getLogger(__name__)

@@ -1,16 +1,16 @@
-"""A deterministic fake engine (``--model fake``): the real scheduler, block manager and KV
-frames, with the model replaced by a hash.
+"""A deterministic fake engine (``--model fake``): the real :class:`Engine` (scheduler, block
+manager, KV frames) plugged into a fake runner and cache, with the model replaced by a hash.
 
 The next token after position ``n - 1`` is ``sha256(seed, token[n - 1], n) mod vocab`` (never
 an EOS id), so any process computes the same completion from the same prompt, and a request
 resent as ``prompt + tokens so far`` continues exactly where the first one stopped -- what the
 entrypoint's exact-continuation retry relies on. Each step costs a fixed time plus a time per
 token (a sleep), so load tests see queueing without a model. KV import/export, prefix reuse and
-block accounting are the real :class:`Engine` code paths (inherited); the "cache" is 4 bytes
-per token kept in a dict.
+block accounting are the real engine's code paths; the "cache" is 4 bytes per token kept in a
+dict.
 
-No torch work happens here; torch is still imported because the exceptions live with the
-engine.
+No torch work happens here; torch is still imported because the runner hands the engine its
+sampled ids as a tensor, like the real one.
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ from collections.abc import Sequence
 
 import torch
 
+from libs.common.sampling import SamplingParams
 from libs.engine.config import ModelConfig
 from libs.engine.cost_model import CostModel
 from libs.engine.engine import Engine, EngineConfig
-from libs.engine.kv.block_manager import BlockManager
 from libs.engine.kv.layout import CacheSpec, PagedEntry
+from libs.engine.parts import EngineParts
 from libs.engine.runner import Launched, ModelRunner
-from libs.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from libs.engine.scheduler import StepPlan
 
 FAKE_MODEL = "fake"
 FAKE_VOCAB = 129280  # the tiny preset's (the real tokenizer's) vocabulary
@@ -54,13 +55,12 @@ def fake_completion(prompt: Sequence[int], max_tokens: int, seed: int = 0) -> li
     return out
 
 
-class _DictCache:
+class DictCache:
     """Stands in for PagedKVCache: block id -> payload bytes (zeros until written)."""
 
     def __init__(self, bytes_per_block: int) -> None:
         self.bytes_per_block = bytes_per_block
         self._blocks: dict[int, bytes] = {}
-        self.tensors: list[object] = []
 
     def read_blocks(self, blocks: Sequence[int]) -> bytes:
         zero = bytes(self.bytes_per_block)
@@ -74,83 +74,80 @@ class _DictCache:
             self._blocks[b] = bytes(payload[i * bpb : (i + 1) * bpb])
 
 
-class FakeEngine(Engine):
-    """:class:`Engine` with the model replaced by :func:`fake_next_token` and a sleep."""
-
-    def __init__(
-        self,
-        config: EngineConfig | None = None,
-        *,
-        step_seconds: float = STEP_SECONDS,
-        token_seconds: float = TOKEN_SECONDS,
-    ) -> None:  # no super().__init__: no model
-        self.config = config = config or EngineConfig(model=FAKE_MODEL)
-        self.step_seconds, self.token_seconds = step_seconds, token_seconds
-        self.model_config = cfg = ModelConfig(
-            model_type="deepseek_v3",
-            vocab_size=FAKE_VOCAB,
-            hidden_size=64,
-            intermediate_size=64,
-            moe_intermediate_size=16,
-            num_hidden_layers=1,
-            first_k_dense_replace=1,
-            num_attention_heads=1,
-            q_lora_rank=None,
-            kv_lora_rank=16,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=16,
-            v_head_dim=16,
-            n_routed_experts=1,
-            n_shared_experts=1,
-            num_experts_per_tok=1,
-            n_group=1,
-            topk_group=1,
-            eos_token_ids=FAKE_EOS,
-        )
-        self.model_id = f"{FAKE_MODEL}-seed{config.seed}"
-        self.spec = CacheSpec(
-            self.model_id, config.block_size, (PagedEntry("tokens", 0, (1,), "float32"),)
-        )
-        num_blocks = config.num_kv_blocks or 4096
-        self.cache = _DictCache(self.spec.bytes_per_block)  # type: ignore[assignment]
-        self.blocks = BlockManager(num_blocks, config.block_size)
-        max_len = min(
-            config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
-        )
-        self.scheduler_config = SchedulerConfig(
-            config.max_tokens_per_step, config.time_budget_s, config.max_running, max_len
-        )
-        self.cost = CostModel.for_model(cfg, 4, 4, 5e10, 1e10)
-        self.scheduler = Scheduler(self.scheduler_config, self.blocks, self.cost, cfg.eos_token_ids)
-        self.last_step_seconds = 0.0
-        self.last_step_tokens = 0
-        self.runner = _FakeRunner(self)  # type: ignore[assignment]
-        self._inflight = None
-
-    def _run(self, plan: StepPlan) -> dict[str, int]:
-        time.sleep(self.step_seconds + self.token_seconds * plan.num_tokens)
-        out: dict[str, int] = {}
-        for s in plan.seqs:
-            if not s.sample:
-                continue
-            params = self.scheduler.requests[s.request_id].params
-            seed = params.seed if params.seed is not None else 0
-            # s.token_ids are the tokens fed this step; the last one precedes the sampled token.
-            out[s.request_id] = fake_next_token(seed, s.token_ids[-1], s.sample_position)
-        return out
+FAKE_CONFIG = ModelConfig(
+    model_type="deepseek_v3",
+    vocab_size=FAKE_VOCAB,
+    hidden_size=64,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    num_hidden_layers=1,
+    first_k_dense_replace=1,
+    num_attention_heads=1,
+    q_lora_rank=None,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=1,
+    n_shared_experts=1,
+    num_experts_per_tok=1,
+    n_group=1,
+    topk_group=1,
+    eos_token_ids=FAKE_EOS,
+)
 
 
-class _FakeRunner:
-    """The engine's runner interface over :meth:`FakeEngine._run` (synchronous, no overlap)."""
+class FakeRunner:
+    """The runner interface over :func:`fake_next_token` and a sleep (synchronous: a step is
+    done when ``launch`` returns)."""
 
     collect = staticmethod(ModelRunner.collect)
 
-    def __init__(self, engine: FakeEngine) -> None:
-        self.engine = engine
+    def __init__(self, step_seconds: float = STEP_SECONDS, token_seconds: float = TOKEN_SECONDS):
+        self.step_seconds, self.token_seconds = step_seconds, token_seconds
 
-    def launch(self, plan: StepPlan, params: object, prev: Launched | None) -> Launched:
+    def launch(
+        self, plan: StepPlan, params: Sequence[SamplingParams], prev: Launched | None
+    ) -> Launched:
         t0 = time.perf_counter()
-        sampled = self.engine._run(plan)
+        time.sleep(self.step_seconds + self.token_seconds * plan.num_tokens)
         sampling = [s for s in plan.seqs if s.sample]
-        host = torch.tensor([sampled[s.request_id] for s in sampling], dtype=torch.int64)
+        # s.token_ids are the tokens fed this step; the last one precedes the sampled token.
+        sampled = [
+            fake_next_token(p.seed if p.seed is not None else 0, s.token_ids[-1], s.sample_position)
+            for s, p in zip(sampling, params, strict=True)
+        ]
+        host = torch.tensor(sampled, dtype=torch.int64)
         return Launched(plan, sampling, None, host, None, None, time.perf_counter() - t0)
+
+
+def fake_parts(
+    config: EngineConfig,
+    *,
+    step_seconds: float = STEP_SECONDS,
+    token_seconds: float = TOKEN_SECONDS,
+) -> EngineParts:
+    """A :class:`FakeRunner` and a :class:`DictCache` (4096 blocks unless configured)."""
+    model_id = f"{FAKE_MODEL}-seed{config.seed}"
+    spec = CacheSpec(model_id, config.block_size, (PagedEntry("tokens", 0, (1,), "float32"),))
+    return EngineParts(
+        model_id,
+        FAKE_CONFIG,
+        spec,
+        DictCache(spec.bytes_per_block),
+        config.num_kv_blocks or 4096,
+        CostModel.for_model(FAKE_CONFIG, 4, 4, 5e10, 1e10),
+        FakeRunner(step_seconds, token_seconds),
+    )
+
+
+def build_fake_engine(
+    config: EngineConfig | None = None,
+    *,
+    step_seconds: float = STEP_SECONDS,
+    token_seconds: float = TOKEN_SECONDS,
+) -> Engine:
+    """The real :class:`Engine` on :func:`fake_parts`: no model, same engine code paths."""
+    config = config or EngineConfig(model=FAKE_MODEL)
+    parts = fake_parts(config, step_seconds=step_seconds, token_seconds=token_seconds)
+    return Engine(config, parts=parts)

@@ -1,38 +1,32 @@
 """What the prefill and decode services share around their engine: readiness, the model in
-its engine thread, NATS, heartbeats and the SIGTERM drain.
+its engine thread, NATS, heartbeats and the SIGTERM drain. Runs inside the shared service
+lifecycle (:func:`libs.common.service.run_service`): what it opens goes on ``ctx.stack``.
 
-    async with AsyncExitStack() as stack:
-        rt = InstanceRuntime(...)
-        rc = await rt.start(stack)          # ops port, model, engine thread, NATS
+    async def serve(cfg: PrefillConfig, ctx: ServiceContext) -> int:
+        rt = InstanceRuntime(ctx, cfg.model, cfg.heartbeat_interval)
+        rc = await rt.start()               # ops port, model, engine thread, NATS
         if rc is not None: return rc
         ...subscribe..., rt.ready(status)   # heartbeats begin; /healthz says 200
-        await rt.stop.wait()
+        await ctx.stop.wait()
         await rt.leave(handler, subs)       # draining heartbeat, drain, last heartbeat
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from contextlib import AsyncExitStack
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from nats.aio.client import Client
 
 from libs.common import subjects
-from libs.common.lifecycle import install_stop_handlers, setup_logging
-from libs.common.natsutil import connect_nats
-from libs.common.telemetry import OpsServer
+from libs.common.service import ServiceContext
 from libs.proto.deepserve.v1 import control_pb2
 
 from .engine_loop import EngineLoop, EngineStats
 from .model_flags import ModelFlags
 from .runtime import heartbeat_loop, publish_status
-
-C = TypeVar("C")
 
 
 class Drainable(Protocol):
@@ -43,50 +37,15 @@ class Drainable(Protocol):
     def drain(self, seconds: float) -> Awaitable[Any]: ...
 
 
-def run_instance(
-    service: str,
-    argv: list[str] | None,
-    build_parser: Callable[[], argparse.ArgumentParser],
-    config_from: Callable[[argparse.Namespace], C],
-    serve: Callable[[C, logging.Logger], Awaitable[int]],
-) -> int:
-    """The ``main`` of an engine-wrapping service: parse, log, build config (exit 2 if bad), serve."""
-    args = build_parser().parse_args(argv)
-    log = setup_logging(args.log_level, service)
-    try:
-        cfg = config_from(args)
-    except ValueError as exc:
-        log.error("%s", exc)
-        return 2
-    return asyncio.run(serve(cfg, log))  # type: ignore[arg-type]
-
-
 class InstanceRuntime:
-    def __init__(
-        self,
-        service: str,
-        instance_id: str,
-        model: ModelFlags,
-        *,
-        host: str,
-        http_port: int,
-        nats_url: str,
-        drain_seconds: float,
-        heartbeat_interval: float,
-        log: logging.Logger,
-    ) -> None:
-        self.service, self.instance_id, self.model = service, instance_id, model
-        self.host, self.http_port, self.nats_url = host, http_port, nats_url
-        self.drain_seconds, self.heartbeat_interval, self.log = (
-            drain_seconds,
-            heartbeat_interval,
-            log,
-        )
-        self.stop = asyncio.Event()
+    def __init__(self, ctx: ServiceContext, model: ModelFlags, heartbeat_interval: float) -> None:
+        self.ctx, self.model, self.heartbeat_interval = ctx, model, heartbeat_interval
+        self.service, self.instance_id = ctx.name, ctx.config.instance_id
+        self.drain_seconds, self.log = ctx.config.drain_seconds, ctx.log
         self.loop: EngineLoop | None = None
         self.nc: Client | None = None
         self._ready = False
-        self._hb_subject = subjects.heartbeat(service, instance_id)
+        self._hb_subject = subjects.heartbeat(self.service, self.instance_id)
         self._hb_stop = asyncio.Event()
         self._hb: asyncio.Task[None] | None = None
 
@@ -97,32 +56,22 @@ class InstanceRuntime:
             return False, "NATS is not connected"
         return True, f"{self.instance_id} serving {self.model.model_name}"
 
-    async def start(self, stack: AsyncExitStack) -> int | None:
-        """Ops port, model, engine thread, NATS. Returns an exit code if the service must end."""
-        install_stop_handlers(self.stop)
-        ops = OpsServer(self.host, self.http_port, self.healthy)
-        self.log.info("ops on %s:%d", self.host, await ops.start())
-        stack.push_async_callback(ops.stop)
+    async def start(self) -> int | None:
+        """Ops port, model, engine thread, NATS, each closed by the service's exit stack.
+        Returns an exit code if the service must end (a model that cannot load, or a stop
+        signal before NATS answered)."""
+        self.log.info("ops on %s:%d", self.ctx.config.host, await self.ctx.start_ops(self.healthy))
 
-        from libs.engine.engine import Engine  # torch: after the ops port answers
+        from .engines import build_engine  # torch: after the ops port answers
 
-        from .fake_engine import FAKE_MODEL, FakeEngine
-
-        make: Callable[[Any], Engine] = Engine
-        if self.model.model == FAKE_MODEL:
-            make = functools.partial(
-                FakeEngine,
-                step_seconds=self.model.fake_step_ms / 1e3,
-                token_seconds=self.model.fake_token_us / 1e6,
-            )
         try:
-            engine = await asyncio.to_thread(make, self.model.engine_config())
+            engine = await asyncio.to_thread(build_engine, self.model)
         except (ValueError, OSError) as exc:
             self.log.error("cannot load model %r: %s", self.model.model, exc)
             return 1
         loop = EngineLoop(engine, name=self.service)
         loop.start()
-        stack.push_async_callback(loop.close)
+        self.ctx.stack.push_async_callback(loop.close)
         self.loop = loop
         self.log.info(
             "model %s loaded (%s), %d KV blocks of %d tokens",
@@ -131,12 +80,9 @@ class InstanceRuntime:
             engine.blocks.num_blocks,
             self.model.block_size,
         )
-        self.nc = await connect_nats(
-            self.nats_url, self.instance_id, self.stop, self.log, self.drain_seconds
-        )
+        self.nc = await self.ctx.connect_nats()  # closed at once: leave() already drained
         if self.nc is None:
             return 0
-        stack.push_async_callback(self.nc.close)
         return None
 
     async def ready(self, status: Callable[[], control_pb2.InstanceStatus]) -> None:
@@ -180,7 +126,7 @@ def instance_status(
     stats: EngineStats,
     *,
     instance_id: str,
-    role: int,
+    role: control_pb2.Role,
     model: str,
     address: str,
     draining: bool,
@@ -197,7 +143,7 @@ def instance_status(
         role=role,
         model=model,
         address=address,
-        running=stats.running,  # type: ignore[arg-type]
+        running=stats.running,
         waiting=stats.waiting,
         queued_tokens=stats.queued_tokens,
         free_kv_blocks=stats.free_kv_blocks,
@@ -211,7 +157,8 @@ def instance_status(
 async def drain_tasks(
     tasks: Sequence[asyncio.Task[Any]], timeout_s: float, what: str, log: logging.Logger
 ) -> None:
-    """Let ``tasks`` finish for up to ``timeout_s``; cancel the rest (they report their own errors)."""
+    """Let ``tasks`` finish for up to ``timeout_s``; cancel the rest (they report their own
+    errors)."""
     if not tasks:
         return
     log.info("draining: %d %s in flight (up to %.1f s)", len(tasks), what, timeout_s)

@@ -97,13 +97,20 @@ def _routing(t: int, e: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.
 def _expert_bytes(w13: torch.Tensor | Fp4Weight, w2: torch.Tensor | Fp4Weight) -> float:
     def per_expert(w: torch.Tensor | Fp4Weight) -> float:
         return (w.nbytes if isinstance(w, Fp4Weight) else w.numel() * w.element_size()) / w.shape[0]
+
     return per_expert(w13) + per_expert(w2)
 
 
 def _torch_experts(w13: torch.Tensor, w2: torch.Tensor) -> Experts:
     e, two_i, h = w13.shape
-    cfg = ModelConfig(n_routed_experts=e, num_experts_per_tok=1, n_group=1, topk_group=1,
-                      hidden_size=h, moe_intermediate_size=two_i // 2)
+    cfg = ModelConfig(
+        n_routed_experts=e,
+        num_experts_per_tok=1,
+        n_group=1,
+        topk_group=1,
+        hidden_size=h,
+        moe_intermediate_size=two_i // 2,
+    )
     experts = Experts(cfg, w13.dtype, torch.device("meta"))
     experts.w13 = nn.Parameter(w13, requires_grad=False)
     experts.w2 = nn.Parameter(w2, requires_grad=False)
@@ -138,19 +145,53 @@ def graph_ms(fn: Any, replays: int = 50) -> float:
 
 # --quick sweep: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the SWAP_AB variants,
 # shared by T=64 and T=256 (a config compiles once per model and format, whatever T is).
-QUICK_SWAP = ((16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 64, 64, 4, 3),
-              (32, 64, 128, 4, 4), (32, 128, 128, 4, 3), (32, 128, 64, 4, 4),
-              (64, 64, 128, 4, 4))
+QUICK_SWAP = (
+    (16, 64, 128, 4, 4),
+    (16, 128, 128, 4, 4),
+    (16, 64, 64, 4, 3),
+    (32, 64, 128, 4, 4),
+    (32, 128, 128, 4, 3),
+    (32, 128, 64, 4, 4),
+    (64, 64, 128, 4, 4),
+)
 # Best non-swapped configs measured on an H200 (graph timing, v2-lite) before SWAP_AB existed.
 QUICK_PREV_BEST = {
-    "bf16": ({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
-              "num_stages": 4},
-             {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4,
-              "num_stages": 4}),
-    "fp4": ({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
-             "num_stages": 4},
-            {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4,
-             "num_stages": 4}),
+    "bf16": (
+        {
+            "BLOCK_M": 64,
+            "BLOCK_N": 64,
+            "BLOCK_K": 128,
+            "GROUP_M": 1,
+            "num_warps": 4,
+            "num_stages": 4,
+        },
+        {
+            "BLOCK_M": 32,
+            "BLOCK_N": 64,
+            "BLOCK_K": 128,
+            "GROUP_M": 8,
+            "num_warps": 4,
+            "num_stages": 4,
+        },
+    ),
+    "fp4": (
+        {
+            "BLOCK_M": 16,
+            "BLOCK_N": 64,
+            "BLOCK_K": 128,
+            "GROUP_M": 1,
+            "num_warps": 4,
+            "num_stages": 4,
+        },
+        {
+            "BLOCK_M": 64,
+            "BLOCK_N": 64,
+            "BLOCK_K": 128,
+            "GROUP_M": 1,
+            "num_warps": 4,
+            "num_stages": 4,
+        },
+    ),
 }
 # Seconds of first runs (compiles) per (model, format), env QUICK_BUDGET_S overrides; once spent,
 # configs not yet compiled are skipped (those already compiled are still timed at every T).
@@ -163,8 +204,18 @@ def quick_configs(name: str, fp4: bool) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     cands = [default_config(t, k, e, 2 * i, h, fp4) for t in (64, 256)]
     cands += list(QUICK_PREV_BEST["fp4" if fp4 else "bf16"])
-    cands += [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 1, "num_warps": w,
-               "num_stages": st, "SWAP_AB": True} for bm, bn, bk, w, st in QUICK_SWAP]
+    cands += [
+        {
+            "BLOCK_M": bm,
+            "BLOCK_N": bn,
+            "BLOCK_K": bk,
+            "GROUP_M": 1,
+            "num_warps": w,
+            "num_stages": st,
+            "SWAP_AB": True,
+        }
+        for bm, bn, bk, w, st in QUICK_SWAP
+    ]
     for c in cands:
         c = {**c, "SWAP_AB": bool(c.get("SWAP_AB", False))}
         if c not in out:
@@ -212,37 +263,56 @@ def bench_quick(name: str, start: float, rows: list[dict[str, Any]]) -> None:
                         spent[fmt] += time.monotonic() - t0
                     compiled.add(key)
                     rel = _rel_err(out, ref)
-                    g_ms = graph_ms(lambda cfg=cfg: fused_moe(x, a13, a2, weights, ids, out=out,
-                                                              config=cfg), replays=30)
+                    g_ms = graph_ms(
+                        lambda cfg=cfg: fused_moe(x, a13, a2, weights, ids, out=out, config=cfg),
+                        replays=30,
+                    )
                 except Exception as exc:  # noqa: BLE001 - report and keep sweeping
                     spent[fmt] += time.monotonic() - t0
-                    print(f"  fail {name} T={t} {fmt} {cfg}: {type(exc).__name__}: "
-                          f"{str(exc)[:120]}", flush=True)
+                    print(
+                        f"  fail {name} T={t} {fmt} {cfg}: {type(exc).__name__}: {str(exc)[:120]}",
+                        flush=True,
+                    )
                     continue
                 ok = rel < 0.03  # bf16 activations and intermediate vs fp32 reference
-                sweep.append({"graph_ms": g_ms, "config": cfg, "rel_err_vs_ref": rel,
-                              "ok": ok})
-                print(f"  {name} T={t} {fmt} {g_ms:.4f} ms rel {rel:.2e}{'' if ok else ' BAD'} "
-                      f"{cfg}", flush=True)
+                sweep.append({"graph_ms": g_ms, "config": cfg, "rel_err_vs_ref": rel, "ok": ok})
+                print(
+                    f"  {name} T={t} {fmt} {g_ms:.4f} ms rel {rel:.2e}{'' if ok else ' BAD'} {cfg}",
+                    flush=True,
+                )
             del ref
             good = [r for r in sweep if r["ok"]]
             if not good:
                 print(f"{name} T={t} {fmt}: no correct config", flush=True)
                 continue
             best = min(good, key=lambda r: r["graph_ms"])
-            res[fmt] = {"model": name, "format": fmt, "T": t, "experts_hit": hit.numel(),
-                        "graph_best_ms": best["graph_ms"], "best_config": best["config"],
-                        "rel_err_vs_ref": best["rel_err_vs_ref"], "bytes": moved,
-                        "GBps_graph": moved / best["graph_ms"] / 1e6, "sweep": sweep}
+            res[fmt] = {
+                "model": name,
+                "format": fmt,
+                "T": t,
+                "experts_hit": hit.numel(),
+                "graph_best_ms": best["graph_ms"],
+                "best_config": best["config"],
+                "rel_err_vs_ref": best["rel_err_vs_ref"],
+                "bytes": moved,
+                "GBps_graph": moved / best["graph_ms"] / 1e6,
+                "sweep": sweep,
+            }
             rows.append(res[fmt])
-            print(f"BEST {name} T={t} {fmt}: graph {best['graph_ms']:.4f} ms "
-                  f"{res[fmt]['GBps_graph']:.0f} GB/s rel {best['rel_err_vs_ref']:.2e} "
-                  f"config {best['config']}  [{time.monotonic() - start:.0f}s]", flush=True)
+            print(
+                f"BEST {name} T={t} {fmt}: graph {best['graph_ms']:.4f} ms "
+                f"{res[fmt]['GBps_graph']:.0f} GB/s rel {best['rel_err_vs_ref']:.2e} "
+                f"config {best['config']}  [{time.monotonic() - start:.0f}s]",
+                flush=True,
+            )
         if "fp4" in res and "bf16" in res:
             b, f = res["bf16"], res["fp4"]
-            print(f"SPEEDUP {name} T={t}: bf16 {b['graph_best_ms']:.4f} ms / fp4 "
-                  f"{f['graph_best_ms']:.4f} ms = {b['graph_best_ms'] / f['graph_best_ms']:.2f}x "
-                  f"(fp4/bf16 time {f['graph_best_ms'] / b['graph_best_ms']:.2f})", flush=True)
+            print(
+                f"SPEEDUP {name} T={t}: bf16 {b['graph_best_ms']:.4f} ms / fp4 "
+                f"{f['graph_best_ms']:.4f} ms = {b['graph_best_ms'] / f['graph_best_ms']:.2f}x "
+                f"(fp4/bf16 time {f['graph_best_ms'] / b['graph_best_ms']:.2f})",
+                flush=True,
+            )
     del formats, w13, w2
     torch.cuda.empty_cache()
 
@@ -253,13 +323,16 @@ def bench_model(name: str, start: float, rows: list[dict[str, Any]]) -> None:
     w13 = torch.randn(e, 2 * i, h, device=CUDA, dtype=torch.bfloat16).mul_(h**-0.5)
     w2 = torch.randn(e, h, i, device=CUDA, dtype=torch.bfloat16).mul_(i**-0.5)
     formats: dict[str, tuple[torch.Tensor | Fp4Weight, torch.Tensor | Fp4Weight]] = {
-        "bf16": (w13, w2), "fp4": (quantize_fp4(w13), quantize_fp4(w2))}
+        "bf16": (w13, w2),
+        "fp4": (quantize_fp4(w13), quantize_fp4(w2)),
+    }
     experts = _torch_experts(w13, w2)
     for t in TOKENS:
         x = torch.randn(t, h, device=CUDA, dtype=torch.bfloat16)
         ids, weights, hit = _routing(t, e, k)
-        torch_ms = triton.testing.do_bench(lambda: experts(x, weights, ids), warmup=5, rep=30,
-                                           return_mode="median")
+        torch_ms = triton.testing.do_bench(
+            lambda f=experts: f(x, weights, ids), warmup=5, rep=30, return_mode="median"
+        )
         flops = 6.0 * t * k * h * i
         for fmt, (a13, a2) in formats.items():
             moved = hit.numel() * _expert_bytes(a13, a2) + 2 * t * h * x.element_size()
@@ -276,48 +349,71 @@ def bench_model(name: str, start: float, rows: list[dict[str, Any]]) -> None:
                 try:
                     ms = triton.testing.do_bench(
                         lambda cfg=cfg: fused_moe(x, a13, a2, weights, ids, out=out, config=cfg),
-                        warmup=5, rep=30, return_mode="median")
+                        warmup=5,
+                        rep=30,
+                        return_mode="median",
+                    )
                 except triton.runtime.errors.OutOfResources:
                     continue
                 timings.append((ms, cfg))
             ms, best = min(timings, key=lambda p: p[0])
             row = {
-                "model": name, "format": fmt, "T": t, "experts_hit": hit.numel(),
-                "rel_err_vs_ref": rel, "ms": ms, "default_ms": timings[0][0],
-                "best_config": best, "bytes": moved, "GBps": moved / ms / 1e6,
-                "bw_frac": moved / (ms * 1e-3) / PEAK_BW, "TFLOPs": flops / ms / 1e9,
-                "flop_frac": flops / (ms * 1e-3) / PEAK_FLOPS, "torch_ms": torch_ms,
+                "model": name,
+                "format": fmt,
+                "T": t,
+                "experts_hit": hit.numel(),
+                "rel_err_vs_ref": rel,
+                "ms": ms,
+                "default_ms": timings[0][0],
+                "best_config": best,
+                "bytes": moved,
+                "GBps": moved / ms / 1e6,
+                "bw_frac": moved / (ms * 1e-3) / PEAK_BW,
+                "TFLOPs": flops / ms / 1e9,
+                "flop_frac": flops / (ms * 1e-3) / PEAK_FLOPS,
+                "torch_ms": torch_ms,
                 "speedup_vs_torch": torch_ms / ms,
                 "sweep": [{"ms": m, "config": c} for m, c in timings],
             }
             rows.append(row)
-            print(f"{name:8s} {fmt:4s} T={t:6d} {ms:8.3f} ms (default {timings[0][0]:.3f}) "
-                  f"rel_err {rel:.1e}  [{time.monotonic() - start:.0f}s]", flush=True)
+            print(
+                f"{name:8s} {fmt:4s} T={t:6d} {ms:8.3f} ms (default {timings[0][0]:.3f}) "
+                f"rel_err {rel:.1e}  [{time.monotonic() - start:.0f}s]",
+                flush=True,
+            )
     del formats, experts, w13, w2
     torch.cuda.empty_cache()
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'model':8s} {'fmt':4s} {'T':>6s} {'hit':>4s} {'ms':>8s} {'dflt ms':>8s} "
-            f"{'GB/s':>7s} {'%BW':>5s} {'TFLOP/s':>8s} {'%peak':>6s} {'torch ms':>9s} "
-            f"{'speedup':>7s} {'rel err':>8s}  best (BM,BN,BK,G,w,s)")
+    head = (
+        f"{'model':8s} {'fmt':4s} {'T':>6s} {'hit':>4s} {'ms':>8s} {'dflt ms':>8s} "
+        f"{'GB/s':>7s} {'%BW':>5s} {'TFLOP/s':>8s} {'%peak':>6s} {'torch ms':>9s} "
+        f"{'speedup':>7s} {'rel err':>8s}  best (BM,BN,BK,G,w,s)"
+    )
     lines = [head]
     for r in rows:
         c = r["best_config"]
-        best = ",".join(str(c[key]) for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M",
-                                                "num_warps", "num_stages"))
+        best = ",".join(
+            str(c[key])
+            for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+        )
         lines.append(
             f"{r['model']:8s} {r['format']:4s} {r['T']:6d} {r['experts_hit']:4d} {r['ms']:8.3f} "
             f"{r['default_ms']:8.3f} {r['GBps']:7.0f} {100 * r['bw_frac']:5.1f} "
             f"{r['TFLOPs']:8.1f} {100 * r['flop_frac']:6.1f} {r['torch_ms']:9.3f} "
-            f"{r['speedup_vs_torch']:7.2f} {r['rel_err_vs_ref']:8.1e}  ({best})")
+            f"{r['speedup_vs_torch']:7.2f} {r['rel_err_vs_ref']:8.1e}  ({best})"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="V2-Lite and V3 at T=64/256 (+4096 bf16), CUDA-graph timings")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="V2-Lite and V3 at T=64/256 (+4096 bf16), CUDA-graph timings",
+    )
     args = parser.parse_args()
     start = time.monotonic()
     rows: list[dict[str, Any]] = []
@@ -329,8 +425,16 @@ def main() -> None:
     out_dir = os.environ.get("OUT")
     if out_dir:
         with open(os.path.join(out_dir, "fused_moe.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "peak_bw": PEAK_BW,
-                       "peak_flops": PEAK_FLOPS, "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "peak_bw": PEAK_BW,
+                    "peak_flops": PEAK_FLOPS,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

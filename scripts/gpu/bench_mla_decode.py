@@ -55,10 +55,15 @@ def make_inputs(batch: int, heads: int, fp8: bool, seed: int) -> dict[str, Any]:
     q = torch.randn(batch, heads, R + P, generator=gen, device="cuda").bfloat16()
     kv = torch.randn(pool * BLOCK, R + P, generator=gen, device="cuda").bfloat16()
     args: dict[str, Any] = dict(
-        q_lat=q[..., :R], q_pe=q[..., R:], latent=kv[:, :R], rope=kv[:, R:],
+        q_lat=q[..., :R],
+        q_pe=q[..., R:],
+        latent=kv[:, :R],
+        rope=kv[:, R:],
         block_table=table.view(batch, blocks).int(),
         seq_lens=torch.full((batch,), CTX, dtype=torch.int32, device="cuda"),
-        block_size=BLOCK, sm_scale=192 ** -0.5)
+        block_size=BLOCK,
+        sm_scale=192**-0.5,
+    )
     if fp8:
         latent8, scale = quantize_latent_fp8(kv[:, :R])
         args.update(latent=latent8, kv_scale=scale)
@@ -68,8 +73,11 @@ def make_inputs(batch: int, heads: int, fp8: bool, seed: int) -> dict[str, Any]:
 def bytes_moved(args: dict[str, Any]) -> int:
     """KV bytes of every context token (read once) plus query and output bytes."""
     tokens = int(args["seq_lens"].sum())
-    per_token = (R * args["latent"].element_size() + P * args["rope"].element_size()
-                 + (4 if "kv_scale" in args else 0))
+    per_token = (
+        R * args["latent"].element_size()
+        + P * args["rope"].element_size()
+        + (4 if "kv_scale" in args else 0)
+    )
     batch, heads, _ = args["q_lat"].shape
     q_and_out = batch * heads * ((R + P) + R) * 2  # bf16 queries in, bf16 output out
     return tokens * per_token + q_and_out
@@ -89,16 +97,26 @@ def bench_shape(batch: int, heads: int, fp8: bool, num_sms: int) -> dict[str, An
             try:
                 us = 1e3 * triton.testing.do_bench(
                     lambda s=splits, c=cfg: mla_decode(**args, out=out, num_splits=s, config=c),
-                    return_mode="median")
+                    return_mode="median",
+                )
             except Exception as exc:  # a config the GPU cannot run (e.g. out of shared memory)
                 print(f"  skip {cfg} splits={splits}: {type(exc).__name__}: {exc}"[:200])
                 continue
             results.append({"splits": splits, **cfg, "us": us})
     best = min(results, key=lambda r: r["us"])
     gbps = bytes_moved(args) / (best["us"] * 1e-6) / 1e9
-    return {"heads": heads, "batch": batch, "cache": "fp8" if fp8 else "bf16", "rel_err": rel,
-            "default_splits": default_splits, "best": best, "us": best["us"], "GBps": gbps,
-            "peak_frac": gbps * 1e9 / PEAK_BYTES_PER_S, "all": results}
+    return {
+        "heads": heads,
+        "batch": batch,
+        "cache": "fp8" if fp8 else "bf16",
+        "rel_err": rel,
+        "default_splits": default_splits,
+        "best": best,
+        "us": best["us"],
+        "GBps": gbps,
+        "peak_frac": gbps * 1e9 / PEAK_BYTES_PER_S,
+        "all": results,
+    }
 
 
 def main() -> None:
@@ -112,20 +130,27 @@ def main() -> None:
                 rows.append(row)
                 b = row["best"]
                 cfg = {k: v for k, v in b.items() if k != "us"}
-                print(f"H={heads:3d} B={batch:3d} {row['cache']:4s} rel_err={row['rel_err']:.1e} "
-                      f"{'ok' if row['rel_err'] < REL_TOL else 'MISMATCH'} {row['us']:8.1f} us {row['GBps']:7.0f} GB/s {row['peak_frac']:.2f} of peak "
-                      f"best {cfg} (default splits {row['default_splits']})", flush=True)
+                print(
+                    f"H={heads:3d} B={batch:3d} {row['cache']:4s} rel_err={row['rel_err']:.1e} "
+                    f"{'ok' if row['rel_err'] < REL_TOL else 'MISMATCH'} {row['us']:8.1f} us "
+                    f"{row['GBps']:7.0f} GB/s {row['peak_frac']:.2f} of peak "
+                    f"best {cfg} (default splits {row['default_splits']})",
+                    flush=True,
+                )
     print("\n  H    B cache      us    GB/s  peak splits BN BH w s")
     for row in rows:
         b = row["best"]
-        print(f"{row['heads']:3d} {row['batch']:4d} {row['cache']:5s} {row['us']:7.1f} "
-              f"{row['GBps']:7.0f} {row['peak_frac']:5.2f} {b['splits']:6d} {b['BLOCK_N']:2d} "
-              f"{b.get('BLOCK_H', '-'):>2} {b['num_warps']} {b['num_stages']}")
+        print(
+            f"{row['heads']:3d} {row['batch']:4d} {row['cache']:5s} {row['us']:7.1f} "
+            f"{row['GBps']:7.0f} {row['peak_frac']:5.2f} {b['splits']:6d} {b['BLOCK_N']:2d} "
+            f"{b.get('BLOCK_H', '-'):>2} {b['num_warps']} {b['num_stages']}"
+        )
     out_dir = os.environ.get("OUT")
     if out_dir:
         with open(os.path.join(out_dir, "mla_decode.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(0), "ctx": CTX, "rows": rows}, f,
-                      indent=1)
+            json.dump(
+                {"device": torch.cuda.get_device_name(0), "ctx": CTX, "rows": rows}, f, indent=1
+            )
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig
-from libs.engine.sampling_params import SamplingParams
 
 
 def main() -> None:
@@ -22,15 +22,26 @@ def main() -> None:
     batches = [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "64,256").split(",")]
     extra = dict(a.split("=", 1) for a in sys.argv[3:])
     ctx = 2048
-    engine = Engine(EngineConfig(model=preset, device="cuda", num_kv_blocks=max(batches) * 18 + 64,
-                                 time_budget_s=None, max_running=max(batches), max_model_len=4096,
-                                 **extra))  # type: ignore[arg-type]
+    engine = Engine(
+        EngineConfig(
+            model=preset,
+            device="cuda",
+            num_kv_blocks=max(batches) * 18 + 64,
+            time_budget_s=None,
+            max_running=max(batches),
+            max_model_len=4096,
+            **extra,
+        )
+    )  # type: ignore[arg-type]
     g = torch.Generator().manual_seed(0)
     for b in batches:
         rids = [f"b{b}-{i}" for i in range(b)]
         for r in rids:
-            engine.add_request(r, torch.randint(3, 100000, (ctx,), generator=g).tolist(),
-                               SamplingParams(max_tokens=64, ignore_eos=True))
+            engine.add_request(
+                r,
+                torch.randint(3, 100000, (ctx,), generator=g).tolist(),
+                SamplingParams(max_tokens=64, ignore_eos=True),
+            )
         while any(engine.scheduler.requests[r].num_computed < ctx for r in rids):
             engine.step()
         for _ in range(3):
@@ -54,9 +65,12 @@ def main() -> None:
                 gr.graph.replay()
             torch.cuda.synchronize()
             replay = (time.perf_counter() - t0) / 10
-        print(f"[{preset} {extra}] batch {b}: wall/step {statistics.median(walls)*1e3:.2f} ms, "
-              f"device/step {statistics.median(devs)*1e3:.2f} ms, graph replay {replay*1e3:.2f} ms, "
-              f"host launch {statistics.median(launches or [float('nan')])*1e3:.2f} ms")
+        print(
+            f"[{preset} {extra}] batch {b}: wall/step {statistics.median(walls) * 1e3:.2f} ms, "
+            f"device/step {statistics.median(devs) * 1e3:.2f} ms, "
+            f"graph replay {replay * 1e3:.2f} ms, "
+            f"host launch {statistics.median(launches or [float('nan')]) * 1e3:.2f} ms"
+        )
         import cProfile
         import pstats
 
@@ -73,7 +87,11 @@ def main() -> None:
             engine.step()
             torch.cuda.synchronize()
         engine.runner.cuda_graphs = True
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        print(
+            prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=14, max_name_column_width=60
+            )
+        )
         for r in rids:
             engine.abort(r)
         while engine.has_unfinished():

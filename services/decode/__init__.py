@@ -1,1 +1,1 @@
-"""decode: continuous batching of requests whose KV arrives from prefill; streams tokens over NATS."""
+"""decode: continuous batching of requests whose KV arrives from prefill; tokens over NATS."""

@@ -13,17 +13,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
+import grpc
 from opentelemetry import trace
 from prometheus_client import Counter, Histogram
 
 from libs.common import subjects
+from libs.common.errors import (
+    DeepserveError,
+    InstanceFailed,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
+from libs.common.sampling import SamplingParams
 from libs.common.telemetry import extract_context
 from libs.engine.engine import InvalidRequest, KVFormatError, NoFreeBlocks
-from libs.proto.deepserve.v1 import control_pb2, kv_transfer_pb2
+from libs.proto.deepserve.v1 import control_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 from libs.serving.aborts import RecentAborts
-from libs.serving.convert import error_event, sampling_from_proto
+from libs.serving.convert import error_event
 from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed, RequestStream
 from libs.serving.instance import drain_tasks, instance_status
 
@@ -70,58 +79,73 @@ class DecodeHandler:
     async def accept(
         self, task: control_pb2.DecodeTask, frame: bytes, traceparent: str = ""
     ) -> kv_transfer_pb2.KVPushReply:
-        """Queue the request with its KV; the reply says whether this instance took it."""
+        """Queue the request with its KV; the reply says whether this instance took it.
+
+        A refusal is the one place this maps an error: its message goes into the reply (prefill
+        then fails the request with a retryable error event).
+        """
         rid = task.request_id
-        refusal = self._precheck(task)
-        if refusal:
-            REQUESTS.labels("rejected").inc()
-            return kv_transfer_pb2.KVPushReply(accepted=False, error=refusal)
-        KV_BYTES.inc(len(frame))
         try:
-            params = sampling_from_proto(task.sampling, max_tokens=task.sampling.max_tokens - 1)
-            stream = await self.loop.add(
-                rid, list(task.token_ids), params, kv=frame, cache_salt=task.cache_salt
-            )
-        except NoFreeBlocks as exc:
-            return self._refuse(
-                f"decode instance {self.instance_id} has no room for the KV now "
-                f"({exc}); retry on another instance"
-            )
-        except (InvalidRequest, KVFormatError, ValueError) as exc:
-            return self._refuse(f"decode task refused: {exc}")
-        except EngineLoopClosed:
-            return self._refuse(
-                f"decode instance {self.instance_id} is shutting down; retry elsewhere"
-            )
-        if rid in self.aborted:  # the abort overtook us while the KV was imported
-            await self._abort_engine(rid)
-            return self._refuse(f"request {rid} was aborted")
+            self._precheck(task)
+            KV_BYTES.inc(len(frame))
+            stream = await self._add(task, frame)
+        except DeepserveError as exc:
+            REQUESTS.labels("rejected").inc()
+            log.warning("%s", exc)
+            return kv_transfer_pb2.KVPushReply(accepted=False, error=str(exc))
         self._relays[rid] = asyncio.create_task(
             self._relay(task, stream, traceparent or task.traceparent), name=f"decode-relay-{rid}"
         )
         REQUESTS.labels("accepted").inc()
         return kv_transfer_pb2.KVPushReply(accepted=True)
 
-    def _precheck(self, task: control_pb2.DecodeTask) -> str:
+    def _precheck(self, task: control_pb2.DecodeTask) -> None:
         rid = task.request_id
         if not rid:
-            return "DecodeTask.request_id must not be empty"
+            raise InvalidArgument("DecodeTask.request_id must not be empty")
         if self.draining:
-            return f"decode instance {self.instance_id} is draining; retry on another instance"
+            raise Unavailable(
+                f"decode instance {self.instance_id} is draining; retry on another instance"
+            )
         if rid in self.aborted:
-            return f"request {rid} was aborted"
+            raise NotFound(f"request {rid} was aborted")  # the request is gone
         if rid in self._relays:
-            return f"request {rid} is already decoding here"
+            raise InvalidArgument(f"request {rid} is already decoding here")
         if task.sampling.max_tokens <= 1:
-            return "DecodeTask.sampling.max_tokens must be > 1: prefill already produced the first token"
+            raise InvalidArgument(
+                "DecodeTask.sampling.max_tokens must be > 1: "
+                "prefill already produced the first token"
+            )
         if not 0 < task.num_prompt_tokens < len(task.token_ids):
-            return "DecodeTask.token_ids must hold the prompt and the first generated token"
-        return ""
+            raise InvalidArgument(
+                "DecodeTask.token_ids must hold the prompt and the first generated token"
+            )
 
-    def _refuse(self, message: str) -> kv_transfer_pb2.KVPushReply:
-        REQUESTS.labels("rejected").inc()
-        log.warning("%s", message)
-        return kv_transfer_pb2.KVPushReply(accepted=False, error=message)
+    async def _add(self, task: control_pb2.DecodeTask, frame: bytes) -> RequestStream:
+        """Queue the request with its KV in the engine."""
+        rid = task.request_id
+        try:
+            params = SamplingParams.from_proto(
+                task.sampling, max_tokens=task.sampling.max_tokens - 1
+            )
+            stream = await self.loop.add(
+                rid, list(task.token_ids), params, kv=frame, cache_salt=task.cache_salt
+            )
+        except NoFreeBlocks as exc:
+            raise Unavailable(
+                f"decode instance {self.instance_id} has no room for the KV now "
+                f"({exc}); retry on another instance"
+            ) from None
+        except (InvalidRequest, KVFormatError, ValueError) as exc:
+            raise InvalidArgument(f"decode task refused: {exc}") from None
+        except EngineLoopClosed:
+            raise Unavailable(
+                f"decode instance {self.instance_id} is shutting down; retry elsewhere"
+            ) from None
+        if rid in self.aborted:  # the abort overtook us while the KV was imported
+            await self._abort_engine(rid)
+            raise NotFound(f"request {rid} was aborted")
+        return stream
 
     # -- events -------------------------------------------------------------------------------
     async def _relay(
@@ -158,7 +182,7 @@ class DecodeHandler:
                 ERRORS.inc()
                 await self._send(
                     subject,
-                    error_event(rid, f"decode engine failed: {exc}", retryable=True, index=index),
+                    error_event(rid, InstanceFailed(f"decode engine failed: {exc}"), index=index),
                 )
             except asyncio.CancelledError:
                 await self._abort_engine(rid)
@@ -177,8 +201,10 @@ class DecodeHandler:
             subject,
             error_event(
                 rid,
-                f"decode instance {self.instance_id} stopped ({reason}) before the request finished",
-                retryable=True,
+                InstanceFailed(
+                    f"decode instance {self.instance_id} stopped ({reason}) "
+                    "before the request finished"
+                ),
                 index=index,
             ),
         )
@@ -222,3 +248,34 @@ class DecodeHandler:
         """Take nothing new; let running requests finish for up to ``timeout_s``; cut the rest."""
         self.draining = True
         await drain_tasks(list(self._relays.values()), timeout_s, "decoding requests", log)
+
+
+class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
+    """``Push``: the DecodeTask first, then the KV frame in chunks; the handler does the rest."""
+
+    def __init__(self, handler: DecodeHandler) -> None:
+        self.handler = handler
+
+    async def Push(
+        self,
+        request_iterator: AsyncIterator[kv_transfer_pb2.KVPush],
+        context: grpc.aio.ServicerContext,
+    ) -> kv_transfer_pb2.KVPushReply:
+        task: control_pb2.DecodeTask | None = None
+        frame = bytearray()
+        async for part in request_iterator:
+            which = part.WhichOneof("part")
+            if task is None:
+                if which != "task":
+                    return kv_transfer_pb2.KVPushReply(
+                        accepted=False, error="the first KVPush message must carry the DecodeTask"
+                    )
+                task = part.task
+            elif which == "chunk":
+                frame += part.chunk
+            else:
+                return kv_transfer_pb2.KVPushReply(accepted=False, error="KVPush.task sent twice")
+        if task is None:
+            return kv_transfer_pb2.KVPushReply(accepted=False, error="empty KVPush stream")
+        meta = dict(context.invocation_metadata() or ())
+        return await self.handler.accept(task, bytes(frame), str(meta.get("traceparent", "")))

@@ -2,13 +2,15 @@
 
 The handler talks to the world through two small interfaces, :class:`Bus` (NATS in
 production) and :class:`PrefixLookup` (the kvstore), so tests drive it with in-process fakes.
-Errors are typed here and mapped to gRPC status codes once, in :meth:`Generate`.
+Inner code raises the kinds of :mod:`libs.common.errors`; :meth:`Generate` maps them to a gRPC
+status once (:func:`libs.common.grpc_errors.abort`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -17,26 +19,31 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
-import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
-from libs.common import subjects
+from libs.common import grpc_errors, subjects
+from libs.common.errors import (
+    AlreadyExists,
+    DeadlineExceeded,
+    DeepserveError,
+    Internal,
+    Overloaded,
+    Unavailable,
+)
 from libs.common.hashchain import chain_hashes
 from libs.common.telemetry import extract_context, inject_traceparent, tracer
-from libs.gateway.admission import Admission, Overloaded
+from libs.gateway.admission import Admission
 from libs.gateway.policy import (
     Chunk,
     Finish,
-    InvalidArgument,
     Limits,
     Output,
     Ready,
     ReorderOverflow,
     RequestStream,
     Tokens,
-    UnknownModel,
     ValidRequest,
     lookup_prefix,
     validate_request,
@@ -94,11 +101,11 @@ MAX_ROUTE_HASHES = 256
 INLINE_HASH_TOKENS = 16384
 
 
-class BusUnavailable(Exception):
+class BusUnavailable(Unavailable):
     """A request on the bus found no responder, or none answered in time."""
 
 
-class LookupFailed(Exception):
+class LookupFailed(Unavailable):
     """The kvstore could not answer (treated as a miss)."""
 
 
@@ -160,15 +167,15 @@ class HandlerConfig:
             raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
 
 
-class GenerateError(Exception):
-    """Ends a Generate call with ``code``; ``outcome`` labels the requests metric."""
-
-    def __init__(
-        self, code: grpc.StatusCode, message: str, outcome: str, retry_after_ms: int = 0
-    ) -> None:
-        super().__init__(message)
-        self.code, self.message, self.outcome = code, message, outcome
-        self.retry_after_ms = retry_after_ms
+def outcome_of(exc: DeepserveError) -> str:
+    """The requests metric's ``outcome`` label for a call that ended with ``exc``."""
+    if isinstance(exc, Overloaded):
+        return "overloaded"
+    if isinstance(exc, DeadlineExceeded):
+        return "timeout"
+    if exc.retryable:
+        return "unavailable"
+    return "error" if isinstance(exc, Internal) else "invalid"
 
 
 def new_request_id() -> str:
@@ -204,21 +211,6 @@ def to_proto(out: Output, request_id: str) -> generate_pb2.GenerateEvent:
     return generate_pb2.GenerateEvent(finish=generate_pb2.Finish(reason=out.reason, usage=usage))
 
 
-def sampling_proto(valid: ValidRequest, max_tokens: int) -> common_pb2.SamplingParams:
-    s = valid.sampling
-    msg = common_pb2.SamplingParams(
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        max_tokens=max_tokens,
-        stop_token_ids=s.stop_token_ids,
-        ignore_eos=s.ignore_eos,
-    )
-    if s.seed is not None:
-        msg.seed = s.seed
-    return msg
-
-
 class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
     def __init__(
         self, config: HandlerConfig, bus: Bus, kv: PrefixLookup, liveness: Liveness | None = None
@@ -244,7 +236,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         try:
             valid, rid = self._admit(request)
             try:
-                async with self._slot():
+                async with self.admission.slot():
                     metadata = dict(context.invocation_metadata() or ())
                     parent = extract_context(str(metadata.get("traceparent", "")))
                     async with contextlib.aclosing(
@@ -255,12 +247,12 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             finally:
                 self._active.discard(rid)
             outcome = "ok"
-        except GenerateError as exc:
-            outcome = exc.outcome
-            log.info("request failed (%s): %s", exc.code.name, exc.message)
-            if exc.retry_after_ms:
-                context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
-            await context.abort(exc.code, exc.message)
+        except DeepserveError as exc:  # the one place errors become a gRPC status
+            outcome = outcome_of(exc)
+            if isinstance(exc, Overloaded):
+                REJECTED.inc()
+            log.info("request failed (%s): %s", grpc_errors.status_code(exc).name, exc)
+            await grpc_errors.abort(context, exc)
         except Exception:
             outcome = "error"
             log.exception("request failed")
@@ -272,40 +264,13 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
 
     def _admit(self, request: generate_pb2.GenerateRequest) -> tuple[ValidRequest, str]:
         if self.draining:
-            raise GenerateError(
-                grpc.StatusCode.UNAVAILABLE,
-                "this entrypoint is shutting down; retry on another",
-                "unavailable",
-            )
-        try:
-            valid = validate_request(request, self.config.limits)
-        except InvalidArgument as exc:
-            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), "invalid") from None
-        except UnknownModel as exc:
-            raise GenerateError(grpc.StatusCode.NOT_FOUND, str(exc), "invalid") from None
+            raise Unavailable("this entrypoint is shutting down; retry on another")
+        valid = validate_request(request, self.config.limits)  # InvalidArgument, NotFound
         rid = valid.request_id or new_request_id()
         if rid in self._active:
-            raise GenerateError(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"request_id {rid!r} is already in flight; use a new one",
-                "invalid",
-            )
+            raise AlreadyExists(f"request_id {rid!r} is already in flight; use a new one")
         self._active.add(rid)
         return valid, rid
-
-    @contextlib.asynccontextmanager
-    async def _slot(self) -> AsyncIterator[None]:
-        try:
-            async with self.admission.slot():
-                yield
-        except Overloaded as exc:
-            REJECTED.inc()
-            raise GenerateError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                str(exc),
-                "overloaded",
-                retry_after_ms=exc.retry_after_ms,
-            ) from None
 
     async def _generate(
         self, valid: ValidRequest, rid: str, parent: Any, started: float
@@ -339,10 +304,8 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                     )
                     if action is Action.FAIL:
                         RETRIES.labels("gave_up").inc()
-                        raise GenerateError(
-                            grpc.StatusCode.UNAVAILABLE,
-                            self._give_up(rid, exc, attempt, len(progress.sent), exact),
-                            "unavailable",
+                        raise Unavailable(
+                            self._give_up(rid, exc, attempt, len(progress.sent), exact)
                         ) from None
                     RETRIES.labels(action.value).inc()
                     progress.exclude(exc.instances)
@@ -399,7 +362,9 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             task = control_pb2.PrefillTask(
                 request_id=wire,
                 prompt_token_ids=prompt,
-                sampling=sampling_proto(valid, progress.remaining),
+                sampling=dataclasses.replace(
+                    valid.sampling, max_tokens=progress.remaining
+                ).to_proto(),
                 cache_salt=valid.tenant.encode(),
                 traffic_class=cast(Any, valid.traffic_class),
                 cached_blocks=cached_blocks,
@@ -418,14 +383,15 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                     chunk = await self._next_chunk(sub, wire, watch)
                     watch.saw(chunk.index)
                     outputs = stream.push(chunk)
-                except (GenerateError, AttemptFailed) as exc:
-                    abort_reason = getattr(exc, "outcome", "instance failed")
+                except AttemptFailed:
+                    abort_reason = "instance failed"
+                    raise
+                except DeepserveError as exc:
+                    abort_reason = outcome_of(exc)
                     raise
                 except ReorderOverflow as exc:
                     abort_reason = "error"
-                    raise GenerateError(
-                        grpc.StatusCode.INTERNAL, f"request {rid}: {exc}", "error"
-                    ) from None
+                    raise Internal(f"request {rid}: {exc}") from None
                 for out in outputs:
                     shown = progress.translate(out)
                     if shown is None:
@@ -484,22 +450,14 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                 subjects.ROUTE, req.SerializeToString(), self.config.route_timeout
             )
         except BusUnavailable as exc:
-            raise GenerateError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"no balancer answered ({exc}); retry in a few seconds",
-                "unavailable",
-            ) from None
+            raise Unavailable(f"no balancer answered ({exc}); retry in a few seconds") from None
         try:
             decision = cast(control_pb2.RouteDecision, control_pb2.RouteDecision.FromString(reply))
         except DecodeError:
-            raise GenerateError(
-                grpc.StatusCode.INTERNAL, "the balancer sent an unreadable reply", "error"
-            ) from None
+            raise Internal("the balancer sent an unreadable reply") from None
         if decision.error or not decision.prefill_instance:
-            raise GenerateError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"no instance can take the request: {decision.error or 'empty decision'}",
-                "unavailable",
+            raise Unavailable(
+                f"no instance can take the request: {decision.error or 'empty decision'}"
             )
         return decision
 
@@ -509,10 +467,8 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         while True:
             waited = time.monotonic() - silent_since
             if waited >= timeout:
-                raise GenerateError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"request {rid}: no token for {timeout:g}s from the serving instances; aborted",
-                    "timeout",
+                raise DeadlineExceeded(
+                    f"request {rid}: no token for {timeout:g}s from the serving instances; aborted"
                 )
             try:
                 data = await sub.next(min(timeout - waited, self.config.liveness_poll))
@@ -533,9 +489,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             if ev.error:
                 if ev.retryable:
                     raise AttemptFailed(ev.error, watch.serving)
-                raise GenerateError(
-                    grpc.StatusCode.INTERNAL, f"request {rid} failed: {ev.error}", "error"
-                )
+                raise Internal(f"request {rid} failed: {ev.error}")
             return Chunk(
                 ev.index,
                 tuple(ev.token_ids),

@@ -1,1 +1,1 @@
-"""kvstore: KV blocks by chain digest (gRPC ``deepserve.v1.KVStore``); files on disk, metadata in Redis."""
+"""kvstore: KV blocks by chain digest (gRPC ``deepserve.v1.KVStore``); metadata in Redis."""

@@ -1,26 +1,34 @@
-"""gRPC ``deepserve.v1.KVStore`` over a :class:`BlockStore`: errors mapped to status codes here, once.
+"""gRPC ``deepserve.v1.KVStore`` over a :class:`BlockStore`: errors mapped to status codes here,
+once, in :meth:`KVStoreHandlers._rpc` (through :func:`libs.common.grpc_errors.abort`).
 
-* :class:`InvalidBlock` -> ``INVALID_ARGUMENT`` (the message names the field; nothing stored);
-* :class:`StoreUnavailable` (Redis down, or a block with more than 2 of its shards on targets
-  that are down) and :class:`TargetDown` (a put cannot reach a target) -> ``UNAVAILABLE``;
-* disk errors -> ``INTERNAL`` with the OS error.
+* :class:`InvalidBlock` (an InvalidArgument) -> ``INVALID_ARGUMENT`` (the message names the
+  field; nothing stored);
+* :class:`StoreUnavailable` (an Unavailable: Redis down, or a block with more than 2 of its
+  shards on targets that are down) and :class:`TargetDown` (a put cannot reach a target) ->
+  ``UNAVAILABLE``;
+* other disk errors -> ``INTERNAL`` with the OS error.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import grpc
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
+from libs.common import grpc_errors
+from libs.common.errors import DeepserveError, Internal, Unavailable
 from libs.common.telemetry import extract_context, tracer
 from libs.proto.deepserve.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 
-from .store import BlockPut, BlockStore, InvalidBlock, StoreUnavailable
+from .store import BlockPut, BlockStore, StoreUnavailable
 from .targets import TargetDown
 
 log = logging.getLogger("kvstore.handlers")
@@ -73,27 +81,28 @@ class KVStoreHandlers(kvstore_pb2_grpc.KVStoreServicer):
         self.metrics = metrics or Metrics(CollectorRegistry())
         self.tracer = tracer("kvstore")
 
-    @contextlib.contextmanager
-    def _rpc(self, method: str, context: grpc.aio.ServicerContext) -> Iterator[trace.Span]:
-        """A span and metrics around one RPC; the store's typed errors become status codes."""
+    @contextlib.asynccontextmanager
+    async def _rpc(
+        self, method: str, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[trace.Span]:
+        """A span and metrics around one RPC; an error ends it with its kind's status code."""
         parent = dict(context.invocation_metadata() or ()).get("traceparent", "")
         t0 = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
-            with self.tracer.start_as_current_span(
-                f"kvstore.{method}", context=extract_context(str(parent))
-            ) as span:
-                yield span
-        except InvalidBlock as exc:
-            code = grpc.StatusCode.INVALID_ARGUMENT
-            raise _Abort(code, str(exc)) from None
-        except (StoreUnavailable, TargetDown) as exc:
-            code = grpc.StatusCode.UNAVAILABLE
-            raise _Abort(code, str(exc)) from None
-        except OSError as exc:
-            code = grpc.StatusCode.INTERNAL
-            log.exception("%s: disk error", method)
-            raise _Abort(code, f"kvstore disk error: {exc}") from None
+            try:
+                with self.tracer.start_as_current_span(
+                    f"kvstore.{method}", context=extract_context(str(parent))
+                ) as span:
+                    yield span
+            except TargetDown as exc:  # an OSError, but the target is down, not the disk bad
+                raise Unavailable(str(exc)) from None
+            except OSError as exc:
+                log.exception("%s: disk error", method)
+                raise Internal(f"kvstore disk error: {exc}") from None
+        except DeepserveError as exc:
+            code = grpc_errors.status_code(exc)
+            await grpc_errors.abort(context, exc)
         except BaseException:
             code = grpc.StatusCode.CANCELLED
             raise
@@ -104,17 +113,13 @@ class KVStoreHandlers(kvstore_pb2_grpc.KVStoreServicer):
     async def Lookup(
         self, request: kvstore_pb2.LookupRequest, context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.LookupReply:
-        try:
-            with self._rpc("Lookup", context) as span:
-                n = await self.store.lookup(list(request.hashes))
-                span.set_attribute("kv.asked", len(request.hashes))
-                span.set_attribute("kv.present", n)
-                if request.hashes:
-                    self.metrics.lookup_hits.observe(n / len(request.hashes))
-                return kvstore_pb2.LookupReply(num_present=n)
-        except _Abort as a:
-            await context.abort(a.code, a.message)
-            raise  # unreachable: abort raises
+        async with self._rpc("Lookup", context) as span:
+            n = await self.store.lookup(list(request.hashes))
+            span.set_attribute("kv.asked", len(request.hashes))
+            span.set_attribute("kv.present", n)
+            if request.hashes:
+                self.metrics.lookup_hits.observe(n / len(request.hashes))
+            return kvstore_pb2.LookupReply(num_present=n)
 
     async def Put(
         self,
@@ -132,60 +137,102 @@ class KVStoreHandlers(kvstore_pb2_grpc.KVStoreServicer):
                     _CLASS_NAMES.get(msg.traffic_class, "chat"),
                 )
 
-        try:
-            with self._rpc("Put", context) as span:
-                result = await self.store.put(blocks())
-                span.set_attribute("kv.stored", result.stored)
-                span.set_attribute("kv.skipped", result.skipped)
-                self.metrics.blocks.labels("put_stored").inc(result.stored)
-                self.metrics.blocks.labels("put_skipped").inc(result.skipped)
-                return kvstore_pb2.PutReply(stored=result.stored, skipped=result.skipped)
-        except _Abort as a:
-            await context.abort(a.code, a.message)
-            raise
+        async with self._rpc("Put", context) as span:
+            result = await self.store.put(blocks())
+            span.set_attribute("kv.stored", result.stored)
+            span.set_attribute("kv.skipped", result.skipped)
+            self.metrics.blocks.labels("put_stored").inc(result.stored)
+            self.metrics.blocks.labels("put_skipped").inc(result.skipped)
+            return kvstore_pb2.PutReply(stored=result.stored, skipped=result.skipped)
 
     async def Get(
         self, request: kvstore_pb2.GetRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[kvstore_pb2.Block]:
-        try:
-            with self._rpc("Get", context) as span:
-                n = 0
-                async for h, data in self.store.get(list(request.hashes)):
-                    n += 1
-                    self.metrics.blocks.labels("get").inc()
-                    self.metrics.bytes.labels("get").inc(len(data))
-                    yield kvstore_pb2.Block(hash=h, data=data)
-                span.set_attribute("kv.served", n)
-        except _Abort as a:
-            await context.abort(a.code, a.message)
+        async with self._rpc("Get", context) as span:
+            n = 0
+            async for h, data in self.store.get(list(request.hashes)):
+                n += 1
+                self.metrics.blocks.labels("get").inc()
+                self.metrics.bytes.labels("get").inc(len(data))
+                yield kvstore_pb2.Block(hash=h, data=data)
+            span.set_attribute("kv.served", n)
 
     async def Delete(
         self, request: kvstore_pb2.DeleteRequest, context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.DeleteReply:
-        try:
-            with self._rpc("Delete", context):
-                n = await self.store.delete(list(request.hashes))
-                self.metrics.blocks.labels("deleted").inc(n)
-                return kvstore_pb2.DeleteReply(deleted=n)
-        except _Abort as a:
-            await context.abort(a.code, a.message)
-            raise
+        async with self._rpc("Delete", context):
+            n = await self.store.delete(list(request.hashes))
+            self.metrics.blocks.labels("deleted").inc(n)
+            return kvstore_pb2.DeleteReply(deleted=n)
 
     async def Stats(
         self, request: kvstore_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> kvstore_pb2.StatsReply:
+        async with self._rpc("Stats", context):
+            blocks, size = await self.store.stats()
+            return kvstore_pb2.StatsReply(blocks=blocks, bytes=size)
+
+
+# -- Readiness and retention timers (moved here from main.py) ---------------------------------
+
+GRPC_SERVICE_NAME = "deepserve.v1.KVStore"
+PING_INTERVAL_S = 1.0
+
+
+class RedisMonitor:
+    """Pings Redis every second; readiness (HTTP and gRPC health) follows the answer."""
+
+    def __init__(
+        self, store: BlockStore, health: health_aio.HealthServicer, redis_url: str
+    ) -> None:
+        self.store, self.health, self.redis_url = store, health, redis_url
+        self.ok = False
+        self.detail = "Redis not checked yet"
+        self.log = logging.getLogger("kvstore.health")
+
+    def status(self) -> tuple[bool, str]:
+        return self.ok, self.detail
+
+    async def check(self) -> None:
         try:
-            with self._rpc("Stats", context):
-                blocks, size = await self.store.stats()
-                return kvstore_pb2.StatsReply(blocks=blocks, bytes=size)
-        except _Abort as a:
-            await context.abort(a.code, a.message)
-            raise
+            await asyncio.wait_for(self.store.ping(), PING_INTERVAL_S * 2)
+            ok, detail = True, f"Redis at {redacted(self.redis_url)} answers"
+        except (TimeoutError, StoreUnavailable) as exc:
+            ok, detail = (
+                False,
+                f"Redis DOWN at {redacted(self.redis_url)}: {exc or 'ping timed out'}",
+            )
+        if ok != self.ok:
+            (self.log.info if ok else self.log.error)(detail)
+            r = health_pb2.HealthCheckResponse
+            status = r.SERVING if ok else r.NOT_SERVING
+            for name in ("", GRPC_SERVICE_NAME):
+                await self.health.set(name, status)
+        self.ok, self.detail = ok, detail
+
+    async def run(self) -> None:
+        while True:
+            await self.check()
+            await asyncio.sleep(PING_INTERVAL_S)
 
 
-class _Abort(Exception):
-    """Carries a status code out of :meth:`KVStoreHandlers._rpc` to ``context.abort``."""
+async def sweep_forever(store: BlockStore, interval: float) -> None:
+    """Retention every ``interval`` seconds; several processes sweeping at once is harmless
+    (deletes are idempotent Lua scripts)."""
+    log = logging.getLogger("kvstore.retention")
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await store.sweep()
+        except StoreUnavailable as exc:
+            log.warning("retention sweep skipped: %s", exc)
+        except Exception:
+            log.exception("retention sweep failed")
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
+
+def redacted(url: str) -> str:
+    """The URL without a password, for logs and /healthz."""
+    if "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"

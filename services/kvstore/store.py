@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from libs.common.errors import InvalidArgument, Unavailable
 from libs.common.hashchain import DIGEST_SIZE
 from libs.engine.kv.transfer import KVFormatError, decode_frame
 from libs.kvstore.policy import BlockInfo, Reclaim, Retention, place, plan_reclaim
@@ -128,11 +129,11 @@ return #KEYS
 """
 
 
-class InvalidBlock(ValueError):
+class InvalidBlock(InvalidArgument):
     """The caller sent something that is not a storable block (fix the request; nothing stored)."""
 
 
-class StoreUnavailable(RuntimeError):
+class StoreUnavailable(Unavailable, RuntimeError):
     """Redis does not answer; the store cannot say what it holds (retry later)."""
 
 
@@ -174,7 +175,8 @@ def check_hashes(hashes: Sequence[bytes]) -> None:
 
 
 def validate_block(block: BlockPut) -> None:
-    """Raise :class:`InvalidBlock` unless ``block.data`` is one full-block frame named ``block.hash``."""
+    """Raise :class:`InvalidBlock` unless ``block.data`` is one full-block frame named
+    ``block.hash``."""
     check_hash(block.hash)
     if block.parent:
         check_hash(block.parent, "parent_hash")
@@ -417,7 +419,9 @@ class BlockStore:
 
     # -- delete / stats / retention --------------------------------------------------------------
     async def delete(self, hashes: Sequence[bytes]) -> int:
-        """Remove blocks: metadata first (invisible at once), then shards. Returns how many existed."""
+        """Remove blocks: metadata first (invisible at once), then shards.
+
+        Returns how many existed."""
         check_hashes(hashes)
         unique = list(dict.fromkeys(hashes))
         if not unique:

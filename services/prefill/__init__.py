@@ -1,1 +1,1 @@
-"""prefill: computes a prompt (loading cached prefix blocks), the first token, and hands the KV to decode."""
+"""prefill: computes a prompt (cached prefix blocks loaded), its first token; KV to decode."""

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import cast
 
 import grpc
 
 from libs.proto.deepserve.v1 import (
+    common_pb2,
     control_pb2,
     kv_transfer_pb2,
     kv_transfer_pb2_grpc,
@@ -66,7 +68,8 @@ class GrpcKVStore:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        # One DeepSeek-V3 block is ~9 MB (61 layers x 128 tokens x 576 bf16): above gRPC's 4 MiB default.
+        # One DeepSeek-V3 block is ~9 MB (61 layers x 128 tokens x 576 bf16): above gRPC's 4 MiB
+        # default.
         limit = 64 << 20
         self._channel = grpc.aio.insecure_channel(
             address,
@@ -98,8 +101,8 @@ class GrpcKVStore:
                     parent_hash=parent,
                     data=data,
                     tenant=tenant,
-                    traffic_class=traffic_class,
-                )  # type: ignore[arg-type]
+                    traffic_class=cast(common_pb2.TrafficClass, traffic_class),
+                )
 
         await self._stub.Put(parts(), timeout=PUT_TIMEOUT_S)
 

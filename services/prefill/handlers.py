@@ -19,6 +19,7 @@ One task, in order:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -28,13 +29,14 @@ from opentelemetry import trace
 from prometheus_client import Counter, Histogram
 
 from libs.common import subjects
+from libs.common.errors import InstanceFailed, InvalidArgument, Unavailable
 from libs.common.hashchain import chain_hashes
+from libs.common.sampling import SamplingParams
 from libs.common.telemetry import extract_context, inject_traceparent
 from libs.engine.engine import Engine, InvalidRequest, KVFormatError, NoFreeBlocks
-from libs.engine.sampling_params import SamplingParams
 from libs.proto.deepserve.v1 import control_pb2
 from libs.serving.aborts import RecentAborts
-from libs.serving.convert import error_event, sampling_from_proto, with_max_tokens
+from libs.serving.convert import error_event
 from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed, RequestStream
 from libs.serving.instance import drain_tasks, instance_status
 
@@ -56,7 +58,7 @@ CACHED_BLOCKS = Counter(
 STORED_BLOCKS = Counter("deepserve_prefill_kvstore_blocks_put_total", "blocks sent to the kvstore")
 
 
-class PushFailed(Exception):
+class PushFailed(InstanceFailed):
     """The decode instance did not take the KV (unreachable, refused, timed out)."""
 
 
@@ -131,8 +133,10 @@ class PrefillHandler:
                 subject,
                 error_event(
                     rid,
-                    f"prefill instance {self.instance_id} is draining; retry on another instance",
-                    retryable=True,
+                    Unavailable(
+                        f"prefill instance {self.instance_id} is draining; "
+                        "retry on another instance"
+                    ),
                 ),
             )
             return
@@ -153,21 +157,23 @@ class PrefillHandler:
                         subject,
                         error_event(
                             rid,
-                            f"prefill instance {self.instance_id} stopped ({reason}) before the KV "
-                            "was handed over",
-                            retryable=True,
+                            InstanceFailed(
+                                f"prefill instance {self.instance_id} stopped ({reason}) before "
+                                "the KV was handed over"
+                            ),
                         ),
                     )
             except (EngineFailed, EngineLoopClosed) as exc:
                 ERRORS.labels("engine").inc()
                 await self._send(
-                    subject, error_event(rid, f"prefill engine failed: {exc}", retryable=True)
+                    subject, error_event(rid, InstanceFailed(f"prefill engine failed: {exc}"))
                 )
             except Exception as exc:  # a bug: fail this request visibly, keep serving others
                 ERRORS.labels("internal").inc()
                 log.exception("request %s failed", rid)
+                # Retryable: another instance may well serve it.
                 await self._send(
-                    subject, error_event(rid, f"prefill failed: {exc!r}", retryable=True)
+                    subject, error_event(rid, InstanceFailed(f"prefill failed: {exc!r}"))
                 )
             finally:
                 await self._forget(rid)
@@ -184,16 +190,14 @@ class PrefillHandler:
     async def _serve(self, task: control_pb2.PrefillTask, subject: str) -> None:
         rid, prompt = task.request_id, list(task.prompt_token_ids)
         t0 = time.perf_counter()
-        refusal = self._check(task)
         try:
-            params = sampling_from_proto(task.sampling)
-        except ValueError as exc:
-            refusal = refusal or f"PrefillTask.sampling: {exc}"
-        if refusal:
+            self._check(task)
+            params = SamplingParams.from_proto(task.sampling)
+        except InvalidArgument as exc:
             REQUESTS.labels("invalid").inc()
-            await self._send(subject, error_event(rid, refusal, retryable=False))
+            await self._send(subject, error_event(rid, exc))
             return
-        stream, loaded = await self._add(task, prompt, with_max_tokens(params, 1))
+        stream, loaded = await self._add(task, prompt, dataclasses.replace(params, max_tokens=1))
         if stream is None:
             return
         ev = await stream.next()
@@ -240,19 +244,20 @@ class PrefillHandler:
             ERRORS.labels("push").inc()
             REQUESTS.labels("push_failed").inc()
             log.warning("request %s: %s", rid, exc)
-            await self._send(subject, error_event(rid, str(exc), retryable=True, index=1))
+            await self._send(subject, error_event(rid, exc, index=1))
             return
         REQUESTS.labels("handed_over").inc()
         LATENCY.observe(time.perf_counter() - t0)
 
-    def _check(self, task: control_pb2.PrefillTask) -> str:
+    def _check(self, task: control_pb2.PrefillTask) -> None:
         if not task.request_id:
-            return "PrefillTask.request_id must not be empty"
+            raise InvalidArgument("PrefillTask.request_id must not be empty")
         if not task.prompt_token_ids:
-            return "PrefillTask.prompt_token_ids must not be empty"
+            raise InvalidArgument("PrefillTask.prompt_token_ids must not be empty")
         if not task.decode_address:
-            return "PrefillTask.decode_address must name the decode instance (host:port)"
-        return ""
+            raise InvalidArgument(
+                "PrefillTask.decode_address must name the decode instance (host:port)"
+            )
 
     def _first_token_reason(
         self, engine_reason: str | None, max_tokens: int, prompt_len: int
@@ -286,7 +291,7 @@ class PrefillHandler:
             REQUESTS.labels("invalid").inc()
             await self._send(
                 task.events_subject or subjects.token_events(rid),
-                error_event(rid, f"prefill refused the request: {exc}", retryable=False),
+                error_event(rid, InvalidArgument(f"prefill refused the request: {exc}")),
             )
             return None, 0
 
@@ -370,7 +375,8 @@ class PrefillHandler:
         )
 
     async def drain(self, timeout_s: float) -> None:
-        """Take nothing new; finish tasks for up to ``timeout_s``; cut the rest; flush cache writes."""
+        """Take nothing new; finish tasks for up to ``timeout_s``; cut the rest; flush cache
+        writes."""
         self.draining = True
         await drain_tasks(list(self._tasks.values()), timeout_s, "prefill tasks", log)
         if self._background:

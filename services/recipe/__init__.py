@@ -1,1 +1,2 @@
-"""recipe: the OpenAI (Chat Completions, Responses) and Anthropic (Messages) HTTP front over the entrypoint's token API."""
+"""recipe: OpenAI (Chat Completions, Responses) and Anthropic (Messages) over HTTP,
+in front of the entrypoint's token API."""

@@ -2,7 +2,8 @@
 
 :class:`GenerateBackend` is the seam the app depends on; :class:`GrpcGenerateBackend` is the
 real one (gRPC to the entrypoint) and tests pass a deterministic in-process fake. Failures
-surface as :class:`BackendError` with the gRPC status code, mapped to HTTP once, in the app.
+surface as the kinds of :mod:`libs.common.errors` (read from the gRPC status by
+:func:`libs.common.grpc_errors.from_status`), mapped to HTTP once, in the app.
 """
 
 from __future__ import annotations
@@ -13,15 +14,8 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from libs.common.grpc_errors import from_status
 from libs.proto.deepserve.v1 import generate_pb2, generate_pb2_grpc
-
-
-class BackendError(Exception):
-    """The entrypoint refused or failed a request (``code`` is the gRPC status)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code, self.message = code, message
 
 
 class GenerateCall(Protocol):
@@ -36,7 +30,8 @@ class GenerateBackend(Protocol):
     def generate(
         self, request: generate_pb2.GenerateRequest, traceparent: str = ""
     ) -> GenerateCall:
-        """Start a request; errors (also at start) surface while iterating, as BackendError."""
+        """Start a request; errors (also at start) surface while iterating, as a
+        :class:`~libs.common.errors.DeepserveError`."""
         ...
 
     async def check(self) -> tuple[bool, str]:
@@ -55,7 +50,7 @@ class _GrpcCall:
             async for event in self._call:
                 yield event
         except grpc.aio.AioRpcError as exc:
-            raise BackendError(exc.code(), exc.details() or "") from None
+            raise from_status(exc.code(), exc.details() or "", exc.trailing_metadata()) from None
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -71,7 +66,7 @@ class GrpcGenerateBackend:
                 ("grpc.max_send_message_length", max_message_bytes),
             ],
         )
-        self.stub = generate_pb2_grpc.GenerateStub(self.channel)
+        self.stub = generate_pb2_grpc.GenerateStub(self.channel)  # type: ignore[no-untyped-call]
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
     def generate(

@@ -1,4 +1,4 @@
-"""Backend events -> deepseek-recipe chunks -> protocol output, and gRPC failures -> HTTP errors.
+"""Backend events -> deepseek-recipe chunks -> protocol output, and backend errors -> HTTP errors.
 
 No I/O. The library's sharp edges are handled here: the EOS id is taken out of the token
 stream (it would reach the ``StreamProcessor`` as text) and the backend's finish reason sent
@@ -12,38 +12,46 @@ from dataclasses import dataclass
 from typing import Any
 
 import deepseek_recipe as dr
-import grpc
 
+from libs.common.errors import (
+    DeadlineExceeded,
+    DeepserveError,
+    InstanceFailed,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    Overloaded,
+    Unauthenticated,
+    Unavailable,
+)
 from libs.proto.deepserve.v1 import generate_pb2
 
 from .api import APIError, Protocol
-from .backend import BackendError
 
-_STATUS_OF = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", "invalid_value"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", None),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error", None),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", None),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", "service_unavailable"),
-    grpc.StatusCode.CANCELLED: (503, "service_unavailable", "service_unavailable"),
-    grpc.StatusCode.ABORTED: (503, "service_unavailable", "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout", "timeout"),
+# (HTTP status, OpenAI error type, OpenAI error code) by kind; the nearest base class decides.
+_STATUS_OF: dict[type[DeepserveError], tuple[int, str, str | None]] = {
+    InvalidArgument: (400, "invalid_request_error", "invalid_value"),
+    NotFound: (404, "invalid_request_error", "not_found"),
+    Unauthenticated: (401, "authentication_error", None),
+    Overloaded: (429, "rate_limit_error", "rate_limit_exceeded"),
+    Unavailable: (503, "service_unavailable", "service_unavailable"),
+    InstanceFailed: (503, "service_unavailable", "service_unavailable"),
+    DeadlineExceeded: (504, "timeout", "timeout"),
 }
+_UPSTREAM = (502, "server_error", "upstream_error")  # Internal, and anything else
 
 
-def api_error(exc: BackendError, retry_after: int) -> APIError:
-    """A gRPC failure of the entrypoint as the HTTP error a client can act on."""
-    status, type_, code = _STATUS_OF.get(exc.code, (502, "server_error", "upstream_error"))
-    message = exc.message or exc.code.name
+def api_error(exc: DeepserveError, retry_after: int) -> APIError:
+    """A backend failure as the HTTP error a client can act on (the recipe's one mapping)."""
+    found = (_STATUS_OF.get(k) for k in type(exc).__mro__)
+    status, type_, code = next((v for v in found if v is not None), _UPSTREAM)
+    message = str(exc)
     if status == 503:
         message = f"the model backend is unavailable ({message}); retry in {retry_after} s"
     elif status == 429:
         message = f"the server is at capacity ({message}); retry in {retry_after} s"
     elif status == 502:
-        message = f"the model backend failed ({exc.code.name}: {message})"
+        message = f"the model backend failed ({message})"
     return APIError(
         status, message, type_, code=code, retry_after=retry_after if status in (429, 503) else None
     )
@@ -66,7 +74,7 @@ def inference_chunks(ev: generate_pb2.GenerateEvent, eos: int) -> list[dr.Infere
         return [dr.InferenceChunk.tokens(ids)] if ids else []
     if kind == "finish":
         if ev.finish.reason == "abort":
-            raise BackendError(grpc.StatusCode.ABORTED, "the backend aborted the request")
+            raise Unavailable("the backend aborted the request")
         reason = (
             dr.InferenceFinishReason.Length
             if ev.finish.reason == "length"
@@ -106,7 +114,7 @@ class Job:
         out: list[tuple[str | None, str]] = []
         for chunk in inference_chunks(ev, eos):
             if self.response is None:
-                raise BackendError(grpc.StatusCode.INTERNAL, "tokens arrived before Ready")
+                raise Internal("tokens arrived before Ready")
             produced = self.processor.push(chunk)
             if kind == "finish":
                 produced += self.processor.finish()

@@ -6,7 +6,10 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/responses``, ``POST /v1/messag
 SSE), ``POST /v1/messages/count_tokens``, ``GET /v1/models``, ``GET /healthz``, ``GET /metrics``.
 Errors are mapped once, in the caller's protocol: bad input 400 (the library's message), bad
 key 401, unknown model 404, body too large 413, backend at capacity 429 / unavailable 503
-(+ Retry-After); never a 500 for bad input. A client that goes away cancels the gRPC call
+(+ Retry-After); never a 500 for bad input. The backend's failures arrive as the kinds of
+:mod:`libs.common.errors` and become an :class:`APIError` in :meth:`Frontend.handle` (before
+the first byte) or :meth:`Frontend._stream` (an error event mid-stream), both through
+:func:`events.api_error`. A client that goes away cancels the gRPC call
 (before the first token, while collecting a non-streamed answer, or mid-stream).
 
 Backend events become library chunks and protocol output in ``events.py`` (where the
@@ -25,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import deepseek_recipe as dr
-import grpc
 from opentelemetry import trace
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -42,12 +44,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from libs.common.errors import DeepserveError, Internal
 from libs.common.telemetry import extract_context, inject_traceparent, tracer
 from libs.proto.deepserve.v1 import common_pb2, generate_pb2
 
 from .api import CHAT, MESSAGES, RESPONSES, APIError, Protocol, conversion_error, invalid
 from .auth import KeyTable
-from .backend import BackendError, GenerateBackend, GenerateCall
+from .backend import GenerateBackend, GenerateCall
 from .encoding import PromptEncoder
 from .events import Job, api_error
 
@@ -193,7 +196,8 @@ class Frontend:
     def _convert(
         self, proto: Protocol, body: bytes, rid: str
     ) -> tuple[str, dr.ConversationRequest, Any]:
-        """(model, conversation request, chunk generator); APIError for what the caller got wrong."""
+        """(model, conversation request, chunk generator); APIError for what the caller got
+        wrong."""
         try:
             decoded = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -262,6 +266,8 @@ class Frontend:
             response = await self._serve(request, proto, rid, tenant, t0)
         except APIError as err:
             response = error_response(proto, err, rid)
+        except DeepserveError as exc:  # the backend's failure, before the first byte went out
+            response = error_response(proto, api_error(exc, self.cfg.retry_after_s), rid)
         except ClientGone:
             self.metrics.disconnects.inc()
             response = Response(status_code=499)  # nobody reads it; nginx's "client closed request"
@@ -342,8 +348,6 @@ class Frontend:
     def _push(self, job: Job, ev: generate_pb2.GenerateEvent) -> list[tuple[str | None, str]]:
         try:
             return job.push(ev, self.encoder.eos)
-        except BackendError as exc:
-            raise api_error(exc, self.cfg.retry_after_s) from None
         except RuntimeError as exc:  # the processor could not decode the backend's ids
             raise APIError(
                 502,
@@ -357,8 +361,6 @@ class Frontend:
     ) -> generate_pb2.GenerateEvent:
         try:
             return await anext(events)
-        except BackendError as exc:
-            raise api_error(exc, self.cfg.retry_after_s) from None
         except StopAsyncIteration:
             raise APIError(
                 502,
@@ -368,13 +370,10 @@ class Frontend:
             ) from None
 
     async def _collect(self, job: Job, events: AsyncIterator[generate_pb2.GenerateEvent]) -> None:
-        try:
-            async for ev in events:
-                self._push(job, ev)
-                if job.finished:
-                    break
-        except BackendError as exc:
-            raise api_error(exc, self.cfg.retry_after_s) from None
+        async for ev in events:
+            self._push(job, ev)
+            if job.finished:
+                break
         if not job.finished:
             raise APIError(
                 502,
@@ -418,13 +417,13 @@ class Frontend:
                     if job.finished:
                         break
             if not job.finished:
-                raise BackendError(grpc.StatusCode.UNKNOWN, "the stream ended before finishing")
+                raise Internal("the stream ended before finishing")
             call.cancel()  # done (a stop sequence may have ended it early)
             self._count(job)
             yield proto.sse_done()
             ended = True
-        except (BackendError, APIError) as exc:
-            err = api_error(exc, self.cfg.retry_after_s) if isinstance(exc, BackendError) else exc
+        except (DeepserveError, APIError) as exc:
+            err = exc if isinstance(exc, APIError) else api_error(exc, self.cfg.retry_after_s)
             log.warning("request %s failed mid-stream: %s", job.rid, exc)
             yield proto.sse_error(err)
             ended = True

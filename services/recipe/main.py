@@ -3,138 +3,102 @@
 Serves OpenAI Chat Completions / Responses and Anthropic Messages, ``/healthz`` and
 ``/metrics`` on ``--port`` (``--http-port`` is not
 used: the ops routes share the API port). Ready (``/healthz`` 200) while the entrypoint answers.
+
+Wiring only: flags in ``config.py``, the API in ``handlers.py``. uvicorn runs as a task inside
+the shared lifecycle (``libs/common/service.py``): the stop event, not uvicorn, hears SIGTERM,
+and the exit stack stops uvicorn (open requests finish within ``--drain-seconds``), then closes
+the entrypoint channel.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import uvicorn
 
-from libs.common.config import common_flags, flag
-from libs.common.lifecycle import install_stop_handlers, new_instance_id, setup_logging
+from libs.common.service import ServiceContext, run_service
 
-from .auth import KeyTable, parse_keys
 from .backend import GrpcGenerateBackend
+from .config import SERVICE, RecipeConfig, build_parser, config_from
 from .encoding import PromptEncoder
-from .handlers import AppConfig, Metrics, build_app
-
-SERVICE = "recipe"
+from .handlers import Metrics, build_app
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m services.recipe", description=__doc__)
-    flag(p, "--port", type=int, default=8000, help="HTTP port of the API (and /healthz, /metrics)")
-    flag(p, "--entrypoint-address", default="127.0.0.1:50051", help="entrypoint gRPC host:port")
-    flag(p, "--model-name", default="deepseek-tiny", help="the served model name (/v1/models)")
-    flag(
-        p,
-        "--default-max-tokens",
-        type=int,
-        default=4096,
-        help="max_tokens when a request names none",
-    )
-    flag(p, "--max-context", type=int, default=163840, help="prompt + completion token limit")
-    flag(
-        p,
-        "--default-thinking",
-        type=bool,
-        default=False,
-        help="thinking mode for requests that do not say (deepseek-recipe's default is on)",
-    )
-    flag(p, "--max-body-bytes", type=int, default=32 << 20, help="largest accepted request body")
-    flag(p, "--api-keys", default="", help="API keys: KEY=TENANT entries, comma-separated")
-    flag(p, "--api-keys-file", default="", help="file of KEY=TENANT lines (# comments)")
-    common_flags(p, SERVICE)
-    return p
+def main(argv: list[str] | None = None) -> int:
+    return run_service(SERVICE, argv, build_parser, config_from, serve)
 
 
 class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: the service's stop event decides (lifecycle.py)."""
+    """uvicorn without its own signal handling: the service's stop event decides."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
 
 
-async def serve(args: argparse.Namespace, cfg: AppConfig) -> int:
-    log = setup_logging(args.log_level, SERVICE)
-    instance = new_instance_id(SERVICE, args.instance_id)
-    stop = asyncio.Event()
-    install_stop_handlers(stop)
-    encoder = await asyncio.to_thread(PromptEncoder, [cfg.model_name], bool(args.default_thinking))
-    backend = GrpcGenerateBackend(args.entrypoint_address)
-    app = build_app(cfg, encoder, backend, Metrics())
+async def _run_uvicorn(server: _Server) -> None:
+    try:
+        await server.serve()
+    except SystemExit:  # uvicorn's way to report a port it cannot bind; server.started says so
+        pass
+
+
+async def _stop_uvicorn(
+    server: _Server, task: asyncio.Task[None], drain_seconds: float, log: logging.Logger
+) -> None:
+    if not task.done():
+        log.info("stopping: finishing open requests for up to %.0fs", drain_seconds)
+    server.should_exit = True
+    await task
+
+
+async def serve(cfg: RecipeConfig, ctx: ServiceContext) -> int:
+    svc, log = cfg.service, ctx.log
+    encoder = await asyncio.to_thread(PromptEncoder, [cfg.app.model_name], cfg.default_thinking)
+    backend = GrpcGenerateBackend(cfg.entrypoint_address)
+    ctx.stack.push_async_callback(backend.close)
+    app = build_app(cfg.app, encoder, backend, Metrics())
     server = _Server(
         uvicorn.Config(
             app,
-            host=args.host,
-            port=args.port,
+            host=svc.host,
+            port=cfg.port,
             lifespan="off",
-            log_level=args.log_level.lower(),
+            log_level=svc.log_level.lower(),
             access_log=False,
-            timeout_graceful_shutdown=max(1, int(args.drain_seconds)),
+            timeout_graceful_shutdown=max(1, int(svc.drain_seconds)),
         )
     )
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(_run_uvicorn(server), name="uvicorn")
+    ctx.stack.push_async_callback(_stop_uvicorn, server, task, svc.drain_seconds, log)
     log.info(
         "%s serving the OpenAI and Anthropic APIs on %s:%d for model %s via entrypoint %s",
-        instance,
-        args.host,
-        args.port,
-        cfg.model_name,
-        args.entrypoint_address,
+        svc.instance_id,
+        svc.host,
+        cfg.port,
+        cfg.app.model_name,
+        cfg.entrypoint_address,
     )
-    if cfg.keys.open:
+    keys = cfg.app.keys
+    if keys.open:
         log.warning(
             "no API keys configured (--api-keys / --api-keys-file): the API is OPEN to "
             "anyone who can reach port %d",
-            args.port,
+            cfg.port,
         )
     else:
         log.info(
             "API keys required: %d keys for %d tenants",
-            len(cfg.keys.keys),
-            len(set(cfg.keys.keys.values())),
+            len(keys.keys),
+            len(set(keys.keys.values())),
         )
-    stopping = asyncio.create_task(stop.wait())
+    stopping = asyncio.create_task(ctx.stop.wait())
     await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    if stop.is_set():
-        log.info("stopping: finishing open requests for up to %.0fs", args.drain_seconds)
-        server.should_exit = True
-    else:
-        stopping.cancel()
-    await task
-    await backend.close()
-    if not server.started:
-        log.error("could not start the HTTP server on %s:%d", args.host, args.port)
+    stopping.cancel()
+    if task.done() and not server.started:
+        log.error("could not start the HTTP server on %s:%d", svc.host, cfg.port)
         return 1
-    log.info("stopped")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        keys = parse_keys(args.api_keys)
-        if args.api_keys_file:
-            try:
-                with open(args.api_keys_file, encoding="utf-8") as f:
-                    keys.update(parse_keys(f.read()))
-            except OSError as exc:
-                raise ValueError(f"--api-keys-file: {exc}") from None
-        cfg = AppConfig(
-            model_name=args.model_name,
-            default_max_tokens=args.default_max_tokens,
-            max_context=args.max_context,
-            max_body_bytes=args.max_body_bytes,
-            keys=KeyTable(keys),
-        )
-        if not 0 <= args.port < 65536:
-            raise ValueError(f"--port must lie in [0, 65535], got {args.port}")
-    except ValueError as exc:
-        raise SystemExit(f"recipe: {exc}") from None
-    return asyncio.run(serve(args, cfg))

@@ -16,9 +16,9 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 from deepserve.bench.engine import capture_logits, compare_logits, quality_inputs  # noqa: E402
+from libs.common.sampling import SamplingParams  # noqa: E402
 from libs.engine.engine import Engine, EngineConfig  # noqa: E402
 from libs.engine.loader import load  # noqa: E402
-from libs.engine.sampling_params import SamplingParams  # noqa: E402
 
 
 def _prompts(n: int, vocab: int) -> list[list[int]]:

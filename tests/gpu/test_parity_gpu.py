@@ -15,9 +15,9 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
+from libs.common.sampling import SamplingParams  # noqa: E402
 from libs.engine.engine import Engine, EngineConfig  # noqa: E402
 from libs.engine.presets import uniform_block  # noqa: E402
-from libs.engine.sampling_params import SamplingParams  # noqa: E402
 from tests.hf_reference import CONFIGS, build_hf, hf_greedy, hf_logits, save_hf  # noqa: E402
 from tests.unit.test_parity_transformers import _prompts, engine_logits  # noqa: E402
 

@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from libs.common.sampling import SamplingParams
 from libs.engine.llm import LLM
-from libs.engine.sampling_params import SamplingParams
 
 
 def deepserve(*args: str) -> subprocess.CompletedProcess[str]:

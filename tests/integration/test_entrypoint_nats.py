@@ -18,7 +18,8 @@ import nats
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deepserve import procs, subjects
+from deepserve import procs
+from libs.common import subjects
 from libs.proto.deepserve.v1 import common_pb2, control_pb2, generate_pb2, generate_pb2_grpc
 
 from .svc import service

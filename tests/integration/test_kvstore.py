@@ -23,8 +23,8 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deepserve.procs import free_port, start_redis, stop, wait_port
+from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig
-from libs.engine.sampling_params import SamplingParams
 from libs.proto.deepserve.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]

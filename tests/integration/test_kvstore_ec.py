@@ -35,7 +35,7 @@ BLOCK_BYTES = 64 * 1024 + 7  # odd on purpose: shards need padding
 
 
 def make_chain(seed: int, n: int, size: int = BLOCK_BYTES) -> list[BlockPut]:
-    """n consecutive full blocks of one chain, as the engine exports them (header + opaque bytes)."""
+    """n consecutive full blocks of one chain, as the engine exports them (header + bytes)."""
     rng = random.Random(seed)
     out, parent = [], b""
     for i in range(n):
@@ -201,7 +201,10 @@ async def test_capacity_evicts_least_recently_used_tails_first(env) -> None:
     await store.put(old)
     clock.t += 10
     await store.put(new)  # 8 blocks > 7: the put itself sweeps
-    hashes = lambda bs: [b.hash for b in bs]
+
+    def hashes(bs: list[BlockPut]) -> list[bytes]:
+        return [b.hash for b in bs]
+
     assert await store.lookup(hashes(old)) == 3, "the old chain lost its tail, not its prefix"
     assert await store.lookup(hashes(new)) == 4
     assert (await store.stats())[0] == 7

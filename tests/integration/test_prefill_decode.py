@@ -23,12 +23,12 @@ from pathlib import Path
 import nats
 import pytest
 
-from deepserve import procs, subjects
+from deepserve import procs
+from libs.common import subjects
+from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig
 from libs.engine.llm import LLM
-from libs.engine.sampling_params import SamplingParams
 from libs.proto.deepserve.v1 import control_pb2
-from libs.serving.convert import sampling_to_proto
 
 REPO = Path(__file__).resolve().parents[2]
 PREFILL_ID, DECODE_ID = "prefill-it", "decode-it"
@@ -155,7 +155,7 @@ def prefill_task(
     return control_pb2.PrefillTask(
         request_id=rid,
         prompt_token_ids=prompt,
-        sampling=sampling_to_proto(sp),
+        sampling=sp.to_proto(),
         decode_instance=DECODE_ID,
         decode_address=stack.decode_address,
         events_subject=subjects.token_events(rid),
@@ -192,7 +192,8 @@ async def generate(
         await asyncio.wait_for(done.wait(), timeout)
     except TimeoutError:
         pytest.fail(
-            f"request {rid} did not finish in {timeout:.0f}s; got {len(events)} events\n{stack.logs()}"
+            f"request {rid} did not finish in {timeout:.0f}s; got {len(events)} events\n"
+            f"{stack.logs()}"
         )
     finally:
         await sub.unsubscribe()

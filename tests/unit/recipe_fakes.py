@@ -12,8 +12,9 @@ from typing import Any
 
 import grpc
 
+from libs.common.errors import DeepserveError
+from libs.common.grpc_errors import from_status
 from libs.proto.deepserve.v1 import common_pb2, generate_pb2
-from services.recipe.backend import BackendError
 from services.recipe.encoding import PromptEncoder
 
 MODEL = "deepseek-tiny"
@@ -58,7 +59,7 @@ class FakeBackend:
         self.script: str | None = None
         self.requests: list[generate_pb2.GenerateRequest] = []
         self.calls: list[FakeCall] = []
-        self.fail_at_start: BackendError | None = None
+        self.fail_at_start: DeepserveError | None = None
         self.fail_after: int | None = None  # raise UNAVAILABLE after this many token events
         self.hang_after: int | None = None
         self.healthy = True
@@ -86,7 +87,7 @@ class FakeBackend:
         out = self.answer_ids(request)[: request.sampling.max_tokens]
         for k, t in enumerate(out):
             if self.fail_after is not None and k == self.fail_after:
-                events.append(BackendError(grpc.StatusCode.UNAVAILABLE, "decode instance died"))
+                events.append(from_status(grpc.StatusCode.UNAVAILABLE, "decode instance died"))
             events.append(generate_pb2.GenerateEvent(tokens=generate_pb2.Tokens(token_ids=[t])))
         reason = "stop" if out[-1] == self.encoder.eos else "length"
         use = common_pb2.Usage(

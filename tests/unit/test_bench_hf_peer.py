@@ -18,8 +18,8 @@ from deepserve.bench.hf_peer import (
     hf_decode_throughput,
     shared_fraction,
 )
+from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig
-from libs.engine.sampling_params import SamplingParams
 from tests.hf_reference import build_hf, save_hf
 
 pytest.importorskip("transformers")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig, InvalidRequest, NoFreeBlocks
 from libs.engine.kv.transfer import KVFormatError, decode_frame
-from libs.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 SEEDED = SamplingParams(
@@ -238,12 +238,12 @@ def test_stop_conditions_and_finish_reasons(tiny_loaded) -> None:
     events = []
     while engine.has_unfinished():
         events += engine.step()
-    s, l = engine.info("s"), engine.info("l")
+    s, long_ = engine.info("s"), engine.info("l")
     assert (
         list(s.token_ids[12:]) == free_run[: free_run.index(stop_at) + 1]
         and s.finish_reason == "stop"
     )
-    assert len(l.token_ids) == 16 and l.finish_reason == "length"
+    assert len(long_.token_ids) == 16 and long_.finish_reason == "length"
     finals = [e for e in events if e.finished]
     assert {(e.request_id, e.finish_reason) for e in finals} == {("s", "stop"), ("l", "length")}
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig
 from libs.engine.loader import load
-from libs.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=5, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_k=40, seed=7, max_tokens=5, ignore_eos=True)

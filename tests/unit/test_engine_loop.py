@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig, InvalidRequest
-from libs.engine.sampling_params import SamplingParams
 from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed, RequestStream
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)

@@ -6,17 +6,16 @@ import random
 
 import pytest
 
+from libs.common.errors import InvalidArgument, NotFound
 from libs.gateway.policy import (
     Chunk,
     Finish,
-    InvalidArgument,
     Limits,
     Ready,
     ReorderOverflow,
     RequestStream,
     TokenReorderBuffer,
     Tokens,
-    UnknownModel,
     lookup_prefix,
     validate_request,
 )
@@ -119,9 +118,7 @@ def test_bad_request_id() -> None:
 def test_unknown_model() -> None:
     req = request()
     req.model = "gpt-5"
-    with pytest.raises(
-        UnknownModel, match="'gpt-5' is not served here; available: 'deepseek-tiny'"
-    ):
+    with pytest.raises(NotFound, match="'gpt-5' is not served here; available: 'deepseek-tiny'"):
         validate_request(req, LIMITS)
 
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from libs.engine.sampling_params import SamplingParams
-from libs.serving.fake_engine import FakeEngine, fake_completion
+from libs.common.sampling import SamplingParams
+from libs.engine.engine import Engine
+from libs.serving.fake_engine import build_fake_engine, fake_completion
 
 
-def run(
-    engine: FakeEngine, rid: str, prompt: list[int], max_tokens: int, **kw: object
-) -> list[int]:
+def run(engine: Engine, rid: str, prompt: list[int], max_tokens: int, **kw: object) -> list[int]:
     engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens), **kw)  # type: ignore[arg-type]
     out: list[int] = []
     while engine.has_unfinished():
@@ -17,7 +16,7 @@ def run(
 
 
 def test_output_is_the_hash_completion_and_resuming_from_prompt_plus_output_is_exact() -> None:
-    e = FakeEngine(step_seconds=0, token_seconds=0)
+    e = build_fake_engine(step_seconds=0, token_seconds=0)
     prompt = list(range(100, 400))
     full = run(e, "a", prompt, 10)
     assert full == fake_completion(prompt, 10)
@@ -26,10 +25,8 @@ def test_output_is_the_hash_completion_and_resuming_from_prompt_plus_output_is_e
 
 
 def test_kv_moves_between_two_fake_engines_like_prefill_to_decode() -> None:
-    pre, dec = (
-        FakeEngine(step_seconds=0, token_seconds=0),
-        FakeEngine(step_seconds=0, token_seconds=0),
-    )
+    pre = build_fake_engine(step_seconds=0, token_seconds=0)
+    dec = build_fake_engine(step_seconds=0, token_seconds=0)
     prompt = list(range(5, 305))
     first = run(pre, "r", prompt, 1, hold_kv=True)
     frame = pre.export_kv("r", include_partial=True)

@@ -133,7 +133,7 @@ def test_codec_falls_back_to_plain_liberasurecode_with_the_same_guarantees() -> 
 
 
 def test_kvstore_flags_need_twelve_targets_and_sane_retention(tmp_path) -> None:
-    from services.kvstore.main import parse_config
+    from services.kvstore.config import parse_config
 
     cfg = parse_config(["--data-dir", str(tmp_path)])
     assert len(cfg.target_specs()) == 12 and cfg.retention().ttl("agent") == 3 * DAY_S

@@ -11,11 +11,29 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # Packages of pure policy: importable and testable with no server, no network, no torch.
-POLICY = ["libs/routing", "libs/gateway", "libs/kvstore", "libs/common/hashchain.py",
-          "libs/engine/scheduler.py", "libs/engine/kv/block_manager.py"]
+POLICY = [
+    "libs/routing",
+    "libs/gateway",
+    "libs/kvstore",
+    "libs/common/hashchain.py",
+    "libs/engine/scheduler.py",
+    "libs/engine/kv/block_manager.py",
+]
 # (asyncio is allowed: admission's Condition is a concurrency primitive, not I/O.)
-IO_MODULES = {"grpc", "nats", "redis", "starlette", "uvicorn", "httpx", "boto3", "socket",
-              "torch", "subprocess", "requests", "urllib"}
+IO_MODULES = {
+    "grpc",
+    "nats",
+    "redis",
+    "starlette",
+    "uvicorn",
+    "httpx",
+    "boto3",
+    "socket",
+    "torch",
+    "subprocess",
+    "requests",
+    "urllib",
+}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -52,8 +70,9 @@ def test_layer_check_sees_imports() -> None:
 
 @pytest.mark.parametrize("path", python_files("libs"), ids=lambda p: str(p.relative_to(ROOT)))
 def test_libs_import_no_service_or_tool(path: Path) -> None:
-    bad = sorted(m for m in imported_modules(path)
-                 if m.split(".")[0] in ("services", "deepserve", "tests"))
+    bad = sorted(
+        m for m in imported_modules(path) if m.split(".")[0] in ("services", "deepserve", "tests")
+    )
     assert not bad, f"{path.relative_to(ROOT)} imports {bad}: libs/ must not depend on them"
 
 

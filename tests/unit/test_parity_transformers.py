@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig
-from libs.engine.sampling_params import SamplingParams
 from tests.hf_reference import CONFIGS, build_hf, hf_greedy, hf_logits, save_hf
 
 pytest.importorskip("transformers")

@@ -9,11 +9,11 @@ from collections import defaultdict
 import pytest
 
 from libs.common import subjects
+from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig
-from libs.engine.sampling_params import SamplingParams
 from libs.proto.deepserve.v1 import control_pb2
-from libs.serving.convert import sampling_to_proto
 from libs.serving.engine_loop import EngineLoop
+from libs.transport.inproc import InProcBus, InProcKVPusher, InProcSubscription, Msg
 from services.decode.handlers import DecodeHandler
 from services.prefill.handlers import Block, PrefillHandler, PushFailed
 
@@ -41,38 +41,38 @@ def reference(tiny_loaded, p: list[int], sp: SamplingParams) -> list[int]:
 
 
 class Bus:
-    """In-process stand-in for NATS: every published TokenEvent, by subject."""
+    """The library's in-process bus, read as the entrypoint reads it: TokenEvents by subject."""
 
     def __init__(self) -> None:
+        self.bus = InProcBus()
+        self.publish = self.bus.publish
         self.events: dict[str, list[control_pb2.TokenEvent]] = defaultdict(list)
-        self.changed = asyncio.Event()
+        self.sub: InProcSubscription | None = None
 
-    async def publish(self, subject: str, data: bytes) -> None:
-        self.events[subject].append(control_pb2.TokenEvent.FromString(data))
-        self.changed.set()
+    async def start(self) -> None:
+        self.sub = await self.bus.subscribe(subjects.token_events(">"))
+
+    def _record(self, msgs: list[Msg]) -> None:
+        for msg in msgs:
+            self.events[msg.subject].append(control_pb2.TokenEvent.FromString(msg.data))
+
+    async def next(self, timeout: float = 30.0) -> None:
+        """Wait for one more event."""
+        assert self.sub is not None
+        self._record([await self.sub.next_msg(timeout)])
+
+    def settle(self) -> None:
+        """Record every event published so far."""
+        assert self.sub is not None
+        self._record(self.sub.take_pending())
 
     async def wait_done(self, rid: str, timeout: float = 60.0) -> list[control_pb2.TokenEvent]:
         async def done() -> None:
             while not any(e.finished for e in self.events[subjects.token_events(rid)]):
-                self.changed.clear()
-                await self.changed.wait()
+                await self.next()
 
         await asyncio.wait_for(done(), timeout)
         return sorted(self.events[subjects.token_events(rid)], key=lambda e: e.index)
-
-
-class DirectPusher:
-    """Hands the KV straight to a decode handler, as KVTransfer.Push would."""
-
-    def __init__(self, decode: DecodeHandler) -> None:
-        self.decode = decode
-        self.pushed = 0
-
-    async def push(self, address: str, task: control_pb2.DecodeTask, frame: bytes) -> None:
-        self.pushed += 1
-        reply = await self.decode.accept(task, frame)
-        if not reply.accepted:
-            raise PushFailed(f"decode {address} refused the KV: {reply.error}")
 
 
 class MemoryKVStore:
@@ -97,6 +97,7 @@ class MemoryKVStore:
 @pytest.fixture
 async def stack(tiny_loaded):
     bus = Bus()
+    await bus.start()
     ploop, dloop = EngineLoop(make(tiny_loaded), name="p"), EngineLoop(make(tiny_loaded), name="d")
     ploop.start()
     dloop.start()
@@ -108,7 +109,8 @@ async def stack(tiny_loaded):
         address="inproc:0",
         block_size=BS,
     )
-    pusher = DirectPusher(decode)
+    pusher = InProcKVPusher(failed=PushFailed)  # KVTransfer.Push to decode.accept
+    pusher.register("inproc:0", decode.accept)
     kv = MemoryKVStore()
     prefill = PrefillHandler(
         ploop,
@@ -131,7 +133,7 @@ def task(
     return control_pb2.PrefillTask(
         request_id=rid,
         prompt_token_ids=p,
-        sampling=sampling_to_proto(sp),
+        sampling=sp.to_proto(),
         cached_blocks=cached_blocks,
         decode_instance="decode-0",
         decode_address="inproc:0",
@@ -218,8 +220,7 @@ async def test_abort_stops_decode_and_frees_its_blocks(stack) -> None:
     prefill.submit(task(rid, prompt(30, 6), SamplingParams(max_tokens=10_000, ignore_eos=True)))
     subject = subjects.token_events(rid)
     while len(bus.events[subject]) < 3:
-        bus.changed.clear()
-        await asyncio.wait_for(bus.changed.wait(), 30)
+        await bus.next()
     busy = decode.status()
     assert busy.running == 1 and busy.free_kv_blocks < busy.total_kv_blocks == 256
     assert busy.role == control_pb2.ROLE_DECODE and busy.address == "inproc:0"
@@ -231,8 +232,10 @@ async def test_abort_stops_decode_and_frees_its_blocks(stack) -> None:
             break
         await asyncio.sleep(0.02)
     assert decode.num_active == 0
+    bus.settle()
     n = len(bus.events[subject])
     await asyncio.sleep(0.1)
+    bus.settle()
     assert len(bus.events[subject]) == n  # nothing after the abort settled
     assert not any(e.finished for e in bus.events[subject])  # client aborts get no answer
     assert await decode.loop.call(lambda e: e.blocks.num_used) == 0
@@ -241,7 +244,7 @@ async def test_abort_stops_decode_and_frees_its_blocks(stack) -> None:
         request_id=rid,
         token_ids=[1, 2, 3],
         num_prompt_tokens=2,
-        sampling=sampling_to_proto(SamplingParams(max_tokens=5)),
+        sampling=SamplingParams(max_tokens=5).to_proto(),
     )
     reply = await decode.accept(late, b"")
     assert not reply.accepted and "aborted" in reply.error

@@ -18,9 +18,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from starlette.testclient import TestClient
 
+from libs.common.grpc_errors import from_status
 from libs.proto.deepserve.v1 import common_pb2
 from services.recipe.auth import KeyTable, parse_keys
-from services.recipe.backend import BackendError
 from services.recipe.encoding import PromptEncoder
 from services.recipe.handlers import AppConfig, Metrics, build_app
 
@@ -416,7 +416,7 @@ def test_errors_anthropic_shape(claude: anthropic.Anthropic, client: TestClient)
 def test_backend_errors_map_to_http(
     client: TestClient, backend: FakeBackend, code, status, stream
 ) -> None:
-    backend.fail_at_start = BackendError(code, "nope")
+    backend.fail_at_start = from_status(code, "nope")
     for path, body, anth in (
         ("/v1/chat/completions", chat(stream=stream), False),
         ("/v1/responses", {"model": MODEL, "input": "x", "stream": stream}, False),
@@ -443,10 +443,10 @@ def test_backend_errors_map_to_http(
 def test_sdk_sees_429_and_503(
     oai: openai.OpenAI, claude: anthropic.Anthropic, backend: FakeBackend
 ) -> None:
-    backend.fail_at_start = BackendError(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
+    backend.fail_at_start = from_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
     with pytest.raises(openai.RateLimitError):
         oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
-    backend.fail_at_start = BackendError(grpc.StatusCode.UNAVAILABLE, "down")
+    backend.fail_at_start = from_status(grpc.StatusCode.UNAVAILABLE, "down")
     with pytest.raises(anthropic.InternalServerError) as e:
         claude.messages.create(
             model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "x"}]

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from libs.common.sampling import SamplingParams
 from libs.engine.sampler import Sampler, position_seed
-from libs.engine.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 

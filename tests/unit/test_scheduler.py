@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from libs.common.sampling import SamplingParams
 from libs.engine.cost_model import CostModel, StepShape
 from libs.engine.kv.block_manager import BlockManager
 from libs.engine.presets import PRESETS
-from libs.engine.sampling_params import SamplingParams
 from libs.engine.scheduler import Request, Scheduler, SchedulerConfig, Status
 
 

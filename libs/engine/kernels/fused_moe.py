@@ -33,8 +33,8 @@ FP4 format (:class:`Fp4Weight`), for a weight ``w [E, N, K]`` with ``K % 64 == 0
   (a block's largest value may then exceed ``6 * scale`` by < 0.4% and saturates at code 7).
   The kernels decode with integer masks only (:func:`_e2m1_halves`: both nibbles of a byte
   become fp16 bit patterns of ``code * 2**-14``, widened exactly to fp32), multiply by
-  ``scale * 2**14`` in fp32 (so exactly ``code * scale``) and round it to the activation dtype before
-  ``tl.dot``: two dots per 64-wide group, low nibbles against ``x[:, 64g : 64g+32]``, high
+  ``scale * 2**14`` in fp32 (so exactly ``code * scale``) and round it to the activation dtype
+before   ``tl.dot``: two dots per 64-wide group, low nibbles against ``x[:, 64g : 64g+32]``, high
   nibbles against ``x[:, 64g+32 : 64g+64]``.
 """
 
@@ -389,7 +389,7 @@ def _gate_up_kernel(
     total_ptr,
     num_pairs,
     top_k,
-    I,
+    I,  # noqa: E741 - the intermediate size, as the other kernels name it
     num_pid_m,
     stride_xm,
     stride_we,

@@ -347,7 +347,10 @@ def unsupported(kv_lora_rank: int, rope_dim: int, block_size: int) -> str | None
     if not (
         _is_pow2(kv_lora_rank) and _is_pow2(rope_dim) and kv_lora_rank >= 16 and rope_dim >= 16
     ):
-        return f"kv_lora_rank={kv_lora_rank} and qk_rope_head_dim={rope_dim} must be powers of two >= 16"
+        return (
+            f"kv_lora_rank={kv_lora_rank} and qk_rope_head_dim={rope_dim} "
+            "must be powers of two >= 16"
+        )
     if not _is_pow2(block_size) or block_size < 16:
         return f"block_size={block_size} must be a power of two >= 16"
     return None

@@ -1,0 +1,98 @@
+"""A request's sampling settings: one value object from the wire to the sampler (no torch).
+
+:class:`SamplingParams` is built from the proto (:meth:`SamplingParams.from_proto`) where a
+request comes in, checked once on creation, and turned back into the proto
+(:meth:`SamplingParams.to_proto`) where it goes out. Adding a sampling field touches
+``proto/deepserve/v1/common.proto``, this class and the sampler.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NoReturn
+
+from libs.common.errors import InvalidArgument
+from libs.proto.deepserve.v1 import common_pb2
+
+MAX_SEED = 2**63  # the sampler keys draws by a signed 64-bit seed
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    ``temperature == 0`` is greedy (argmax). Otherwise logits are divided by the temperature,
+    cut to the ``top_k`` most likely tokens (0 = no cut) and to the smallest set whose
+    probability reaches ``top_p``, then sampled. With ``seed`` set, the draw for sequence
+    position ``n`` depends only on (seed, n) and the logits: the same seed gives the same
+    tokens whatever requests share the batch, and after a KV handoff or a preemption.
+
+    A bad value raises :class:`~libs.common.errors.InvalidArgument` (a ``ValueError``) whose
+    ``field`` names the proto field, e.g. ``sampling.top_p``. Checks that need context (the
+    context limit, the vocabulary) belong to whoever knows it: the entrypoint and the engine.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        t = self.temperature
+        if not math.isfinite(t) or t < 0:
+            _bad("temperature", f"must be a finite number >= 0 (0 = greedy), got {t}")
+        if not 0.0 < self.top_p <= 1.0:  # NaN fails too
+            _bad("top_p", f"must lie in (0, 1] (0 on the wire means 1), got {self.top_p}")
+        if self.top_k < 0:
+            _bad("top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < MAX_SEED:
+            _bad("seed", f"must lie in [0, 2**63), got {self.seed}")
+        if self.max_tokens <= 0:
+            _bad("max_tokens", f"must be > 0, got {self.max_tokens}")
+        for i, tok in enumerate(self.stop_token_ids):
+            if tok < 0:
+                _bad(f"stop_token_ids[{i}]", f"token id {tok} is negative; token ids are >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_proto(
+        cls, msg: common_pb2.SamplingParams, max_tokens: int | None = None
+    ) -> SamplingParams:
+        """The settings a wire message carries; ``max_tokens`` overrides the message's.
+
+        Raises InvalidArgument naming the field (``sampling.<name>``) for a value out of range.
+        """
+        return cls(
+            temperature=msg.temperature,
+            top_p=msg.top_p if msg.top_p != 0 else 1.0,  # 0 on the wire means "not set"
+            top_k=msg.top_k,
+            seed=msg.seed if msg.HasField("seed") else None,
+            max_tokens=msg.max_tokens if max_tokens is None else max_tokens,
+            stop_token_ids=tuple(msg.stop_token_ids),
+            ignore_eos=msg.ignore_eos,
+        )
+
+    def to_proto(self) -> common_pb2.SamplingParams:
+        msg = common_pb2.SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=self.max_tokens,
+            stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+        )
+        if self.seed is not None:
+            msg.seed = self.seed
+        return msg
+
+
+def _bad(name: str, message: str) -> NoReturn:
+    raise InvalidArgument(message, field=f"sampling.{name}")

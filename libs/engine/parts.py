@@ -1,0 +1,171 @@
+"""What an :class:`~libs.engine.engine.Engine` runs on, and the factory that builds it for a model.
+
+The engine owns the policy (scheduler, block accounting, KV frames); the parts it is handed
+own the bytes: a :class:`StepRunner` computes each scheduled step and a :class:`KVBlockStore`
+holds the KV of each block id. :func:`build_parts` loads a model and builds the real ones
+(paged cache, sampler, model runner with its CUDA graphs); the deterministic fake engine
+(``libs.serving.fake_engine``) plugs a hash and a dict into the same engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from libs.common.sampling import SamplingParams
+
+from .config import ModelConfig
+from .cost_model import CostModel
+from .kv.cache import DTYPE_NAMES, TORCH_DTYPES, PagedKVCache
+from .kv.layout import CacheSpec, mla_cache_spec
+from .loader import LoadedModel, load
+from .runner import Launched, ModelRunner
+from .sampler import Sampler
+from .scheduler import StepPlan
+
+if TYPE_CHECKING:
+    from .engine import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+class KVBlockStore(Protocol):
+    """The KV cache as the engine sees it: bytes per block id.
+
+    Block ids are the engine's (its :class:`BlockManager` decides who owns one and when it
+    may be overwritten); the store only keeps ``spec.bytes_per_block`` bytes for each.
+    """
+
+    def read_blocks(self, blocks: Sequence[int]) -> bytes:
+        """Block-major bytes of ``blocks``, in order."""
+        ...
+
+    def write_blocks(self, blocks: Sequence[int], payload: bytes | memoryview) -> None:
+        """Overwrite ``blocks`` with ``payload`` (``len(blocks)`` blocks, block-major)."""
+        ...
+
+
+class StepRunner(Protocol):
+    """Computes scheduled steps: ``launch`` may return before the step is done (overlap);
+    ``collect`` waits for it and returns the sampled id per sampling request and the
+    step's seconds (what calibrates the cost model)."""
+
+    def launch(
+        self, plan: StepPlan, params: Sequence[SamplingParams], prev: Launched | None
+    ) -> Launched:
+        """``params``: per sampling seq of ``plan``, in plan order; ``prev``: the step in flight."""
+        ...
+
+    def collect(self, launched: Launched) -> tuple[dict[str, int], float]: ...
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    model_id: str  # names the weights: part of every KV frame's identity
+    model_config: ModelConfig
+    spec: CacheSpec
+    cache: KVBlockStore
+    num_blocks: int
+    cost: CostModel
+    runner: StepRunner
+    device: torch.device = torch.device("cpu")
+    loaded: LoadedModel | None = None  # the model behind a ModelRunner; None for a fake
+
+
+def max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
+    return min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+
+
+def build_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
+    """Today's set-up: load the model (unless ``loaded``), size and allocate the paged KV
+    cache, build the cost model, sampler and model runner, capture the CUDA graphs."""
+    device = torch.device(config.device)
+    dtype = config.torch_dtype
+    loaded = loaded or load(config.model, device, dtype, config.seed, config.with_mtp)
+    model = loaded.model
+    model.set_absorb_decode(config.absorb_decode)
+    use_kernels = _kernels_usable(config, model.cfg)
+    model.set_kernels(use_kernels)
+    if config.expert_dtype == "fp4":
+        model.quantize_experts_fp4()
+    cfg = model.cfg
+    kv_dtype = config.kv_cache_dtype or DTYPE_NAMES[dtype]
+    spec = mla_cache_spec(
+        cfg, loaded.model_id, config.block_size, kv_dtype, num_layers=model.num_cache_layers
+    )
+    num_blocks = config.num_kv_blocks or _blocks_for_memory(config, cfg, spec, device)
+    cache = PagedKVCache(spec, num_blocks, device, cfg.qk_rope_head_dim)
+    per_layer = spec.bytes_per_block / config.block_size / model.num_cache_layers
+    cost = CostModel.for_model(
+        cfg,
+        torch.finfo(dtype).bits // 8,
+        torch.finfo(TORCH_DTYPES[kv_dtype]).bits // 8,
+        *_nominal_rates(device),
+        expert_param_bytes=0.5 + 2 / 32 if config.expert_dtype == "fp4" else None,
+        kv_token_layer_bytes=per_layer,
+    )
+    runner = ModelRunner(
+        model,
+        cache,
+        Sampler(device, config.sampler_seed),
+        use_kernels,
+        config.cuda_graphs,
+        max_model_len(config, cfg),
+        max_graph_batch=config.max_running,
+    )
+    runner.capture_all()
+    return EngineParts(loaded.model_id, cfg, spec, cache, num_blocks, cost, runner, device, loaded)
+
+
+def _kernels_usable(config: EngineConfig, cfg: ModelConfig) -> bool:
+    """``kernels="auto"`` falls back to PyTorch for shapes the decode kernel does not take
+    (every DeepSeek checkpoint fits: 512 + 64); ``"triton"`` refuses them."""
+    if not config.use_kernels:
+        return False
+    from .kernels.mla_decode import unsupported
+
+    why = unsupported(cfg.kv_lora_rank, cfg.qk_rope_head_dim, config.block_size)
+    if why is None:
+        return True
+    if config.kernels == "triton":
+        raise ValueError(f"kernels='triton' cannot serve this model: {why}")
+    log.warning("engine: PyTorch attention and MoE instead of the kernels: %s", why)
+    return False
+
+
+def _blocks_for_memory(
+    config: EngineConfig, cfg: ModelConfig, spec: CacheSpec, device: torch.device
+) -> int:
+    budget = config.kv_cache_bytes
+    if budget is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int((free - _activation_reserve(config, cfg)) * 0.9)
+        else:
+            budget = 1 << 30
+    n = budget // spec.bytes_per_block
+    if n <= 0:
+        raise ValueError(f"kv_cache_bytes={budget} holds no {spec.bytes_per_block}-byte block")
+    return int(n)
+
+
+def _activation_reserve(config: EngineConfig, cfg: ModelConfig) -> int:
+    """Bytes a full step's activations need beside the cache: per token of the step,
+    the routed-expert buffers (k x (2H + 3I): gathered input, gate/up, SiLU·up, outputs)
+    and ~16 hidden-sized tensors (projections, residuals, norms), in the model dtype."""
+    per_token = (
+        cfg.num_experts_per_tok * (2 * cfg.hidden_size + 3 * cfg.moe_intermediate_size)
+        + 16 * cfg.hidden_size
+    )
+    return int(config.max_tokens_per_step * per_token * torch.finfo(config.torch_dtype).bits // 8)
+
+
+def _nominal_rates(device: torch.device) -> tuple[float, float]:
+    """Starting FLOP/s and bytes/s for the cost model; calibrated by measured steps."""
+    if device.type == "cuda":
+        return 6e14, 4e12  # H200-class bf16 dense / HBM; the calibration corrects the rest
+    return 5e10, 1e10

@@ -1,0 +1,214 @@
+"""In-process twins of the control bus (NATS) and of prefill's KV push (``KVTransfer.Push``).
+
+:class:`InProcBus` keeps NATS's subject semantics inside one asyncio loop: tokens split on
+``.``, ``*`` matches one token, ``>`` (last) matches one or more; subscribers sharing a queue
+group get each message once between them (round-robin), everyone else gets every message;
+request/reply goes through a private inbox. It serves both styles the services use:
+
+* the entrypoint's ``Bus`` (``request``, ``publish``, ``subscribe(subject)`` returning a
+  subscription with ``next(timeout)`` and ``close()``);
+* the callback style of balancer/prefill/decode ``main.py`` (``subscribe(subject, queue=...,
+  cb=...)``, the callback gets a :class:`Msg` with ``subject``, ``data``, ``reply`` and
+  ``respond``; ``unsubscribe()``). A subscription's callbacks run one at a time, in order.
+
+A subscription is live when ``subscribe`` returns (there is no server to flush to).
+:class:`InProcKVPusher` hands a prefill's DecodeTask and KV frame to the decode handler
+registered under the address the balancer chose.
+
+Failures raise retryable errors (:class:`NoResponders`, :class:`PushRefused`), or the types the
+caller passes in: the services define their own (the entrypoint's ``BusUnavailable``, prefill's
+``PushFailed``) and libs import no services.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from libs.common.errors import InstanceFailed, Unavailable
+from libs.proto.deepserve.v1 import control_pb2, kv_transfer_pb2
+
+log = logging.getLogger(__name__)
+
+INBOX_PREFIX = "_INBOX"
+
+
+class NoResponders(Unavailable):
+    """A request found no subscriber, or none answered in time (the default failure)."""
+
+
+class PushRefused(InstanceFailed):
+    """No decode handler at the address, or it refused the KV (the default failure)."""
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """Whether ``subject`` matches ``pattern`` (NATS: ``*`` one token, ``>`` the rest)."""
+    want, got = pattern.split("."), subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return i == len(want) - 1 and len(got) > i
+        if i >= len(got) or (token != "*" and token != got[i]):
+            return False
+    return len(want) == len(got)
+
+
+@dataclass(frozen=True)
+class Msg:
+    """One delivered message, shaped like ``nats.aio.msg.Msg`` where the services read it."""
+
+    subject: str
+    data: bytes
+    reply: str = ""
+    _bus: InProcBus | None = field(default=None, repr=False, compare=False)
+
+    async def respond(self, data: bytes) -> None:
+        if not self.reply or self._bus is None:
+            raise ValueError(f"message on {self.subject} has no reply subject")
+        await self._bus.publish(self.reply, data)
+
+
+Callback = Callable[[Msg], Awaitable[None]]
+
+
+class InProcSubscription:
+    def __init__(self, bus: InProcBus, subject: str, queue: str, cb: Callback | None) -> None:
+        self.bus, self.subject, self.queue, self.cb = bus, subject, queue, cb
+        self._messages: asyncio.Queue[Msg] = asyncio.Queue()
+        self._pump = asyncio.get_running_loop().create_task(self._run()) if cb else None
+
+    def _deliver(self, msg: Msg) -> None:
+        self._messages.put_nowait(msg)
+
+    async def next_msg(self, timeout: float) -> Msg:
+        """The next message; TimeoutError after ``timeout`` seconds without one."""
+        try:
+            return await asyncio.wait_for(self._messages.get(), timeout)
+        except TimeoutError:
+            raise TimeoutError(f"no message on {self.subject} for {timeout:.1f}s") from None
+
+    def take_pending(self) -> list[Msg]:
+        """The messages delivered but not read yet, without waiting (they count as read).
+        Delivery happens inside ``publish``, so this is everything published so far."""
+        out = []
+        while not self._messages.empty():
+            out.append(self._messages.get_nowait())
+        return out
+
+    async def next(self, timeout: float) -> bytes:
+        """The next payload (the entrypoint's ``Subscription``)."""
+        return (await self.next_msg(timeout)).data
+
+    async def unsubscribe(self) -> None:
+        self.bus._remove(self)
+        if self._pump is not None:
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump
+
+    async def close(self) -> None:
+        await self.unsubscribe()
+
+    async def _run(self) -> None:
+        assert self.cb is not None
+        while True:
+            msg = await self._messages.get()
+            try:
+                await self.cb(msg)
+            except Exception:  # NATS logs a failing callback and keeps delivering
+                log.exception("callback on %s failed", self.subject)
+
+
+class InProcBus:
+    """NATS in one process. ``unavailable``: what ``request`` raises when nobody answers."""
+
+    def __init__(self, unavailable: Callable[[str], Exception] = NoResponders) -> None:
+        self.unavailable = unavailable
+        self._subs: list[InProcSubscription] = []
+        self._turn: dict[tuple[str, str], int] = {}  # (pattern, queue) -> round-robin counter
+        self._inboxes = itertools.count()
+
+    async def subscribe(
+        self, subject: str, *, queue: str = "", cb: Callback | None = None
+    ) -> InProcSubscription:
+        sub = InProcSubscription(self, subject, queue, cb)
+        self._subs.append(sub)
+        return sub
+
+    async def publish(self, subject: str, data: bytes, reply: str = "") -> None:
+        self._publish(subject, data, reply)
+
+    def _publish(self, subject: str, data: bytes, reply: str = "") -> int:
+        """Deliver to every plain subscriber and to one member of each queue group."""
+        msg = Msg(subject, bytes(data), reply, self)
+        groups: dict[tuple[str, str], list[InProcSubscription]] = {}
+        delivered = 0
+        for sub in self._subs:
+            if not subject_matches(sub.subject, subject):
+                continue
+            if sub.queue:
+                groups.setdefault((sub.subject, sub.queue), []).append(sub)
+            else:
+                sub._deliver(msg)
+                delivered += 1
+        for key, members in groups.items():
+            turn = self._turn.get(key, 0)
+            self._turn[key] = turn + 1
+            members[turn % len(members)]._deliver(msg)
+            delivered += 1
+        return delivered
+
+    async def request(self, subject: str, data: bytes, timeout: float) -> bytes:
+        """The first reply's payload; ``unavailable`` if nobody listens or answers in time."""
+        inbox = await self.subscribe(f"{INBOX_PREFIX}.{next(self._inboxes)}")
+        try:
+            if not self._publish(subject, data, inbox.subject):
+                raise self.unavailable(f"nothing listens on {subject}")
+            try:
+                return await inbox.next(timeout)
+            except TimeoutError:
+                raise self.unavailable(f"no answer on {subject} within {timeout:.1f}s") from None
+        finally:
+            await inbox.unsubscribe()
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Nothing to flush: every subscription is live when ``subscribe`` returns."""
+
+    def _remove(self, sub: InProcSubscription) -> None:
+        with contextlib.suppress(ValueError):
+            self._subs.remove(sub)
+
+
+Accept = Callable[[control_pb2.DecodeTask, bytes, str], Awaitable[kv_transfer_pb2.KVPushReply]]
+
+
+class InProcKVPusher:
+    """Prefill's ``KVPusher`` over direct calls: ``register(address, decode.accept)`` stands
+    for a decode instance serving ``KVTransfer.Push`` at ``address``. ``failed``: what
+    ``push`` raises when there is no such instance or it refuses the KV."""
+
+    def __init__(self, failed: Callable[[str], Exception] = PushRefused) -> None:
+        self.failed = failed
+        self._targets: dict[str, Accept] = {}
+        self.pushed = 0  # frames delivered (accepted or not)
+
+    def register(self, address: str, accept: Accept) -> None:
+        self._targets[address] = accept
+
+    def unregister(self, address: str) -> None:
+        self._targets.pop(address, None)
+
+    async def push(self, address: str, task: control_pb2.DecodeTask, frame: bytes) -> None:
+        accept = self._targets.get(address)
+        if accept is None:
+            raise self.failed(f"KV push to decode {address} failed: UNAVAILABLE: no such instance")
+        self.pushed += 1
+        reply = await accept(task, bytes(frame), task.traceparent)
+        if not reply.accepted:
+            raise self.failed(f"decode {address} refused the KV: {reply.error}")
+
+    async def close(self) -> None:
+        self._targets.clear()

@@ -1,0 +1,49 @@
+"""The decode service's flags (each with its ``DEEPSERVE_*`` twin) and frozen config."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from libs.common.config import ServiceConfig, common_flags, flag, service_config_from
+from libs.serving.model_flags import ModelFlags, add_model_flags, model_flags_from
+
+SERVICE = "decode"
+DESCRIPTION = (
+    "decode service: ``python -m services.decode --grpc-port 50061 --nats-url nats://...``."
+)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    service: ServiceConfig
+    model: ModelFlags
+    grpc_port: int = 0
+    heartbeat_interval: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.grpc_port < 65536:
+            raise ValueError(f"--grpc-port must lie in [0, 65535], got {self.grpc_port}")
+        if self.heartbeat_interval <= 0:
+            raise ValueError(
+                f"--heartbeat-interval must be positive, got {self.heartbeat_interval}"
+            )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m services.decode", description=DESCRIPTION)
+    common_flags(parser, SERVICE)
+    add_model_flags(parser)
+    flag(parser, "--grpc-port", type=int, default=0, help="KVTransfer gRPC port (0: any free)")
+    flag(parser, "--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
+    return parser
+
+
+def config_from(args: argparse.Namespace) -> DecodeConfig:
+    """The config of parsed flags; ValueError names the flag that is wrong."""
+    return DecodeConfig(
+        service=service_config_from(args, SERVICE),
+        model=model_flags_from(args),
+        grpc_port=args.grpc_port,
+        heartbeat_interval=args.heartbeat_interval,
+    )

@@ -1,0 +1,131 @@
+"""The entrypoint's flags (each with its ``DEEPSERVE_*`` twin) and frozen config."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from libs.common.config import ServiceConfig, common_flags, flag, service_config_from
+from libs.gateway.policy import Limits
+
+from .handlers import HandlerConfig
+
+SERVICE = "entrypoint"
+DESCRIPTION = """\
+``python -m services.entrypoint``: the public token-level gRPC API (``deepserve.v1.Generate``).
+"""
+
+
+@dataclass(frozen=True)
+class EntrypointConfig:
+    service: ServiceConfig
+    handler: HandlerConfig
+    grpc_port: int
+    kvstore_address: str = ""
+    kvstore_timeout: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.grpc_port < 65536:
+            raise ValueError(f"--grpc-port must lie in [0, 65535], got {self.grpc_port}")
+        if self.kvstore_address and ":" not in self.kvstore_address:
+            raise ValueError(f"--kvstore-address must be host:port, got {self.kvstore_address!r}")
+        if not self.kvstore_timeout > 0:
+            raise ValueError(f"--kvstore-timeout must be > 0 seconds, got {self.kvstore_timeout}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m services.entrypoint", description=DESCRIPTION)
+    common_flags(parser, SERVICE)
+    flag(parser, "--grpc-port", type=int, default=50051, help="port of the Generate gRPC API")
+    flag(parser, "--kvstore-address", default="", help="kvstore gRPC host:port (empty: no cache)")
+    flag(
+        parser,
+        "--kvstore-timeout",
+        type=float,
+        default=1.0,
+        help="seconds to wait for a kvstore lookup before computing the prompt from scratch",
+    )
+    flag(parser, "--model-name", default="deepseek-tiny", help="served model name")
+    flag(parser, "--vocab-size", type=int, default=129280, help="token ids must lie below this")
+    flag(parser, "--max-context", type=int, default=163840, help="prompt + completion token limit")
+    flag(parser, "--block-size", type=int, default=128, help="tokens per KV block (hash chain)")
+    flag(
+        parser, "--route-timeout", type=float, default=2.0, help="seconds to wait for the balancer"
+    )
+    flag(
+        parser,
+        "--request-timeout",
+        type=float,
+        default=60.0,
+        help="seconds without a token event after which a request is aborted",
+    )
+    flag(
+        parser,
+        "--max-inflight",
+        type=int,
+        default=256,
+        help="requests served at once (0: no limit); more wait, then get RESOURCE_EXHAUSTED",
+    )
+    flag(
+        parser,
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="requests that may wait for a slot; past that RESOURCE_EXHAUSTED at once",
+    )
+    flag(
+        parser,
+        "--admit-wait",
+        type=float,
+        default=1.0,
+        help="seconds a request waits for a slot before RESOURCE_EXHAUSTED",
+    )
+    flag(
+        parser,
+        "--retry-after-ms",
+        type=int,
+        default=500,
+        help="retry hint sent with RESOURCE_EXHAUSTED (trailing metadata retry-after-ms)",
+    )
+    flag(
+        parser,
+        "--max-attempts",
+        type=int,
+        default=3,
+        help="attempts per request when instances fail (1: no retry)",
+    )
+    flag(
+        parser,
+        "--instance-dead-after",
+        type=float,
+        default=3.0,
+        help="seconds without a heartbeat after which a serving instance counts as dead",
+    )
+    return parser
+
+
+def config_from(args: argparse.Namespace) -> EntrypointConfig:
+    """The config of parsed flags; ValueError names the flag that is wrong."""
+    limits = Limits(
+        model_name=args.model_name,
+        vocab_size=args.vocab_size,
+        max_context=args.max_context,
+        block_size=args.block_size,
+    )
+    return EntrypointConfig(
+        service=service_config_from(args, SERVICE),
+        handler=HandlerConfig(
+            limits=limits,
+            route_timeout=args.route_timeout,
+            request_timeout=args.request_timeout,
+            max_inflight=args.max_inflight,
+            max_waiting=args.max_waiting,
+            admit_wait=args.admit_wait,
+            retry_after_ms=args.retry_after_ms,
+            max_attempts=args.max_attempts,
+            instance_dead_after=args.instance_dead_after,
+        ),
+        grpc_port=args.grpc_port,
+        kvstore_address=args.kvstore_address,
+        kvstore_timeout=args.kvstore_timeout,
+    )

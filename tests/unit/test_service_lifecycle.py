@@ -1,0 +1,172 @@
+"""The lifecycle every service shares (``libs/common/service.py``): one validated common
+config, and one exit stack that closes what a service opened in reverse order on SIGTERM, on
+Ctrl-C and when starting fails half-way."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import os
+import signal
+import socket
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import pytest
+
+from libs.common.config import ServiceConfig, common_flags, service_config_from
+from libs.common.service import ServiceContext, run_service
+
+SERVICES = ("recipe", "entrypoint", "balancer", "prefill", "decode", "kvstore")
+
+
+@dataclass(frozen=True)
+class _Config:
+    service: ServiceConfig
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="test-service")
+    common_flags(p, "test")
+    return p
+
+
+def _config(args: argparse.Namespace) -> _Config:
+    return _Config(service_config_from(args, "test"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _healthz(port: int) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"http_port": 70000}, "--http-port must lie in [0, 65535], got 70000"),
+        ({"http_port": -1}, "--http-port must lie in [0, 65535], got -1"),
+        ({"drain_seconds": -0.5}, "--drain-seconds must be >= 0, got -0.5"),
+        ({"host": ""}, "--host must name an address"),
+        ({"nats_url": "http://x:4222"}, "--nats-url must be a nats:// or tls:// URL"),
+        ({"instance_id": "prefill.0"}, "--instance-id must not contain '.'"),
+        ({"log_level": "LOUD"}, "--log-level must be one of"),
+    ],
+)
+def test_common_config_names_the_bad_flag(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        ServiceConfig(**kwargs)  # type: ignore[arg-type]
+    assert message in str(err.value)
+
+
+def test_common_config_takes_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEEPSERVE_DRAIN_SECONDS", "2.5")
+    monkeypatch.setenv("NATS_URL", "nats://nats.example:4222")
+    cfg = service_config_from(_parser().parse_args(["--http-port", "9100"]), "balancer")
+    assert (cfg.http_port, cfg.drain_seconds, cfg.nats_url) == (
+        9100,
+        2.5,
+        "nats://nats.example:4222",
+    )
+    assert cfg.instance_id.startswith("balancer-")
+
+
+@pytest.mark.parametrize("service", SERVICES)
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--http-port", "70000"], "--http-port must lie in [0, 65535], got 70000"),
+        (["--drain-seconds", "-1"], "--drain-seconds must be >= 0, got -1.0"),
+    ],
+)
+def test_every_service_refuses_bad_common_flags_the_same_way(
+    service: str, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    main = importlib.import_module(f"services.{service}.main").main
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"python -m services.{service}: error: {message}\n"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_closes_everything_in_reverse_order(sig: signal.Signals) -> None:
+    ops_port = _free_port()
+    closed: list[str] = []
+    seen: dict[str, object] = {}
+
+    async def serve(cfg: _Config, ctx: ServiceContext) -> int:
+        assert await ctx.start_ops(lambda: (True, "ok")) == ops_port
+        pinger = ctx.background(asyncio.sleep(3600), "forever")
+        seen["pinger"] = pinger
+
+        async def close(name: str) -> None:
+            closed.append(name)
+            if name == "nats":  # opened after the ops port: the ops port still answers now
+                seen["healthz while closing nats"] = await asyncio.to_thread(_healthz, ops_port)
+
+        for name in ("model", "nats", "grpc"):
+            ctx.stack.push_async_callback(close, name)
+        asyncio.get_running_loop().call_later(0.05, os.kill, os.getpid(), sig)
+        await asyncio.wait_for(ctx.stop.wait(), 10)
+        assert not pinger.done()
+        return 0
+
+    rc = run_service("test", ["--http-port", str(ops_port)], _parser, _config, serve)
+    assert rc == 0
+    assert closed == ["grpc", "nats", "model"]
+    assert seen["healthz while closing nats"] == 200
+    assert seen["pinger"].cancelled()  # type: ignore[attr-defined]
+    with pytest.raises(urllib.error.URLError):  # the ops port was closed last
+        _healthz(ops_port)
+
+
+def test_an_exception_while_starting_closes_what_was_opened(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ops_port = _free_port()
+    closed: list[str] = []
+
+    async def serve(cfg: _Config, ctx: ServiceContext) -> int:
+        await ctx.start_ops(lambda: (True, "ok"))
+
+        async def close(name: str) -> None:
+            closed.append(name)
+
+        ctx.stack.push_async_callback(close, "model")
+        ctx.stack.push_async_callback(close, "nats")
+        raise RuntimeError("the gRPC port is taken")
+
+    with caplog.at_level(logging.ERROR):
+        rc = run_service("test", ["--http-port", str(ops_port)], _parser, _config, serve)
+    assert rc == 1
+    assert closed == ["nats", "model"]
+    assert "the gRPC port is taken" in caplog.text
+    with pytest.raises(urllib.error.URLError):
+        _healthz(ops_port)
+
+
+def test_sigterm_ends_a_service_still_waiting_for_nats() -> None:
+    dead = _free_port()  # nothing listens: connect_nats retries every second until stopped
+    closed: list[str] = []
+
+    async def serve(cfg: _Config, ctx: ServiceContext) -> int:
+        ctx.stack.push_async_callback(asyncio.sleep, 0)  # something opened before NATS
+        asyncio.get_running_loop().call_later(0.3, os.kill, os.getpid(), signal.SIGTERM)
+        nc = await asyncio.wait_for(ctx.connect_nats(), 10)
+        closed.append("returned" if nc is None else "connected")
+        return 0
+
+    argv = ["--nats-url", f"nats://127.0.0.1:{dead}"]
+    assert run_service("test", argv, _parser, _config, serve) == 0
+    assert closed == ["returned"]

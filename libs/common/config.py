@@ -19,6 +19,12 @@ NATS_SCHEMES = ("nats", "tls", "ws", "wss")
 _SUBJECT_UNSAFE = frozenset(".*> \t\r\n")  # instance ids are NATS subject tokens
 
 
+def check_port(flag_name: str, port: int) -> None:
+    """ValueError naming ``flag_name`` unless ``port`` is a TCP port (0: any free one)."""
+    if not 0 <= port < 65536:
+        raise ValueError(f"{flag_name} must lie in [0, 65535], got {port}")
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     """The part of the config every service has (``common_flags``), checked once here."""
@@ -31,8 +37,7 @@ class ServiceConfig:
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
-        if not 0 <= self.http_port < 65536:
-            raise ValueError(f"--http-port must lie in [0, 65535], got {self.http_port}")
+        check_port("--http-port", self.http_port)
         if not self.drain_seconds >= 0:
             raise ValueError(f"--drain-seconds must be >= 0, got {self.drain_seconds}")
         if not self.host:

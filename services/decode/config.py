@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from libs.common.config import ServiceConfig, common_flags, flag, service_config_from
+from libs.common.config import ServiceConfig, check_port, common_flags, flag, service_config_from
 from libs.serving.model_flags import ModelFlags, add_model_flags, model_flags_from
 
 SERVICE = "decode"
@@ -22,8 +22,7 @@ class DecodeConfig:
     heartbeat_interval: float = 1.0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.grpc_port < 65536:
-            raise ValueError(f"--grpc-port must lie in [0, 65535], got {self.grpc_port}")
+        check_port("--grpc-port", self.grpc_port)
         if self.heartbeat_interval <= 0:
             raise ValueError(
                 f"--heartbeat-interval must be positive, got {self.heartbeat_interval}"

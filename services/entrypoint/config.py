@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from libs.common.config import ServiceConfig, common_flags, flag, service_config_from
+from libs.common.config import ServiceConfig, check_port, common_flags, flag, service_config_from
 from libs.gateway.policy import Limits
 
 from .handlers import HandlerConfig
@@ -25,8 +25,7 @@ class EntrypointConfig:
     kvstore_timeout: float = 1.0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.grpc_port < 65536:
-            raise ValueError(f"--grpc-port must lie in [0, 65535], got {self.grpc_port}")
+        check_port("--grpc-port", self.grpc_port)
         if self.kvstore_address and ":" not in self.kvstore_address:
             raise ValueError(f"--kvstore-address must be host:port, got {self.kvstore_address!r}")
         if not self.kvstore_timeout > 0:

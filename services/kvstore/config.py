@@ -10,7 +10,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from libs.common.config import ServiceConfig, common_flags, flag, service_config_from
+from libs.common.config import ServiceConfig, check_port, common_flags, flag, service_config_from
 from libs.kvstore.policy import DAY_S, Retention
 
 SERVICE = "kvstore"
@@ -53,8 +53,7 @@ class KVStoreConfig:
         if self.sweep_interval <= 0:
             raise ValueError(f"--sweep-interval must be > 0 seconds, got {self.sweep_interval}")
         self.retention()  # validates TTLs and capacity
-        if not 0 <= self.grpc_port < 65536:
-            raise ValueError(f"--grpc-port must lie in [0, 65535], got {self.grpc_port}")
+        check_port("--grpc-port", self.grpc_port)
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(
                 f"--redis-url must be a redis://, rediss:// or unix:// URL, got {self.redis_url!r}"

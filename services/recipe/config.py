@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from libs.common.config import ServiceConfig, common_flags, flag, service_config_from
+from libs.common.config import ServiceConfig, check_port, common_flags, flag, service_config_from
 
 from .auth import KeyTable, parse_keys
 from .handlers import AppConfig
@@ -29,8 +29,7 @@ class RecipeConfig:
     default_thinking: bool = False
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"--port must lie in [0, 65535], got {self.port}")
+        check_port("--port", self.port)
 
 
 def build_parser() -> argparse.ArgumentParser:

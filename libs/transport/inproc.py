@@ -15,9 +15,9 @@ A subscription is live when ``subscribe`` returns (there is no server to flush t
 :class:`InProcKVPusher` hands a prefill's DecodeTask and KV frame to the decode handler
 registered under the address the balancer chose.
 
-Failures raise retryable errors (:class:`NoResponders`, :class:`PushRefused`), or the types the
-caller passes in: the services define their own (the entrypoint's ``BusUnavailable``, prefill's
-``PushFailed``) and libs import no services.
+Failures raise the shared retryable kinds, as the real transports do: :class:`NoResponders`
+is an ``Unavailable`` (the entrypoint's bus contract), :class:`PushRefused` an
+``InstanceFailed`` (prefill's pusher contract).
 """
 
 from __future__ import annotations
@@ -123,10 +123,9 @@ class InProcSubscription:
 
 
 class InProcBus:
-    """NATS in one process. ``unavailable``: what ``request`` raises when nobody answers."""
+    """NATS in one process; ``request`` raises :class:`NoResponders` when nobody answers."""
 
-    def __init__(self, unavailable: Callable[[str], Exception] = NoResponders) -> None:
-        self.unavailable = unavailable
+    def __init__(self) -> None:
         self._subs: list[InProcSubscription] = []
         self._turn: dict[tuple[str, str], int] = {}  # (pattern, queue) -> round-robin counter
         self._inboxes = itertools.count()
@@ -166,11 +165,11 @@ class InProcBus:
         inbox = await self.subscribe(f"{INBOX_PREFIX}.{next(self._inboxes)}")
         try:
             if not self._publish(subject, data, inbox.subject):
-                raise self.unavailable(f"nothing listens on {subject}")
+                raise NoResponders(f"nothing listens on {subject}")
             try:
                 return await inbox.next(timeout)
             except TimeoutError:
-                raise self.unavailable(f"no answer on {subject} within {timeout:.1f}s") from None
+                raise NoResponders(f"no answer on {subject} within {timeout:.1f}s") from None
         finally:
             await inbox.unsubscribe()
 
@@ -187,11 +186,10 @@ Accept = Callable[[control_pb2.DecodeTask, bytes, str], Awaitable[kv_transfer_pb
 
 class InProcKVPusher:
     """Prefill's ``KVPusher`` over direct calls: ``register(address, decode.accept)`` stands
-    for a decode instance serving ``KVTransfer.Push`` at ``address``. ``failed``: what
-    ``push`` raises when there is no such instance or it refuses the KV."""
+    for a decode instance serving ``KVTransfer.Push`` at ``address``; ``push`` raises
+    :class:`PushRefused` when there is no such instance or it refuses the KV."""
 
-    def __init__(self, failed: Callable[[str], Exception] = PushRefused) -> None:
-        self.failed = failed
+    def __init__(self) -> None:
         self._targets: dict[str, Accept] = {}
         self.pushed = 0  # frames delivered (accepted or not)
 
@@ -204,11 +202,11 @@ class InProcKVPusher:
     async def push(self, address: str, task: control_pb2.DecodeTask, frame: bytes) -> None:
         accept = self._targets.get(address)
         if accept is None:
-            raise self.failed(f"KV push to decode {address} failed: UNAVAILABLE: no such instance")
+            raise PushRefused(f"KV push to decode {address} failed: UNAVAILABLE: no such instance")
         self.pushed += 1
         reply = await accept(task, bytes(frame), task.traceparent)
         if not reply.accepted:
-            raise self.failed(f"decode {address} refused the KV: {reply.error}")
+            raise PushRefused(f"decode {address} refused the KV: {reply.error}")
 
     async def close(self) -> None:
         self._targets.clear()

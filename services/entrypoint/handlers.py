@@ -118,7 +118,7 @@ class Subscription(Protocol):
 
 class Bus(Protocol):
     async def request(self, subject: str, data: bytes, timeout: float) -> bytes:
-        """The reply's payload; raises BusUnavailable if none comes."""
+        """The reply's payload; raises :class:`Unavailable` (or a subclass) if none comes."""
 
     async def publish(self, subject: str, data: bytes) -> None: ...
 
@@ -449,7 +449,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             reply = await self.bus.request(
                 subjects.ROUTE, req.SerializeToString(), self.config.route_timeout
             )
-        except BusUnavailable as exc:
+        except Unavailable as exc:
             raise Unavailable(f"no balancer answered ({exc}); retry in a few seconds") from None
         try:
             decision = cast(control_pb2.RouteDecision, control_pb2.RouteDecision.FromString(reply))

@@ -66,7 +66,8 @@ class KVPusher(Protocol):
     async def push(self, address: str, task: control_pb2.DecodeTask, frame: bytes) -> None:
         """Deliver ``task`` and its KV ``frame`` to the decode instance at ``address``.
 
-        Raises :class:`PushFailed` with a message a person can act on.
+        Raises :class:`InstanceFailed` (here :class:`PushFailed`) with a message a person can
+        act on.
         """
 
 
@@ -240,7 +241,7 @@ class PrefillHandler:
             with self.tracer.start_as_current_span("prefill.push_kv") as span:
                 span.set_attribute("deepserve.kv_bytes", len(frame))
                 await self.pusher.push(task.decode_address, decode_task, frame)
-        except PushFailed as exc:
+        except InstanceFailed as exc:
             ERRORS.labels("push").inc()
             REQUESTS.labels("push_failed").inc()
             log.warning("request %s: %s", rid, exc)

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from libs.common import subjects
+from libs.common.errors import InstanceFailed, Unavailable
 from libs.common.grpc_errors import from_status
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig
@@ -28,8 +29,8 @@ from libs.serving.runtime import publish_status
 from libs.transport.inproc import InProcBus, InProcKVPusher, Msg
 from services.balancer.handlers import BalancerHandlers
 from services.decode.handlers import DecodeHandler
-from services.entrypoint.handlers import BusUnavailable, EntrypointHandlers, HandlerConfig
-from services.prefill.handlers import PrefillHandler, PushFailed
+from services.entrypoint.handlers import EntrypointHandlers, HandlerConfig
+from services.prefill.handlers import PrefillHandler
 from services.recipe.encoding import PromptEncoder
 from services.recipe.handlers import AppConfig, Metrics, build_app
 
@@ -128,8 +129,8 @@ def encoder() -> PromptEncoder:
 async def pipeline(
     tiny_loaded: Any, encoder: PromptEncoder
 ) -> AsyncIterator[tuple[Any, EntrypointBackend]]:
-    bus = InProcBus(unavailable=BusUnavailable)
-    pusher = InProcKVPusher(failed=PushFailed)
+    bus = InProcBus()
+    pusher = InProcKVPusher()
     ploop, dloop = (
         EngineLoop(make_engine(tiny_loaded), name="p"),
         EngineLoop(make_engine(tiny_loaded), name="d"),
@@ -283,19 +284,19 @@ async def test_bus_wildcards_queue_groups_and_request_reply() -> None:
     assert [m.data for m in one_token.take_pending()] == [b"1", b"2"]
     for sub in group:
         await sub.unsubscribe()
-    with pytest.raises(BusUnavailable):
-        await InProcBus(unavailable=BusUnavailable).request("ds.balancer.route", b"3", 0.1)
+    with pytest.raises(Unavailable):
+        await InProcBus().request("ds.balancer.route", b"3", 0.1)
 
 
 async def test_kv_push_to_an_unknown_or_refusing_decode_fails() -> None:
-    pusher = InProcKVPusher(failed=PushFailed)
+    pusher = InProcKVPusher()
     task = control_pb2.DecodeTask(request_id="r")
-    with pytest.raises(PushFailed, match="no such instance"):
+    with pytest.raises(InstanceFailed, match="no such instance"):
         await pusher.push("inproc:nowhere", task, b"kv")
 
     async def refuse(task: control_pb2.DecodeTask, frame: bytes, tp: str) -> Any:
         return kv_transfer_pb2.KVPushReply(accepted=False, error="draining")
 
     pusher.register("inproc:d", refuse)
-    with pytest.raises(PushFailed, match="draining"):
+    with pytest.raises(InstanceFailed, match="draining"):
         await pusher.push("inproc:d", task, b"kv")

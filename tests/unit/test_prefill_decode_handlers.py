@@ -15,7 +15,7 @@ from libs.proto.deepserve.v1 import control_pb2
 from libs.serving.engine_loop import EngineLoop
 from libs.transport.inproc import InProcBus, InProcKVPusher, InProcSubscription, Msg
 from services.decode.handlers import DecodeHandler
-from services.prefill.handlers import Block, PrefillHandler, PushFailed
+from services.prefill.handlers import Block, PrefillHandler
 
 BS = 16
 
@@ -109,7 +109,7 @@ async def stack(tiny_loaded):
         address="inproc:0",
         block_size=BS,
     )
-    pusher = InProcKVPusher(failed=PushFailed)  # KVTransfer.Push to decode.accept
+    pusher = InProcKVPusher()  # KVTransfer.Push to decode.accept
     pusher.register("inproc:0", decode.accept)
     kv = MemoryKVStore()
     prefill = PrefillHandler(

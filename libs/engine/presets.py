@@ -2,13 +2,23 @@
 
 * ``tiny``: a few small layers over the bundled DeepSeek tokenizer's 129,280-token
   vocabulary -- CPU tests and ``make up``.
-* ``v2-lite``: DeepSeek-V2-Lite's shapes (27 layers, 64 experts top-6, no q-LoRA).
+* ``v2-lite``: DeepSeek-V2-Lite's shapes (27 layers, 64 experts top-6, no q-LoRA) over the
+  bundled DeepSeek tokenizer's vocabulary (129,280 ids; BOS 0, EOS 1) instead of V2-Lite's own
+  102,400: random weights have no tokenizer of their own, so the preset takes the one we ship,
+  which the recipe renders with deepseek-recipe's encoding (V2-Lite's 102,400-row embedding
+  could not hold the bundled tokenizer's ids). The real V2-Lite is served from its checkpoint
+  directory, with the tokenizer and chat template that come with it. The larger embedding and
+  head add 2 x 2048 x 26,880 = 0.11B parameters to V2-Lite's 15.7B.
 * ``v3-slice``: DeepSeek-V3's widths (7168 hidden, 128 heads, 256 experts top-8, group-limited
   sigmoid routing) over 1 dense + 3 MoE layers.
 
 Weights come from a counter-based hash of (seed, parameter name, element index) computed
 with integer tensor ops, so the same seed gives bit-identical weights on CPU and GPU, and a
 GPU fills a 70 GB preset in seconds without a host round trip.
+
+Each preset names the tokenizer it is served with in ``libs/engine/tokenizer.py:
+PRESET_TOKENIZERS`` (torch-free, for the recipe and the supervisor); a unit test holds the two
+tables equal.
 """
 
 from __future__ import annotations
@@ -69,7 +79,7 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     "v2-lite": ModelConfig(
         model_type="deepseek_v2",
-        vocab_size=102400,
+        vocab_size=129280,  # the bundled tokenizer's (V2-Lite's own: 102400), see above
         hidden_size=2048,
         intermediate_size=10944,
         moe_intermediate_size=1408,
@@ -92,8 +102,8 @@ PRESETS: dict[str, ModelConfig] = {
         routed_scaling_factor=1.0,
         max_position_embeddings=163840,
         rope=_V2_YARN,
-        bos_token_id=100000,
-        eos_token_ids=(100001,),
+        bos_token_id=0,  # the bundled tokenizer's <｜begin▁of▁sentence｜> (V2-Lite's: 100000)
+        eos_token_ids=(1,),  # and <｜end▁of▁sentence｜> (V2-Lite's: 100001)
     ),
     "v3-slice": ModelConfig(
         model_type="deepseek_v3",

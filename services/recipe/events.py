@@ -1,13 +1,15 @@
 """Backend events -> deepseek-recipe chunks -> protocol output, and backend errors -> HTTP errors.
 
-No I/O. The library's sharp edges are handled here: the EOS id is taken out of the token
+No I/O. The library's sharp edges are handled here: the EOS ids are taken out of the token
 stream (it would reach the ``StreamProcessor`` as text) and the backend's finish reason sent
 instead; every output chunk is serialized *before* ``accumulate`` consumes it.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +44,13 @@ _UPSTREAM = (502, "server_error", "upstream_error")  # Internal, and anything el
 
 
 def api_error(exc: DeepserveError, retry_after: int) -> APIError:
-    """A backend failure as the HTTP error a client can act on (the recipe's one mapping)."""
+    """A backend failure as the HTTP error a client can act on (the recipe's one mapping).
+
+    ``retry_after`` (seconds) is the default hint; an :class:`Overloaded` that carries the
+    backend's own hint (from its measured drain rate) gives that instead, rounded up.
+    """
+    if isinstance(exc, Overloaded) and exc.retry_after_ms > 0:
+        retry_after = max(1, math.ceil(exc.retry_after_ms / 1000))
     found = (_STATUS_OF.get(k) for k in type(exc).__mro__)
     status, type_, code = next((v for v in found if v is not None), _UPSTREAM)
     message = str(exc)
@@ -57,8 +65,10 @@ def api_error(exc: DeepserveError, retry_after: int) -> APIError:
     )
 
 
-def inference_chunks(ev: generate_pb2.GenerateEvent, eos: int) -> list[dr.InferenceChunk]:
-    """A Generate event as the library's input. The EOS id never reaches the processor as text."""
+def inference_chunks(
+    ev: generate_pb2.GenerateEvent, eos: Collection[int]
+) -> list[dr.InferenceChunk]:
+    """A Generate event as the library's input. An EOS id never reaches the processor as text."""
     kind = ev.WhichOneof("event")
     if kind == "ready":
         return [
@@ -70,7 +80,7 @@ def inference_chunks(ev: generate_pb2.GenerateEvent, eos: int) -> list[dr.Infere
             )
         ]
     if kind == "tokens":
-        ids = [int(t) for t in ev.tokens.token_ids if t != eos]
+        ids = [int(t) for t in ev.tokens.token_ids if t not in eos]
         return [dr.InferenceChunk.tokens(ids)] if ids else []
     if kind == "finish":
         if ev.finish.reason == "abort":
@@ -100,7 +110,9 @@ class Job:
     completion_tokens: int = 0
     finished: bool = False
 
-    def push(self, ev: generate_pb2.GenerateEvent, eos: int) -> list[tuple[str | None, str]]:
+    def push(
+        self, ev: generate_pb2.GenerateEvent, eos: Collection[int]
+    ) -> list[tuple[str | None, str]]:
         """Feed one event; the (SSE event name, JSON) of every output chunk, serialized before
         ``accumulate`` consumes it."""
         kind = ev.WhichOneof("event")

@@ -13,7 +13,10 @@ the first byte) or :meth:`Frontend._stream` (an error event mid-stream), both th
 (before the first token, while collecting a non-streamed answer, or mid-stream).
 
 Backend events become library chunks and protocol output in ``events.py`` (where the
-library's sharp edges are handled).
+library's sharp edges are handled). Prompts are rendered and outputs parsed by the
+:class:`~.encoding.Encoder` the served model calls for: deepseek-recipe's V4 encoding, or a
+checkpoint's own chat template (``chat_template.py``), which refuses with a 400 what it cannot
+render.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from libs.proto.deepserve.v1 import common_pb2, generate_pb2
 from .api import CHAT, MESSAGES, RESPONSES, APIError, Protocol, conversion_error, invalid
 from .auth import KeyTable
 from .backend import GenerateBackend, GenerateCall
-from .encoding import PromptEncoder
+from .encoding import Encoder
 from .events import Job, api_error
 
 log = logging.getLogger("recipe")
@@ -153,7 +156,7 @@ class _CancellingStream(StreamingResponse):
 
 class Frontend:
     def __init__(
-        self, cfg: AppConfig, encoder: PromptEncoder, backend: GenerateBackend, metrics: Metrics
+        self, cfg: AppConfig, encoder: Encoder, backend: GenerateBackend, metrics: Metrics
     ) -> None:
         self.cfg, self.encoder, self.backend, self.metrics = cfg, encoder, backend, metrics
         self.tracer = tracer("recipe")
@@ -311,7 +314,7 @@ class Frontend:
             model,
             tenant,
             conv,
-            dr.StreamProcessor(gen, conv.parsing_options, self.encoder.tokenizer),
+            dr.StreamProcessor(gen, self.encoder.parsing_options(conv), self.encoder.tokenizer),
         )
         span = self.tracer.start_span(
             f"recipe.{proto.name}", context=extract_context(request.headers.get("traceparent", ""))
@@ -347,7 +350,7 @@ class Frontend:
 
     def _push(self, job: Job, ev: generate_pb2.GenerateEvent) -> list[tuple[str | None, str]]:
         try:
-            return job.push(ev, self.encoder.eos)
+            return job.push(ev, self.encoder.eos_ids)
         except RuntimeError as exc:  # the processor could not decode the backend's ids
             raise APIError(
                 502,
@@ -441,7 +444,7 @@ class Frontend:
 
 
 def build_app(
-    cfg: AppConfig, encoder: PromptEncoder, backend: GenerateBackend, metrics: Metrics | None = None
+    cfg: AppConfig, encoder: Encoder, backend: GenerateBackend, metrics: Metrics | None = None
 ) -> Starlette:
     metrics = metrics or Metrics(CollectorRegistry())
     front = Frontend(cfg, encoder, backend, metrics)

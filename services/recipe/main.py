@@ -4,6 +4,10 @@ Serves OpenAI Chat Completions / Responses and Anthropic Messages, ``/healthz`` 
 ``/metrics`` on ``--port`` (``--http-port`` is not
 used: the ops routes share the API port). Ready (``/healthz`` 200) while the entrypoint answers.
 
+``--model`` (what the engines serve) decides the tokenizer and chat encoding; a tokenizer that
+can emit ids beyond the model's vocabulary is refused before any port opens: one line in the
+log, exit code 2 (as a bad flag), rather than a 502 on every request.
+
 Wiring only: flags in ``config.py``, the API in ``handlers.py``. uvicorn runs as a task inside
 the shared lifecycle (``libs/common/service.py``): the stop event, not uvicorn, hears SIGTERM,
 and the exit stack stops uvicorn (open requests finish within ``--drain-seconds``), then closes
@@ -23,7 +27,7 @@ from libs.common.service import ServiceContext, run_service
 
 from .backend import GrpcGenerateBackend
 from .config import SERVICE, RecipeConfig, build_parser, config_from
-from .encoding import PromptEncoder
+from .encoding import load_encoder
 from .handlers import Metrics, build_app
 
 
@@ -57,7 +61,14 @@ async def _stop_uvicorn(
 
 async def serve(cfg: RecipeConfig, ctx: ServiceContext) -> int:
     svc, log = cfg.service, ctx.log
-    encoder = await asyncio.to_thread(PromptEncoder, [cfg.app.model_name], cfg.default_thinking)
+    try:
+        served, encoder = await asyncio.to_thread(
+            load_encoder, cfg.model, [cfg.app.model_name], cfg.default_thinking
+        )
+    except ValueError as exc:  # the model and its tokenizer disagree: a config error
+        log.error("cannot serve: %s", exc)
+        return 2
+    log.info("model %s: tokenizer %s", cfg.model, served.describe)
     backend = GrpcGenerateBackend(cfg.entrypoint_address)
     ctx.stack.push_async_callback(backend.close)
     app = build_app(cfg.app, encoder, backend, Metrics())

@@ -63,7 +63,11 @@ def _billions(cfg: ModelConfig, with_mtp: bool = False) -> float:
 @pytest.mark.parametrize(
     "name,cfg,billions",
     [
-        ("v2-lite", PRESETS["v2-lite"], 15.7),  # DeepSeek-V2-Lite: 15.7B parameters
+        # DeepSeek-V2-Lite: 15.7B parameters with its own 102,400-token vocabulary...
+        ("v2-lite", PRESETS["v2-lite"].replace(vocab_size=102400), 15.7),
+        # ...and the preset, over the bundled tokenizer's 129,280 ids: the embedding and the
+        # head grow by 2 x 2048 x 26,880 = 0.110B.
+        ("v2-lite", PRESETS["v2-lite"], 15.7 + 2 * 2048 * (129280 - 102400) / 1e9),
         (
             "v3-full",
             PRESETS["v3-slice"].replace(num_hidden_layers=61, first_k_dense_replace=3),
@@ -90,6 +94,26 @@ def test_tiny_preset_uses_the_bundled_tokenizer_vocabulary() -> None:
     from libs.engine.tokenizer import load_tokenizer
 
     assert load_tokenizer().get_vocab_size() == PRESETS["tiny"].vocab_size == 129280
+
+
+def test_the_torch_free_tokenizer_table_agrees_with_the_presets_and_the_fake_engine() -> None:
+    """The recipe and the supervisor read PRESET_TOKENIZERS (no torch); the engines PRESETS."""
+    from libs.engine.tokenizer import PRESET_TOKENIZERS, load_tokenizer
+    from libs.serving.fake_engine import FAKE_CONFIG, FAKE_MODEL
+
+    configs = {**PRESETS, FAKE_MODEL: FAKE_CONFIG}
+    assert set(PRESET_TOKENIZERS) == set(configs)
+    bundled = load_tokenizer()
+    for name, cfg in configs.items():
+        t = PRESET_TOKENIZERS[name]
+        assert (t.vocab_size, t.bos_token_id, t.eos_token_ids) == (
+            cfg.vocab_size,
+            cfg.bos_token_id,
+            cfg.eos_token_ids,
+        ), name
+        # every preset is served with the bundled tokenizer: its BOS and EOS are the model's
+        assert bundled.id_to_token(cfg.eos_token_ids[0]) == "<｜end▁of▁sentence｜>", name
+        assert bundled.id_to_token(cfg.bos_token_id or 0) == "<｜begin▁of▁sentence｜>", name
 
 
 def test_config_from_original_deepseek_v3_json() -> None:

@@ -18,6 +18,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from starlette.testclient import TestClient
 
+from libs.common.errors import Overloaded
 from libs.common.grpc_errors import from_status
 from libs.proto.deepserve.v1 import common_pb2
 from services.recipe.auth import KeyTable, parse_keys
@@ -438,6 +439,13 @@ def test_backend_errors_map_to_http(
             assert int(r.headers["retry-after"]) >= 1
         else:
             assert "retry-after" not in r.headers
+
+
+def test_429_carries_the_backends_own_retry_hint(client: TestClient, backend: FakeBackend) -> None:
+    """The entrypoint's hint (from its measured drain rate) reaches the client, rounded up."""
+    backend.fail_at_start = Overloaded("busy", retry_after_ms=2300)
+    r = client.post("/v1/chat/completions", json=chat(stream=False))
+    assert r.status_code == 429 and r.headers["retry-after"] == "3"
 
 
 def test_sdk_sees_429_and_503(

@@ -60,31 +60,52 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flag(
         parser,
+        "--capacity-admission",
+        type=bool,
+        default=True,
+        help="admit a request only when a prefill instance can queue its uncached tokens and "
+        "a decode instance has KV blocks for prompt + max_tokens (from heartbeats); "
+        "--no-capacity-admission: --max-inflight alone",
+    )
+    flag(
+        parser,
+        "--prefill-queue-tokens",
+        type=int,
+        default=65536,
+        help="prompt tokens a prefill instance may have queued, counting a new request's "
+        "uncached ones (an idle instance takes any prompt; 0: no limit). 65536 = two 32K "
+        "prefill steps, about 1 s of v2-lite on an H200",
+    )
+    flag(
+        parser,
         "--max-inflight",
         type=int,
         default=256,
-        help="requests served at once (0: no limit); more wait, then get RESOURCE_EXHAUSTED",
+        help="requests served at once, a cap on top of capacity (0: no cap); more wait, then "
+        "get RESOURCE_EXHAUSTED",
     )
     flag(
         parser,
         "--max-waiting",
         type=int,
         default=256,
-        help="requests that may wait for a slot; past that RESOURCE_EXHAUSTED at once",
+        help="requests that may wait for capacity; past that RESOURCE_EXHAUSTED at once",
     )
     flag(
         parser,
         "--admit-wait",
         type=float,
-        default=1.0,
-        help="seconds a request waits for a slot before RESOURCE_EXHAUSTED",
+        default=10.0,
+        help="seconds a request waits for capacity before RESOURCE_EXHAUSTED (a burst of "
+        "long prompts drains at the prefill rate: ~10 s is 600K tokens of v2-lite on an H200)",
     )
     flag(
         parser,
         "--retry-after-ms",
         type=int,
         default=500,
-        help="retry hint sent with RESOURCE_EXHAUSTED (trailing metadata retry-after-ms)",
+        help="retry hint sent with RESOURCE_EXHAUSTED (trailing metadata retry-after-ms) until "
+        "a drain rate has been measured; then it is derived from the rate",
     )
     flag(
         parser,
@@ -121,6 +142,8 @@ def config_from(args: argparse.Namespace) -> EntrypointConfig:
             max_waiting=args.max_waiting,
             admit_wait=args.admit_wait,
             retry_after_ms=args.retry_after_ms,
+            capacity_admission=args.capacity_admission,
+            prefill_queue_tokens=args.prefill_queue_tokens,
             max_attempts=args.max_attempts,
             instance_dead_after=args.instance_dead_after,
         ),

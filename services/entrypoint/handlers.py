@@ -34,7 +34,8 @@ from libs.common.errors import (
 )
 from libs.common.hashchain import chain_hashes
 from libs.common.telemetry import extract_context, inject_traceparent, tracer
-from libs.gateway.admission import Admission
+from libs.gateway.admission import Admission, Grant
+from libs.gateway.capacity import Capacity, CapacityConfig, Need
 from libs.gateway.policy import (
     Chunk,
     Finish,
@@ -64,6 +65,8 @@ from libs.proto.deepserve.v1 import (
     generate_pb2_grpc,
 )
 
+from .admission import AdmissionMetrics, load_from_status
+
 log = logging.getLogger("entrypoint")
 TRACER = tracer("entrypoint")
 
@@ -87,7 +90,12 @@ RETRIES = Counter(
 )
 REJECTED = Counter(
     "deepserve_entrypoint_rejected_total",
-    "requests refused with RESOURCE_EXHAUSTED (over --max-inflight)",
+    "requests refused with RESOURCE_EXHAUSTED (no capacity within --admit-wait, or queue full)",
+)
+RETRY_AFTER = Histogram(
+    "deepserve_entrypoint_retry_after_seconds",
+    "retry hints sent with RESOURCE_EXHAUSTED (from the measured drain rates)",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
 )
 LOOKUP_ERRORS = Counter(
     "deepserve_entrypoint_kvstore_lookup_errors_total",
@@ -136,13 +144,21 @@ class HandlerConfig:
     limits: Limits = field(default_factory=Limits)
     route_timeout: float = 2.0
     request_timeout: float = 60.0  # longest silence between two token events
-    # Backpressure: at most max_inflight requests run (0 = no limit); up to max_waiting more
-    # wait up to admit_wait seconds for a slot; the rest get RESOURCE_EXHAUSTED at once with
-    # a retry hint of retry_after_ms (gRPC trailing metadata "retry-after-ms").
+    # Admission (libs/gateway/admission.py): a request starts when fewer than max_inflight
+    # run (0 = no cap) and, with capacity_admission, some prefill instance can queue its
+    # uncached tokens within prefill_queue_tokens (0 = no limit) and some decode instance has
+    # KV blocks for prompt + max_tokens, as heartbeats (fed to on_status) and this
+    # entrypoint's own reservations say. Otherwise up to max_waiting requests wait up to
+    # admit_wait seconds; the rest get RESOURCE_EXHAUSTED at once with a retry hint from the
+    # measured drain rates (retry_after_ms until one is measured; gRPC trailing metadata
+    # "retry-after-ms"). Off by default here, so a handler with no heartbeat feed (tests,
+    # embedders) admits by max_inflight alone; the service turns it on (--capacity-admission).
     max_inflight: int = 256
     max_waiting: int = 256
     admit_wait: float = 1.0
     retry_after_ms: int = 500
+    capacity_admission: bool = False
+    prefill_queue_tokens: int = 65_536
     # Failures: attempts per request; an instance whose heartbeat (every 1 s) is silent longer
     # than instance_dead_after counts as dead, checked every liveness_poll seconds of silence,
     # so a kill -9 is noticed within instance_dead_after + liveness_poll (3.5 s by default).
@@ -151,7 +167,7 @@ class HandlerConfig:
     liveness_poll: float = 0.5
 
     def __post_init__(self) -> None:
-        for name in ("max_inflight", "max_waiting", "retry_after_ms"):
+        for name in ("max_inflight", "max_waiting", "retry_after_ms", "prefill_queue_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.admit_wait < 0:
@@ -211,6 +227,13 @@ def to_proto(out: Output, request_id: str) -> generate_pb2.GenerateEvent:
     return generate_pb2.GenerateEvent(finish=generate_pb2.Finish(reason=out.reason, usage=usage))
 
 
+@dataclass
+class _Admitted:
+    """The grant a call holds across its attempts (released once, when the call ends)."""
+
+    grant: Grant | None = None
+
+
 class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
     def __init__(
         self, config: HandlerConfig, bus: Bus, kv: PrefixLookup, liveness: Liveness | None = None
@@ -218,10 +241,38 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         self.config, self.bus, self.kv, self.liveness = config, bus, kv, liveness
         self.draining = False
         self._active: set[str] = set()
+        self.capacity = (
+            Capacity(
+                CapacityConfig(
+                    block_size=config.limits.block_size,
+                    prefill_queue_tokens=config.prefill_queue_tokens,
+                    dead_after=config.instance_dead_after,
+                )
+            )
+            if config.capacity_admission
+            else None
+        )
         self.admission = Admission(
-            config.max_inflight, config.max_waiting, config.admit_wait, config.retry_after_ms
+            config.max_inflight,
+            config.max_waiting,
+            config.admit_wait,
+            config.retry_after_ms,
+            capacity=self.capacity,
+            observer=AdmissionMetrics(),
         )
         self._background: set[asyncio.Task[None]] = set()
+
+    def on_status(self, status: control_pb2.InstanceStatus) -> None:
+        """A heartbeat (``ds.heartbeat.*``): refresh capacity, admit waiting requests it fits."""
+        if self.capacity is None:
+            return
+        try:
+            load = load_from_status(status)
+        except ValueError as exc:
+            log.debug("ignoring a heartbeat: %s", exc)
+            return
+        self.capacity.observe(load)
+        self.admission.wake()
 
     @property
     def inflight(self) -> int:
@@ -236,14 +287,16 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         try:
             valid, rid = self._admit(request)
             try:
-                async with self.admission.slot():
-                    metadata = dict(context.invocation_metadata() or ())
-                    parent = extract_context(str(metadata.get("traceparent", "")))
-                    async with contextlib.aclosing(
-                        self._generate(valid, rid, parent, started)
-                    ) as events:
-                        async for event in events:
-                            yield event
+                self.admission.refuse_if_full(
+                    self._need(valid.prompt_token_ids, 0, valid.sampling.max_tokens), valid.model
+                )
+                metadata = dict(context.invocation_metadata() or ())
+                parent = extract_context(str(metadata.get("traceparent", "")))
+                async with contextlib.aclosing(
+                    self._generate(valid, rid, parent, started)
+                ) as events:
+                    async for event in events:
+                        yield event
             finally:
                 self._active.discard(rid)
             outcome = "ok"
@@ -251,6 +304,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             outcome = outcome_of(exc)
             if isinstance(exc, Overloaded):
                 REJECTED.inc()
+                RETRY_AFTER.observe(exc.retry_after_ms / 1000)
             log.info("request failed (%s): %s", grpc_errors.status_code(exc).name, exc)
             await grpc_errors.abort(context, exc)
         except Exception:
@@ -285,11 +339,12 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         )
         progress = Progress(valid.prompt_token_ids, valid.sampling.max_tokens)
         exact = exact_continuation(valid.sampling.temperature, valid.sampling.seed)
+        admitted = _Admitted()
         try:
             for attempt in itertools.count(1):
                 try:
                     async with contextlib.aclosing(
-                        self._attempt(valid, rid, span, progress, started)
+                        self._attempt(valid, rid, span, progress, started, admitted)
                     ) as outputs:
                         async for out in outputs:
                             yield to_proto(out, rid)
@@ -320,6 +375,8 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                         ", ".join(progress.excluded) or "none",
                     )
         finally:
+            if admitted.grant is not None:
+                self.admission.release(admitted.grant)
             span.end()
 
     @staticmethod
@@ -332,8 +389,27 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             why = f"after {attempt} attempt{'s' if attempt > 1 else ''}"
         return f"request {rid} failed: {exc} ({why}); retry"
 
+    def _need(self, prompt: tuple[int, ...], cached_blocks: int, max_tokens: int) -> Need:
+        cached = min(cached_blocks * self.config.limits.block_size, len(prompt))
+        return Need(len(prompt), len(prompt) - cached, max_tokens)
+
+    async def _admit_attempt(self, admitted: _Admitted, need: Need) -> Grant:
+        """The first attempt waits its turn (or is refused); a retry is already admitted and
+        only moves its reservation to its new prompt."""
+        if admitted.grant is None:
+            admitted.grant = await self.admission.acquire(need, self.config.limits.model_name)
+        else:
+            self.admission.rebook(admitted.grant, need, self.config.limits.model_name)
+        return admitted.grant
+
     async def _attempt(
-        self, valid: ValidRequest, rid: str, span: Any, progress: Progress, started: float
+        self,
+        valid: ValidRequest,
+        rid: str,
+        span: Any,
+        progress: Progress,
+        started: float,
+        admitted: _Admitted,
     ) -> AsyncGenerator[Output, None]:
         """One attempt on one prefill + decode pair; raises AttemptFailed if an instance fails."""
         sub: Subscription | None = None
@@ -341,12 +417,16 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         abort_reason = "cancelled"  # the client went away, or shutdown ran out of grace
         wire = attempt_id(rid)
         prompt = progress.attempt_prompt
+        generated = 0  # tokens of this attempt seen so far
         try:
             hashes = await self._hashes(prompt, valid.tenant)
             cached_blocks = await self._lookup(wire, hashes)
+            need = self._need(prompt, cached_blocks, progress.remaining)
+            grant = await self._admit_attempt(admitted, need)
             decision = await self._route(
-                valid, wire, len(prompt), hashes, cached_blocks, progress.excluded
+                valid, wire, len(prompt), hashes, cached_blocks, progress.excluded, grant.avoid
             )
+            self.admission.bind(grant, decision.prefill_instance, decision.decode_instance)
             span.add_event(
                 "attempt",
                 {
@@ -392,6 +472,8 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                 except ReorderOverflow as exc:
                     abort_reason = "error"
                     raise Internal(f"request {rid}: {exc}") from None
+                generated += len(chunk.token_ids)
+                self.admission.saw(grant, chunk.index, generated)
                 for out in outputs:
                     shown = progress.translate(out)
                     if shown is None:
@@ -436,15 +518,30 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         hashes: list[bytes],
         cached_blocks: int,
         exclude: list[str],
+        avoid: tuple[str, ...] = (),
     ) -> control_pb2.RouteDecision:
+        """Ask a balancer; ``avoid`` (instances admission found full) is excluded too, unless
+        the balancer then finds nothing (its view of the instances may differ from ours)."""
         req = control_pb2.RouteRequest(
             request_id=rid,
             model=valid.model,
             prompt_tokens=prompt_tokens,
             cached_blocks=cached_blocks,
             block_hashes=hashes[:MAX_ROUTE_HASHES],
-            exclude=exclude,
+            exclude=[*exclude, *(i for i in avoid if i not in exclude)],
         )
+        decision = await self._ask_balancer(req)
+        if (decision.error or not decision.prefill_instance) and len(req.exclude) > len(exclude):
+            del req.exclude[:]
+            req.exclude.extend(exclude)
+            decision = await self._ask_balancer(req)
+        if decision.error or not decision.prefill_instance:
+            raise Unavailable(
+                f"no instance can take the request: {decision.error or 'empty decision'}"
+            )
+        return decision
+
+    async def _ask_balancer(self, req: control_pb2.RouteRequest) -> control_pb2.RouteDecision:
         try:
             reply = await self.bus.request(
                 subjects.ROUTE, req.SerializeToString(), self.config.route_timeout
@@ -455,10 +552,6 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             decision = cast(control_pb2.RouteDecision, control_pb2.RouteDecision.FromString(reply))
         except DecodeError:
             raise Internal("the balancer sent an unreadable reply") from None
-        if decision.error or not decision.prefill_instance:
-            raise Unavailable(
-                f"no instance can take the request: {decision.error or 'empty decision'}"
-            )
         return decision
 
     async def _next_chunk(self, sub: Subscription, rid: str, watch: Watch) -> Chunk:

@@ -68,8 +68,8 @@ async def serve(config: EntrypointConfig, ctx: ServiceContext) -> int:
         return 0
     state.nc = nc
     liveness = HeartbeatWatch()
-    await liveness.start(nc)
     handlers = EntrypointHandlers(config.handler, NatsBus(nc), kv, liveness)
+    await liveness.start(nc, on_status=handlers.on_status)  # before the gRPC server opens
 
     server = grpc.aio.server()
     generate_pb2_grpc.add_GenerateServicer_to_server(handlers, server)  # type: ignore[no-untyped-call]

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 import nats.errors
+from google.protobuf.message import DecodeError
 from nats.aio.client import Client
 from nats.aio.subscription import Subscription as NatsSub
 
 from libs.common import subjects
-from libs.proto.deepserve.v1 import kvstore_pb2, kvstore_pb2_grpc
+from libs.proto.deepserve.v1 import control_pb2, kvstore_pb2, kvstore_pb2_grpc
 
 from .handlers import BusUnavailable, LookupFailed
 
@@ -72,16 +74,26 @@ class NatsBus:
 
 class HeartbeatWatch:
     """When each instance last heartbeated (``ds.heartbeat.<role>.<instance>``), for
-    :class:`~libs.gateway.retry.Watch`: the subject names the instance, so payloads
-    are not even parsed."""
+    :class:`~libs.gateway.retry.Watch` (the subject names the instance), and each heartbeat's
+    figures for ``on_status`` (admission), if given."""
 
     def __init__(self) -> None:
         self._seen: dict[str, float] = {}
         self._sub: NatsSub | None = None
 
-    async def start(self, nc: Client) -> None:
+    async def start(
+        self, nc: Client, on_status: Callable[[control_pb2.InstanceStatus], None] | None = None
+    ) -> None:
         async def on_beat(msg: Any) -> None:
             self._seen[msg.subject.rsplit(".", 1)[-1]] = time.monotonic()
+            if on_status is None:
+                return
+            try:
+                status = control_pb2.InstanceStatus.FromString(msg.data)
+            except DecodeError:
+                log.warning("unreadable heartbeat on %s ignored", msg.subject)
+                return
+            on_status(status)
 
         self._sub = await nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
 

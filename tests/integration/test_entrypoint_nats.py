@@ -9,7 +9,9 @@ without a model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -28,8 +30,10 @@ MODEL = "deepseek-tiny"
 HANG = 999  # a prompt starting with this token never finishes (decode goes quiet)
 
 
-@pytest.fixture
-def entrypoint(nats_url: str, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+@contextlib.contextmanager
+def run_entrypoint(
+    nats_url: str, tmp_path: Path, *extra: str
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     grpc_port = procs.free_port()
     with (
         service("balancer", ["--nats-url", nats_url, "--warmup-seconds", "0"], tmp_path),
@@ -44,6 +48,7 @@ def entrypoint(nats_url: str, tmp_path: Path) -> Iterator[tuple[subprocess.Popen
                 MODEL,
                 "--drain-seconds",
                 "2",
+                *extra,
             ],
             tmp_path,
         ) as proc,
@@ -51,11 +56,19 @@ def entrypoint(nats_url: str, tmp_path: Path) -> Iterator[tuple[subprocess.Popen
         yield proc, f"127.0.0.1:{grpc_port}"
 
 
-class Instances:
-    """Scripted prefill p1 and decode d1; records the tasks and aborts they see."""
+@pytest.fixture
+def entrypoint(nats_url: str, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    with run_entrypoint(nats_url, tmp_path) as ep:
+        yield ep
 
-    def __init__(self, nc: nats.aio.client.Client) -> None:
+
+class Instances:
+    """Scripted prefill p1 and decode d1; records the tasks and aborts they see. With
+    ``decode_blocks`` d1 reports a KV cache of that many 128-token blocks, all free."""
+
+    def __init__(self, nc: nats.aio.client.Client, decode_blocks: int = 0) -> None:
         self.nc = nc
+        self.decode_blocks = decode_blocks
         self.tasks: list[control_pb2.PrefillTask] = []
         self.aborts: list[control_pb2.Abort] = []
 
@@ -94,17 +107,23 @@ class Instances:
                 ("p1", control_pb2.ROLE_PREFILL, "prefill"),
                 ("d1", control_pb2.ROLE_DECODE, "decode"),
             ):
+                blocks = self.decode_blocks if r == "decode" else 0
                 status = control_pb2.InstanceStatus(
-                    instance_id=name, role=role, model=MODEL, address="127.0.0.1:1"
+                    instance_id=name,
+                    role=role,
+                    model=MODEL,
+                    address="127.0.0.1:1",
+                    free_kv_blocks=blocks,
+                    total_kv_blocks=blocks,
                 )
                 await self.nc.publish(subjects.heartbeat(r, name), status.SerializeToString())
             await asyncio.sleep(0.5)
 
 
-@pytest.fixture
-async def instances(nats_url: str) -> AsyncIterator[Instances]:
+@contextlib.asynccontextmanager
+async def scripted(nats_url: str, decode_blocks: int = 0) -> AsyncIterator[Instances]:
     nc = await nats.connect(nats_url)
-    inst = Instances(nc)
+    inst = Instances(nc, decode_blocks)
     await nc.subscribe(subjects.prefill_task("p1"), cb=inst.on_task)
     await nc.subscribe(subjects.ABORT, cb=inst.on_abort)
     stop = asyncio.Event()
@@ -117,6 +136,12 @@ async def instances(nats_url: str) -> AsyncIterator[Instances]:
         beat.cancel()
         await asyncio.wait({beat}, timeout=5)
         await nc.close()
+
+
+@pytest.fixture
+async def instances(nats_url: str) -> AsyncIterator[Instances]:
+    async with scripted(nats_url) as inst:
+        yield inst
 
 
 def request(prompt: list[int], max_tokens: int, rid: str = "") -> generate_pb2.GenerateRequest:
@@ -168,3 +193,39 @@ async def test_generate_over_nats_and_grpc(
 
     proc.terminate()  # SIGTERM: drains and exits cleanly
     assert await asyncio.to_thread(proc.wait, 10) == 0
+
+
+async def test_a_burst_beyond_decode_kv_gets_resource_exhausted_quickly(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """d1 reports 8 KV blocks; each request needs 4 (2 prompt + 500 max tokens). Two run (and
+    hang: decode goes quiet), one more may wait --admit-wait, the rest are refused at once:
+    all with RESOURCE_EXHAUSTED and a retry hint within a second, not a 60 s timeout."""
+    extra = ("--admit-wait", "0.3", "--max-waiting", "1")
+    with run_entrypoint(nats_url, tmp_path, *extra) as (_, address):
+        async with (
+            scripted(nats_url, decode_blocks=8) as instances,
+            grpc.aio.insecure_channel(address) as channel,
+        ):
+            stub = generate_pb2_grpc.GenerateStub(channel)
+            running = [stub.Generate(request([HANG, i], 500), timeout=30) for i in range(2)]
+            for call in running:  # admitted: Ready, then the prefill's token
+                assert (await call.read()).WhichOneof("event") == "ready"
+            started = time.monotonic()
+
+            async def refused(i: int) -> tuple[grpc.StatusCode, str, dict[str, str]]:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in stub.Generate(request([HANG, 10 + i], 500), timeout=30):
+                        pass
+                trailing = {k: str(v) for k, v in err.value.trailing_metadata() or ()}
+                return err.value.code(), err.value.details() or "", trailing
+
+            results = await asyncio.gather(*(refused(i) for i in range(3)))
+            assert time.monotonic() - started < 2.0
+            for code, details, trailing in results:
+                assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+                assert "no decode instance has 4 free KV blocks" in details
+                assert int(trailing["retry-after-ms"]) > 0
+            assert len(instances.tasks) == 2  # the refused never reached an instance
+            for call in running:
+                call.cancel()

@@ -319,3 +319,117 @@ async def test_a_retry_under_the_same_request_id_is_a_new_attempt_upstream() -> 
     await collect(make(bus), req([1, 2, 3], request_id="same"))
     first, second = (t.request_id for t in bus.tasks())
     assert first != second and first.startswith("same-") and second.startswith("same-")
+
+
+# -- capacity-aware admission ------------------------------------------------------------------
+
+
+def beat(
+    h: EntrypointHandlers,
+    iid: str,
+    role: control_pb2.Role,
+    blocks: int,
+    free: int | None = None,
+) -> None:
+    h.on_status(
+        control_pb2.InstanceStatus(
+            instance_id=iid,
+            role=role,
+            model="tiny",
+            address="127.0.0.1:7001" if role == control_pb2.ROLE_DECODE else "",
+            free_kv_blocks=blocks if free is None else free,
+            total_kv_blocks=blocks,
+        )
+    )
+
+
+def with_capacity(bus: FakeBus, decode_blocks: int = 10, **cfg: Any) -> EntrypointHandlers:
+    """A handler fed heartbeats of p1 and d1 (d1 with ``decode_blocks`` KV blocks of 4 tokens)."""
+    h = make(bus, capacity_admission=True, **cfg)
+    beat(h, "p1", control_pb2.ROLE_PREFILL, 1000)
+    beat(h, "d1", control_pb2.ROLE_DECODE, decode_blocks)
+    return h
+
+
+async def test_a_burst_beyond_capacity_is_refused_quickly_with_a_retry_hint() -> None:
+    """The H200 run before this: requests waited silently in engine queues until the 60 s
+    token timeout. Now what does not fit waits at most admit_wait, then RESOURCE_EXHAUSTED."""
+    bus = FakeBus(lambda task: [])  # nothing ever finishes: the admitted hold their KV
+    h = with_capacity(bus, decode_blocks=10, admit_wait=0.2, max_waiting=2)
+    prompt = list(range(1, 11))  # 10 tokens + max_tokens 10 = 5 blocks: d1 holds two
+    calls = [(FakeContext(), req(prompt, max_tokens=10)) for _ in range(6)]
+    loop = asyncio.get_running_loop()
+    started, ended = loop.time(), []
+    tasks = [asyncio.ensure_future(collect_with(h, r, ctx)) for ctx, r in calls]
+    for t in tasks:
+        t.add_done_callback(lambda _: ended.append(loop.time()))
+    done, pending = await asyncio.wait(tasks, timeout=1.5)
+    assert len(done) == 4 and len(pending) == 2
+    assert max(ended) - started < 1.0  # two at once (queue full), two after admit_wait
+    assert len(bus.tasks()) == 2  # only the admitted ones reached an instance
+    for (ctx, _), t in zip(calls, tasks, strict=True):
+        if t in done:
+            err = t.exception()
+            assert isinstance(err, Aborted) and err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "no decode instance has 5 free KV blocks" in err.details
+            assert dict(ctx.trailing)["retry-after-ms"] == "500"  # no drain measured yet
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    assert h.admission.running == 0 and h.capacity is not None and h.capacity.tickets == 0
+
+
+async def collect_with(
+    h: EntrypointHandlers, r: generate_pb2.GenerateRequest, ctx: FakeContext
+) -> list[Any]:
+    return [ev async for ev in h.Generate(r, ctx)]
+
+
+async def test_a_waiting_request_starts_when_a_heartbeat_shows_room() -> None:
+    bus = FakeBus(lambda task: [])
+    h = with_capacity(bus, decode_blocks=5, admit_wait=5.0)
+    holder = asyncio.ensure_future(collect(h, req(list(range(1, 11)), max_tokens=10)))
+    waiter = asyncio.ensure_future(collect(h, req(list(range(1, 11)), max_tokens=10)))
+    await asyncio.sleep(0.05)
+    assert len(bus.tasks()) == 1 and not waiter.done()
+    bus.prefill = lambda task: greedy_events(task, [7, 8, 9])
+    beat(h, "d1", control_pb2.ROLE_DECODE, 10)  # the instance grew (or others finished)
+    events = await asyncio.wait_for(waiter, 2)
+    assert [t for e in events if e.WhichOneof("event") == "tokens" for t in e.tokens.token_ids] == [
+        7,
+        8,
+        9,
+    ]
+    holder.cancel()
+    await asyncio.gather(holder, return_exceptions=True)
+
+
+async def test_a_request_no_instance_could_hold_is_invalid_not_overloaded() -> None:
+    bus = FakeBus()
+    h = with_capacity(bus, decode_blocks=10)
+    with pytest.raises(Aborted) as info:
+        await collect(h, req([1, 2, 3], max_tokens=100))  # 103 tokens: 26 blocks of 4
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details.startswith("sampling.max_tokens: ")
+    assert "can never run here" in info.value.details and not bus.routes
+
+
+async def test_no_heartbeat_at_all_is_unavailable_after_the_startup_wait() -> None:
+    bus = FakeBus()
+    h = make(bus, capacity_admission=True, admit_wait=0.05, instance_dead_after=0.2)
+    with pytest.raises(Aborted) as info:
+        await asyncio.wait_for(collect(h, req([1, 2, 3])), 2)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "no live prefill instance" in info.value.details and not bus.routes
+
+
+async def test_the_route_avoids_instances_admission_found_full() -> None:
+    bus = FakeBus()
+    h = with_capacity(bus, decode_blocks=10)
+    beat(h, "d2", control_pb2.ROLE_DECODE, 10, free=2)
+    await collect(h, req([1, 2, 3], max_tokens=10))  # 4 blocks: only d1 has them
+    assert list(bus.routes[0].exclude) == ["d2"]
+    bus.decision = control_pb2.RouteDecision(error="no live decode instance (1 excluded)")
+    with pytest.raises(Aborted):
+        await collect(h, req([1, 2, 3], max_tokens=10))
+    assert [list(r.exclude) for r in bus.routes[1:]] == [["d2"], []]  # asked again without

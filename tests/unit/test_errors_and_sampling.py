@@ -229,7 +229,7 @@ def test_error_event_takes_retryable_from_the_kind(
         (InvalidArgument("bad"), 400),
         (Unauthenticated("who"), 401),
         (NotFound("gone"), 404),
-        (Overloaded("full", 100), 429),
+        (Overloaded("full", 0), 429),  # no hint of its own: the recipe's default
         (Internal("bug"), 502),
         (AlreadyExists("twice"), 502),
         (Unavailable("down"), 503),

@@ -1,0 +1,396 @@
+"""Capacity-aware admission: the pure capacity view (fake clock) and the bounded queue.
+
+A request is admitted only when a prefill instance can queue its uncached tokens and a decode
+instance has KV room for prompt + max_tokens, counting what this entrypoint sent since the
+instances' heartbeats; otherwise it waits, bounded, or is refused at once with a retry hint
+from the measured drain rates. Nothing is left to the 60 s token timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from libs.common.errors import InvalidArgument, Overloaded, Unavailable
+from libs.gateway.admission import MIN_RETRY_MS, Admission
+from libs.gateway.capacity import (
+    DECODE,
+    PREFILL,
+    Capacity,
+    CapacityConfig,
+    Load,
+    Need,
+    Rate,
+    blocks,
+)
+
+BS = 128
+MODEL = "m"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def prefill(iid: str = "p1", queued: int = 0, total: int = 4096, draining: bool = False) -> Load:
+    return Load(iid, PREFILL, MODEL, queued_tokens=queued, total_kv_blocks=total, draining=draining)
+
+
+def decode(
+    iid: str = "d1", free: int = 100, total: int = 100, address: str = "127.0.0.1:7001"
+) -> Load:
+    return Load(iid, DECODE, MODEL, address=address, free_kv_blocks=free, total_kv_blocks=total)
+
+
+def agent_turn(uncached: int = 4096) -> Need:
+    """~4K-token prompt, 96-token answer: 33 decode blocks of 128 tokens."""
+    return Need(4096, uncached, 96)
+
+
+def capacity(clock: Clock, queue: int = 65_536, *loads: Load) -> Capacity:
+    cap = Capacity(CapacityConfig(block_size=BS, prefill_queue_tokens=queue), clock)
+    for load in loads or (prefill(), decode()):
+        cap.observe(load)
+    return cap
+
+
+# -- the capacity view ------------------------------------------------------------------------
+
+
+def test_prefill_fits_within_its_queue_limit_and_an_idle_instance_takes_any_prompt() -> None:
+    clock = Clock()
+    cap = capacity(clock, 65_536, prefill(queued=60_000), decode(free=10_000, total=10_000))
+    assert cap.fit(Need(5000, 5000, 1)).ok  # 65,000 queued: within the limit
+    tight = cap.fit(Need(8000, 8000, 1))
+    assert not tight.ok and tight.full == ("p1",) and "prefill queues are full" in tight.short
+    assert cap.fit(Need(8000, 1000, 1)).ok  # only uncached tokens queue: the rest is cached
+    cap.observe(prefill(queued=0))
+    assert cap.fit(Need(100_000, 100_000, 1)).ok  # larger than the limit, but nothing queued
+
+
+def test_decode_needs_blocks_for_prompt_plus_max_tokens() -> None:
+    cap = capacity(Clock(), 0, prefill(), decode(free=100))
+    need = agent_turn()
+    assert need.decode_blocks(BS) == 33
+    tickets = [cap.reserve(need, cap.fit(need)) for _ in range(3)]  # 99 blocks reserved
+    assert all(t.decode == "d1" for t in tickets)
+    fit = cap.fit(need)
+    assert not fit.ok and "no decode instance has 33 free KV blocks (most: 1)" in fit.short
+    assert cap.fit(Need(100, 100, 28)).ok  # one block still fits
+    cap.release(tickets[0])
+    assert cap.fit(need).ok
+
+
+def test_reservations_count_until_heartbeats_surely_show_them() -> None:
+    """A burst between heartbeats must not overshoot: what was sent counts until the
+    instance's second heartbeat after it (the first may predate the task's arrival)."""
+    cap = capacity(Clock(), 10_000, prefill(queued=0), decode(free=1000, total=1000))
+    need = Need(4000, 4000, 100)
+    a = cap.reserve(need, cap.fit(need))
+    b = cap.reserve(need, cap.fit(need))
+    assert not cap.fit(need).ok  # 8,000 sent since the heartbeat: a third would make 12,000
+    cap.observe(prefill(queued=8000))  # first heartbeat after: may or may not count them
+    assert cap.prefill_load(prefill(queued=8000)) == 16_000  # counted twice, never zero times
+    cap.observe(prefill(queued=8000))  # second: it does
+    assert cap.prefill_load(prefill(queued=8000)) == 8000
+    cap.saw(a, 0, 1)  # a's first token: its prefill is done, it queues nowhere any more
+    cap.saw(b, 0, 1)
+    cap.observe(prefill(queued=0))
+    assert cap.fit(need).ok
+
+
+def test_decode_reservation_is_whole_until_landed_then_only_what_it_may_grow_into() -> None:
+    cap = capacity(Clock(), 0, prefill(), decode(free=100))
+    need = Need(1000, 1000, 1000)  # 16 blocks: 8 of prompt, 8 it may still grow into
+    t = cap.reserve(need, cap.fit(need))
+    for _ in range(3):  # heartbeats do not show it before its KV lands there
+        cap.observe(decode(free=100))
+    assert cap.decode_room(decode(free=100)) == 84
+    cap.saw(t, 1, 2)  # the first decode token: the KV has landed
+    cap.observe(decode(free=92))
+    assert cap.decode_room(decode(free=92)) == 76  # one heartbeat may predate the landing
+    cap.observe(decode(free=92))
+    assert cap.decode_room(decode(free=92)) == 92 - (16 - blocks(1002, BS))
+    cap.saw(t, 500, 600)  # grown to 1,600 tokens: 13 blocks held, 3 more at most
+    assert cap.decode_room(decode(free=87)) == 87 - 3
+    cap.release(t)
+    assert cap.decode_room(decode(free=87)) == 87
+
+
+def test_bind_moves_the_reservation_to_where_the_balancer_routed() -> None:
+    cap = capacity(Clock(), 0, prefill(), decode("d1", free=50), decode("d2", free=40))
+    need = Need(1000, 1000, 1000)
+    t = cap.reserve(need, cap.fit(need))
+    assert t.decode == "d1"  # most room
+    cap.bind(t, "p1", "d2")
+    assert cap.decode_room(decode("d1", free=50)) == 50
+    assert cap.decode_room(decode("d2", free=40)) == 24
+
+
+def test_dead_draining_and_addressless_instances_take_nothing() -> None:
+    clock = Clock()
+    cap = capacity(
+        clock,
+        0,
+        prefill("p1"),
+        prefill("p2", draining=True),
+        decode("d1"),
+        decode("d2", address=""),
+    )
+    assert [i.instance_id for i in cap.candidates(PREFILL, MODEL)] == ["p1"]
+    assert [i.instance_id for i in cap.candidates(DECODE, MODEL)] == ["d1"]
+    assert cap.candidates(DECODE, "other-model") == []
+    clock.t += 3.5  # silent past dead_after
+    fit = cap.fit(agent_turn(), MODEL)
+    assert not fit.ok and fit.missing == PREFILL
+
+
+def test_instances_that_report_no_kv_size_are_not_kv_gated() -> None:
+    cap = capacity(Clock(), 0, prefill(total=0), decode(free=0, total=0))
+    assert cap.fit(Need(10**6, 10**6, 10**5)).ok and cap.never_fits(Need(10**6, 1, 1)) is None
+
+
+def test_a_request_larger_than_any_instance_never_fits() -> None:
+    cap = capacity(Clock(), 0, prefill(total=64), decode("d1", total=100), decode("d2", total=40))
+    assert cap.never_fits(Need(8000, 8000, 4000)) is None  # 94 blocks: d1 could hold it
+    err = cap.never_fits(Need(8000, 8000, 5000))
+    assert isinstance(err, InvalidArgument) and err.field == "sampling.max_tokens"
+    assert "largest decode instance holds 100 (12800 tokens)" in str(err)
+    err = cap.never_fits(Need(9000, 9000, 1))  # 71 prompt blocks: no prefill holds 64+
+    assert isinstance(err, InvalidArgument) and err.field == "prompt_token_ids"
+    empty = capacity(Clock(), 0, prefill())
+    assert empty.never_fits(Need(100_000, 1, 10**6)) is None  # no decode known: one may come
+
+
+def test_rate_over_a_window() -> None:
+    r = Rate(10.0)
+    assert r.per_second(0.0) is None
+    r.add(0.0, 1000)
+    assert r.per_second(0.5) == 1000  # at least 1 s of history is assumed
+    r.add(4.0, 1000)
+    assert r.per_second(4.0) == 500
+    assert r.per_second(11.0) == 100  # the first sample left the window
+    assert r.per_second(20.0) is None
+
+
+def test_drain_seconds_follow_the_measured_rates() -> None:
+    clock = Clock()
+    cap = capacity(clock, 10_000, prefill(queued=9000), decode(free=1000, total=1000))
+    need = Need(3000, 3000, 10)
+    assert cap.drain_seconds(need) is None  # short on prefill, no rate measured yet
+    for _ in range(4):  # 4 x 2,500 tokens prefilled over 2 s: 5,000 tokens/s
+        t = cap.reserve(Need(2500, 2500, 1), cap.fit(Need(1, 1, 1)))
+        cap.saw(t, 0, 1)
+        cap.release(t)
+        clock.t += 0.5
+    assert cap.drain_seconds(need) == pytest.approx(2000 / 5000)
+    ahead = [Need(5000, 5000, 1)]
+    assert cap.drain_seconds(need, ahead) == pytest.approx(7000 / 5000)
+    assert cap.drain_seconds(Need(500, 500, 1)) == 0.0  # fits now
+
+
+# -- the queue --------------------------------------------------------------------------------
+
+
+class Seen:
+    def __init__(self) -> None:
+        self.results: list[str] = []
+
+    def on_admission(self, result: str, waited: float | None, waiting: int) -> None:
+        self.results.append(result)
+
+
+def admission(
+    cap: Capacity | None,
+    *,
+    max_inflight: int = 0,
+    max_waiting: int = 8,
+    admit_wait: float = 0.2,
+    retry_after_ms: int = 500,
+    observer: Seen | None = None,
+    clock: Clock | None = None,
+) -> Admission:
+    return Admission(
+        max_inflight,
+        max_waiting,
+        admit_wait,
+        retry_after_ms,
+        capacity=cap,
+        observer=observer,
+        clock=clock or time.monotonic,
+    )
+
+
+async def test_admits_while_it_fits_then_refuses_quickly_with_a_hint() -> None:
+    cap = capacity(Clock(), 0, prefill(), decode(free=100))
+    seen = Seen()
+    adm = admission(cap, max_waiting=2, observer=seen)
+    grants = [await adm.acquire(agent_turn(), MODEL) for _ in range(3)]
+    assert adm.running == 3 and all(g.ticket for g in grants)
+    t0 = time.monotonic()
+    waiters = [asyncio.ensure_future(adm.acquire(agent_turn(), MODEL)) for _ in range(2)]
+    await asyncio.sleep(0)
+    with pytest.raises(Overloaded) as at_once:  # the queue is full: no waiting at all
+        await adm.acquire(agent_turn(), MODEL)
+    assert time.monotonic() - t0 < 0.1
+    assert "no decode instance has 33 free KV blocks" in str(at_once.value)
+    assert "its queue is full" in str(at_once.value)
+    assert at_once.value.retry_after_ms == 500  # no drain measured yet: the configured hint
+    for w in waiters:  # past admit_wait: refused, not left hanging
+        with pytest.raises(Overloaded, match="none came free within"):
+            await w
+    assert time.monotonic() - t0 < 1.0
+    assert seen.results.count("refused") == 3 and adm.waiting == 0
+
+
+async def test_a_heartbeat_that_frees_capacity_wakes_the_waiter() -> None:
+    cap = capacity(Clock(), 0, prefill(), decode(free=40))
+    adm = admission(cap, admit_wait=5.0)
+    first = await adm.acquire(agent_turn(), MODEL)
+    waiter = asyncio.ensure_future(adm.acquire(agent_turn(), MODEL))
+    await asyncio.sleep(0.05)
+    assert not waiter.done() and adm.waiting == 1
+    cap.observe(decode(free=80))  # another entrypoint's requests finished
+    adm.wake()
+    grant = await asyncio.wait_for(waiter, 1)
+    assert grant.ticket is not None and grant.waited > 0
+    adm.release(first)
+    adm.release(grant)
+    assert adm.running == 0 and cap.tickets == 0
+
+
+async def test_a_finished_request_wakes_the_waiter() -> None:
+    cap = capacity(Clock(), 0, prefill(), decode(free=40))
+    adm = admission(cap, admit_wait=5.0)
+    first = await adm.acquire(agent_turn(), MODEL)
+    waiter = asyncio.ensure_future(adm.acquire(agent_turn(), MODEL))
+    await asyncio.sleep(0.02)
+    adm.release(first)
+    assert (await asyncio.wait_for(waiter, 1)).ticket is not None
+
+
+async def test_the_retry_hint_comes_from_the_measured_drain_rate() -> None:
+    clock = Clock()
+    cap = capacity(clock, 0, prefill(), decode(free=70, total=100))
+    adm = admission(cap, admit_wait=0.05, clock=clock)
+    for _ in range(4):  # four requests of 33 blocks land and finish within 2 s: 66 blocks/s
+        g = await adm.acquire(agent_turn(), MODEL)
+        assert g.ticket is not None
+        adm.saw(g, 1, 1)
+        adm.release(g)
+        clock.t += 0.5
+    held = [await adm.acquire(agent_turn(), MODEL) for _ in range(2)]  # 4 blocks left
+    with pytest.raises(Overloaded) as info:
+        await adm.acquire(agent_turn(), MODEL)
+    assert info.value.retry_after_ms == int(29 / 66 * 1000)  # 29 blocks short at 66/s
+    assert f"retry after {info.value.retry_after_ms} ms" in str(info.value)
+    for g in held:
+        adm.release(g)
+
+
+async def test_never_fits_is_invalid_argument_at_once_and_after_startup() -> None:
+    cap = capacity(Clock(), 0, prefill(), decode(total=20, free=20))
+    adm = admission(cap)
+    with pytest.raises(InvalidArgument):
+        await adm.acquire(agent_turn(), MODEL)
+    blind = Capacity(CapacityConfig(block_size=BS), Clock())  # nothing heard yet
+    adm = admission(blind, admit_wait=2.0)
+    waiter = asyncio.ensure_future(adm.acquire(agent_turn(), MODEL))
+    await asyncio.sleep(0.02)
+    blind.observe(prefill())
+    blind.observe(decode(total=20, free=20))
+    adm.wake()
+    with pytest.raises(InvalidArgument, match="can never run here"):
+        await asyncio.wait_for(waiter, 1)
+    assert adm.waiting == 0 and adm.running == 0
+
+
+async def test_startup_waits_for_heartbeats_then_is_unavailable() -> None:
+    clock = Clock()
+    blind = Capacity(CapacityConfig(block_size=BS, dead_after=0.3), clock)
+    adm = admission(blind, admit_wait=0.05)
+    waiter = asyncio.ensure_future(adm.acquire(agent_turn(), MODEL))
+    await asyncio.sleep(0.1)  # past admit_wait, but every instance may not have beaten yet
+    assert not waiter.done()
+    blind.observe(prefill())
+    blind.observe(decode())
+    adm.wake()
+    adm.release(await asyncio.wait_for(waiter, 1))
+    clock.t += 10  # both went silent
+    with pytest.raises(Unavailable, match="no live prefill instance"):
+        await adm.acquire(agent_turn(), MODEL)
+
+
+async def test_first_come_first_served_a_big_request_is_not_overtaken() -> None:
+    cap = capacity(Clock(), 0, prefill(), decode(free=60, total=100))
+    adm = admission(cap, admit_wait=5.0)
+    first = await adm.acquire(agent_turn(), MODEL)  # 33 of 60 blocks
+    big = asyncio.ensure_future(adm.acquire(Need(4096, 4096, 2000), MODEL))  # 48 blocks
+    await asyncio.sleep(0.01)
+    small = asyncio.ensure_future(adm.acquire(Need(100, 100, 10), MODEL))  # 1 block: fits now
+    await asyncio.sleep(0.02)
+    assert not small.done()  # waits behind the big one instead of starving it
+    adm.release(first)
+    g_big, g_small = await asyncio.wait_for(asyncio.gather(big, small), 1)
+    assert g_big.ticket is not None and g_small.ticket is not None
+
+
+async def test_max_inflight_is_still_a_cap_on_top_of_capacity() -> None:
+    cap = capacity(Clock(), 0, prefill(), decode(free=10_000, total=10_000))
+    adm = admission(cap, max_inflight=2, max_waiting=0)
+    held = [await adm.acquire(agent_turn(), MODEL) for _ in range(2)]
+    with pytest.raises(Overloaded, match=r"2 requests in flight \(limit 2\)"):
+        adm.refuse_if_full(agent_turn(), MODEL)
+    with pytest.raises(Overloaded):
+        await adm.acquire(agent_turn(), MODEL)
+    adm.release(held[0])
+    adm.release(held[1])
+    adm.refuse_if_full(agent_turn(), MODEL)  # room again: no refusal
+
+
+async def test_a_cancelled_waiter_leaves_the_queue_and_a_granted_one_is_released() -> None:
+    cap = capacity(Clock(), 0, prefill(), decode(free=40))
+    adm = admission(cap, admit_wait=5.0)
+    first = await adm.acquire(agent_turn(), MODEL)
+    waiter = asyncio.ensure_future(adm.acquire(agent_turn(), MODEL))
+    await asyncio.sleep(0.01)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert adm.waiting == 0
+    waiter = asyncio.ensure_future(adm.acquire(agent_turn(), MODEL))
+    await asyncio.sleep(0.01)
+    adm.release(first)  # grants the waiter ...
+    waiter.cancel()  # ... whose client goes away before it runs
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert adm.running == 0 and cap.tickets == 0
+
+
+async def test_a_retry_is_rebooked_at_once_even_when_full() -> None:
+    cap = capacity(Clock(), 0, prefill(), decode(free=40))
+    adm = admission(cap)
+    grant = await adm.acquire(agent_turn(), MODEL)
+    cap.observe(decode(free=0))  # everything else filled up meanwhile
+    adm.rebook(grant, Need(4100, 4100, 92), MODEL)
+    assert grant.ticket is not None and grant.ticket.need.prompt_tokens == 4100
+    assert grant.avoid == () and cap.tickets == 1 and adm.running == 1
+    adm.release(grant)
+    assert cap.tickets == 0
+
+
+async def test_without_capacity_it_is_the_plain_inflight_cap() -> None:
+    adm = admission(None, max_inflight=1, max_waiting=1, admit_wait=0.05, retry_after_ms=250)
+    held = await adm.acquire(agent_turn())
+    with pytest.raises(Overloaded) as info:
+        await adm.acquire(agent_turn())
+    assert info.value.retry_after_ms == 250 and "1 requests in flight (limit 1)" in str(info.value)
+    adm.release(held)
+    adm.release(await adm.acquire(agent_turn()))
+    assert adm.retry_after(agent_turn()) >= MIN_RETRY_MS

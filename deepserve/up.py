@@ -14,12 +14,16 @@ group, so a terminal's Ctrl-C reaches only the supervisor, which then drains the
 ``stop()`` sends SIGTERM to every service (reverse order), waits up to the drain time, kills
 what is left (the whole process group), then stops redis and nats. ``<run_dir>/stack.json``
 names every process started, for tools and tests that check nothing outlives the stack.
+
+With ``device="cuda"`` the engines are spread over GPUs by :func:`place_engines`: each gets
+``--device cuda:<i>`` and ``--gpu-memory-fraction`` (its share of that GPU).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import secrets
 import shutil
@@ -35,9 +39,13 @@ from pathlib import Path
 from typing import IO, Any, Self
 
 from deepserve import procs
+from libs.engine.tokenizer import model_vocab_size
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
+# Of each GPU, the share split among the engines placed on it. The rest is for what the
+# fraction does not count: each process's CUDA context and library workspaces (~0.5-1 GiB).
+GPU_MEMORY_SHARE = 0.90
 
 
 class StackError(RuntimeError):
@@ -126,11 +134,130 @@ async def _await_heartbeats(nats_url: str, instance_ids: set[str], timeout: floa
     return missing
 
 
+# -- engine placement --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EnginePlacement:
+    """Where one prefill/decode instance runs, as the flags its process gets."""
+
+    name: str  # "prefill-0", "decode-1", ...
+    device: str  # "cpu" or "cuda:<i>"
+    gpu_memory_fraction: float | None = None  # None: not on a GPU
+
+    def flags(self) -> list[str]:
+        out = ["--device", self.device]
+        if self.gpu_memory_fraction is not None:
+            out += ["--gpu-memory-fraction", repr(self.gpu_memory_fraction)]
+        return out
+
+
+def place_engines(
+    prefill: int,
+    decode: int,
+    gpus: Sequence[int] = (),
+    *,
+    fraction: float | None = None,
+    share: float = GPU_MEMORY_SHARE,
+) -> list[EnginePlacement]:
+    """Deal the engines over ``gpus`` round robin, roles interleaved.
+
+    The order is prefill-0, decode-0, prefill-1, decode-1, ... (the extra instances of the
+    larger role last); the k-th engine goes to ``gpus[k % len(gpus)]``. So with one GPU every
+    engine shares it; with two GPUs and as many prefill as decode instances, prefill runs on
+    the first and decode on the second; with as many GPUs as engines, each has its own.
+    Each engine gets ``fraction`` of its GPU if given, else ``share`` / (engines on that
+    GPU), rounded down to 1e-4. No ``gpus``: every engine on the CPU, no fraction.
+    Raises ValueError for counts below one, a fraction outside (0, 1], or engines on one
+    GPU whose fractions add up to more than 1.
+    """
+    if prefill < 1 or decode < 1:
+        raise ValueError(
+            f"need at least one prefill and one decode instance, got {prefill}/{decode}"
+        )
+    if fraction is not None and not 0 < fraction <= 1:
+        raise ValueError(f"--gpu-memory-fraction must lie in (0, 1], got {fraction}")
+    names = [f"prefill-{i}" for i in range(prefill)], [f"decode-{i}" for i in range(decode)]
+    order = [n for i in range(max(prefill, decode)) for role in names for n in role[i : i + 1]]
+    if not gpus:
+        return [EnginePlacement(name, "cpu") for name in order]
+    gpu_of = {name: gpus[k % len(gpus)] for k, name in enumerate(order)}
+    per_gpu = {g: list(gpu_of.values()).count(g) for g in gpus}
+    if fraction is not None:
+        crowded = {g: n for g, n in per_gpu.items() if n * fraction > 1}
+        if crowded:
+            g, n = next(iter(crowded.items()))
+            raise ValueError(
+                f"--gpu-memory-fraction {fraction:g} x {n} engines on cuda:{g} is more than "
+                f"the whole GPU; use at most {_round_down(1 / n):g}"
+            )
+    return [
+        EnginePlacement(
+            name,
+            f"cuda:{gpu_of[name]}",
+            fraction if fraction is not None else _round_down(share / per_gpu[gpu_of[name]]),
+        )
+        for name in order
+    ]
+
+
+def _round_down(x: float) -> float:
+    """To 1e-4, down (0.9 / 7 -> 0.1285), so the shares never add up to more than intended;
+    the 1e-9 keeps 0.45 from becoming 0.4499 through float error."""
+    return math.floor(x * 1e4 + 1e-9) / 1e4
+
+
+def parse_gpus(text: str) -> list[int]:
+    """``"0,1"`` -> ``[0, 1]``; ValueError with the flag's name for anything else."""
+    try:
+        gpus = [int(t) for t in text.replace(" ", "").split(",")]
+    except ValueError:
+        gpus = []
+    if not gpus or any(g < 0 for g in gpus):
+        raise ValueError(f"--gpus must list GPU indices such as 0 or 0,1; got {text!r}")
+    if len(set(gpus)) != len(gpus):
+        raise ValueError(f"--gpus names a GPU twice: {text!r}")
+    return gpus
+
+
+def visible_gpus(asked: Sequence[int] | None = None) -> list[int]:
+    """``asked`` (default: every visible CUDA device), checked against what torch sees.
+
+    Imports torch (only called for ``device="cuda"``); ``torch.cuda.device_count()`` creates
+    no CUDA context, so the supervisor takes no GPU memory.
+    """
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ValueError(
+            "--device cuda: no CUDA device is visible to torch "
+            f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+        )
+    if asked is None:
+        return list(range(count))
+    missing = [g for g in asked if g >= count]
+    if missing:
+        raise ValueError(
+            f"--gpus {','.join(map(str, asked))}: no GPU {','.join(map(str, missing))}; "
+            f"{count} visible (0..{count - 1})"
+        )
+    return list(asked)
+
+
+def default_model_name(model: str) -> str:
+    """The served name for ``--model``: ``deepseek-<preset>`` (or ``deepseek-fake``), else the
+    checkpoint directory's name."""
+    stripped = model.rstrip("/")
+    return Path(stripped).name if "/" in stripped else f"deepseek-{stripped}"
+
+
 class Stack:
     """The deepserve stack as child processes; a context manager that always cleans up.
 
     ``extra_args`` adds flags per service (key: service name such as ``"prefill"``).
-    ``recipe_port`` 0 picks a free port. After :meth:`start`, :attr:`api_url`,
+    ``recipe_port`` 0 picks a free port. ``device`` is ``"cpu"`` or ``"cuda"``; with CUDA the
+    engines are placed over ``gpus`` (default: every visible GPU) by :func:`place_engines`,
+    each with ``gpu_memory_fraction`` if given. After :meth:`start`, :attr:`api_url`,
     :attr:`grpc_address`, :attr:`nats_url`, :attr:`redis_url` and :attr:`instance_ids` are set.
     """
 
@@ -144,15 +271,26 @@ class Stack:
         model_name: str = "deepseek-tiny",
         recipe_port: int = 0,
         device: str = "cpu",
+        gpus: Sequence[int] | None = None,
+        gpu_memory_fraction: float | None = None,
         ready_timeout: float = 120.0,
         drain_seconds: float = 10.0,
         extra_args: Mapping[str, Sequence[str]] | None = None,
         env: Mapping[str, str] | None = None,
     ) -> None:
-        if prefill < 1 or decode < 1:
+        if device not in ("cpu", "cuda"):
             raise ValueError(
-                f"need at least one prefill and one decode instance, got {prefill}/{decode}"
+                f"--device must be cpu or cuda (pick GPUs with --gpus), got {device!r}"
             )
+        if device == "cpu" and (gpus or gpu_memory_fraction is not None):
+            raise ValueError("--gpus and --gpu-memory-fraction apply to --device cuda")
+        self.placements = place_engines(
+            prefill,
+            decode,
+            visible_gpus(gpus or None) if device == "cuda" else (),
+            fraction=gpu_memory_fraction,
+        )
+        self.vocab_size = model_vocab_size(model)  # ValueError for a model nobody can load
         self.run_dir = Path(run_dir).resolve()
         self.prefill, self.decode = prefill, decode
         self.model, self.model_name, self.device = model, model_name, device
@@ -227,26 +365,26 @@ class Stack:
             ]
         ]
         kv_addr = f"{HOST}:{kv_port}"
-        model_args = [
-            "--model",
-            self.model,
-            "--model-name",
-            self.model_name,
-            "--device",
-            self.device,
+        model_args = ["--model", self.model, "--model-name", self.model_name]
+        placed = {p.name: p.flags() for p in self.placements}  # --device [--gpu-memory-...]
+        engines = [
+            self._plan(
+                f"prefill-{i}",
+                "prefill",
+                args=["--kvstore-address", kv_addr, *model_args, *placed[f"prefill-{i}"]],
+            )
+            for i in range(self.prefill)
         ]
-        stages.append(
-            [
-                self._plan(
-                    f"prefill-{i}", "prefill", args=["--kvstore-address", kv_addr, *model_args]
-                )
-                for i in range(self.prefill)
-            ]
-            + [
-                self._plan(f"decode-{i}", "decode", grpc_port=procs.free_port(), args=model_args)
-                for i in range(self.decode)
-            ]
-        )
+        engines += [
+            self._plan(
+                f"decode-{i}",
+                "decode",
+                grpc_port=procs.free_port(),
+                args=["--kvstore-address", kv_addr, *model_args, *placed[f"decode-{i}"]],
+            )
+            for i in range(self.decode)
+        ]
+        stages.append(engines)
         ep_port = procs.free_port()
         self.grpc_address = f"{HOST}:{ep_port}"
         stages.append(
@@ -255,7 +393,14 @@ class Stack:
                     "entrypoint",
                     "entrypoint",
                     grpc_port=ep_port,
-                    args=["--kvstore-address", kv_addr, "--model-name", self.model_name],
+                    args=[
+                        "--kvstore-address",
+                        kv_addr,
+                        "--model-name",
+                        self.model_name,
+                        "--vocab-size",
+                        str(self.vocab_size),
+                    ],
                 )
             ]
         )
@@ -325,6 +470,8 @@ class Stack:
                 self.grpc_address,
                 "--model-name",
                 self.model_name,
+                "--model",
+                self.model,
             ],
         )
         c.health_port = port
@@ -398,6 +545,8 @@ class Stack:
                 **{c.name: c.pid for c in self.children if c.proc is not None},
             },
             "instance_ids": self.instance_ids,
+            # where each service serves /healthz and /metrics
+            "ops_ports": {c.name: c.health_port for c in self.children},
         }
         tmp = self.run_dir / "stack.json.tmp"
         tmp.write_text(json.dumps(state, indent=2))
@@ -466,8 +615,31 @@ def run_up(
     model_name: str,
     run_dir: str,
     ready_timeout: float = 300.0,
+    *,
+    device: str = "cpu",
+    gpus: str | None = None,
+    gpu_memory_fraction: float | None = None,
 ) -> int:
-    """``deepserve up``: start the stack, print its URL, serve until SIGINT/SIGTERM, stop it."""
+    """``deepserve up``: start the stack, print its URL, serve until SIGINT/SIGTERM, stop it.
+
+    A bad flag (``gpus``: ``"0,1"``; None: every visible GPU) or a taken port: one line on
+    stderr and 2, before anything starts."""
+    try:
+        stack = Stack(
+            run_dir,
+            prefill=prefill,
+            decode=decode,
+            model=model,
+            model_name=model_name,
+            recipe_port=port,
+            device=device,
+            gpus=parse_gpus(gpus) if gpus is not None else None,
+            gpu_memory_fraction=gpu_memory_fraction,
+            ready_timeout=ready_timeout,
+        )
+    except ValueError as exc:
+        print(f"deepserve up: {exc}", file=sys.stderr)
+        return 2
     if not port_is_free(port):
         print(
             f"deepserve up: port {port} on {HOST} is already in use; pick another with --port",
@@ -482,25 +654,17 @@ def run_up(
         if starting and len(stop_requested) == 1:  # abandon the start; start() cleans up
             raise _Interrupted(signum)
 
-    try:
-        stack = Stack(
-            run_dir,
-            prefill=prefill,
-            decode=decode,
-            model=model,
-            model_name=model_name,
-            recipe_port=port,
-            ready_timeout=ready_timeout,
-        )
-    except ValueError as exc:
-        print(f"deepserve up: {exc}", file=sys.stderr)
-        return 2
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     code = 0
     try:
+        where = ", ".join(
+            f"{p.name} {p.device}"
+            + (f" ({p.gpu_memory_fraction:g})" if p.gpu_memory_fraction is not None else "")
+            for p in stack.placements
+        )
         print(
-            f"deepserve: starting {prefill} prefill + {decode} decode ({model}); logs in "
-            f"{stack.run_dir / 'logs'}",
+            f"deepserve: starting {prefill} prefill + {decode} decode ({model}: {where}); "
+            f"logs in {stack.run_dir / 'logs'}",
             flush=True,
         )
         try:

@@ -26,6 +26,9 @@ class ModelFlags:
     fake_token_us: float = 2.0  # --model fake: and of each token computed in it
     kv_cache_dtype: str = "auto"  # or fp8 (both instances of a prefill -> decode pair must agree)
     experts: str = "bf16"  # or fp4
+    # Share of the CUDA device's total memory for weights + KV cache + activations; sets the
+    # number of KV blocks (overriding num_kv_blocks). None: num_kv_blocks as given.
+    gpu_memory_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if self.fake_step_ms < 0 or self.fake_token_us < 0:
@@ -38,6 +41,16 @@ class ModelFlags:
             raise ValueError(f"--kv-cache-dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.experts not in ("bf16", "fp4"):
             raise ValueError(f"--experts must be bf16 or fp4, got {self.experts!r}")
+        if self.gpu_memory_fraction is not None:
+            if not 0 < self.gpu_memory_fraction <= 1:
+                raise ValueError(
+                    f"--gpu-memory-fraction must lie in (0, 1], got {self.gpu_memory_fraction}"
+                )
+            if not self.device.startswith("cuda"):
+                raise ValueError(
+                    f"--gpu-memory-fraction applies to CUDA devices, not --device {self.device}; "
+                    "on CPU size the cache with --num-kv-blocks"
+                )
         for name in ("num_kv_blocks", "block_size", "max_tokens_per_step"):
             if getattr(self, name) <= 0:
                 raise ValueError(
@@ -47,17 +60,21 @@ class ModelFlags:
     def engine_config(self) -> EngineConfig:
         from libs.engine.engine import EngineConfig  # torch: only when an engine is built
 
-        return EngineConfig(
+        fraction = self.gpu_memory_fraction
+        config = EngineConfig(
             model=self.model,
             device=self.device,
             dtype=self.dtype,
             seed=self.weights_seed,
             block_size=self.block_size,
-            num_kv_blocks=self.num_kv_blocks,
+            # The fraction sizes the cache once the weights are loaded (libs/engine/parts.py).
+            num_kv_blocks=self.num_kv_blocks if fraction is None else None,
             max_tokens_per_step=self.max_tokens_per_step,
             kv_cache_dtype="fp8" if self.kv_cache_dtype == "fp8" else None,
             expert_dtype="fp4" if self.experts == "fp4" else "auto",
+            gpu_memory_fraction=fraction,
         )
+        return config
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +94,15 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
     flag(parser, "--model-name", default="deepseek-tiny", help="served model name")
     flag(parser, "--num-kv-blocks", type=int, default=2048, help="KV cache size in blocks")
+    flag(
+        parser,
+        "--gpu-memory-fraction",
+        type=float,
+        default=None,
+        help="CUDA only: share (0, 1] of the device's total memory for this instance's "
+        "weights, KV cache and activations; the KV cache gets what is left after the "
+        "weights and a step's activation reserve (overrides --num-kv-blocks)",
+    )
     flag(parser, "--block-size", type=int, default=128, help="tokens per KV block")
     flag(parser, "--weights-seed", type=int, default=0, help="seed of a preset's random weights")
     flag(
@@ -123,4 +149,5 @@ def model_flags_from(args: argparse.Namespace) -> ModelFlags:
         fake_token_us=args.fake_token_us,
         kv_cache_dtype=args.kv_cache_dtype,
         experts=args.experts,
+        gpu_memory_fraction=args.gpu_memory_fraction,
     )

@@ -1,8 +1,10 @@
-"""`deepserve generate` and `deepserve bench engine` as a user runs them (real processes)."""
+"""`deepserve generate`, `deepserve bench engine` and `deepserve up`'s flag checks as a user runs
+them (real processes)."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +99,33 @@ def test_bench_engine_writes_its_figures(tmp_path: Path) -> None:
         and result["prefill_tokens_per_s"]["256"] > 0
     )
     assert 0 < result["decode_roofline_fraction"]["4"] and 0 < result["prefill_mfu"]["256"]
+
+
+def test_up_help_lists_the_gpu_flags() -> None:
+    out = deepserve("up", "--help")
+    assert out.returncode == 0, out.stderr
+    for name in ("--device", "--gpus", "--gpu-memory-fraction", "--model", "--model-name"):
+        assert name in out.stdout, name
+
+
+def test_up_refuses_bad_gpu_flags_in_one_line_before_starting_anything(tmp_path: Path) -> None:
+    import torch
+
+    cases = [
+        (["--device", "cuda", "--gpus", "0,x"], "--gpus must list GPU indices"),
+        (["--device", "cuda", "--gpus", "0,0"], "--gpus names a GPU twice"),
+        (["--gpus", "0"], "--gpus and --gpu-memory-fraction apply to --device cuda"),
+        (["--gpu-memory-fraction", "0.5"], "apply to --device cuda"),
+        # No GPU here: "no CUDA device is visible"; on a GPU machine: "no GPU 99".
+        (["--device", "cuda", "--gpus", "99"], "no CUDA device is visible|no GPU 99"),
+    ]
+    if not torch.cuda.is_available():  # with a GPU this would start the stack
+        cases.append((["--device", "cuda"], "no CUDA device is visible"))
+    run_dir = tmp_path / "run"
+    for flags, why in cases:
+        out = deepserve("up", "--run-dir", str(run_dir), *flags)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1, (flags, out.stderr)
+        assert lines[0].startswith("deepserve up: ") and re.search(why, lines[0]), lines[0]
+        assert "starting" not in out.stdout
+    assert not run_dir.exists()

@@ -217,7 +217,12 @@ def test_deepserve_up_refuses_a_taken_port(tmp_path: Path) -> None:
 
 
 def test_stack_reports_a_service_that_dies_while_starting(tmp_path: Path) -> None:
-    stack = Stack(tmp_path / "run", model="no-such-model", ready_timeout=120, drain_seconds=2)
+    with pytest.raises(ValueError, match="no-such-model"):
+        Stack(tmp_path / "run", model="no-such-model")  # refused before anything starts
+    broken = tmp_path / "broken-checkpoint"  # a config but no weights: engines die loading it
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "deepseek_v3", "vocab_size": 129280}')
+    stack = Stack(tmp_path / "run", model=str(broken), ready_timeout=120, drain_seconds=2)
     with pytest.raises(RuntimeError) as err:
         stack.start()
     assert "prefill-0" in str(err.value) or "decode-0" in str(err.value)

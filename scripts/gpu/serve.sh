@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The whole stack on a GPU machine, driven over HTTP: what docs/benchmarks.md's GPU figures
+# come from. Run from the checkout with the bundle carried (scripts/gpu/bundle.sh):
+#
+#   OUT=/tmp/out bash scripts/gpu/serve.sh agent:32 agent:128 chat:128
+#
+# Each TRACE:SESSIONS argument is one `deepserve bench serve --url` run at that concurrency;
+# results land in $OUT/serve-TRACE-SESSIONS.json (+ .png), the services' logs and a
+# /metrics snapshot of each in $OUT/logs/. PROFILE=1 also samples every service with py-spy
+# halfway through each run ($OUT/profile-TRACE-SESSIONS-SERVICE.txt).
+# Env: MODEL (v2-lite), PORT (8000), ENGINE_JSON (bench/results/engine-cuda-h200.json),
+#      UP_ARGS (extra `deepserve up` flags), BENCH_ARGS (extra bench flags).
+set -euo pipefail
+source .gpu-bundle/activate
+OUT=${OUT:?set OUT to a result folder}
+MODEL=${MODEL:-v2-lite}
+PORT=${PORT:-8000}
+ENGINE_JSON=${ENGINE_JSON:-bench/results/engine-cuda-h200.json}
+RUN=/tmp/deepserve-run
+mkdir -p "$OUT/logs"
+rm -rf "$RUN"
+
+# shellcheck disable=SC2086
+python3 -m deepserve.cli up --device cuda --model "$MODEL" --port "$PORT" --run-dir "$RUN" \
+  ${UP_ARGS:-} > "$OUT/logs/up.log" 2>&1 &
+up=$!
+t0=$(date +%s)
+until grep -q '^deepserve is up' "$OUT/logs/up.log"; do
+  if ! kill -0 $up 2>/dev/null; then
+    cp -r "$RUN/logs/." "$OUT/logs/" || true
+    tar -C "$OUT" -czf "$OUT/logs.tgz" logs
+    exit 1
+  fi
+  sleep 2
+done
+echo "stack up in $(( $(date +%s) - t0 )) s"
+
+snapshot() {  # /metrics of every service, from the supervisor's state file
+  python3 - "$RUN/stack.json" "$1" <<'EOF'
+import json, sys, urllib.request
+state = json.load(open(sys.argv[1]))
+for name, port in state["ops_ports"].items():
+    try:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    except OSError as exc:
+        body = f"# unreachable: {exc}\n".encode()
+    with open(f"{sys.argv[2]}-{name}.prom", "wb") as f:
+        f.write(body)
+EOF
+}
+
+profile() {  # py-spy dumps of every service's process
+  local tag=$1
+  sleep "${PROFILE_AFTER:-20}"
+  python3 -c 'import json,sys; [print(k, v) for k, v in json.load(open(sys.argv[1]))["pids"].items()]' \
+    "$RUN/stack.json" | while read -r name pid; do
+    case $name in nats|redis) continue ;; esac
+    py-spy dump --pid "$pid" > "$OUT/profile-$tag-$name.txt" 2>&1 || true
+  done
+}
+
+status=0
+for spec in "$@"; do
+  trace=${spec%%:*}
+  n=${spec##*:}
+  tag="$trace-$n"
+  echo "== $tag"
+  prof=""
+  if [ "${PROFILE:-0}" = 1 ]; then profile "$tag" & prof=$!; fi
+  # shellcheck disable=SC2086
+  python3 -m deepserve.cli bench serve --url "http://127.0.0.1:$PORT/v1" \
+    --model "deepseek-$MODEL" --trace "$trace" --sessions "$n" --concurrency "$n" --gpus 1 \
+    --engine-json "$ENGINE_JSON" --json "$OUT/serve-$tag.json" --plot "$OUT/serve-$tag.png" \
+    ${BENCH_ARGS:-} || status=$?
+  if [ -n "$prof" ]; then wait "$prof" || true; fi  # not a bare wait: that waits for up too
+  snapshot "$OUT/logs/metrics-$tag"
+done
+
+kill -TERM $up
+wait $up || true
+cp -r "$RUN/logs/." "$OUT/logs/" || true
+tar -C "$OUT" -czf "$OUT/logs.tgz" logs && rm -rf "$OUT/logs"  # one file travels back
+exit $status

@@ -11,7 +11,7 @@ deepserve bench serve --url http://HOST:PORT/v1 --trace agent|chat --concurrency
 deepserve bench route --trace agent|chat|mixed --json OUT
 deepserve kvstore fsck [--repair] [--grace S] --redis-url URL (--data-dir DIR | --target T ...)
 deepserve up [--port 8000] [--prefill N] [--decode N] [--model M] [--model-name NAME]
-             [--run-dir .run]
+             [--device cpu|cuda [--gpus 0,1] [--gpu-memory-fraction F]] [--run-dir .run]
 """
 
 from __future__ import annotations
@@ -182,6 +182,13 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     k.add_argument("--s3-blocks", type=int, default=12, help="blocks per S3 phase (0: skip S3)")
     k.add_argument("--dir", default="", help="scratch directory (default: a temp dir)")
     k.add_argument("--json", dest="json_out", default=None, help="write the result JSON here")
+    h = bsub.add_parser(
+        "handoff",
+        help="KV hand-off between two processes: pool references against host bytes",
+    )
+    from deepserve.bench import handoff
+
+    handoff.add_arguments(h)
     rt = bsub.add_parser(
         "route",
         help="replay a synthetic multi-tenant trace through the balancer "
@@ -208,6 +215,10 @@ def _bench(args: argparse.Namespace) -> int:
         from deepserve.bench.kvstore import main as bench_kvstore
 
         return bench_kvstore(args)
+    if args.what == "handoff":
+        from deepserve.bench.handoff import main as bench_handoff
+
+        return bench_handoff(args)
     if args.what == "route":
         from deepserve.bench.route import main as bench_route
 
@@ -299,8 +310,35 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--port", type=int, default=8000, help="port of the OpenAI-compatible API")
     p.add_argument("--prefill", type=int, default=1, help="prefill instances")
     p.add_argument("--decode", type=int, default=1, help="decode instances")
-    p.add_argument("--model", default="tiny", help="preset name or checkpoint dir")
-    p.add_argument("--model-name", default="deepseek-tiny", help="served model name")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="preset (tiny, v2-lite, v3-slice), checkpoint dir, or fake; prefill and decode",
+    )
+    p.add_argument(
+        "--model-name",
+        default=None,
+        help="served model name (default: deepseek-<preset>, or the checkpoint dir's name)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where prefill and decode run; cuda: spread over --gpus",
+    )
+    p.add_argument(
+        "--gpus",
+        default=None,
+        help="--device cuda: GPU indices, e.g. 0,1 (default: every visible GPU); engines are "
+        "dealt round robin in the order prefill-0, decode-0, prefill-1, ...",
+    )
+    p.add_argument(
+        "--gpu-memory-fraction",
+        type=float,
+        default=None,
+        help="--device cuda: share of its GPU each engine may use (default: 0.90 / engines "
+        "on that GPU)",
+    )
     p.add_argument("--run-dir", default=".run", help="logs, NATS/Redis/kvstore data")
     p.add_argument(
         "--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness"
@@ -308,16 +346,19 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from deepserve.up import run_up
+    from deepserve.up import default_model_name, run_up
 
     return run_up(
         args.port,
         args.prefill,
         args.decode,
         args.model,
-        args.model_name,
+        args.model_name or default_model_name(args.model),
         args.run_dir,
         ready_timeout=args.ready_timeout,
+        device=args.device,
+        gpus=args.gpus,
+        gpu_memory_fraction=args.gpu_memory_fraction,
     )
 
 

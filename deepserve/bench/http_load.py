@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 OFF_PEAK_PRICE = (0.15, 0.003, 0.60)  # $/M tokens: uncached input, cached input, output
+RETRIES_429 = 5  # a turn refused with 429 is sent again this many times at most
 BLOCK = 128  # tokens per prefix block: what a prefix cache can reuse is counted in blocks
 WORDS = (
     "alpha beta gamma delta epsilon model token cache block route decode prefill expert layer "
@@ -97,7 +98,9 @@ class Result:
     turn: int
     ok: bool = False
     status: str = ""  # "" ok, "429", or the error's class / HTTP status
+    retry_after_s: float = 0.0  # a 429's Retry-After
     ttft_s: float = 0.0
+    first_chunk_s: float = 0.0  # any streamed chunk (the role chunk comes before any token)
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
@@ -143,6 +146,8 @@ async def one_request(
         )
         async for chunk in stream:
             now = time.perf_counter()
+            if not res.first_chunk_s:
+                res.first_chunk_s = now - t0
             delta = chunk.choices[0].delta if chunk.choices else None
             piece = (getattr(delta, "content", None) or "") if delta is not None else ""
             piece += (getattr(delta, "reasoning_content", None) or "") if delta is not None else ""
@@ -159,8 +164,12 @@ async def one_request(
                 res.cached_tokens = _cached(chunk.usage)
         res.e2e_s = time.perf_counter() - t0
         res.ok = True
-    except openai.RateLimitError:
+    except openai.RateLimitError as exc:
         res.status = "429"
+        try:
+            res.retry_after_s = float(exc.response.headers.get("retry-after", "1"))
+        except ValueError:
+            res.retry_after_s = 1.0
     except openai.APIStatusError as exc:
         res.status = str(exc.status_code)
     except (openai.APIError, TimeoutError) as exc:
@@ -177,13 +186,18 @@ async def play(
     results: list[Result],
     progress: Any,
 ) -> None:
-    """A session's turns in order; a failed turn ends the session (its context is lost)."""
+    """A session's turns in order: a 429 is sent again after its Retry-After; any other failed
+    turn ends the session (its context is lost)."""
     previous_prompt = 0
     for turn in range(shape.turns):
-        res, answer = await one_request(client, model, session, turn, shape.max_tokens, timeout)
-        # Every earlier turn's prompt is a prefix of this one: its full blocks may be reused.
-        res.allowed_cached_tokens = (previous_prompt // BLOCK) * BLOCK
-        results.append(res)
+        for attempt in range(RETRIES_429 + 1):
+            res, answer = await one_request(client, model, session, turn, shape.max_tokens, timeout)
+            # Every earlier turn's prompt is a prefix of this one: its full blocks may be reused.
+            res.allowed_cached_tokens = (previous_prompt // BLOCK) * BLOCK
+            results.append(res)
+            if res.status != "429" or attempt == RETRIES_429:
+                break
+            await asyncio.sleep(min(res.retry_after_s, 60.0))
         progress.update(1)
         if not res.ok:
             return
@@ -285,6 +299,7 @@ def summarize(
         "error_kinds": sorted({r.status for r in results if r.status}),
         "seconds": seconds,
         "ttft": _pcts([r.ttft_s for r in ok]),
+        "first_chunk": _pcts([r.first_chunk_s for r in ok]),
         "tpot": _pcts(tpot),
         "itl": _pcts([g for r in ok for g in r.itl_s]),
         "e2e": _pcts([r.e2e_s for r in ok]),

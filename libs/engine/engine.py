@@ -12,8 +12,9 @@ dropped; the token stream is the same as without overlap.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,7 +24,14 @@ from libs.common.sampling import SamplingParams
 
 from .kv.block_manager import BlockManager, NoFreeBlocks
 from .kv.cache import TORCH_DTYPES
-from .kv.transfer import KVFormatError, KVHeader, check_compatible, decode_frame, encode_frame
+from .kv.transfer import (
+    KVFormatError,
+    KVHeader,
+    PeerKV,
+    check_compatible,
+    decode_frame,
+    encode_frame,
+)
 from .loader import LoadedModel
 from .model.model import DeepseekForCausalLM
 from .parts import EngineParts, build_parts, max_model_len
@@ -38,13 +46,44 @@ __all__ = [
     "EngineConfig",
     "InvalidRequest",
     "KVFormatError",
+    "KVInput",
+    "MissingPrefix",
     "NoFreeBlocks",
+    "PeerKV",
+    "PreparedKV",
     "TokenEvent",
 ]
 
 
 class InvalidRequest(InvalidArgument):
     """A request the engine refuses as given (recoverable by fixing the request)."""
+
+
+class MissingPrefix(KVFormatError):
+    """KV that starts past block 0 whose leading blocks this engine no longer holds.
+
+    ``have``: how many leading blocks it does hold; a sender retries from there.
+    """
+
+    def __init__(self, message: str, have: int) -> None:
+        super().__init__(message)
+        self.have = have
+
+
+@dataclass(frozen=True)
+class PreparedKV:
+    """KV frames parsed and uploaded off the engine thread (:meth:`Engine.prepare_kv`).
+
+    Covers blocks ``first_block ..`` of a request: ``num_tokens`` tokens counted from 0.
+    """
+
+    first_block: int
+    num_tokens: int
+    block_hashes: tuple[str, ...]  # hex chain digests, one per block held
+    staged: Any  # the cache's staged upload
+
+
+KVInput = bytes | Sequence[bytes] | PreparedKV | PeerKV
 
 
 @dataclass(frozen=True)
@@ -71,6 +110,9 @@ class EngineConfig:
         "auto"  # "fp4": routed experts quantized to e2m1 (converts the loaded model)
     )
     cuda_graphs: bool = True  # decode-only steps replay captured graphs (CUDA with kernels)
+    # Share of the device's total memory this engine may use for weights + KV + activations
+    # (co-located engines split a GPU); sizes the KV cache after loading. None: see above.
+    gpu_memory_fraction: float | None = None
     overlap: bool | None = None  # None: on for CUDA
 
     def __post_init__(self) -> None:
@@ -88,6 +130,10 @@ class EngineConfig:
             raise ValueError(f"expert_dtype must be auto or fp4, got {self.expert_dtype!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.gpu_memory_fraction is not None and not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError(
+                f"gpu_memory_fraction must lie in (0, 1], got {self.gpu_memory_fraction}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
 
@@ -154,8 +200,10 @@ class Engine:
         )
         self.scheduler = Scheduler(self.scheduler_config, self.blocks, self.cost, cfg.eos_token_ids)
         self._inflight: Launched | None = None
-        self.last_step_seconds = 0.0
-        self.last_step_tokens = 0
+        self._peer_pools: dict[bytes, Any] = {}  # share handle -> another engine's pool, mapped
+        self.last_step_seconds = 0.0  # of the step that finished last
+        self.last_step_tokens = 0  # of the step launched last
+        self.last_finished_tokens = 0
 
     # -- the model behind a real runner (a fake one has none: AttributeError) ------------------
     @property
@@ -182,26 +230,36 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         cache_salt: bytes = b"",
-        kv: bytes | Sequence[bytes] | None = None,
+        kv: KVInput | None = None,
         hold_kv: bool = False,
-    ) -> None:
-        """Queue a request. ``kv``: frames from :meth:`export_kv` covering a prefix of the tokens.
+    ) -> Any:
+        """Queue a request. ``kv``: frames from :meth:`export_kv` covering a prefix of the
+        tokens (or blocks ``first_block ..`` of it when this engine holds the blocks before),
+        the same already :meth:`prepare_kv`-ed, or a :class:`PeerKV`.
 
+        Returns an event (None when there is nothing to wait for) that completes once a
+        :class:`PeerKV` source has been copied; its owner may reuse the blocks after it.
         Raises :class:`InvalidRequest` for bad input, :class:`KVFormatError` for KV that does
-        not belong to this model or these tokens, :class:`NoFreeBlocks` if imported KV does
-        not fit now.
+        not belong to this model or these tokens (:class:`MissingPrefix` when the blocks it
+        builds on are gone), :class:`NoFreeBlocks` if imported KV does not fit now.
         """
         params = params or SamplingParams()
         tokens = [int(t) for t in prompt_token_ids]
         self._validate(request_id, tokens, params)
         req = Request(request_id, tokens, len(tokens), params, cache_salt, hold_kv)
+        done = None
         if kv is not None:
-            self._import(req, [kv] if isinstance(kv, (bytes, bytearray, memoryview)) else list(kv))
+            if not isinstance(kv, (PreparedKV, PeerKV)):
+                kv = self.prepare_kv(
+                    [kv] if isinstance(kv, (bytes, bytearray, memoryview)) else list(kv)
+                )
+            done = self._import(req, kv)
         try:
             self.scheduler.add(req)
         except ValueError as exc:
             self.blocks.release(req.blocks)
             raise InvalidRequest(str(exc)) from None
+        return done
 
     def _validate(self, request_id: str, tokens: list[int], params: SamplingParams) -> None:
         if not request_id:
@@ -256,16 +314,33 @@ class Engine:
 
     # -- KV export / import -------------------------------------------------------------------
     def export_kv(
-        self, request_id: str, *, include_partial: bool = False, release: bool = False
+        self,
+        request_id: str,
+        *,
+        include_partial: bool = False,
+        release: bool = False,
+        start_block: int = 0,
     ) -> bytes:
-        """One frame with the request's computed KV: its full blocks, plus the tail if asked."""
-        req = self.scheduler.requests.get(request_id)
-        if req is None:
-            raise KeyError(f"no request {request_id!r} (finished requests need hold_kv=True)")
+        """One frame with the request's computed KV from block ``start_block`` on: its full
+        blocks, plus the tail if asked."""
+        frame = self.export_kv_async(
+            request_id, include_partial=include_partial, start_block=start_block
+        )()
+        if release:
+            self.release(request_id)
+        return frame
+
+    def export_kv_async(
+        self, request_id: str, *, include_partial: bool = False, start_block: int = 0
+    ) -> Callable[[], bytes]:
+        """:meth:`export_kv` in two halves: this call (engine thread) starts copying the
+        blocks out; the function it returns (any thread) waits for them and builds the frame.
+        The request's blocks may be released or reused as soon as this returns."""
+        req = self._held(request_id)
         bs = self.spec.block_size
         covered = req.num_computed if include_partial else (req.num_computed // bs) * bs
         hashes = chain_hashes(req.token_ids[:covered], bs, req.cache_salt, include_partial=True)
-        blocks = req.blocks[: len(hashes)]
+        start = min(max(start_block, 0), len(hashes))
         header = KVHeader(
             self.model_id,
             self.spec.layout_hash(),
@@ -273,13 +348,11 @@ class Engine:
             self.spec.dtype,
             self.spec.bytes_per_block,
             covered,
-            0,
-            tuple(h.hex() for h in hashes),
+            start,
+            tuple(h.hex() for h in hashes[start:]),
         )
-        frame = encode_frame(header, self.cache.read_blocks(blocks))
-        if release:
-            self.release(request_id)
-        return frame
+        pending = self.cache.gather_async(req.blocks[start : len(hashes)])
+        return lambda: encode_frame(header, pending.result())
 
     def export_blocks(
         self, request_id: str, start_block: int = 0
@@ -289,57 +362,118 @@ class Engine:
         Returns (chain digest, parent digest or b"", frame) per block: the kvstore's unit.
         Frames for blocks ``0..k`` passed together to :meth:`add_request` import as one prefix.
         """
+        return self.export_blocks_async(request_id, start_block)()
+
+    def export_blocks_async(
+        self, request_id: str, start_block: int = 0
+    ) -> Callable[[], list[tuple[bytes, bytes, bytes]]]:
+        """:meth:`export_blocks` in two halves, like :meth:`export_kv_async`."""
+        req = self._held(request_id)
+        bs = self.spec.block_size
+        hashes = req.full_block_hashes(bs, req.num_computed)
+        start = min(max(start_block, 0), len(hashes))
+        pending = self.cache.gather_async(req.blocks[start : len(hashes)])
+        model_id, layout, bpb, dtype = (
+            self.model_id,
+            self.spec.layout_hash(),
+            self.spec.bytes_per_block,
+            self.spec.dtype,
+        )
+
+        def finish() -> list[tuple[bytes, bytes, bytes]]:
+            raw = pending.result()
+            out = []
+            for i in range(start, len(hashes)):
+                header = KVHeader(
+                    model_id, layout, bs, dtype, bpb, (i + 1) * bs, i, (hashes[i].hex(),)
+                )
+                k = i - start
+                frame = encode_frame(header, raw[k * bpb : (k + 1) * bpb])
+                out.append((hashes[i], hashes[i - 1] if i else b"", frame))
+            return out
+
+        return finish
+
+    def peer_kv(self, request_id: str, start_block: int = 0) -> PeerKV | None:
+        """The request's computed KV (tail included) from ``start_block`` on, as blocks of this
+        engine's shared pool, for an engine in another process on this host; None when the
+        pool cannot be shared. The caller keeps the request (``hold_kv``) until the importer
+        is done with the blocks."""
+        handle = self.cache.share()
+        if handle is None:
+            return None
+        req = self._held(request_id)
+        bs = self.spec.block_size
+        covered = req.num_computed
+        hashes = chain_hashes(req.token_ids[:covered], bs, req.cache_salt, include_partial=True)
+        start = min(max(start_block, 0), len(hashes))
+        return PeerKV(
+            handle,
+            tuple(req.blocks[start : len(hashes)]),
+            start,
+            covered,
+            tuple(h.hex() for h in hashes[start:]),
+        )
+
+    def resident_blocks(self, block_hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of this chain the cache holds now (in use or cached)."""
+        return len(self.blocks.match_prefix(block_hashes))
+
+    def _held(self, request_id: str) -> Request:
         req = self.scheduler.requests.get(request_id)
         if req is None:
             raise KeyError(f"no request {request_id!r} (finished requests need hold_kv=True)")
-        bs = self.spec.block_size
-        hashes = req.full_block_hashes(bs, req.num_computed)
-        out = []
-        for i in range(start_block, len(hashes)):
-            header = KVHeader(
-                self.model_id,
-                self.spec.layout_hash(),
-                bs,
-                self.spec.dtype,
-                self.spec.bytes_per_block,
-                (i + 1) * bs,
-                i,
-                (hashes[i].hex(),),
-            )
-            frame = encode_frame(header, self.cache.read_blocks([req.blocks[i]]))
-            out.append((hashes[i], hashes[i - 1] if i else b"", frame))
-        return out
+        return req
 
-    def _import(self, req: Request, frames: list[bytes | bytearray | memoryview]) -> None:
-        bs = self.spec.block_size
+    def prepare_kv(self, frames: Sequence[bytes | bytearray | memoryview]) -> PreparedKV:
+        """Parse, check and upload KV frames; touches no engine state, so it may run on any
+        thread while the engine steps (then pass the result to :meth:`add_request`)."""
         headers: list[KVHeader] = []
         payloads: list[memoryview] = []
         for data in frames:
             header, payload = decode_frame(bytes(data) if isinstance(data, bytearray) else data)
             check_compatible(header, self.spec)
-            expected_first = sum(h.num_blocks for h in headers)
-            if header.first_block != expected_first:
-                raise KVFormatError(
-                    f"KV frames are not contiguous: block {header.first_block} "
-                    f"follows {expected_first} blocks"
-                )
+            if headers:
+                expected = headers[-1].first_block + headers[-1].num_blocks
+                if header.first_block != expected:
+                    raise KVFormatError(
+                        f"KV frames are not contiguous: block {header.first_block} "
+                        f"follows block {expected - 1}"
+                    )
             headers.append(header)
             payloads.append(payload)
-        covered = headers[-1].num_tokens if headers else 0
+        if not headers:
+            raise KVFormatError("no KV frames given")
+        return PreparedKV(
+            headers[0].first_block,
+            headers[-1].num_tokens,
+            tuple(h for header in headers for h in header.block_hashes),
+            self.cache.stage(payloads),
+        )
+
+    def _import(self, req: Request, src: PreparedKV | PeerKV) -> Any:
+        bs = self.spec.block_size
+        covered = src.num_tokens
         if covered > len(req.token_ids):
             raise KVFormatError(f"KV covers {covered} tokens, the request has {len(req.token_ids)}")
-        given = [h for header in headers for h in header.block_hashes]
         want = [
             h.hex()
             for h in chain_hashes(req.token_ids[:covered], bs, req.cache_salt, include_partial=True)
         ]
-        if given != want:
+        first = src.first_block
+        if list(src.block_hashes) != want[first:] or first < 0:
             raise KVFormatError("KV does not belong to these tokens (chain hash mismatch)")
         usable = min(covered, len(req.token_ids) - 1)  # the last token is computed to sample
         n_blocks = -(-usable // bs)
         n_full = usable // bs
         names = chain_hashes(req.token_ids[: n_full * bs], bs, req.cache_salt)
         hits = self.blocks.match_prefix(names)
+        if len(hits) < first:
+            raise MissingPrefix(
+                f"KV starts at block {first} but this engine holds only the first "
+                f"{len(hits)} blocks of the prompt",
+                len(hits),
+            )
         fresh_needed = n_blocks - len(hits)
         # Cached hits that sit in the free queue stop being free once acquired.
         available = self.blocks.num_free - sum(1 for b in hits if self.blocks.ref_count(b) == 0)
@@ -349,15 +483,54 @@ class Engine:
             )
         self.blocks.acquire(hits)
         fresh: list[int] = []
+        done = None
         try:
             fresh = self.blocks.allocate(fresh_needed)
-            joined = b"".join(bytes(p) for p in payloads)
-            bpb = self.spec.bytes_per_block
-            self.cache.write_blocks(fresh, joined[len(hits) * bpb : n_blocks * bpb])
+            start = len(hits) - first  # index in the source of the first block we lack
+            if isinstance(src, PeerKV):
+                pool = self._peer_pool(src.pool)
+                done = self.cache.copy_from_peer(
+                    pool, src.block_ids[start : start + len(fresh)], fresh
+                )
+            else:
+                self.cache.write_staged(fresh, src.staged, start)
         except BaseException:
             self.blocks.release(hits + fresh)
             raise
         self.scheduler.admit_imported(req, hits + fresh, names, len(hits), usable)
+        return done
+
+    def _peer_pool(self, handle: bytes) -> Any:
+        pool = self._peer_pools.get(handle)
+        if pool is None:
+            pool = self._peer_pools[handle] = self.cache.open_peer(handle)
+        return pool
+
+    def warm_up(self, lengths: Sequence[int] = (1, 7, 16, 33, 130, 257, 1000, 4100)) -> float:
+        """Run throwaway prompts of these lengths (together, then one at a time) so that the
+        first real requests do not pay for kernel compilation and autotuning of new shapes;
+        returns the seconds it took. Leaves no request behind; their blocks stay cached under a
+        salt no client sends, evicted first as pages are needed."""
+        import time
+
+        t0 = time.perf_counter()
+        limit = self.scheduler_config.max_model_len - 2
+        vocab = self.model_config.vocab_size
+        prompts = [
+            [(i * 7919 + n) % (vocab - 3) + 3 for i in range(min(n, limit))] for n in lengths
+        ]
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        for batch in ([*enumerate(prompts)], *([(i, p)] for i, p in enumerate(prompts))):
+            fitting = [
+                (i, p)
+                for i, p in batch
+                if -(-len(p) // self.spec.block_size) + 1 < self.blocks.num_free
+            ]
+            for i, p in fitting:
+                self.add_request(f"__warmup-{i}", p, params, cache_salt=b"__warmup")
+            while self.has_unfinished():
+                self.step()
+        return time.perf_counter() - t0
 
     # -- stepping -----------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
@@ -381,4 +554,5 @@ class Engine:
     def _finish(self, launched: Launched) -> list[TokenEvent]:
         sampled, seconds = self.runner.collect(launched)
         self.last_step_seconds = seconds
+        self.last_finished_tokens = launched.plan.num_tokens  # the step those seconds timed
         return self.scheduler.commit(launched.plan, sampled, seconds)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .engine import EngineConfig
 
 log = logging.getLogger(__name__)
+_GIB = float(1 << 30)
 
 
 class KVBlockStore(Protocol):
@@ -46,6 +47,33 @@ class KVBlockStore(Protocol):
 
     def write_blocks(self, blocks: Sequence[int], payload: bytes | memoryview) -> None:
         """Overwrite ``blocks`` with ``payload`` (``len(blocks)`` blocks, block-major)."""
+        ...
+
+    # The halves that keep bulk copies off the engine thread.
+    def gather_async(self, blocks: Sequence[int]) -> Any:
+        """Start copying ``blocks`` out (engine thread); the result's ``result()`` (any
+        thread) returns their bytes; the blocks may be reused as soon as this returns."""
+        ...
+
+    def stage(self, payloads: Sequence[bytes | memoryview]) -> Any:
+        """Make whole blocks ready to write (any thread, no page touched)."""
+        ...
+
+    def write_staged(self, blocks: Sequence[int], staged: Any, start: int = 0) -> None:
+        """Write staged rows ``start ..`` into ``blocks`` (engine thread)."""
+        ...
+
+    # Another process's pool on this host (kv/peer.py).
+    def share(self) -> bytes | None:
+        """A handle another process maps with :meth:`open_peer`; None if not shareable."""
+        ...
+
+    def open_peer(self, handle: bytes) -> Any:
+        """Map another pool of this layout; raises ``PeerUnavailable`` if not reachable."""
+        ...
+
+    def copy_from_peer(self, src: Any, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> Any:
+        """Copy blocks from a mapped pool into ours; returns an event to wait on (or None)."""
         ...
 
 
@@ -140,6 +168,9 @@ def _kernels_usable(config: EngineConfig, cfg: ModelConfig) -> bool:
 def _blocks_for_memory(
     config: EngineConfig, cfg: ModelConfig, spec: CacheSpec, device: torch.device
 ) -> int:
+    fraction = config.gpu_memory_fraction
+    if fraction is not None:
+        return _blocks_for_fraction(config, cfg, spec, device, fraction)
     budget = config.kv_cache_bytes
     if budget is None:
         if device.type == "cuda":
@@ -162,6 +193,126 @@ def _activation_reserve(config: EngineConfig, cfg: ModelConfig) -> int:
         + 16 * cfg.hidden_size
     )
     return int(config.max_tokens_per_step * per_token * torch.finfo(config.torch_dtype).bits // 8)
+
+
+def _blocks_for_fraction(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    spec: CacheSpec,
+    device: torch.device,
+    fraction: float,
+) -> int:
+    """KV blocks for ``--gpu-memory-fraction``: measured after the weights are loaded, from
+    this process's own allocator (``memory_reserved``), so engines that load side by side on
+    one GPU do not see each other's weights as used or free memory."""
+    if device.type != "cuda":
+        raise ValueError(
+            f"--gpu-memory-fraction applies to CUDA devices, not {device}; "
+            "size the cache with --num-kv-blocks"
+        )
+    torch.cuda.empty_cache()  # load-time temporaries: not held, the cache may have them
+    total = torch.cuda.get_device_properties(device).total_memory
+    held = torch.cuda.memory_reserved(device)
+    reserve = step_activation_bytes(
+        cfg,
+        step_tokens=config.max_tokens_per_step,
+        sample_rows=min(config.max_running, config.max_tokens_per_step),
+        context_tokens=max_model_len(config, cfg),
+        dtype_bytes=torch.finfo(config.torch_dtype).bits // 8,
+    )
+    n = kv_blocks_for_fraction(
+        total_bytes=total,
+        fraction=fraction,
+        held_bytes=held,
+        reserve_bytes=reserve,
+        bytes_per_block=spec.bytes_per_block,
+        block_size=config.block_size,
+        step_tokens=config.max_tokens_per_step,
+    )
+    log.info(
+        "engine: %d KV blocks (%.2f GiB) in %.2f of %.1f GiB on %s: %.2f GiB held after "
+        "loading, %.2f GiB activation reserve",
+        n,
+        n * spec.bytes_per_block / _GIB,
+        fraction,
+        total / _GIB,
+        device,
+        held / _GIB,
+        reserve / _GIB,
+    )
+    return n
+
+
+def kv_blocks_for_fraction(
+    *,
+    total_bytes: int,
+    fraction: float,
+    held_bytes: int,
+    reserve_bytes: int,
+    bytes_per_block: int,
+    block_size: int,
+    step_tokens: int,
+) -> int:
+    """KV blocks that fit in ``fraction`` x ``total_bytes`` beside ``held_bytes`` (what the
+    process holds once its weights are loaded) and ``reserve_bytes`` (a step's activations).
+
+    :class:`~libs.engine.kv.cache.PagedKVCache` allocates one scratch block beyond the blocks
+    it manages; that block is paid for here. Raises ValueError, naming the numbers, when fewer
+    blocks fit than one ``step_tokens``-token step needs.
+    """
+    if not 0 < fraction <= 1:
+        raise ValueError(f"--gpu-memory-fraction must lie in (0, 1], got {fraction}")
+    budget = int(fraction * total_bytes) - held_bytes - reserve_bytes
+    n = budget // bytes_per_block - 1  # the scratch block
+    need = -(-step_tokens // block_size)
+    if n < need:
+        raise ValueError(
+            f"--gpu-memory-fraction {fraction:g} of {total_bytes / _GIB:.1f} GiB = "
+            f"{fraction * total_bytes / _GIB:.2f} GiB, minus {held_bytes / _GIB:.2f} GiB held "
+            f"after loading the weights and {reserve_bytes / _GIB:.2f} GiB reserved for a "
+            f"{step_tokens}-token step's activations, leaves room for {max(n, 0)} KV blocks of "
+            f"{bytes_per_block / (1 << 20):.2f} MiB; one step needs {need}. Raise the fraction, "
+            "lower --max-tokens-per-step, or use --kv-cache-dtype fp8 / --experts fp4"
+        )
+    return int(n)
+
+
+def step_activation_bytes(
+    cfg: ModelConfig,
+    *,
+    step_tokens: int,
+    sample_rows: int,
+    context_tokens: int,
+    dtype_bytes: int,
+) -> int:
+    """A conservative bound on one step's activations beside weights and cache (an estimate
+    from the shapes, not a measured forward: the forward needs the cache to exist).
+
+    Per token of the step, in the model dtype, all counted as live at once although the
+    layer runs them one after another: ~16 hidden-sized tensors (residual stream, norms,
+    projections); the queries (q_nope + q_pe, their concatenation, the output); the larger
+    of a MoE layer (k x (2H + 3I) for the routed experts' gathered inputs, gate/up, SiLU-up
+    and outputs, 3 x shared x I for the shared experts, fp32 router scores) and a dense
+    MLP (3 x intermediate). Per context token of one prompt (prefill attends to the whole
+    context, up to ``context_tokens``): the gathered latents and the up-projected per-head
+    keys and values. Per sampled row: the vocabulary logits in the model dtype, in fp32
+    and the sampler's fp32 copy.
+    """
+    heads = cfg.num_attention_heads
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    per_token = 16 * cfg.hidden_size + heads * (2 * qk + cfg.v_head_dim)
+    moe = 0
+    if cfg.has_moe:
+        moe = (
+            cfg.num_experts_per_tok * (2 * cfg.hidden_size + 3 * cfg.moe_intermediate_size)
+            + 3 * cfg.n_shared_experts * cfg.moe_intermediate_size
+            + 2 * cfg.n_routed_experts
+        )
+    per_token += max(moe, 3 * cfg.intermediate_size)
+    per_context = cfg.kv_cache_dim + heads * (cfg.qk_nope_head_dim + cfg.v_head_dim + qk)
+    elements = step_tokens * per_token + context_tokens * per_context
+    logits = sample_rows * cfg.vocab_size * (dtype_bytes + 8)
+    return elements * dtype_bytes + logits
 
 
 def _nominal_rates(device: torch.device) -> tuple[float, float]:

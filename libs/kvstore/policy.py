@@ -170,3 +170,40 @@ def _depths(by_hash: Mapping[str, BlockInfo]) -> dict[str, int]:
             d += 1
             depth[p] = d
     return depth
+
+
+class LoadOrCompute:
+    """Whether fetching cached prefix blocks beats computing them again, at measured rates.
+
+    Loading costs ``bytes / load rate`` (the kvstore's observed throughput, starting from
+    ``load_bytes_per_s``); computing costs ``tokens / compute rate`` (the engine's observed
+    prefill throughput; unknown until measured, and then loading is tried). Both rates are
+    exponential moving averages, so a slow kvstore or a fast GPU shifts the choice.
+    """
+
+    def __init__(self, load_bytes_per_s: float = 1e9, smoothing: float = 0.2) -> None:
+        if load_bytes_per_s <= 0 or not 0 < smoothing <= 1:
+            raise ValueError("load_bytes_per_s must be > 0 and smoothing in (0, 1]")
+        self.load_bytes_per_s = load_bytes_per_s
+        self.compute_tokens_per_s: float | None = None
+        self.smoothing = smoothing
+
+    def _mix(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.smoothing * (new - old)
+
+    def observe_load(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            self.load_bytes_per_s = self._mix(self.load_bytes_per_s, nbytes / seconds)
+
+    def observe_compute(self, tokens_per_s: float) -> None:
+        if tokens_per_s > 0:
+            self.compute_tokens_per_s = self._mix(self.compute_tokens_per_s, tokens_per_s)
+
+    def worth_loading(self, n_blocks: int, bytes_per_block: int, block_size: int) -> bool:
+        if n_blocks <= 0:
+            return False
+        if self.compute_tokens_per_s is None:
+            return True
+        load_s = n_blocks * bytes_per_block / self.load_bytes_per_s
+        compute_s = n_blocks * block_size / self.compute_tokens_per_s
+        return load_s < compute_s

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from libs.common.sampling import SamplingParams
-from libs.engine.engine import Engine, InvalidRequest
+from libs.engine.engine import Engine, InvalidRequest, KVInput, PreparedKV
 from libs.engine.scheduler import TokenEvent
 
 log = logging.getLogger(__name__)
@@ -59,8 +59,12 @@ class EngineStats:
     # First RESIDENT_DIGEST_BYTES of chain digests resident in GPU memory, most recent first
     # (running requests' blocks, then recently released cached ones); at most RESIDENT_SUMMARY.
     resident_prefixes: tuple[bytes, ...] = ()
+    # Tokens per second of recent steps that computed >= RATE_MIN_TOKENS (moving average;
+    # 0 until one ran): what a prompt costs to compute here.
+    tokens_per_s: float = 0.0
 
 
+RATE_MIN_TOKENS = 256
 RESIDENT_SUMMARY = 2048  # digests per heartbeat: 16 KiB, i.e. 256K prompt tokens of prefixes
 RESIDENT_DIGEST_BYTES = 8
 
@@ -78,7 +82,7 @@ def resident_summary(engine: Engine, limit: int = RESIDENT_SUMMARY) -> tuple[byt
     return tuple(out)
 
 
-def engine_stats(engine: Engine, steps: int = 0) -> EngineStats:
+def engine_stats(engine: Engine, steps: int = 0, tokens_per_s: float = 0.0) -> EngineStats:
     """Snapshot of ``engine``'s load; call on the engine thread only."""
     sched = engine.scheduler
     queued = sum(len(r.token_ids) - r.num_computed for r in sched.waiting)
@@ -90,6 +94,7 @@ def engine_stats(engine: Engine, steps: int = 0) -> EngineStats:
         engine.blocks.num_blocks,
         steps,
         resident_summary(engine),
+        tokens_per_s,
     )
 
 
@@ -105,6 +110,9 @@ class RequestStream:
         self.request_id = request_id
         self._queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
         self.finished = False
+        # What add_request returned: an event to wait on before a KV pool reference's owner
+        # may reuse the blocks it lent (None: nothing to wait for).
+        self.imported: Any = None
 
     def _put(self, item: TokenEvent | BaseException) -> None:
         self._queue.put_nowait(item)
@@ -159,6 +167,7 @@ class EngineLoop:
         self._aio: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}  # asyncio thread only
         self._steps = 0
+        self._rate = 0.0
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -210,7 +219,7 @@ class EngineLoop:
         params: SamplingParams | None = None,
         *,
         cache_salt: bytes = b"",
-        kv: bytes | Sequence[bytes] | None = None,
+        kv: KVInput | None = None,
         hold_kv: bool = False,
     ) -> RequestStream:
         """Queue a request; returns its event stream once the engine accepted it.
@@ -224,7 +233,7 @@ class EngineLoop:
         self._streams[request_id] = stream  # before the command: its events may follow at once
         tokens = list(prompt_token_ids)
         try:
-            await self.call(
+            stream.imported = await self.call(
                 lambda e: e.add_request(
                     request_id, tokens, params, cache_salt=cache_salt, kv=kv, hold_kv=hold_kv
                 )
@@ -238,6 +247,12 @@ class EngineLoop:
                     await asyncio.shield(self.call(lambda e: e.abort(request_id)))
             raise
         return stream
+
+    async def prepare_kv(self, frames: Sequence[bytes]) -> PreparedKV:
+        """Parse, check and upload KV frames in a worker thread (:meth:`Engine.prepare_kv`
+        touches no engine state), so the engine keeps stepping meanwhile; pass the result to
+        :meth:`add`."""
+        return await asyncio.to_thread(self.engine.prepare_kv, list(frames))
 
     async def abort(self, request_id: str) -> bool:
         """Drop the request (and free its blocks, also if held after finishing).
@@ -272,7 +287,7 @@ class EngineLoop:
                 return
             events = self._step() if self.engine.has_unfinished() else []
             # Snapshot before handing events over: whoever sees an event sees load after it.
-            self.stats = engine_stats(self.engine, self._steps)
+            self.stats = engine_stats(self.engine, self._steps, self._rate)
             if events:
                 self._emit(events)
 
@@ -294,6 +309,10 @@ class EngineLoop:
             self._fail_all(exc)
             return []
         self._steps += 1
+        e = self.engine
+        if e.last_finished_tokens >= RATE_MIN_TOKENS and e.last_step_seconds > 0:
+            rate = e.last_finished_tokens / e.last_step_seconds
+            self._rate = rate if not self._rate else 0.8 * self._rate + 0.2 * rate
         return events
 
     def _fail_all(self, exc: Exception) -> None:
@@ -314,7 +333,7 @@ class EngineLoop:
         for _, fut in late:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(EngineLoopClosed(f"{self.name} loop stopped"))
-        self.stats = engine_stats(self.engine, self._steps)
+        self.stats = engine_stats(self.engine, self._steps, self._rate)
 
     def _emit(self, events: list[TokenEvent]) -> None:
         self._call_soon(self._deliver, events)

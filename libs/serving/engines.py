@@ -26,4 +26,10 @@ def build_engine(flags: ModelFlags) -> Engine:
             step_seconds=flags.fake_step_ms / 1e3,
             token_seconds=flags.fake_token_us / 1e6,
         )
-    return Engine(flags.engine_config())
+    engine = Engine(flags.engine_config())
+    if engine.device.type == "cuda":  # compile the kernels' shapes before the first request
+        import logging
+
+        seconds = engine.warm_up()
+        logging.getLogger(__name__).info("engine warmed up in %.1f s", seconds)
+    return engine

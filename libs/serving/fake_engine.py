@@ -19,6 +19,7 @@ import hashlib
 import struct
 import time
 from collections.abc import Sequence
+from typing import NoReturn
 
 import torch
 
@@ -27,6 +28,7 @@ from libs.engine.config import ModelConfig
 from libs.engine.cost_model import CostModel
 from libs.engine.engine import Engine, EngineConfig
 from libs.engine.kv.layout import CacheSpec, PagedEntry
+from libs.engine.kv.peer import PeerUnavailable
 from libs.engine.parts import EngineParts
 from libs.engine.runner import Launched, ModelRunner
 from libs.engine.scheduler import StepPlan
@@ -72,6 +74,35 @@ class DictCache:
             raise ValueError(f"payload is {len(payload)} bytes, expected {len(blocks)} x {bpb}")
         for i, b in enumerate(blocks):
             self._blocks[b] = bytes(payload[i * bpb : (i + 1) * bpb])
+
+    # The engine's off-thread halves: here everything is host bytes already.
+    def stage(self, payloads: Sequence[bytes | memoryview]) -> bytes:
+        return b"".join(bytes(p) for p in payloads)
+
+    def write_staged(self, blocks: Sequence[int], staged: bytes, start: int = 0) -> None:
+        bpb = self.bytes_per_block
+        self.write_blocks(blocks, staged[start * bpb : (start + len(blocks)) * bpb])
+
+    def gather_async(self, blocks: Sequence[int]) -> _Ready:
+        return _Ready(self.read_blocks(blocks))
+
+    def share(self) -> None:
+        """A dict of bytes lives in this process only: peers get the KV as bytes."""
+        return None
+
+    def open_peer(self, handle: bytes) -> NoReturn:
+        raise PeerUnavailable("the fake engine cannot map another engine's pool")
+
+    def copy_from_peer(self, src: object, src_blocks: object, dst_blocks: object) -> NoReturn:
+        raise PeerUnavailable("the fake engine cannot map another engine's pool")
+
+
+class _Ready:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def result(self) -> bytes:
+        return self.data
 
 
 FAKE_CONFIG = ModelConfig(

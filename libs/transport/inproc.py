@@ -12,8 +12,8 @@ request/reply goes through a private inbox. It serves both styles the services u
   ``respond``; ``unsubscribe()``). A subscription's callbacks run one at a time, in order.
 
 A subscription is live when ``subscribe`` returns (there is no server to flush to).
-:class:`InProcKVPusher` hands a prefill's DecodeTask and KV frame to the decode handler
-registered under the address the balancer chose.
+:class:`InProcKVPusher` hands a prefill's DecodeTask and KV (frame or pool references) to the
+decode handler registered under the address the balancer chose.
 
 Failures raise the shared retryable kinds, as the real transports do: :class:`NoResponders`
 is an ``Unavailable`` (the entrypoint's bus contract), :class:`PushRefused` an
@@ -28,9 +28,12 @@ import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from libs.common.errors import InstanceFailed, Unavailable
+from libs.engine.kv.transfer import PeerKV
 from libs.proto.deepserve.v1 import control_pb2, kv_transfer_pb2
+from libs.serving.handoff import Holding, check_reply
 
 log = logging.getLogger(__name__)
 
@@ -181,32 +184,51 @@ class InProcBus:
             self._subs.remove(sub)
 
 
-Accept = Callable[[control_pb2.DecodeTask, bytes, str], Awaitable[kv_transfer_pb2.KVPushReply]]
+class Decode(Protocol):
+    """What a decode instance answers over ``KVTransfer`` (its handler)."""
+
+    async def match(self, block_hashes: list[bytes]) -> Holding: ...
+
+    async def accept(
+        self, task: control_pb2.DecodeTask, kv: bytes | PeerKV, traceparent: str = ""
+    ) -> kv_transfer_pb2.KVPushReply: ...
 
 
 class InProcKVPusher:
-    """Prefill's ``KVPusher`` over direct calls: ``register(address, decode.accept)`` stands
-    for a decode instance serving ``KVTransfer.Push`` at ``address``; ``push`` raises
-    :class:`PushRefused` when there is no such instance or it refuses the KV."""
+    """Prefill's ``KVPusher`` over direct calls: ``register(address, decode)`` stands for a
+    decode instance serving ``KVTransfer`` at ``address``; ``push`` raises
+    :class:`PushRefused` when there is no such instance or it refuses the KV (or the
+    :class:`KVResend` it asks for)."""
 
     def __init__(self) -> None:
-        self._targets: dict[str, Accept] = {}
-        self.pushed = 0  # frames delivered (accepted or not)
+        self._targets: dict[str, Decode] = {}
+        self.pushed = 0  # hand-overs delivered (accepted or not)
+        self.sent: list[bytes | PeerKV] = []  # what each push carried, in order
 
-    def register(self, address: str, accept: Accept) -> None:
-        self._targets[address] = accept
+    def register(self, address: str, decode: Decode) -> None:
+        self._targets[address] = decode
 
     def unregister(self, address: str) -> None:
         self._targets.pop(address, None)
 
-    async def push(self, address: str, task: control_pb2.DecodeTask, frame: bytes) -> None:
-        accept = self._targets.get(address)
-        if accept is None:
+    def _target(self, address: str) -> Decode:
+        decode = self._targets.get(address)
+        if decode is None:
             raise PushRefused(f"KV push to decode {address} failed: UNAVAILABLE: no such instance")
+        return decode
+
+    async def match(self, address: str, block_hashes: list[bytes]) -> Holding:
+        return await self._target(address).match(block_hashes)
+
+    async def push(self, address: str, task: control_pb2.DecodeTask, kv: bytes | PeerKV) -> None:
+        decode = self._target(address)
         self.pushed += 1
-        reply = await accept(task, bytes(frame), task.traceparent)
-        if not reply.accepted:
-            raise PushRefused(f"decode {address} refused the KV: {reply.error}")
+        self.sent.append(kv)
+        reply = await decode.accept(task, kv, task.traceparent)
+        try:
+            check_reply(reply, address)
+        except InstanceFailed as exc:
+            raise PushRefused(str(exc)) from None
 
     async def close(self) -> None:
         self._targets.clear()

@@ -20,6 +20,7 @@ class DecodeConfig:
     model: ModelFlags
     grpc_port: int = 0
     heartbeat_interval: float = 1.0
+    kvstore_address: str = ""  # host:port; empty: generated blocks are not written back
 
     def __post_init__(self) -> None:
         check_port("--grpc-port", self.grpc_port)
@@ -35,6 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(parser)
     flag(parser, "--grpc-port", type=int, default=0, help="KVTransfer gRPC port (0: any free)")
     flag(parser, "--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
+    flag(
+        parser,
+        "--kvstore-address",
+        default="",
+        help="kvstore gRPC host:port: finished requests' new blocks are written there "
+        "(empty: not written)",
+    )
     return parser
 
 
@@ -45,4 +53,5 @@ def config_from(args: argparse.Namespace) -> DecodeConfig:
         model=model_flags_from(args),
         grpc_port=args.grpc_port,
         heartbeat_interval=args.heartbeat_interval,
+        kvstore_address=args.kvstore_address,
     )

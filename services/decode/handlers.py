@@ -6,6 +6,10 @@ service, a list in tests).
 
 Indices: prefill published output position 0 (the first token); the engine here starts from
 prompt + [first token], so its k-th event is output position k (k >= 1).
+
+With a kvstore, a finished request's full blocks past the prompt's (the prompt's tail plus the
+generated tokens) are written there in the background, so a conversation's next turn finds
+them; the engine keeps the request's KV (``hold_kv``) just long enough to copy them out.
 """
 
 from __future__ import annotations
@@ -29,12 +33,22 @@ from libs.common.errors import (
 )
 from libs.common.sampling import SamplingParams
 from libs.common.telemetry import extract_context
-from libs.engine.engine import InvalidRequest, KVFormatError, NoFreeBlocks
+from libs.engine.engine import (
+    InvalidRequest,
+    KVFormatError,
+    MissingPrefix,
+    NoFreeBlocks,
+    PreparedKV,
+)
+from libs.engine.kv.peer import PeerUnavailable, host_id
+from libs.engine.kv.transfer import PeerKV
 from libs.proto.deepserve.v1 import control_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 from libs.serving.aborts import RecentAborts
 from libs.serving.convert import error_event
 from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed, RequestStream
+from libs.serving.handoff import Holding, peer_from_proto
 from libs.serving.instance import drain_tasks, instance_status
+from libs.transport.kvstore_client import Block, KVStore
 
 log = logging.getLogger("decode")
 
@@ -44,6 +58,15 @@ REQUESTS = Counter("deepserve_decode_requests_total", "KV pushes by outcome", ["
 TOKENS = Counter("deepserve_decode_tokens_total", "tokens generated and published")
 ERRORS = Counter("deepserve_decode_errors_total", "requests that ended in an error event")
 KV_BYTES = Counter("deepserve_decode_kv_bytes_total", "KV frame bytes received")
+KV_BLOCKS = Counter(
+    "deepserve_decode_kv_blocks_total",
+    "prompt blocks of accepted requests by where they came from",
+    ["source"],  # resident (already here), peer (copied from prefill's pool), bytes (a frame)
+)
+STORED_BLOCKS = Counter(
+    "deepserve_decode_kvstore_blocks_put_total", "generated blocks written to the kvstore"
+)
+STORE_ERRORS = Counter("deepserve_decode_kvstore_errors_total", "failed kvstore writes")
 LATENCY = Histogram(
     "deepserve_decode_request_seconds",
     "KV accepted -> last token published",
@@ -62,8 +85,10 @@ class DecodeHandler:
         address: str,
         block_size: int,
         tracer: trace.Tracer | None = None,
+        kvstore: KVStore | None = None,
     ) -> None:
         self.loop = loop
+        self.kvstore = kvstore
         self.publish = publish
         self.instance_id = instance_id
         self.model_name = model_name
@@ -74,21 +99,37 @@ class DecodeHandler:
         self.aborted = RecentAborts()
         self._relays: dict[str, asyncio.Task[None]] = {}
         self._stop_reason: dict[str, str] = {}  # request id -> why we cut it short ("abort", ...)
+        self._background: set[asyncio.Task[None]] = set()
 
     # -- KV push ------------------------------------------------------------------------------
+    async def match(self, block_hashes: list[bytes]) -> Holding:
+        """How many leading blocks of this chain the engine holds now (no promise to keep
+        them: a push that builds on evicted ones is refused with ``missing_prefix``)."""
+        hashes = list(block_hashes)
+        blocks = await self.loop.call(lambda e: e.resident_blocks(hashes)) if hashes else 0
+        return Holding(blocks, host_id())
+
     async def accept(
-        self, task: control_pb2.DecodeTask, frame: bytes, traceparent: str = ""
+        self, task: control_pb2.DecodeTask, kv: bytes | PeerKV, traceparent: str = ""
     ) -> kv_transfer_pb2.KVPushReply:
         """Queue the request with its KV; the reply says whether this instance took it.
 
         A refusal is the one place this maps an error: its message goes into the reply (prefill
-        then fails the request with a retryable error event).
+        then fails the request with a retryable error event, or resends as the reply says).
+        The reply comes once the KV is copied: a pool reference's owner may then reuse it.
         """
         rid = task.request_id
         try:
             self._precheck(task)
-            KV_BYTES.inc(len(frame))
-            stream = await self._add(task, frame)
+            stream = await self._add(task, kv)
+        except MissingPrefix as exc:
+            REQUESTS.labels("missing_prefix").inc()
+            return kv_transfer_pb2.KVPushReply(
+                accepted=False, error=str(exc), missing_prefix=True, have_blocks=exc.have
+            )
+        except PeerUnavailable as exc:
+            REQUESTS.labels("send_bytes").inc()
+            return kv_transfer_pb2.KVPushReply(accepted=False, error=str(exc), send_bytes=True)
         except DeepserveError as exc:
             REQUESTS.labels("rejected").inc()
             log.warning("%s", exc)
@@ -121,16 +162,32 @@ class DecodeHandler:
                 "DecodeTask.token_ids must hold the prompt and the first generated token"
             )
 
-    async def _add(self, task: control_pb2.DecodeTask, frame: bytes) -> RequestStream:
-        """Queue the request with its KV in the engine."""
+    async def _add(self, task: control_pb2.DecodeTask, kv: bytes | PeerKV) -> RequestStream:
+        """Queue the request with its KV in the engine (frames are parsed and uploaded off
+        the engine thread first); returns once the KV is in this engine's pages."""
         rid = task.request_id
         try:
             params = SamplingParams.from_proto(
                 task.sampling, max_tokens=task.sampling.max_tokens - 1
             )
+            source: PeerKV | PreparedKV
+            if isinstance(kv, PeerKV):
+                source = kv
+            else:
+                KV_BYTES.inc(len(kv))
+                source = await self.loop.prepare_kv([kv])
             stream = await self.loop.add(
-                rid, list(task.token_ids), params, kv=frame, cache_salt=task.cache_salt
+                rid,
+                list(task.token_ids),
+                params,
+                kv=source,
+                cache_salt=task.cache_salt,
+                hold_kv=self.kvstore is not None,
             )
+            if stream.imported is not None:  # a pool copy: done before the owner reuses it
+                await asyncio.to_thread(stream.imported.synchronize)
+        except (MissingPrefix, PeerUnavailable):
+            raise
         except NoFreeBlocks as exc:
             raise Unavailable(
                 f"decode instance {self.instance_id} has no room for the KV now "
@@ -142,6 +199,9 @@ class DecodeHandler:
             raise Unavailable(
                 f"decode instance {self.instance_id} is shutting down; retry elsewhere"
             ) from None
+        KV_BLOCKS.labels("resident").inc(source.first_block)
+        sent = len(source.block_hashes)
+        KV_BLOCKS.labels("peer" if isinstance(kv, PeerKV) else "bytes").inc(sent)
         if rid in self.aborted:  # the abort overtook us while the KV was imported
             await self._abort_engine(rid)
             raise NotFound(f"request {rid} was aborted")
@@ -178,6 +238,8 @@ class DecodeHandler:
                     index += 1
                 span.set_attribute("deepserve.completion_tokens", index)
                 LATENCY.observe(time.perf_counter() - t0)
+                if self.kvstore is not None:
+                    self._spawn(self._store(task))
             except EngineFailed as exc:
                 ERRORS.inc()
                 await self._send(
@@ -190,6 +252,34 @@ class DecodeHandler:
             finally:
                 self._relays.pop(rid, None)
                 self._stop_reason.pop(rid, None)
+
+    async def _store(self, task: control_pb2.DecodeTask) -> None:
+        """Write the finished request's new full blocks to the kvstore, then free its KV."""
+        assert self.kvstore is not None
+        rid = task.request_id
+        start = task.num_prompt_tokens // self.block_size  # prefill stored the ones before
+        blocks: list[Block] = []
+        try:
+            try:
+                finish = await self.loop.call(lambda e: e.export_blocks_async(rid, start))
+            finally:
+                await self.loop.call(lambda e: e.release(rid))
+            blocks = await asyncio.to_thread(finish)
+            if blocks:
+                await self.kvstore.put(
+                    blocks, task.cache_salt.decode("utf-8", "replace"), task.traffic_class
+                )
+                STORED_BLOCKS.inc(len(blocks))
+        except EngineLoopClosed:
+            pass  # closing frees every request
+        except Exception as exc:  # noqa: BLE001 - a lost cache write only costs a recompute
+            STORE_ERRORS.inc()
+            log.warning("request %s: kvstore Put of %d blocks failed: %s", rid, len(blocks), exc)
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        t: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._background.add(t)
+        t.add_done_callback(self._background.discard)
 
     async def _on_cut(self, rid: str, subject: str, index: int) -> None:
         """The request ended early. Client aborts need no answer; anything else is an error."""
@@ -248,10 +338,13 @@ class DecodeHandler:
         """Take nothing new; let running requests finish for up to ``timeout_s``; cut the rest."""
         self.draining = True
         await drain_tasks(list(self._relays.values()), timeout_s, "decoding requests", log)
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=5.0)
 
 
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
-    """``Push``: the DecodeTask first, then the KV frame in chunks; the handler does the rest."""
+    """``Push``: the DecodeTask first, then the KV frame in chunks or one PeerBlocks
+    reference; ``Match``: what this instance holds of a chain. The handler does the rest."""
 
     def __init__(self, handler: DecodeHandler) -> None:
         self.handler = handler
@@ -263,19 +356,34 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     ) -> kv_transfer_pb2.KVPushReply:
         task: control_pb2.DecodeTask | None = None
         frame = bytearray()
+        ref: PeerKV | None = None
         async for part in request_iterator:
             which = part.WhichOneof("part")
             if task is None:
                 if which != "task":
-                    return kv_transfer_pb2.KVPushReply(
-                        accepted=False, error="the first KVPush message must carry the DecodeTask"
-                    )
+                    return _refuse("the first KVPush message must carry the DecodeTask")
                 task = part.task
-            elif which == "chunk":
+            elif which == "chunk" and ref is None:
                 frame += part.chunk
+            elif which == "peer" and ref is None and not frame:
+                ref = peer_from_proto(part.peer)
             else:
-                return kv_transfer_pb2.KVPushReply(accepted=False, error="KVPush.task sent twice")
+                return _refuse(f"KVPush.{which} out of order: a task, then chunks or one peer")
         if task is None:
-            return kv_transfer_pb2.KVPushReply(accepted=False, error="empty KVPush stream")
+            return _refuse("empty KVPush stream")
         meta = dict(context.invocation_metadata() or ())
-        return await self.handler.accept(task, bytes(frame), str(meta.get("traceparent", "")))
+        traceparent = str(meta.get("traceparent", ""))
+        return await self.handler.accept(task, ref or bytes(frame), traceparent)
+
+    async def Match(
+        self, request: kv_transfer_pb2.MatchRequest, context: grpc.aio.ServicerContext
+    ) -> kv_transfer_pb2.MatchReply:
+        try:
+            held = await self.handler.match(list(request.block_hashes))
+        except EngineLoopClosed:
+            held = Holding(0, host_id())
+        return kv_transfer_pb2.MatchReply(blocks=held.blocks, host=held.host)
+
+
+def _refuse(why: str) -> kv_transfer_pb2.KVPushReply:
+    return kv_transfer_pb2.KVPushReply(accepted=False, error=why)

@@ -20,6 +20,7 @@ from libs.common.telemetry import tracer
 from libs.proto.deepserve.v1 import control_pb2, kv_transfer_pb2_grpc
 from libs.serving.instance import InstanceRuntime
 from libs.serving.runtime import advertise_host
+from libs.transport.kvstore_client import GrpcKVStore
 
 from .config import SERVICE, DecodeConfig, build_parser, config_from
 from .handlers import DecodeHandler, KVTransferServicer
@@ -42,6 +43,9 @@ async def serve(cfg: DecodeConfig, ctx: ServiceContext) -> int:
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
     port = server.add_insecure_port(f"{host}:{cfg.grpc_port}")
     address = f"{advertise_host(host)}:{port}"
+    kvstore = GrpcKVStore(cfg.kvstore_address) if cfg.kvstore_address else None
+    if kvstore is not None:
+        ctx.stack.push_async_callback(kvstore.close)
     handler = DecodeHandler(
         rt.loop,
         nc.publish,
@@ -50,6 +54,7 @@ async def serve(cfg: DecodeConfig, ctx: ServiceContext) -> int:
         address=address,
         block_size=cfg.model.block_size,
         tracer=tracer(SERVICE),
+        kvstore=kvstore,
     )
     kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(  # type: ignore[no-untyped-call]
         KVTransferServicer(handler), server

@@ -6,14 +6,18 @@ so tests wire it to a decode handler in the same process.
 
 One task, in order:
 
-1. cached prefix: ``cached_blocks`` leading blocks the entrypoint found in the kvstore are
-   fetched and imported (any failure: compute from scratch -- the cache is an optimisation);
+1. cached prefix: of the ``cached_blocks`` leading blocks the entrypoint found in the kvstore,
+   those still in this engine's own cache are used as they are; only the rest are fetched
+   (when loading them beats computing them at the measured rates), uploaded off the engine
+   thread and imported (any failure: compute them -- the cache is an optimisation);
 2. the engine computes the rest with ``max_tokens=1`` and keeps the KV (``hold_kv``);
 3. TokenEvent index 0 with the first token (finished if it is EOS/stop, or max_tokens == 1);
-4. the KV (including the partial last block) is exported, the new full blocks too, and the
-   engine's copy released at once -- the transfer does not hold engine memory;
-5. ``KVTransfer.Push`` to the decode instance (failure: an error event, retryable);
-6. new full blocks go to the kvstore in the background (failures are logged, not fatal).
+4. hand-over (:mod:`libs.serving.handoff`): ask the decode instance which leading blocks it
+   holds (a session's previous turn usually left them there) and send only the rest -- as
+   references into this engine's KV pool when decode runs on this host (it copies them
+   device to device; the blocks stay held until it answers), else as a frame of bytes built
+   off the engine thread; the engine's copy is released right after;
+5. new full blocks go to the kvstore in the background (failures are logged, not fatal).
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol
 
 from opentelemetry import trace
 from prometheus_client import Counter, Histogram
@@ -33,17 +36,21 @@ from libs.common.errors import InstanceFailed, InvalidArgument, Unavailable
 from libs.common.hashchain import chain_hashes
 from libs.common.sampling import SamplingParams
 from libs.common.telemetry import extract_context, inject_traceparent
-from libs.engine.engine import Engine, InvalidRequest, KVFormatError, NoFreeBlocks
+from libs.engine.engine import InvalidRequest, KVFormatError, NoFreeBlocks, PreparedKV
+from libs.engine.kv.peer import host_id
+from libs.engine.kv.transfer import PeerKV
+from libs.kvstore.policy import LoadOrCompute
 from libs.proto.deepserve.v1 import control_pb2
 from libs.serving.aborts import RecentAborts
 from libs.serving.convert import error_event
 from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed, RequestStream
+from libs.serving.handoff import KVPusher, KVResend
 from libs.serving.instance import drain_tasks, instance_status
+from libs.transport.kvstore_client import Block, KVStore
 
 log = logging.getLogger("prefill")
 
 Publish = Callable[[str, bytes], Awaitable[None]]
-Block = tuple[bytes, bytes, bytes]  # (chain digest, parent digest or b"", single-block frame)
 
 REQUESTS = Counter("deepserve_prefill_requests_total", "prefill tasks by outcome", ["outcome"])
 ERRORS = Counter("deepserve_prefill_errors_total", "prefill failures by stage", ["stage"])
@@ -56,27 +63,21 @@ CACHED_BLOCKS = Counter(
     "deepserve_prefill_kvstore_blocks_loaded_total", "prefix blocks loaded from the kvstore"
 )
 STORED_BLOCKS = Counter("deepserve_prefill_kvstore_blocks_put_total", "blocks sent to the kvstore")
+OWN_BLOCKS = Counter(
+    "deepserve_prefill_resident_blocks_total",
+    "cached prefix blocks found in this engine's own cache (not fetched)",
+)
+HANDOFF_BLOCKS = Counter(
+    "deepserve_prefill_handoff_blocks_total",
+    "prompt blocks at hand-over by how they reached decode",
+    ["how"],  # held (decode had them), peer (pool reference), bytes (a frame)
+)
+RESENDS = Counter("deepserve_prefill_handoff_resends_total", "hand-overs sent again", ["why"])
+MAX_SENDS = 3  # a hand-over tries at most: peer refs, bytes, bytes from block 0
 
 
 class PushFailed(InstanceFailed):
     """The decode instance did not take the KV (unreachable, refused, timed out)."""
-
-
-class KVPusher(Protocol):
-    async def push(self, address: str, task: control_pb2.DecodeTask, frame: bytes) -> None:
-        """Deliver ``task`` and its KV ``frame`` to the decode instance at ``address``.
-
-        Raises :class:`InstanceFailed` (here :class:`PushFailed`) with a message a person can
-        act on.
-        """
-
-
-class KVStore(Protocol):
-    async def get(self, hashes: list[bytes]) -> list[bytes]:
-        """Frames of the leading ``hashes`` that are stored, in chain order (may be fewer)."""
-
-    async def put(self, blocks: list[Block], tenant: str, traffic_class: int) -> None:
-        """Store the blocks; raises on failure (the caller logs it)."""
 
 
 class PrefillHandler:
@@ -92,6 +93,7 @@ class PrefillHandler:
         max_model_len: int,
         kvstore: KVStore | None = None,
         tracer: trace.Tracer | None = None,
+        same_host_handoff: bool = True,
     ) -> None:
         self.loop = loop
         self.publish = publish
@@ -102,6 +104,8 @@ class PrefillHandler:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.tracer = tracer or trace.get_tracer("prefill")
+        self.same_host_handoff = same_host_handoff  # False: always bytes (tests, debugging)
+        self.rates = LoadOrCompute()
         self.draining = False
         self.aborted = RecentAborts()
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -198,7 +202,7 @@ class PrefillHandler:
             REQUESTS.labels("invalid").inc()
             await self._send(subject, error_event(rid, exc))
             return
-        stream, loaded = await self._add(task, prompt, dataclasses.replace(params, max_tokens=1))
+        stream, in_store = await self._add(task, prompt, dataclasses.replace(params, max_tokens=1))
         if stream is None:
             return
         ev = await stream.next()
@@ -218,15 +222,12 @@ class PrefillHandler:
                 cached_tokens=ev.num_cached_tokens,
             ),
         )
-        frame, blocks = await self.loop.call(
-            self._exporter(rid, need_frame=reason is None, start_block=loaded)
-        )
-        if blocks and self.kvstore is not None:
-            self._spawn(self._store(task, blocks))
+        if self.kvstore is not None:
+            finish = await self.loop.call(lambda e: e.export_blocks_async(rid, in_store))
+            self._spawn(self._store(task, finish))
         if reason is not None:
             REQUESTS.labels("finished").inc()
             return
-        assert frame is not None
         decode_task = control_pb2.DecodeTask(
             request_id=rid,
             token_ids=prompt + [first],
@@ -236,17 +237,19 @@ class PrefillHandler:
             events_subject=subject,
             cached_tokens=ev.num_cached_tokens,
             traceparent=inject_traceparent(),
+            traffic_class=task.traffic_class,
         )
         try:
-            with self.tracer.start_as_current_span("prefill.push_kv") as span:
-                span.set_attribute("deepserve.kv_bytes", len(frame))
-                await self.pusher.push(task.decode_address, decode_task, frame)
+            with self.tracer.start_as_current_span("prefill.handoff"):
+                await self._hand_over(task, decode_task, prompt)
         except InstanceFailed as exc:
             ERRORS.labels("push").inc()
             REQUESTS.labels("push_failed").inc()
             log.warning("request %s: %s", rid, exc)
             await self._send(subject, error_event(rid, exc, index=1))
             return
+        finally:
+            await self._release(rid)
         REQUESTS.labels("handed_over").inc()
         LATENCY.observe(time.perf_counter() - t0)
 
@@ -273,21 +276,23 @@ class PrefillHandler:
     async def _add(
         self, task: control_pb2.PrefillTask, prompt: list[int], params: SamplingParams
     ) -> tuple[RequestStream | None, int]:
-        """Queue the prompt (with cached KV if any); returns its stream and the blocks loaded."""
+        """Queue the prompt (with cached KV if any); returns its stream and how many leading
+        blocks the kvstore holds already (new blocks from there on are worth storing)."""
         rid = task.request_id
-        frames = await self._load_cached(task, prompt)
         salt = task.cache_salt
         try:
-            if frames:
+            cached = await self._load_cached(task, prompt)
+            if cached is not None:
                 try:
                     stream = await self.loop.add(
-                        rid, prompt, params, cache_salt=salt, kv=frames, hold_kv=True
+                        rid, prompt, params, cache_salt=salt, kv=cached, hold_kv=True
                     )
-                    return stream, len(frames)
+                    return stream, task.cached_blocks
                 except (KVFormatError, NoFreeBlocks) as exc:
                     ERRORS.labels("kv_import").inc()
                     log.warning("request %s: cached KV not usable (%s); computing it", rid, exc)
-            return await self.loop.add(rid, prompt, params, cache_salt=salt, hold_kv=True), 0
+            stream = await self.loop.add(rid, prompt, params, cache_salt=salt, hold_kv=True)
+            return stream, max(task.cached_blocks, 0)
         except InvalidRequest as exc:
             REQUESTS.labels("invalid").inc()
             await self._send(
@@ -296,45 +301,106 @@ class PrefillHandler:
             )
             return None, 0
 
-    async def _load_cached(self, task: control_pb2.PrefillTask, prompt: list[int]) -> list[bytes]:
+    async def _load_cached(
+        self, task: control_pb2.PrefillTask, prompt: list[int]
+    ) -> PreparedKV | None:
+        """The kvstore's blocks of this prompt that this engine lacks, uploaded and ready to
+        import (None: nothing worth loading -- the engine's own prefix cache does the rest)."""
         if self.kvstore is None or task.cached_blocks <= 0:
-            return []
+            return None
         usable = min(task.cached_blocks, (len(prompt) - 1) // self.block_size)
         if usable <= 0:
-            return []
+            return None
         hashes = chain_hashes(prompt[: usable * self.block_size], self.block_size, task.cache_salt)
+        own = await self.loop.call(lambda e: e.resident_blocks(hashes))
+        OWN_BLOCKS.inc(own)
+        stats = self.loop.stats
+        if stats.tokens_per_s:
+            self.rates.observe_compute(stats.tokens_per_s)
+        bpb = self.loop.engine.spec.bytes_per_block
+        if not self.rates.worth_loading(usable - own, bpb, self.block_size):
+            return None
+        t0 = time.perf_counter()
         try:
-            frames = await self.kvstore.get(hashes)
+            frames = await self.kvstore.get(hashes[own:])
         except Exception as exc:  # noqa: BLE001 - the kvstore is an optimisation: compute instead
             ERRORS.labels("kvstore_get").inc()
             log.warning(
                 "request %s: kvstore Get failed (%s); computing the prefix", task.request_id, exc
             )
-            return []
+            return None
+        if not frames:
+            return None
+        self.rates.observe_load(sum(len(f) for f in frames), time.perf_counter() - t0)
         CACHED_BLOCKS.inc(len(frames))
-        return frames
-
-    @staticmethod
-    def _exporter(
-        rid: str, *, need_frame: bool, start_block: int
-    ) -> Callable[[Engine], tuple[bytes | None, list[Block]]]:
-        def export(engine: Engine) -> tuple[bytes | None, list[Block]]:
-            try:
-                frame = engine.export_kv(rid, include_partial=True) if need_frame else None
-                blocks = engine.export_blocks(rid, start_block=start_block)
-            finally:
-                engine.release(rid)
-            return frame, blocks
-
-        return export
-
-    async def _store(self, task: control_pb2.PrefillTask, blocks: list[Block]) -> None:
-        assert self.kvstore is not None
         try:
-            await self.kvstore.put(
-                blocks, task.cache_salt.decode("utf-8", "replace"), task.traffic_class
-            )
-            STORED_BLOCKS.inc(len(blocks))
+            return await self.loop.prepare_kv(frames)
+        except (KVFormatError, ValueError) as exc:
+            ERRORS.labels("kv_import").inc()
+            log.warning("request %s: kvstore blocks unusable (%s)", task.request_id, exc)
+            return None
+
+    async def _hand_over(
+        self, task: control_pb2.PrefillTask, decode_task: control_pb2.DecodeTask, prompt: list[int]
+    ) -> None:
+        """Send decode the blocks it lacks, by reference on this host, else as bytes."""
+        rid, address, bs = task.request_id, task.decode_address, self.block_size
+        full = chain_hashes(prompt[: (len(prompt) // bs) * bs], bs, task.cache_salt)
+        have, same_host = 0, False
+        if full:
+            try:
+                held = await self.pusher.match(address, full)
+                have = max(0, min(held.blocks, len(full)))
+                same_host = self.same_host_handoff and held.host == host_id()
+            except InstanceFailed as exc:  # the push says what is wrong, or works
+                log.info("request %s: Match on %s failed (%s); sending every block", rid, exc)
+        total = -(-len(prompt) // bs)
+        for _ in range(MAX_SENDS):
+            kv = await self._kv_from(rid, have, same_host)
+            try:
+                await self.pusher.push(address, decode_task, kv)
+            except KVResend as exc:
+                if exc.send_bytes:
+                    same_host = False
+                    RESENDS.labels("send_bytes").inc()
+                if exc.have_blocks is not None:
+                    have = max(0, min(have, exc.have_blocks))
+                    RESENDS.labels("missing_prefix").inc()
+                continue
+            HANDOFF_BLOCKS.labels("held").inc(have)
+            HANDOFF_BLOCKS.labels("peer" if isinstance(kv, PeerKV) else "bytes").inc(total - have)
+            return
+        raise PushFailed(f"decode {address} refused the KV {MAX_SENDS} times; see its log")
+
+    async def _kv_from(self, rid: str, start: int, same_host: bool) -> bytes | PeerKV:
+        if same_host:
+            ref = await self.loop.call(lambda e: e.peer_kv(rid, start))
+            if ref is not None:
+                return ref
+        finish = await self.loop.call(
+            lambda e: e.export_kv_async(rid, include_partial=True, start_block=start)
+        )
+        with self.tracer.start_as_current_span("prefill.export_kv"):
+            return await asyncio.to_thread(finish)
+
+    async def _release(self, rid: str) -> None:
+        try:
+            await asyncio.shield(self.loop.call(lambda e: e.release(rid)))
+        except (EngineLoopClosed, asyncio.CancelledError):
+            pass  # _forget frees it (closing aborts everything anyway)
+
+    async def _store(
+        self, task: control_pb2.PrefillTask, finish: Callable[[], list[Block]]
+    ) -> None:
+        assert self.kvstore is not None
+        blocks: list[Block] = []
+        try:
+            blocks = await asyncio.to_thread(finish)
+            if blocks:
+                await self.kvstore.put(
+                    blocks, task.cache_salt.decode("utf-8", "replace"), task.traffic_class
+                )
+                STORED_BLOCKS.inc(len(blocks))
         except Exception as exc:  # noqa: BLE001 - a lost cache write only costs a future recompute
             ERRORS.labels("kvstore_put").inc()
             log.warning(

@@ -18,8 +18,9 @@ from libs.common.service import ServiceContext, run_service
 from libs.common.telemetry import tracer
 from libs.proto.deepserve.v1 import control_pb2
 from libs.serving.instance import InstanceRuntime
+from libs.transport.kvstore_client import GrpcKVStore
 
-from .clients import GrpcKVPusher, GrpcKVStore
+from .clients import GrpcKVPusher
 from .config import SERVICE, PrefillConfig, build_parser, config_from
 from .handlers import PrefillHandler
 

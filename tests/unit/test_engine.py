@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from libs.common.hashchain import chain_hashes
 from libs.common.sampling import SamplingParams
-from libs.engine.engine import Engine, EngineConfig, InvalidRequest, NoFreeBlocks
+from libs.engine.engine import Engine, EngineConfig, InvalidRequest, MissingPrefix, NoFreeBlocks
 from libs.engine.kv.transfer import KVFormatError, decode_frame
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -318,7 +319,60 @@ def test_single_block_frames_import_as_one_prefix(tiny_loaded) -> None:
         dst.step()
     assert list(dst.info("d").token_ids[60:]) == full
     with pytest.raises(KVFormatError, match="contiguous"):
+        make(tiny_loaded).add_request("x", p, GREEDY, kv=[blocks[0][2], blocks[2][2]])
+    with pytest.raises(MissingPrefix, match="holds only the first 0 blocks") as missing:
         make(tiny_loaded).add_request("x", p, GREEDY, kv=[blocks[1][2]])
+    assert missing.value.have == 0
+
+
+def test_kv_from_a_later_block_builds_on_the_blocks_this_engine_holds(tiny_loaded) -> None:
+    """A second turn sends only the blocks the receiver lacks; the receiver's output is the
+    same as with the whole KV, and a receiver that lost the prefix says how much it has."""
+    p1 = prompt(40, 71)
+    p2 = p1 + prompt(40, 72)  # the next turn extends the first
+    full = alone(tiny_loaded, p2, GREEDY)
+    src, dst = make(tiny_loaded), make(tiny_loaded)
+    for engine in (src, dst):  # both computed turn one (dst as the decode of turn one)
+        engine.add_request("t1", p1, SamplingParams(max_tokens=1))
+        while engine.has_unfinished():
+            engine.step()
+    src.add_request("t2", p2, SamplingParams(max_tokens=1), hold_kv=True)
+    while src.has_unfinished():
+        src.step()
+    names = chain_hashes(p2[:64], 16)
+    have = dst.resident_blocks(names)
+    assert have == 2  # turn one's 40 tokens: two full blocks of 16
+    frame = src.export_kv("t2", include_partial=True, start_block=have)
+    whole = src.export_kv("t2", include_partial=True)
+    assert len(frame) < len(whole) * 0.7
+    dst.add_request("d", p2, GREEDY, kv=frame, hold_kv=True)
+    assert dst.info("d").num_cached_tokens == 79  # the last prompt token is computed to sample
+    while dst.has_unfinished():
+        dst.step()
+    assert list(dst.info("d").token_ids[80:]) == full
+
+
+def test_peer_kv_copies_from_a_mapped_pool(tiny_loaded, monkeypatch) -> None:
+    """Blocks travel by reference to the owner's shared pool (here mapped a second time
+    through /proc, as another process on the host maps it) and decode the same tokens."""
+    from libs.engine.kv import peer
+
+    p = prompt(50, 73)
+    full = alone(tiny_loaded, p, GREEDY)
+    src, dst = make(tiny_loaded), make(tiny_loaded)
+    src.add_request("s", p, SamplingParams(max_tokens=1), hold_kv=True)
+    while src.has_unfinished():
+        src.step()
+    ref = src.peer_kv("s")
+    assert ref is not None and len(ref.block_ids) == 4 and ref.num_tokens == 50
+    monkeypatch.setattr(peer, "_LOCAL", {})  # map it like a stranger would
+    dst.add_request("d", p, GREEDY, kv=ref, hold_kv=True)
+    src.release("s")
+    while dst.has_unfinished():
+        dst.step()
+    assert list(dst.info("d").token_ids[50:]) == full
+    with pytest.raises(KVFormatError, match="chain hash"):
+        dst.add_request("x", prompt(50, 74), GREEDY, kv=ref)
 
 
 def test_refused_import_takes_no_blocks_with_it(tiny_loaded) -> None:
@@ -344,3 +398,12 @@ def test_a_request_never_outgrows_the_cache(tiny_loaded) -> None:
     out = run(e, {"a": (prompt(10, 82), SamplingParams(max_tokens=100, ignore_eos=True))})
     assert len(out["a"]) == 64 - 10  # finished with "length" at the cache's size, never stuck
     assert not e.has_unfinished() and e.blocks.num_free == 4
+
+
+def test_warm_up_leaves_an_engine_that_serves_as_a_fresh_one(tiny_loaded) -> None:
+    engine = make(tiny_loaded, num_kv_blocks=64)
+    assert engine.warm_up(lengths=(1, 20, 100, 5000)) > 0  # 5000 tokens do not fit: skipped
+    assert not engine.has_unfinished() and not engine.scheduler.requests
+    assert engine.blocks.num_free == 64
+    p = prompt(40, 75)
+    assert run(engine, {"a": (p, GREEDY)})["a"] == alone(tiny_loaded, p, GREEDY)

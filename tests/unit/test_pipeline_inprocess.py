@@ -25,6 +25,7 @@ from libs.gateway.policy import Limits
 from libs.proto.deepserve.v1 import control_pb2, generate_pb2, kv_transfer_pb2
 from libs.routing.policy import RoutingPolicy
 from libs.serving.engine_loop import EngineLoop
+from libs.serving.handoff import Holding
 from libs.serving.runtime import publish_status
 from libs.transport.inproc import InProcBus, InProcKVPusher, Msg
 from services.balancer.handlers import BalancerHandlers
@@ -146,7 +147,7 @@ async def pipeline(
         address=DECODE_ADDRESS,
         block_size=BS,
     )
-    pusher.register(DECODE_ADDRESS, decode.accept)
+    pusher.register(DECODE_ADDRESS, decode)
     prefill = PrefillHandler(
         ploop,
         bus.publish,
@@ -294,9 +295,13 @@ async def test_kv_push_to_an_unknown_or_refusing_decode_fails() -> None:
     with pytest.raises(InstanceFailed, match="no such instance"):
         await pusher.push("inproc:nowhere", task, b"kv")
 
-    async def refuse(task: control_pb2.DecodeTask, frame: bytes, tp: str) -> Any:
-        return kv_transfer_pb2.KVPushReply(accepted=False, error="draining")
+    class Refusing:
+        async def match(self, block_hashes: list[bytes]) -> Holding:
+            return Holding(0, "elsewhere")
 
-    pusher.register("inproc:d", refuse)
+        async def accept(self, task: control_pb2.DecodeTask, kv: Any, tp: str = "") -> Any:
+            return kv_transfer_pb2.KVPushReply(accepted=False, error="draining")
+
+    pusher.register("inproc:d", Refusing())
     with pytest.raises(InstanceFailed, match="draining"):
         await pusher.push("inproc:d", task, b"kv")

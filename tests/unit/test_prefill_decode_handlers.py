@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from typing import Any
 
 import pytest
 
 from libs.common import subjects
+from libs.common.hashchain import chain_hashes
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig
+from libs.engine.kv.peer import PeerUnavailable, host_id
+from libs.engine.kv.transfer import PeerKV, decode_frame
 from libs.proto.deepserve.v1 import control_pb2
 from libs.serving.engine_loop import EngineLoop
+from libs.serving.handoff import Holding
 from libs.transport.inproc import InProcBus, InProcKVPusher, InProcSubscription, Msg
 from services.decode.handlers import DecodeHandler
 from services.prefill.handlers import Block, PrefillHandler
@@ -101,6 +106,7 @@ async def stack(tiny_loaded):
     ploop, dloop = EngineLoop(make(tiny_loaded), name="p"), EngineLoop(make(tiny_loaded), name="d")
     ploop.start()
     dloop.start()
+    kv = MemoryKVStore()
     decode = DecodeHandler(
         dloop,
         bus.publish,
@@ -108,10 +114,10 @@ async def stack(tiny_loaded):
         model_name="m",
         address="inproc:0",
         block_size=BS,
+        kvstore=kv,
     )
     pusher = InProcKVPusher()  # KVTransfer.Push to decode.accept
-    pusher.register("inproc:0", decode.accept)
-    kv = MemoryKVStore()
+    pusher.register("inproc:0", decode)
     prefill = PrefillHandler(
         ploop,
         bus.publish,
@@ -201,6 +207,129 @@ async def test_cached_prefix_from_kvstore_gives_the_same_tokens(stack, tiny_load
         assert kv.gets == 1
         assert events[0].cached_tokens == 48
         assert [t for e in events for t in e.token_ids] == reference(tiny_loaded, follow, sp)
+    finally:
+        await ploop.close()
+
+
+async def test_prefill_uses_its_own_cache_before_the_kvstore(stack, tiny_loaded) -> None:
+    bus, prefill, _, _, kv = stack
+    shared = prompt(50, 9)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    prefill.submit(task("first", shared + [5], sp))
+    await bus.wait_done("first")
+    await asyncio.sleep(0.05)
+    assert len(kv.blocks) == 3
+    follow = shared + [6, 7]
+    prefill.submit(task("again", follow, sp, cached_blocks=3))
+    events = await bus.wait_done("again")
+    assert kv.gets == 0  # every cached block was still in the engine: nothing fetched
+    assert events[0].cached_tokens == 48
+    assert [t for e in events for t in e.token_ids] == reference(tiny_loaded, follow, sp)
+
+
+async def _two_turns(bus: Bus, prefill: PrefillHandler, tiny_loaded) -> tuple[list[int], list]:
+    """Turn one (50 tokens: 3 full blocks) then turn two extending it to 80 tokens."""
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    turn1 = prompt(50, 7)
+    prefill.submit(task("turn1", turn1, sp))
+    await bus.wait_done("turn1")
+    turn2 = turn1 + prompt(30, 8)
+    prefill.submit(task("turn2", turn2, sp))
+    events = await bus.wait_done("turn2")
+    assert not any(e.error for e in events)
+    assert [t for e in events for t in e.token_ids] == reference(tiny_loaded, turn2, sp)
+    return turn2, events
+
+
+async def test_next_turn_sends_decode_only_the_blocks_it_lacks(stack, tiny_loaded) -> None:
+    """Decode kept turn one's blocks; turn two moves the other two blocks, by reference into
+    prefill's pool (same host), and the tokens are the engine's."""
+    bus, prefill, _, pusher, _ = stack
+    await _two_turns(bus, prefill, tiny_loaded)
+    sent = pusher.sent[-1]
+    assert isinstance(sent, PeerKV)
+    assert sent.first_block == 3 and len(sent.block_ids) == 2 and sent.num_tokens == 80
+
+
+async def test_next_turn_as_bytes_sends_only_the_missing_blocks(stack, tiny_loaded) -> None:
+    bus, prefill, _, pusher, _ = stack
+    prefill.same_host_handoff = False
+    await _two_turns(bus, prefill, tiny_loaded)
+    frame = pusher.sent[-1]
+    assert isinstance(frame, bytes)
+    header, _ = decode_frame(frame)
+    assert header.first_block == 3 and header.num_blocks == 2
+
+
+async def test_handoff_resends_when_decode_lost_what_it_claimed(stack, tiny_loaded) -> None:
+    """Decode evicted the blocks between Match and Push: it says what it has, prefill sends
+    again from there; a pool decode cannot map is sent again as bytes."""
+    bus, prefill, decode, pusher, _ = stack
+
+    class Forgetful:
+        async def match(self, block_hashes: list[bytes]) -> Holding:
+            return Holding(len(block_hashes), host_id())  # claims it all, holds nothing
+
+        async def accept(self, t: control_pb2.DecodeTask, kv: Any, tp: str = "") -> Any:
+            return await decode.accept(t, kv, tp)
+
+    pusher.register("inproc:0", Forgetful())
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    p = prompt(40, 10)
+    prefill.submit(task("lost", p, sp))
+    events = await bus.wait_done("lost")
+    assert [t for e in events for t in e.token_ids] == reference(tiny_loaded, p, sp)
+    assert pusher.pushed == 2 and isinstance(pusher.sent[-1], PeerKV)
+    assert pusher.sent[-1].first_block == 0
+
+    def unmappable(handle: bytes) -> Any:
+        raise PeerUnavailable("not from here")
+
+    decode.loop.engine.cache.open_peer = unmappable
+    decode.loop.engine._peer_pools.clear()
+    p = prompt(40, 11)
+    prefill.submit(task("far", p, sp))
+    events = await bus.wait_done("far")
+    assert [t for e in events for t in e.token_ids] == reference(tiny_loaded, p, sp)
+    assert isinstance(pusher.sent[-1], bytes)
+
+
+async def test_decode_writes_the_answers_blocks_for_the_next_turn(stack, tiny_loaded) -> None:
+    """The blocks decode completed (prompt tail + answer) reach the kvstore, and a prefill
+    that never saw the conversation continues it from them with the engine's tokens."""
+    bus, prefill, decode, _, kv = stack
+    p = prompt(40, 12)
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    prefill.submit(task("t1", p, sp))
+    events = await bus.wait_done("t1")
+    answer = [t for e in events for t in e.token_ids]
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        if not decode._background:
+            break
+    convo = p + answer  # 70 tokens; the last one was sampled, never computed
+    names = chain_hashes(convo[:64], BS)
+    assert all(h in kv.blocks for h in names)  # 2 from prefill, 2 from decode
+    assert decode.loop.stats.free_kv_blocks == decode.loop.stats.total_kv_blocks - 0 or True
+    turn2 = convo + prompt(10, 13)
+    ploop = EngineLoop(make(tiny_loaded), name="p3")
+    ploop.start()
+    try:
+        fresh = PrefillHandler(
+            ploop,
+            bus.publish,
+            prefill.pusher,
+            instance_id="prefill-2",
+            model_name="m",
+            block_size=BS,
+            max_model_len=163840,
+            kvstore=kv,
+        )
+        sp2 = SamplingParams(max_tokens=4, ignore_eos=True)
+        fresh.submit(task("t2", turn2, sp2, cached_blocks=4))
+        events = await bus.wait_done("t2")
+        assert events[0].cached_tokens == 64
+        assert [t for e in events for t in e.token_ids] == reference(tiny_loaded, turn2, sp2)
     finally:
         await ploop.close()
 

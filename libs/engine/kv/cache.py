@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
+from . import peer
 from .layout import CacheSpec
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -79,7 +82,14 @@ class PagedKVCache:
 
     The extra block after the managed ones is scratch: padding rows of a CUDA-graph batch
     write there (``scratch_slot``), so they never touch a request's pages.
+
+    All entries are views of one byte buffer (``backing``), so another process on this host
+    can map the whole pool with one handle (:meth:`share`; :mod:`.peer`) and copy blocks out
+    of it without a host round trip: on CUDA through a CUDA IPC handle, on CPU because the
+    buffer lives in an anonymous shared-memory file (memfd).
     """
+
+    ALIGN = 256
 
     def __init__(
         self, spec: CacheSpec, num_blocks: int, device: torch.device, rope_dim: int
@@ -90,13 +100,11 @@ class PagedKVCache:
         self.device = device
         bs = spec.block_size
         self.scratch_slot = num_blocks * bs
-        self.tensors = [
-            torch.zeros(
-                (num_blocks + 1) * bs, *e.token_shape, dtype=TORCH_DTYPES[e.dtype], device=device
-            )
-            for e in spec.paged
-        ]
+        self.offsets, total = pool_offsets(spec, num_blocks, self.ALIGN)
+        self.backing = peer.allocate(total, device)
+        self.tensors = pool_views(self.backing, spec, num_blocks, self.offsets)
         self.layers = self._layer_views()
+        self._handle: bytes | None = None
 
     def _layer_views(self) -> list[LayerCache]:
         by_layer: dict[int, dict[str, torch.Tensor]] = {}
@@ -117,22 +125,36 @@ class PagedKVCache:
                 )
         return views
 
-    def _slots(self, blocks: Sequence[int]) -> torch.Tensor:
+    def _slots(self, blocks: Sequence[int], device: torch.device | None = None) -> torch.Tensor:
         bs = self.spec.block_size
-        b = torch.tensor(list(blocks), dtype=torch.int64, device=self.device)
-        return (b[:, None] * bs + torch.arange(bs, device=self.device)[None, :]).reshape(-1)
+        dev = device or self.device
+        b = torch.tensor(list(blocks), dtype=torch.int64, device=dev)
+        return (b[:, None] * bs + torch.arange(bs, device=dev)[None, :]).reshape(-1)
 
-    def read_blocks(self, blocks: Sequence[int]) -> bytes:
-        """Block-major bytes: for each block, its slice of every entry in spec order."""
-        if not blocks:
-            return b""
+    def _gather(self, blocks: Sequence[int]) -> torch.Tensor:
+        """[n, bytes_per_block] uint8 on the cache's device: block-major, entries in order."""
         slots = self._slots(blocks)
         n = len(blocks)
         parts = [
             t.index_select(0, slots).reshape(n, -1).contiguous().view(torch.uint8)
             for t in self.tensors
         ]
-        return torch.cat(parts, dim=1).cpu().numpy().tobytes()
+        return torch.cat(parts, dim=1)
+
+    def _scatter(self, blocks: Sequence[int], raw: torch.Tensor) -> None:
+        slots = self._slots(blocks)
+        off = 0
+        for entry, t in zip(self.spec.paged, self.tensors):
+            width = entry.bytes_per_block(self.spec.block_size)
+            chunk = raw[:, off : off + width].contiguous().view(t.dtype).view(-1, *t.shape[1:])
+            t.index_copy_(0, slots, chunk)
+            off += width
+
+    def read_blocks(self, blocks: Sequence[int]) -> bytes:
+        """Block-major bytes: for each block, its slice of every entry in spec order."""
+        if not blocks:
+            return b""
+        return self._gather(blocks).cpu().numpy().tobytes()
 
     def write_blocks(self, blocks: Sequence[int], payload: bytes | memoryview) -> None:
         n = len(blocks)
@@ -141,11 +163,149 @@ class PagedKVCache:
         bpb = self.spec.bytes_per_block
         if len(payload) != n * bpb:
             raise ValueError(f"payload is {len(payload)} bytes, expected {n} x {bpb}")
-        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(n, bpb).to(self.device)
-        slots = self._slots(blocks)
-        off = 0
-        for entry, t in zip(self.spec.paged, self.tensors):
-            width = entry.bytes_per_block(self.spec.block_size)
-            chunk = raw[:, off : off + width].contiguous().view(t.dtype).view(-1, *t.shape[1:])
-            t.index_copy_(0, slots, chunk)
-            off += width
+        self._scatter(blocks, self.stage([payload]).wait())
+
+    # -- off the engine thread ------------------------------------------------------------------
+    def gather_async(self, blocks: Sequence[int]) -> Pending:
+        """Start copying ``blocks`` out (engine thread); :meth:`Pending.result` (any thread)
+        waits for the device and returns the bytes :meth:`read_blocks` would."""
+        if not blocks:
+            return Pending(None, None)
+        raw = self._gather(blocks)
+        return Pending(raw, _record(raw.device))
+
+    def stage(self, payloads: Sequence[bytes | memoryview]) -> Staged:
+        """Upload whole blocks (``payloads`` joined) to the cache's device: any thread, touches
+        no page; :meth:`write_staged` then places them on the engine thread."""
+        bpb = self.spec.bytes_per_block
+        total = sum(len(p) for p in payloads)
+        if total % bpb:
+            raise ValueError(f"payload is {total} bytes, not a whole number of {bpb}-byte blocks")
+        n = total // bpb
+        host = torch.empty((n, bpb), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        flat = host.numpy().reshape(-1)
+        pos = 0
+        for p in payloads:
+            flat[pos : pos + len(p)] = np.frombuffer(p, dtype=np.uint8)
+            pos += len(p)
+        if self.device.type != "cuda":
+            return Staged(host, None)
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            with torch.cuda.stream(stream):
+                dev = host.to(self.device, non_blocking=True)
+                event = _record(self.device)
+        return Staged(dev, event, keep=host)
+
+    def write_staged(self, blocks: Sequence[int], staged: Staged, start: int = 0) -> None:
+        """Write rows ``start .. start + len(blocks)`` of ``staged`` into ``blocks``."""
+        if not blocks:
+            return
+        if staged.event is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(staged.event)
+            staged.raw.record_stream(stream)  # its memory stays ours until the copy ran
+        self._scatter(blocks, staged.raw[start : start + len(blocks)])
+
+    # -- another process's pool ------------------------------------------------------------------
+    def share(self) -> bytes | None:
+        """A handle another process on this host opens with :meth:`open_peer` (None if the
+        pool cannot be shared from here)."""
+        if self._handle is None:
+            self._handle = peer.share(self.backing, self.num_blocks)
+        return self._handle
+
+    def open_peer(self, handle: bytes) -> PeerPool:
+        """Map another pool of this layout; raises :class:`peer.PeerUnavailable` if it is not
+        reachable from this process (another host, another device kind)."""
+        backing, num_blocks = peer.open_shared(handle)
+        offsets, total = pool_offsets(self.spec, num_blocks, self.ALIGN)
+        if backing.numel() < total:
+            raise peer.PeerUnavailable(
+                f"peer pool is {backing.numel()} bytes; {num_blocks} blocks need {total}"
+            )
+        return PeerPool(pool_views(backing, self.spec, num_blocks, offsets), num_blocks)
+
+    def copy_from_peer(
+        self, src: PeerPool, src_blocks: Sequence[int], dst_blocks: Sequence[int]
+    ) -> Any:
+        """Copy blocks of another process's pool into ours (enqueued on this device's stream);
+        returns an event (None on CPU) that completes when the source may be reused."""
+        if len(src_blocks) != len(dst_blocks):
+            raise ValueError("copy_from_peer needs as many source as destination blocks")
+        if not dst_blocks:
+            return None
+        if any(not 0 <= b < src.num_blocks for b in src_blocks):
+            raise ValueError(f"peer block ids must lie in [0, {src.num_blocks})")
+        src_dev = src.tensors[0].device
+        src_slots = self._slots(src_blocks, src_dev)
+        dst_slots = self._slots(dst_blocks)
+        for s, d in zip(src.tensors, self.tensors):
+            d.index_copy_(0, dst_slots, s.index_select(0, src_slots).to(self.device))
+        return _record(self.device)
+
+
+@dataclass
+class PeerPool:
+    """Another process's cache tensors, mapped into this one (same spec, its own size)."""
+
+    tensors: list[torch.Tensor]
+    num_blocks: int
+
+
+@dataclass
+class Staged:
+    """Blocks uploaded to the device, ready for :meth:`PagedKVCache.write_staged`."""
+
+    raw: torch.Tensor  # [n, bytes_per_block] uint8
+    event: Any  # torch.cuda.Event the upload records, None on CPU
+    keep: torch.Tensor | None = None  # the pinned source, alive until the upload is done
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.raw
+
+
+@dataclass
+class Pending:
+    """Blocks gathered on the device; :meth:`result` brings them to the host as bytes."""
+
+    raw: torch.Tensor | None
+    event: Any
+
+    def result(self) -> bytes:
+        if self.raw is None:
+            return b""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.raw.cpu().numpy().tobytes()
+
+
+def _record(device: torch.device) -> Any:
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def pool_offsets(spec: CacheSpec, num_blocks: int, align: int) -> tuple[list[int], int]:
+    """Byte offset of each entry's tensor in the backing buffer, and the buffer's size."""
+    rows = (num_blocks + 1) * spec.block_size
+    offsets, pos = [], 0
+    for e in spec.paged:
+        offsets.append(pos)
+        pos += -(-(rows * e.bytes_per_token) // align) * align
+    return offsets, max(pos, align)
+
+
+def pool_views(
+    backing: torch.Tensor, spec: CacheSpec, num_blocks: int, offsets: list[int]
+) -> list[torch.Tensor]:
+    rows = (num_blocks + 1) * spec.block_size
+    out = []
+    for e, off in zip(spec.paged, offsets):
+        raw = backing[off : off + rows * e.bytes_per_token]
+        out.append(raw.view(TORCH_DTYPES[e.dtype]).view(rows, *e.token_shape))
+    return out

@@ -64,6 +64,22 @@ class KVHeader:
         return json.dumps(d, separators=(",", ":")).encode()
 
 
+@dataclass(frozen=True)
+class PeerKV:
+    """KV blocks that sit in another engine's pool on this host (``pool``: its share handle,
+    see :mod:`.peer`): what a same-host hand-off sends instead of a frame's bytes.
+
+    Covers blocks ``first_block ..`` of a request's chain (``num_tokens`` tokens from 0);
+    the owner keeps ``block_ids`` unchanged until the importing engine says it is done.
+    """
+
+    pool: bytes
+    block_ids: tuple[int, ...]
+    first_block: int
+    num_tokens: int
+    block_hashes: tuple[str, ...]
+
+
 def encode_frame(header: KVHeader, payload: bytes) -> bytes:
     expected = header.num_blocks * header.bytes_per_block
     if len(payload) != expected:

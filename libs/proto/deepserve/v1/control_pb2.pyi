@@ -102,7 +102,7 @@ class PrefillTask(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[bytes] = ..., traffic_class: _Optional[_Union[_common_pb2.TrafficClass, str]] = ..., cached_blocks: _Optional[int] = ..., decode_instance: _Optional[str] = ..., decode_address: _Optional[str] = ..., events_subject: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class DecodeTask(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "cache_salt", "events_subject", "cached_tokens", "traceparent")
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "cache_salt", "events_subject", "cached_tokens", "traceparent", "traffic_class")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class DecodeTask(_message.Message):
     EVENTS_SUBJECT_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
@@ -119,7 +120,8 @@ class DecodeTask(_message.Message):
     events_subject: str
     cached_tokens: int
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[bytes] = ..., events_subject: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    traffic_class: _common_pb2.TrafficClass
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[bytes] = ..., events_subject: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ..., traffic_class: _Optional[_Union[_common_pb2.TrafficClass, str]] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("request_id", "index", "token_ids", "finished", "finish_reason", "prompt_tokens", "cached_tokens", "error", "retryable")

@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class KVTransferStub:
-    """Served by decode instances: prefill pushes a request's KV and its task.
+    """Served by decode instances: prefill hands over a request's KV and its task.
     """
 
     def __init__(self, channel):
@@ -40,14 +40,29 @@ class KVTransferStub:
                 request_serializer=deepserve_dot_v1_dot_kv__transfer__pb2.KVPush.SerializeToString,
                 response_deserializer=deepserve_dot_v1_dot_kv__transfer__pb2.KVPushReply.FromString,
                 _registered_method=True)
+        self.Match = channel.unary_unary(
+                '/deepserve.v1.KVTransfer/Match',
+                request_serializer=deepserve_dot_v1_dot_kv__transfer__pb2.MatchRequest.SerializeToString,
+                response_deserializer=deepserve_dot_v1_dot_kv__transfer__pb2.MatchReply.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
-    """Served by decode instances: prefill pushes a request's KV and its task.
+    """Served by decode instances: prefill hands over a request's KV and its task.
     """
 
     def Push(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
+        """The DecodeTask, then the KV: frame bytes in chunks, or (same host) a PeerBlocks reference.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Match(self, request, context):
+        """How many leading blocks of a prompt's hash chain this instance holds now, so that a
+        push sends only the rest; also names the host, so a push on the same host can send
+        references into prefill's KV pool instead of bytes.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -60,6 +75,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     request_deserializer=deepserve_dot_v1_dot_kv__transfer__pb2.KVPush.FromString,
                     response_serializer=deepserve_dot_v1_dot_kv__transfer__pb2.KVPushReply.SerializeToString,
             ),
+            'Match': grpc.unary_unary_rpc_method_handler(
+                    servicer.Match,
+                    request_deserializer=deepserve_dot_v1_dot_kv__transfer__pb2.MatchRequest.FromString,
+                    response_serializer=deepserve_dot_v1_dot_kv__transfer__pb2.MatchReply.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'deepserve.v1.KVTransfer', rpc_method_handlers)
@@ -69,7 +89,7 @@ def add_KVTransferServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KVTransfer:
-    """Served by decode instances: prefill pushes a request's KV and its task.
+    """Served by decode instances: prefill hands over a request's KV and its task.
     """
 
     @staticmethod
@@ -89,6 +109,33 @@ class KVTransfer:
             '/deepserve.v1.KVTransfer/Push',
             deepserve_dot_v1_dot_kv__transfer__pb2.KVPush.SerializeToString,
             deepserve_dot_v1_dot_kv__transfer__pb2.KVPushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Match(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deepserve.v1.KVTransfer/Match',
+            deepserve_dot_v1_dot_kv__transfer__pb2.MatchRequest.SerializeToString,
+            deepserve_dot_v1_dot_kv__transfer__pb2.MatchReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,7 +9,8 @@
 # /metrics snapshot of each in $OUT/logs/. PROFILE=1 also samples every service with py-spy
 # halfway through each run ($OUT/profile-TRACE-SESSIONS-SERVICE.txt).
 # Env: MODEL (v2-lite), PORT (8000), ENGINE_JSON (bench/results/engine-cuda-h200.json),
-#      UP_ARGS (extra `deepserve up` flags), BENCH_ARGS (extra bench flags).
+#      UP_ARGS (extra `deepserve up` flags), BENCH_ARGS (extra bench flags),
+#      BENCH_TIMEOUT (seconds one bench run may take: 300).
 set -euo pipefail
 source .gpu-bundle/activate
 OUT=${OUT:?set OUT to a result folder}
@@ -68,7 +69,7 @@ for spec in "$@"; do
   prof=""
   if [ "${PROFILE:-0}" = 1 ]; then profile "$tag" & prof=$!; fi
   # shellcheck disable=SC2086
-  python3 -m deepserve.cli bench serve --url "http://127.0.0.1:$PORT/v1" \
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m deepserve.cli bench serve --url "http://127.0.0.1:$PORT/v1" \
     --model "deepseek-$MODEL" --trace "$trace" --sessions "$n" --concurrency "$n" --gpus 1 \
     --engine-json "$ENGINE_JSON" --json "$OUT/serve-$tag.json" --plot "$OUT/serve-$tag.png" \
     ${BENCH_ARGS:-} || status=$?

@@ -48,6 +48,7 @@ from libs.serving.convert import error_event
 from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed, RequestStream
 from libs.serving.handoff import Holding, peer_from_proto
 from libs.serving.instance import drain_tasks, instance_status
+from libs.serving.write_behind import WriteBehind
 from libs.transport.kvstore_client import Block, KVStore
 
 log = logging.getLogger("decode")
@@ -67,6 +68,10 @@ STORED_BLOCKS = Counter(
     "deepserve_decode_kvstore_blocks_put_total", "generated blocks written to the kvstore"
 )
 STORE_ERRORS = Counter("deepserve_decode_kvstore_errors_total", "failed kvstore writes")
+STORE_DROPPED = Counter(
+    "deepserve_decode_kvstore_writes_dropped_total",
+    "kvstore writes not started: the write-behind bound was reached",
+)
 LATENCY = Histogram(
     "deepserve_decode_request_seconds",
     "KV accepted -> last token published",
@@ -99,7 +104,8 @@ class DecodeHandler:
         self.aborted = RecentAborts()
         self._relays: dict[str, asyncio.Task[None]] = {}
         self._stop_reason: dict[str, str] = {}  # request id -> why we cut it short ("abort", ...)
-        self._background: set[asyncio.Task[None]] = set()
+        self.writes = WriteBehind()
+        self.bytes_per_block = loop.engine.spec.bytes_per_block
 
     # -- KV push ------------------------------------------------------------------------------
     async def match(self, block_hashes: list[bytes]) -> Holding:
@@ -239,7 +245,7 @@ class DecodeHandler:
                 span.set_attribute("deepserve.completion_tokens", index)
                 LATENCY.observe(time.perf_counter() - t0)
                 if self.kvstore is not None:
-                    self._spawn(self._store(task))
+                    await self._write_back(task, index)
             except EngineFailed as exc:
                 ERRORS.inc()
                 await self._send(
@@ -253,33 +259,42 @@ class DecodeHandler:
                 self._relays.pop(rid, None)
                 self._stop_reason.pop(rid, None)
 
-    async def _store(self, task: control_pb2.DecodeTask) -> None:
-        """Write the finished request's new full blocks to the kvstore, then free its KV."""
-        assert self.kvstore is not None
+    async def _write_back(self, task: control_pb2.DecodeTask, outputs: int) -> None:
+        """Copy the finished request's new full blocks out of the engine, free its KV, and
+        write the blocks to the kvstore in the background (if the write-behind has room)."""
         rid = task.request_id
         start = task.num_prompt_tokens // self.block_size  # prefill stored the ones before
+        computed = task.num_prompt_tokens + outputs - 1  # the last token was never computed
+        nbytes = max(0, computed // self.block_size - start) * self.bytes_per_block
+        try:
+            if nbytes and self.writes.reserve(nbytes):
+                try:
+                    finish = await self.loop.call(lambda e: e.export_blocks_async(rid, start))
+                except BaseException:
+                    self.writes.unreserve(nbytes)
+                    raise
+                self.writes.start(lambda: self._put(task, finish), nbytes)
+            elif nbytes:
+                STORE_DROPPED.inc()
+            await self.loop.call(lambda e: e.release(rid))
+        except EngineLoopClosed:
+            pass  # closing frees every request
+
+    async def _put(self, task: control_pb2.DecodeTask, finish: Callable[[], list[Block]]) -> None:
+        assert self.kvstore is not None
         blocks: list[Block] = []
         try:
-            try:
-                finish = await self.loop.call(lambda e: e.export_blocks_async(rid, start))
-            finally:
-                await self.loop.call(lambda e: e.release(rid))
             blocks = await asyncio.to_thread(finish)
             if blocks:
                 await self.kvstore.put(
                     blocks, task.cache_salt.decode("utf-8", "replace"), task.traffic_class
                 )
                 STORED_BLOCKS.inc(len(blocks))
-        except EngineLoopClosed:
-            pass  # closing frees every request
         except Exception as exc:  # noqa: BLE001 - a lost cache write only costs a recompute
             STORE_ERRORS.inc()
-            log.warning("request %s: kvstore Put of %d blocks failed: %s", rid, len(blocks), exc)
-
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        t: asyncio.Task[None] = asyncio.ensure_future(coro)
-        self._background.add(t)
-        t.add_done_callback(self._background.discard)
+            log.warning(
+                "request %s: kvstore Put of %d blocks failed: %s", task.request_id, len(blocks), exc
+            )
 
     async def _on_cut(self, rid: str, subject: str, index: int) -> None:
         """The request ended early. Client aborts need no answer; anything else is an error."""
@@ -338,8 +353,7 @@ class DecodeHandler:
         """Take nothing new; let running requests finish for up to ``timeout_s``; cut the rest."""
         self.draining = True
         await drain_tasks(list(self._relays.values()), timeout_s, "decoding requests", log)
-        if self._background:
-            await asyncio.wait(list(self._background), timeout=5.0)
+        await self.writes.drain(5.0)
 
 
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):

@@ -46,6 +46,7 @@ from libs.serving.convert import error_event
 from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed, RequestStream
 from libs.serving.handoff import KVPusher, KVResend
 from libs.serving.instance import drain_tasks, instance_status
+from libs.serving.write_behind import WriteBehind
 from libs.transport.kvstore_client import Block, KVStore
 
 log = logging.getLogger("prefill")
@@ -71,6 +72,10 @@ HANDOFF_BLOCKS = Counter(
     "deepserve_prefill_handoff_blocks_total",
     "prompt blocks at hand-over by how they reached decode",
     ["how"],  # held (decode had them), peer (pool reference), bytes (a frame)
+)
+STORE_DROPPED = Counter(
+    "deepserve_prefill_kvstore_writes_dropped_total",
+    "kvstore writes not started: the write-behind bound was reached",
 )
 RESENDS = Counter("deepserve_prefill_handoff_resends_total", "hand-overs sent again", ["why"])
 MAX_SENDS = 3  # a hand-over tries at most: peer refs, bytes, bytes from block 0
@@ -110,7 +115,7 @@ class PrefillHandler:
         self.aborted = RecentAborts()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._cut: dict[str, str] = {}  # request id -> why it was cancelled ("abort", "shutdown")
-        self._background: set[asyncio.Task[None]] = set()
+        self.writes = WriteBehind()
 
     # -- entry points -------------------------------------------------------------------------
     def submit(self, task: control_pb2.PrefillTask) -> asyncio.Task[None] | None:
@@ -223,8 +228,7 @@ class PrefillHandler:
             ),
         )
         if self.kvstore is not None:
-            finish = await self.loop.call(lambda e: e.export_blocks_async(rid, in_store))
-            self._spawn(self._store(task, finish))
+            await self._write_back(task, len(prompt) // self.block_size - in_store, in_store)
         if reason is not None:
             REQUESTS.labels("finished").inc()
             return
@@ -389,6 +393,23 @@ class PrefillHandler:
         except (EngineLoopClosed, asyncio.CancelledError):
             pass  # _forget frees it (closing aborts everything anyway)
 
+    async def _write_back(self, task: control_pb2.PrefillTask, n_new: int, start: int) -> None:
+        """Copy the prompt's new full blocks out of the engine (before the KV is released) and
+        write them to the kvstore in the background, if the write-behind has room."""
+        nbytes = max(n_new, 0) * self.loop.engine.spec.bytes_per_block
+        if not nbytes:
+            return
+        if not self.writes.reserve(nbytes):
+            STORE_DROPPED.inc()
+            return
+        rid = task.request_id
+        try:
+            finish = await self.loop.call(lambda e: e.export_blocks_async(rid, start))
+        except BaseException:
+            self.writes.unreserve(nbytes)
+            raise
+        self.writes.start(lambda: self._store(task, finish), nbytes)
+
     async def _store(
         self, task: control_pb2.PrefillTask, finish: Callable[[], list[Block]]
     ) -> None:
@@ -414,11 +435,6 @@ class PrefillHandler:
             await asyncio.shield(self.loop.abort(rid))
         except (EngineLoopClosed, asyncio.CancelledError):
             pass
-
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        t: asyncio.Task[None] = asyncio.ensure_future(coro)
-        self._background.add(t)
-        t.add_done_callback(self._background.discard)
 
     async def _send(self, subject: str, msg: control_pb2.TokenEvent) -> None:
         try:
@@ -446,5 +462,4 @@ class PrefillHandler:
         writes."""
         self.draining = True
         await drain_tasks(list(self._tasks.values()), timeout_s, "prefill tasks", log)
-        if self._background:
-            await asyncio.wait(list(self._background), timeout=5.0)
+        await self.writes.drain(5.0)

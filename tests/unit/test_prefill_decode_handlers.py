@@ -164,7 +164,10 @@ async def test_handoff_gives_the_engines_tokens(stack, tiny_loaded) -> None:
         assert [t for e in events for t in e.token_ids] == reference(tiny_loaded, p, sp)
         assert events[0].prompt_tokens == len(p) and events[-1].finish_reason == "length"
         assert not any(e.error for e in events)
-    await asyncio.sleep(0)  # let the prefill tasks finish their bookkeeping
+    for _ in range(100):  # the tasks finish their bookkeeping (decode: copy out, free the KV)
+        if decode.num_active == 0:
+            break
+        await asyncio.sleep(0.01)
     assert prefill.loop.stats.free_kv_blocks == 256  # prefill let go of the KV after the push
     assert decode.num_active == 0
 
@@ -305,12 +308,11 @@ async def test_decode_writes_the_answers_blocks_for_the_next_turn(stack, tiny_lo
     answer = [t for e in events for t in e.token_ids]
     for _ in range(100):
         await asyncio.sleep(0.02)
-        if not decode._background:
+        if not decode.writes.busy:
             break
     convo = p + answer  # 70 tokens; the last one was sampled, never computed
     names = chain_hashes(convo[:64], BS)
     assert all(h in kv.blocks for h in names)  # 2 from prefill, 2 from decode
-    assert decode.loop.stats.free_kv_blocks == decode.loop.stats.total_kv_blocks - 0 or True
     turn2 = convo + prompt(10, 13)
     ploop = EngineLoop(make(tiny_loaded), name="p3")
     ploop.start()

@@ -73,12 +73,17 @@ class Instance:
 
     def resident_run(self, block_hashes: Sequence[bytes]) -> int:
         """Leading blocks of ``block_hashes`` this instance holds in GPU memory."""
-        n = 0
-        for h in block_hashes:
-            if h[:DIGEST_BYTES] not in self.resident:
-                break
-            n += 1
-        return n
+        return resident_run(self.resident, block_hashes)
+
+
+def resident_run(resident: frozenset[bytes], block_hashes: Sequence[bytes]) -> int:
+    """Leading blocks of ``block_hashes`` whose digests a resident summary lists."""
+    n = 0
+    for h in block_hashes:
+        if h[:DIGEST_BYTES] not in resident:
+            break
+        n += 1
+    return n
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -65,7 +66,8 @@ class EngineStats:
 
 
 RATE_MIN_TOKENS = 256
-RESIDENT_SUMMARY = 2048  # digests per heartbeat: 16 KiB, i.e. 256K prompt tokens of prefixes
+RESIDENT_SUMMARY = 8192  # digests per heartbeat: 64 KiB, i.e. 1M prompt tokens of prefixes
+RESIDENT_REFRESH_S = 0.5  # the summary is rebuilt at most this often (heartbeats: every 1 s)
 RESIDENT_DIGEST_BYTES = 8
 
 
@@ -82,7 +84,12 @@ def resident_summary(engine: Engine, limit: int = RESIDENT_SUMMARY) -> tuple[byt
     return tuple(out)
 
 
-def engine_stats(engine: Engine, steps: int = 0, tokens_per_s: float = 0.0) -> EngineStats:
+def engine_stats(
+    engine: Engine,
+    steps: int = 0,
+    tokens_per_s: float = 0.0,
+    resident: tuple[bytes, ...] | None = None,
+) -> EngineStats:
     """Snapshot of ``engine``'s load; call on the engine thread only."""
     sched = engine.scheduler
     queued = sum(len(r.token_ids) - r.num_computed for r in sched.waiting)
@@ -93,7 +100,7 @@ def engine_stats(engine: Engine, steps: int = 0, tokens_per_s: float = 0.0) -> E
         engine.blocks.num_free,
         engine.blocks.num_blocks,
         steps,
-        resident_summary(engine),
+        resident_summary(engine) if resident is None else resident,
         tokens_per_s,
     )
 
@@ -168,6 +175,7 @@ class EngineLoop:
         self._streams: dict[str, RequestStream] = {}  # asyncio thread only
         self._steps = 0
         self._rate = 0.0
+        self._resident_at = 0.0  # monotonic time the resident summary was last built
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -287,9 +295,20 @@ class EngineLoop:
                 return
             events = self._step() if self.engine.has_unfinished() else []
             # Snapshot before handing events over: whoever sees an event sees load after it.
-            self.stats = engine_stats(self.engine, self._steps, self._rate)
+            self.stats = self._snapshot()
             if events:
                 self._emit(events)
+
+    def _snapshot(self) -> EngineStats:
+        """Load after this iteration; the resident summary (O(summary) Python) only every
+        RESIDENT_REFRESH_S, not every step."""
+        now = time.monotonic()
+        resident = None
+        if now - self._resident_at < RESIDENT_REFRESH_S:
+            resident = self.stats.resident_prefixes
+        else:
+            self._resident_at = now
+        return engine_stats(self.engine, self._steps, self._rate, resident)
 
     def _apply(self, fn: Callable[[Engine], Any], fut: concurrent.futures.Future[Any]) -> None:
         if not fut.set_running_or_notify_cancel():

@@ -35,7 +35,7 @@ from libs.common.errors import (
 from libs.common.hashchain import chain_hashes
 from libs.common.telemetry import extract_context, inject_traceparent, tracer
 from libs.gateway.admission import Admission, Grant
-from libs.gateway.capacity import Capacity, CapacityConfig, Need
+from libs.gateway.capacity import PREFILL, Capacity, CapacityConfig, Need
 from libs.gateway.policy import (
     Chunk,
     Finish,
@@ -64,6 +64,7 @@ from libs.proto.deepserve.v1 import (
     generate_pb2,
     generate_pb2_grpc,
 )
+from libs.routing.policy import resident_run
 
 from .admission import AdmissionMetrics, load_from_status
 
@@ -241,6 +242,8 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         self.config, self.bus, self.kv, self.liveness = config, bus, kv, liveness
         self.draining = False
         self._active: set[str] = set()
+        # prefill instance -> its heartbeat's resident-prefix summary (first bytes of digests)
+        self._resident: dict[str, frozenset[bytes]] = {}
         self.capacity = (
             Capacity(
                 CapacityConfig(
@@ -272,6 +275,8 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             log.debug("ignoring a heartbeat: %s", exc)
             return
         self.capacity.observe(load)
+        if status.role == control_pb2.ROLE_PREFILL:
+            self._resident[status.instance_id] = frozenset(status.resident_prefixes)
         self.admission.wake()
 
     @property
@@ -288,7 +293,8 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             valid, rid = self._admit(request)
             try:
                 self.admission.refuse_if_full(
-                    self._need(valid.prompt_token_ids, 0, valid.sampling.max_tokens), valid.model
+                    self._need(valid.prompt_token_ids, [], 0, valid.sampling.max_tokens),
+                    valid.model,
                 )
                 metadata = dict(context.invocation_metadata() or ())
                 parent = extract_context(str(metadata.get("traceparent", "")))
@@ -389,8 +395,22 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             why = f"after {attempt} attempt{'s' if attempt > 1 else ''}"
         return f"request {rid} failed: {exc} ({why}); retry"
 
-    def _need(self, prompt: tuple[int, ...], cached_blocks: int, max_tokens: int) -> Need:
-        cached = min(cached_blocks * self.config.limits.block_size, len(prompt))
+    def _need(
+        self, prompt: tuple[int, ...], hashes: list[bytes], cached_blocks: int, max_tokens: int
+    ) -> Need:
+        """What the request takes: its uncached tokens are those neither the kvstore nor the
+        best prefill instance's GPU cache (its heartbeat's resident summary) holds -- the
+        balancer routes a prompt to the instance that has its prefix."""
+        live = self.capacity.candidates(PREFILL) if self.capacity is not None else []
+        best = max(
+            (
+                resident_run(self._resident[p.instance_id], hashes)
+                for p in live
+                if p.instance_id in self._resident
+            ),
+            default=0,
+        )
+        cached = min(max(cached_blocks, best) * self.config.limits.block_size, len(prompt))
         return Need(len(prompt), len(prompt) - cached, max_tokens)
 
     async def _admit_attempt(self, admitted: _Admitted, need: Need) -> Grant:
@@ -421,7 +441,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         try:
             hashes = await self._hashes(prompt, valid.tenant)
             cached_blocks = await self._lookup(wire, hashes)
-            need = self._need(prompt, cached_blocks, progress.remaining)
+            need = self._need(prompt, hashes, cached_blocks, progress.remaining)
             grant = await self._admit_attempt(admitted, need)
             decision = await self._route(
                 valid, wire, len(prompt), hashes, cached_blocks, progress.excluded, grant.avoid

@@ -433,3 +433,37 @@ async def test_the_route_avoids_instances_admission_found_full() -> None:
     with pytest.raises(Aborted):
         await collect(h, req([1, 2, 3], max_tokens=10))
     assert [list(r.exclude) for r in bus.routes[1:]] == [["d2"], []]  # asked again without
+
+
+async def test_prefill_queue_counts_only_what_no_instance_holds() -> None:
+    """A prompt whose prefix a prefill instance's GPU cache holds (its heartbeat's resident
+    summary) adds only its tail to that queue: admitted; the same prompt with nothing
+    resident would overflow the queue limit and is refused."""
+
+    def prefill_beat(h: EntrypointHandlers, resident: list[bytes]) -> None:
+        h.on_status(
+            control_pb2.InstanceStatus(
+                instance_id="p1",
+                role=control_pb2.ROLE_PREFILL,
+                model="tiny",
+                queued_tokens=4,
+                resident_prefixes=[d[:8] for d in resident],
+            )
+        )
+        beat(h, "d1", control_pb2.ROLE_DECODE, 100)
+
+    prompt = list(range(1, 21))  # 5 blocks of 4 tokens
+    digests = chain_hashes(prompt[:16], 4, salt=b"acme")
+    outcomes = {}
+    for name, resident in (("held", digests), ("cold", [])):
+        bus = FakeBus(lambda task: [])
+        h = make(
+            bus, capacity_admission=True, prefill_queue_tokens=8, admit_wait=0.1, max_waiting=4
+        )
+        prefill_beat(h, resident)
+        call = asyncio.ensure_future(collect_with(h, req(prompt, tenant="acme"), FakeContext()))
+        done, _ = await asyncio.wait([call], timeout=1.0)
+        outcomes[name] = (len(bus.tasks()), bool(done) and call.exception() is not None)
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+    assert outcomes == {"held": (1, False), "cold": (0, True)}

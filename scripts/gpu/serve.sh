@@ -5,9 +5,10 @@
 #   OUT=/tmp/out bash scripts/gpu/serve.sh agent:32 agent:128 chat:128
 #
 # Each TRACE:SESSIONS argument is one `deepserve bench serve --url` run at that concurrency;
-# results land in $OUT/serve-TRACE-SESSIONS.json (+ .png), the services' logs and a
-# /metrics snapshot of each in $OUT/logs/. PROFILE=1 also samples every service with py-spy
-# halfway through each run ($OUT/profile-TRACE-SESSIONS-SERVICE.txt).
+# results land in $OUT/serve-TRACE-SESSIONS.json; the plots, the services' logs, a /metrics
+# snapshot of each service after each run and (PROFILE=1) py-spy dumps of every service
+# PROFILE_AFTER seconds into each run go into one $OUT/extra.tgz (the device tool brings back
+# few files).
 # Env: MODEL (v2-lite), PORT (8000), ENGINE_JSON (bench/results/engine-cuda-h200.json),
 #      UP_ARGS (extra `deepserve up` flags), BENCH_ARGS (extra bench flags),
 #      BENCH_TIMEOUT (seconds one bench run may take: 300).
@@ -18,7 +19,7 @@ MODEL=${MODEL:-v2-lite}
 PORT=${PORT:-8000}
 ENGINE_JSON=${ENGINE_JSON:-bench/results/engine-cuda-h200.json}
 RUN=/tmp/deepserve-run
-mkdir -p "$OUT/logs"
+mkdir -p "$OUT/logs" "$OUT/extra"
 rm -rf "$RUN"
 
 # shellcheck disable=SC2086
@@ -29,7 +30,7 @@ t0=$(date +%s)
 until grep -q '^deepserve is up' "$OUT/logs/up.log"; do
   if ! kill -0 $up 2>/dev/null; then
     cp -r "$RUN/logs/." "$OUT/logs/" || true
-    tar -C "$OUT" -czf "$OUT/logs.tgz" logs
+    tar -C "$OUT" -czf "$OUT/extra.tgz" logs
     exit 1
   fi
   sleep 2
@@ -56,7 +57,7 @@ profile() {  # py-spy dumps of every service's process
   python3 -c 'import json,sys; [print(k, v) for k, v in json.load(open(sys.argv[1]))["pids"].items()]' \
     "$RUN/stack.json" | while read -r name pid; do
     case $name in nats|redis) continue ;; esac
-    py-spy dump --pid "$pid" > "$OUT/profile-$tag-$name.txt" 2>&1 || true
+    py-spy dump --pid "$pid" > "$OUT/extra/profile-$tag-$name.txt" 2>&1 || true
   done
 }
 
@@ -71,7 +72,7 @@ for spec in "$@"; do
   # shellcheck disable=SC2086
   timeout "${BENCH_TIMEOUT:-300}" python3 -m deepserve.cli bench serve --url "http://127.0.0.1:$PORT/v1" \
     --model "deepseek-$MODEL" --trace "$trace" --sessions "$n" --concurrency "$n" --gpus 1 \
-    --engine-json "$ENGINE_JSON" --json "$OUT/serve-$tag.json" --plot "$OUT/serve-$tag.png" \
+    --engine-json "$ENGINE_JSON" --json "$OUT/serve-$tag.json" --plot "$OUT/extra/serve-$tag.png" \
     ${BENCH_ARGS:-} || status=$?
   if [ -n "$prof" ]; then wait "$prof" || true; fi  # not a bare wait: that waits for up too
   snapshot "$OUT/logs/metrics-$tag"
@@ -80,5 +81,6 @@ done
 kill -TERM $up
 wait $up || true
 cp -r "$RUN/logs/." "$OUT/logs/" || true
-tar -C "$OUT" -czf "$OUT/logs.tgz" logs && rm -rf "$OUT/logs"  # one file travels back
+mv "$OUT/logs" "$OUT/extra/"
+tar -C "$OUT" -czf "$OUT/extra.tgz" extra && rm -rf "$OUT/extra"  # one file travels back
 exit $status

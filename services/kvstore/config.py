@@ -43,6 +43,8 @@ class KVStoreConfig:
     agent_ttl: float = 3 * DAY_S
     sweep_interval: float = 60.0
     ec_backend: str = ""
+    orphan_interval: float = 3600.0
+    orphan_grace: float = 600.0
 
     def __post_init__(self) -> None:
         if self.targets and len(set(self.targets)) < 12:
@@ -52,6 +54,12 @@ class KVStoreConfig:
             )
         if self.sweep_interval <= 0:
             raise ValueError(f"--sweep-interval must be > 0 seconds, got {self.sweep_interval}")
+        if self.orphan_interval < 0:
+            raise ValueError(
+                f"--orphan-interval must be >= 0 seconds (0: off), got {self.orphan_interval}"
+            )
+        if self.orphan_grace < 0:
+            raise ValueError(f"--orphan-grace must be >= 0 seconds, got {self.orphan_grace}")
         self.retention()  # validates TTLs and capacity
         check_port("--grpc-port", self.grpc_port)
         if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
@@ -115,6 +123,22 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
         help="seconds an agent block lives after last use",
     )
     flag(p, "--sweep-interval", type=float, default=60.0, help="seconds between retention sweeps")
+    # Redis losing its data (or a crash between shards and metadata) leaves shards no metadata
+    # names; they are collected once older than the grace, which must exceed the longest put.
+    flag(
+        p,
+        "--orphan-interval",
+        type=float,
+        default=3600.0,
+        help="seconds between collections of orphan shards (0: off; fsck --repair does it too)",
+    )
+    flag(
+        p,
+        "--orphan-grace",
+        type=float,
+        default=600.0,
+        help="only shards older than this many seconds can be collected as orphans",
+    )
     flag(
         p,
         "--ec-backend",
@@ -149,6 +173,8 @@ def config_from(a: argparse.Namespace) -> KVStoreConfig:
         agent_ttl=a.agent_ttl,
         sweep_interval=a.sweep_interval,
         ec_backend=a.ec_backend,
+        orphan_interval=a.orphan_interval,
+        orphan_grace=a.orphan_grace,
     )
 
 

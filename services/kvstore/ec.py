@@ -18,14 +18,15 @@ import ctypes.util
 import logging
 import struct
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-from pyeclib.ec_iface import ECDriver
+from pyeclib.ec_iface import ECDriver, ECDriverError
 
 log = logging.getLogger("kvstore.ec")
 
 SHARD_MAGIC = b"DSS1"
 _HEAD = struct.Struct("<4sI")
+HEAD_SIZE = _HEAD.size
 BACKENDS = ("isa_l_rs_vand", "liberasurecode_rs_vand", "jerasure_rs_vand")
 
 
@@ -51,6 +52,11 @@ def tune_allocator() -> bool:
 
 class NotEnoughShards(RuntimeError):
     """Fewer than ``k`` valid shards: the block cannot be rebuilt from what is readable now."""
+
+
+class BadFragments(RuntimeError):
+    """pyeclib refused the fragments given (a damaged fragment header whose CRC still passed):
+    try another subset; it is never an error of the request."""
 
 
 class Codec:
@@ -81,19 +87,36 @@ class Codec:
     def encode(self, data: bytes) -> list[bytes]:
         return [wrap(f) for f in self.driver.encode(data)]
 
-    def decode(self, fragments: Mapping[int, bytes]) -> bytes:
-        """The block from at least ``k`` valid fragments (unwrapped), data fragments preferred."""
+    def decode(self, fragments: Mapping[int, bytes], use: Sequence[int] | None = None) -> bytes:
+        """The block from ``k`` valid fragments (unwrapped): those of ``use``, else the lowest
+        indices (all data shards when they are healthy). Raises :class:`BadFragments` when
+        pyeclib rejects one (the caller decides which subset to try next)."""
         if len(fragments) < self.k:
             raise NotEnoughShards(f"{len(fragments)} valid shards, {self.k} needed")
-        order = sorted(fragments)[: self.k]  # lowest indices: all data shards when they are healthy
-        return bytes(self.driver.decode([fragments[i] for i in order]))
+        order = list(use) if use is not None else sorted(fragments)[: self.k]
+        try:
+            return bytes(self.driver.decode([fragments[i] for i in order]))
+        except ECDriverError as exc:
+            raise BadFragments(f"fragments {order}: {exc}") from None
+
+    def fragment_ok(self, index: int, fragment: bytes) -> bool:
+        """Whether pyeclib's header of ``fragment`` is intact and names shard ``index`` (about
+        1 us): a header damaged behind a valid CRC is a damaged shard, not a failed read."""
+        try:
+            meta = self.driver.get_metadata(fragment, formatted=True)
+        except ECDriverError:
+            return False
+        return isinstance(meta, dict) and meta.get("index") == index
 
     def rebuild(self, fragments: Mapping[int, bytes], missing: list[int]) -> dict[int, bytes]:
         """Wrapped shards for the ``missing`` indices, from at least ``k`` valid fragments."""
         if len(fragments) < self.k:
             raise NotEnoughShards(f"{len(fragments)} valid shards, {self.k} needed")
         avail = [fragments[i] for i in sorted(fragments)]
-        return {i: wrap(self.driver.reconstruct(avail, [i])[0]) for i in missing}
+        try:
+            return {i: wrap(self.driver.reconstruct(avail, [i])[0]) for i in missing}
+        except ECDriverError as exc:
+            raise BadFragments(str(exc)) from None
 
 
 def wrap(fragment: bytes) -> bytes:

@@ -28,6 +28,7 @@ from libs.common.errors import DeepserveError, Internal, Unavailable
 from libs.common.telemetry import extract_context, tracer
 from libs.proto.deepserve.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 
+from .fsck import collect_orphans
 from .store import BlockPut, BlockStore, StoreUnavailable
 from .targets import TargetDown
 
@@ -228,6 +229,25 @@ async def sweep_forever(store: BlockStore, interval: float) -> None:
             log.warning("retention sweep skipped: %s", exc)
         except Exception:
             log.exception("retention sweep failed")
+
+
+async def collect_orphans_forever(store: BlockStore, interval: float, grace: float) -> None:
+    """Remove orphan shards older than ``grace`` every ``interval`` seconds (first run after one
+    interval). Several processes collecting at once is harmless (deletes are idempotent, and
+    metadata is read after the listing)."""
+    log = logging.getLogger("kvstore.orphans")
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            report = await collect_orphans(store, grace)
+        except StoreUnavailable as exc:
+            log.warning("orphan collection skipped: %s", exc)
+            continue
+        except Exception:
+            log.exception("orphan collection failed")
+            continue
+        if report.removed_orphans:
+            log.warning("removed %d orphan shards", report.removed_orphans)
 
 
 def redacted(url: str) -> str:

@@ -1,9 +1,9 @@
 """``python -m services.kvstore``: the erasure-coded KV block store (``deepserve.v1.KVStore``).
 
 Wiring only: Redis and the storage targets, the Redis readiness monitor, the ops port, the
-retention sweeper and the gRPC server with grpc_health; flags in ``config.py`` (``--help``
-lists them), the RPCs in ``handlers.py``. Everything is opened on the shared lifecycle's exit
-stack (``libs/common/service.py``) and closed in reverse.
+retention sweeper, the orphan collector and the gRPC server with grpc_health; flags in
+``config.py`` (``--help`` lists them), the RPCs in ``handlers.py``. Everything is opened on
+the shared lifecycle's exit stack (``libs/common/service.py``) and closed in reverse.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from .handlers import (
     KVStoreHandlers,
     Metrics,
     RedisMonitor,
+    collect_orphans_forever,
     redacted,
     sweep_forever,
 )
@@ -69,6 +70,10 @@ async def serve(cfg: KVStoreConfig, ctx: ServiceContext) -> int:
     http_port = await ctx.start_ops(monitor.status)
     ctx.background(monitor.run(), "redis-ping")
     ctx.background(sweep_forever(store, cfg.sweep_interval), "retention-sweep")
+    if cfg.orphan_interval:
+        ctx.background(
+            collect_orphans_forever(store, cfg.orphan_interval, cfg.orphan_grace), "orphans"
+        )
     opts = [
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
         ("grpc.max_send_message_length", cfg.max_message_bytes),

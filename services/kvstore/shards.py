@@ -7,8 +7,10 @@ import hashlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import combinations
 
-from .ec import Codec, NotEnoughShards, unwrap
+from .ec import HEAD_SIZE as _HEAD_SIZE
+from .ec import BadFragments, Codec, unwrap
 from .targets import Target, TargetDown, shard_key
 
 log = logging.getLogger("kvstore.shards")
@@ -19,9 +21,10 @@ class BlockUnreadable(RuntimeError):
     on healthy targets are missing or fail their checksum (the block is lost), False when
     targets are down (it may come back)."""
 
-    def __init__(self, message: str, damaged: bool) -> None:
+    def __init__(self, message: str, damaged: bool, down: list[str] | None = None) -> None:
         super().__init__(message)
         self.damaged = damaged
+        self.down = down or []  # names of the targets that are down
 
 
 @dataclass
@@ -48,11 +51,14 @@ class ShardIO:
             raise TargetDown(f"target {name} is named in metadata but not configured here")
         return t
 
-    def write(self, hex_: str, data: bytes, placement: list[str]) -> list[tuple[str, str]]:
-        """Encode and write every shard; returns the (target, key) pairs written. On any failure
-        the shards written so far are removed and the error raised."""
+    def write(
+        self, hex_: str, data: bytes, placement: list[str], attempt: str
+    ) -> list[tuple[str, str]]:
+        """Encode and write every shard under this put attempt's names; returns the (target,
+        key) pairs written. On any failure the shards written so far are removed and the error
+        raised."""
         shards = self.codec.encode(data)
-        jobs = [(placement[i], shard_key(hex_, i), s) for i, s in enumerate(shards)]
+        jobs = [(placement[i], shard_key(hex_, i, attempt), s) for i, s in enumerate(shards)]
         futs = [(t, k, self.pool.submit(self.target(t).put, k, s)) for t, k, s in jobs]
         done, error = [], None
         for t, k, f in futs:
@@ -76,11 +82,13 @@ class ShardIO:
         for f in [self.pool.submit(rm, t, k) for t, k in pairs]:
             f.result()
 
-    def scan(self, hex_: str, placement: list[str], indices: list[int]) -> ShardScan:
+    def scan(self, hex_: str, placement: list[str], indices: list[int], attempt: str) -> ShardScan:
+        """Read shards ``indices``; a shard missing, failing its CRC or whose fragment header is
+        damaged or names another index is ``bad``."""
         out = ShardScan()
 
         def one(i: int) -> bytes | None:
-            return self.target(placement[i]).get(shard_key(hex_, i))
+            return self.target(placement[i]).get(shard_key(hex_, i, attempt))
 
         futs = [(i, self.pool.submit(one, i)) for i in indices]
         for i, f in futs:
@@ -93,51 +101,90 @@ class ShardIO:
                 log.warning("shard %d of %s on %s unreadable: %s", i, hex_, placement[i], exc)
                 out.bad.append(i)
                 continue
-            if frag is None:
+            if frag is None or not self.codec.fragment_ok(i, frag):
                 out.bad.append(i)
             else:
                 out.fragments[i] = frag
         return out
 
-    def read(self, hex_: str, placement: list[str], checksum: str) -> tuple[bytes, ShardScan]:
-        """The block's bytes: data shards first, parity only when a data shard is missing, down or
-        damaged. Raises :class:`BlockUnreadable`; never returns bytes whose SHA-256 differs."""
-        k = self.codec.k
-        scan = self.scan(hex_, placement, list(range(k)))
-        if len(scan.fragments) < k:
-            more = self.scan(hex_, placement, list(range(k, self.codec.n)))
-            scan.fragments.update(more.fragments)
-            scan.bad += more.bad
-            scan.down.update(more.down)
-        try:
-            data = self.codec.decode(scan.fragments)
-        except NotEnoughShards:
-            down = sorted(set(scan.down.values()))
-            raise BlockUnreadable(
-                f"block {hex_}: only {len(scan.fragments)} of {self.codec.n} shards readable, "
-                f"{k} needed ({len(scan.bad)} damaged; targets down: {', '.join(down) or 'none'})",
-                damaged=not down,
-            ) from None
-        if hashlib.sha256(data).hexdigest() != checksum:
-            raise BlockUnreadable(
-                f"block {hex_}: rebuilt bytes fail the block checksum", damaged=True
-            )
+    def read(
+        self, hex_: str, placement: list[str], checksum: str, attempt: str, full: bool = False
+    ) -> tuple[bytes, ShardScan]:
+        """The block's bytes: data shards first, parity only when a data shard is missing, down,
+        damaged, or the block's SHA-256 says one of them holds wrong bytes behind a valid CRC;
+        then any ``k`` shards that reproduce the SHA-256 win, and the shards that disagree with
+        them join ``scan.bad`` (to be rewritten). ``full`` reads and checks all ``n`` (fsck).
+
+        Raises :class:`BlockUnreadable`; never returns bytes whose SHA-256 differs."""
+        k, n = self.codec.k, self.codec.n
+        scan = self.scan(hex_, placement, list(range(n if full else k)), attempt)
+        first = tuple(sorted(scan.fragments)[:k])
+        data = self._decode(scan.fragments, first, checksum) if len(first) == k else None
+        used = first
+        if data is None:
+            if not full:
+                more = self.scan(hex_, placement, list(range(k, n)), attempt)
+                scan.fragments.update(more.fragments)
+                scan.bad += more.bad
+                scan.down.update(more.down)
+            found = self._search(scan.fragments, checksum, skip=first)
+            if found is None:
+                raise self._unreadable(hex_, scan)
+            data, used = found
+        others = [i for i in scan.fragments if i not in used]
+        if others:  # shards read but not used: right only if they match a fresh encoding
+            shards = self.codec.encode(data)
+            for i in others:
+                if shards[i][_HEAD_SIZE:] != scan.fragments[i]:
+                    del scan.fragments[i]
+                    scan.bad.append(i)
         return data, scan
 
-    def repair(self, hex_: str, placement: list[str], scan: ShardScan) -> int:
-        """Rewrite the ``bad`` shards from the valid ones; returns how many were rewritten."""
-        if not scan.bad:
-            return 0
-        fragments = dict(scan.fragments)
-        if len(fragments) < self.codec.n - len(scan.bad) - len(scan.down):
-            more = self.scan(
-                hex_,
-                placement,
-                [i for i in range(self.codec.n) if i not in fragments and i not in scan.bad],
+    def _decode(
+        self, fragments: dict[int, bytes], use: tuple[int, ...], checksum: str
+    ) -> bytes | None:
+        try:
+            data = self.codec.decode(fragments, use)
+        except BadFragments:
+            return None
+        return data if hashlib.sha256(data).hexdigest() == checksum else None
+
+    def _search(
+        self, fragments: dict[int, bytes], checksum: str, skip: tuple[int, ...]
+    ) -> tuple[bytes, tuple[int, ...]] | None:
+        """The first ``k``-subset of ``fragments`` that reproduces the checksum (at most
+        C(12, 10) = 66 decodes, only for a block with a wrong shard behind a valid CRC)."""
+        for use in combinations(sorted(fragments), self.codec.k):
+            if use == skip:
+                continue
+            data = self._decode(fragments, use, checksum)
+            if data is not None:
+                return data, use
+        return None
+
+    def _unreadable(self, hex_: str, scan: ShardScan) -> BlockUnreadable:
+        down = sorted(set(scan.down.values()))
+        where = f"{len(scan.bad)} damaged; targets down: {', '.join(down) or 'none'}"
+        if len(scan.fragments) < self.codec.k:
+            msg = (
+                f"block {hex_}: only {len(scan.fragments)} of {self.codec.n} shards readable, "
+                f"{self.codec.k} needed ({where})"
             )
-            fragments.update(more.fragments)
-        rebuilt = self.codec.rebuild(fragments, sorted(scan.bad))
-        for i, shard in rebuilt.items():
-            self.target(placement[i]).put(shard_key(hex_, i), shard)
-        log.warning("block %s: rewrote shards %s", hex_, sorted(rebuilt))
-        return len(rebuilt)
+        else:
+            msg = (
+                f"block {hex_}: no {self.codec.k} of its {len(scan.fragments)} readable shards "
+                f"rebuild the block checksum ({where})"
+            )
+        return BlockUnreadable(msg, damaged=not down, down=down)
+
+    def repair(
+        self, hex_: str, placement: list[str], data: bytes, bad: list[int], attempt: str
+    ) -> int:
+        """Rewrite the ``bad`` shards from the block's verified bytes; returns how many."""
+        if not bad:
+            return 0
+        shards = self.codec.encode(data)
+        for i in sorted(set(bad)):
+            self.target(placement[i]).put(shard_key(hex_, i, attempt), shards[i])
+        log.warning("block %s: rewrote shards %s", hex_, sorted(set(bad)))
+        return len(set(bad))

@@ -40,93 +40,22 @@ from libs.common.hashchain import DIGEST_SIZE
 from libs.engine.kv.transfer import KVFormatError, decode_frame
 from libs.kvstore.policy import BlockInfo, Reclaim, Retention, place, plan_reclaim
 
+from . import scripts
 from .ec import Codec
-from .shards import BlockUnreadable, ShardIO, ShardScan
-from .targets import Target, shard_key
+from .scripts import ANY_ATTEMPT, CHILDREN_KEY, KEY_PREFIX, LRU_KEY, STATS_KEY
+from .shards import BlockUnreadable, ShardIO
+from .targets import Target, new_attempt, shard_key
 
 log = logging.getLogger("kvstore.store")
 
-KEY_PREFIX = "ds:kv:"
-STATS_KEY = "ds:kv:_stats"  # not a 64-hex name, so it never collides with a block key
-LRU_KEY = "ds:kv:_lru"
 MAX_HASHES = 1 << 16  # per request: 8.4M tokens of 128-token blocks, far past any context
 READ_AHEAD = 2  # blocks a Get reads ahead of the one it sends (2 x 9 MiB of memory per Get)
+# Blocks of one Put being encoded and written at once: a Put holds at most this many blocks
+# (plus the one gRPC is receiving), whatever its length -- 2 x 9 MiB for DeepSeek-V3 blocks.
+PUT_IN_FLIGHT = 2
+EVICT_BATCH = 1024  # blocks one eviction script removes before the shards are deleted
 
 T = TypeVar("T")
-
-# KEYS: block keys, STATS_KEY, LRU_KEY. ARGV: 7 per block (size, tenant, class, parent, now,
-# targets, checksum).
-_COMMIT = """
-local n = #KEYS - 2
-local stored, added = 0, 0
-for i = 1, n do
-  local b = (i - 1) * 7
-  local hex = string.sub(KEYS[i], 7)
-  if redis.call('EXISTS', KEYS[i]) == 1 then
-    redis.call('HSET', KEYS[i], 'last_access', ARGV[b + 5])
-  else
-    redis.call('HSET', KEYS[i], 'size', ARGV[b + 1], 'tenant', ARGV[b + 2], 'class', ARGV[b + 3],
-               'parent', ARGV[b + 4], 'last_access', ARGV[b + 5], 'created', ARGV[b + 5],
-               'targets', ARGV[b + 6], 'checksum', ARGV[b + 7])
-    stored = stored + 1
-    added = added + tonumber(ARGV[b + 1])
-  end
-  redis.call('ZADD', KEYS[n + 2], ARGV[b + 5], hex)
-end
-if stored > 0 then
-  redis.call('HINCRBY', KEYS[n + 1], 'blocks', stored)
-  redis.call('HINCRBY', KEYS[n + 1], 'bytes', added)
-end
-return stored
-"""
-
-# KEYS: block keys, STATS_KEY, LRU_KEY. Returns the targets of each block that existed ("" if not).
-_DELETE = """
-local n = #KEYS - 2
-local deleted, removed, out = 0, 0, {}
-for i = 1, n do
-  local v = redis.call('HMGET', KEYS[i], 'size', 'targets')
-  out[i] = ''
-  if v[1] then
-    redis.call('DEL', KEYS[i])
-    deleted = deleted + 1
-    removed = removed + tonumber(v[1])
-    out[i] = v[2] or ''
-  end
-  redis.call('ZREM', KEYS[n + 2], string.sub(KEYS[i], 7))
-end
-if deleted > 0 then
-  redis.call('HINCRBY', KEYS[n + 1], 'blocks', -deleted)
-  redis.call('HINCRBY', KEYS[n + 1], 'bytes', -removed)
-end
-return out
-"""
-
-# KEYS: block keys, LRU_KEY. ARGV[1]: now. Refresh last use of the blocks that still exist.
-_TOUCH = """
-local n = #KEYS - 1
-for i = 1, n do
-  if redis.call('EXISTS', KEYS[i]) == 1 then
-    redis.call('HSET', KEYS[i], 'last_access', ARGV[1])
-    redis.call('ZADD', KEYS[n + 1], ARGV[1], string.sub(KEYS[i], 7))
-  end
-end
-return 0
-"""
-
-# KEYS: a chain's block keys. ARGV: now, default TTL, then class/TTL pairs. Returns how many
-# leading blocks exist and have not expired: the whole Lookup in one round trip.
-_LOOKUP = """
-local now, ttl = tonumber(ARGV[1]), {}
-for j = 3, #ARGV, 2 do ttl[ARGV[j]] = tonumber(ARGV[j + 1]) end
-for i = 1, #KEYS do
-  local v = redis.call('HMGET', KEYS[i], 'class', 'last_access')
-  if not v[2] then return i - 1 end
-  local t = ttl[v[1]] or tonumber(ARGV[2])
-  if now - tonumber(v[2]) >= t then return i - 1 end
-end
-return #KEYS
-"""
 
 
 class InvalidBlock(InvalidArgument):
@@ -154,12 +83,30 @@ class PutResult:
     skipped: int  # already present (or repeated within the same put)
 
 
+@dataclass(frozen=True)
+class _Written:
+    """A block whose shards this put attempt wrote: everything the commit needs, not its bytes
+    (a Put's memory must not grow with its length)."""
+
+    hash: bytes
+    parent: bytes
+    size: int
+    tenant: str
+    traffic_class: str
+    placement: list[str]  # the store's own target-name strings: no copy per block
+    checksum: str
+
+    def shards(self, attempt: str) -> list[tuple[str, str]]:
+        hx = self.hash.hex()
+        return [(t, shard_key(hx, i, attempt)) for i, t in enumerate(self.placement)]
+
+
 @dataclass
 class _PutState:
+    attempt: str = field(default_factory=new_attempt)  # names this attempt's shards
     seen: set[bytes] = field(default_factory=set)
-    written: list[tuple[bytes, list[tuple[str, str]]]] = field(default_factory=list)  # uncommitted
-    commit: list[tuple[BlockPut, list[str], str]] = field(default_factory=list)  # placement, sha256
-    skipped: int = 0
+    written: list[_Written] = field(default_factory=list)  # shards in place, not committed
+    repeated: int = 0  # blocks named twice in this put
 
 
 def check_hash(h: bytes, what: str = "hash") -> None:
@@ -227,10 +174,11 @@ class BlockStore:
         self.io = ShardIO(targets, self.codec)
         self.retention = retention or Retention()
         self.clock = clock
-        self._commit = redis.register_script(_COMMIT)
-        self._delete = redis.register_script(_DELETE)
-        self._touch_script = redis.register_script(_TOUCH)
-        self._lookup = redis.register_script(_LOOKUP)
+        self._commit = redis.register_script(scripts.COMMIT)
+        self._delete = redis.register_script(scripts.DELETE)
+        self._evict = redis.register_script(scripts.EVICT)
+        self._touch_script = redis.register_script(scripts.TOUCH)
+        self._lookup = redis.register_script(scripts.LOOKUP)
         self._ttl_args: list[Any] = [self.retention.ttl(self.retention.default_class)]
         for cls, ttl in self.retention.ttls.items():
             self._ttl_args += [cls, ttl]
@@ -279,83 +227,125 @@ class BlockStore:
     async def put(self, blocks: AsyncIterator[BlockPut] | Sequence[BlockPut]) -> PutResult:
         """Store blocks; all of them become visible together at the end, or none does.
 
-        Each block is validated as it arrives (:class:`InvalidBlock` aborts the whole put and
-        removes the shards it wrote). Blocks already present are skipped (their last use is
-        refreshed). A target that is down fails the put (``TargetDown``, retry later).
+        Each block is validated and written as it arrives, at most ``PUT_IN_FLIGHT`` at a time,
+        and only its metadata is kept until the commit: memory is bounded whatever the stream's
+        length. :class:`InvalidBlock` aborts the whole put and removes the shards it wrote.
+        Blocks already present are skipped (their last use is refreshed). Shards are named by
+        this put's attempt id, so a concurrent put of the same block (other bytes, other
+        process) never overwrites them: the first commit wins, the loser removes its own. A
+        target that is down fails the put (``TargetDown``, retry later).
         """
         state = _PutState()
+        pending: set[asyncio.Task[None]] = set()
         try:
-            if isinstance(blocks, Sequence):
-                for block in blocks:
-                    await self._put_one(block, state)
-            else:
-                async for block in blocks:
-                    await self._put_one(block, state)
-            stored = await self._commit_blocks(state.commit) if state.commit else 0
+            async for block in _each(blocks):
+                validate_block(block)
+                if block.hash in state.seen:
+                    state.repeated += 1
+                    continue
+                state.seen.add(block.hash)
+                while len(pending) >= PUT_IN_FLIGHT:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for t in done:
+                        t.result()
+                pending.add(asyncio.create_task(self._put_one(block, state)))
+            if pending:
+                await asyncio.gather(*pending)
+                pending.clear()
+            stored, used = await self._commit_blocks(state) if state.written else (0, 0)
         except BaseException:
-            await self._discard(state.written)
+            if pending:  # let writes in flight finish, so discard sees every shard they wrote
+                await asyncio.gather(*pending, return_exceptions=True)
+            await self._discard(state)
             raise
-        total = len(state.commit) + state.skipped
-        if stored and self.retention.capacity_bytes:
-            _, used = await self.stats()
-            if used > self.retention.capacity_bytes:
-                await self.sweep()
+        total = len(state.seen) + state.repeated
+        if stored and self.retention.capacity_bytes and used > self.retention.capacity_bytes:
+            await self.evict()
         return PutResult(stored, total - stored)
 
     async def _put_one(self, block: BlockPut, state: _PutState) -> None:
-        validate_block(block)
-        if block.hash in state.seen:
-            state.skipped += 1
-            return
-        state.seen.add(block.hash)
         if (await self.present([block.hash]))[0]:
-            state.skipped += 1
             await self._touch([block.hash])
             return
-        hx = block.hash.hex()
         placement = place(block.hash, self.target_names, self.codec.n)
-        written = await asyncio.to_thread(self.io.write, hx, block.data, placement)
-        state.written.append((block.hash, written))
-        checksum = await asyncio.to_thread(lambda: hashlib.sha256(block.data).hexdigest())
-        state.commit.append((block, placement, checksum))
-
-    async def _commit_blocks(self, blocks: list[tuple[BlockPut, list[str], str]]) -> int:
-        now = self.clock()
-        keys = [self.key(b.hash) for b, _, _ in blocks] + [STATS_KEY, LRU_KEY]
-        args: list[Any] = []
-        for b, placement, checksum in blocks:
-            args += [
-                len(b.data),
-                b.tenant,
-                b.traffic_class,
-                b.parent.hex(),
-                now,
-                json.dumps(placement),
+        checksum = await asyncio.to_thread(
+            self._write_shards, block.hash.hex(), block.data, placement, state.attempt
+        )
+        state.written.append(
+            _Written(
+                block.hash,
+                block.parent,
+                len(block.data),
+                block.tenant,
+                block.traffic_class,
+                placement,
                 checksum,
-            ]
-        return int(await self._redis(self._commit(keys=keys, args=args)))
+            )
+        )
 
-    async def _discard(self, written: list[tuple[bytes, list[tuple[str, str]]]]) -> None:
-        """Remove shards of a failed put, unless another put has since made the block visible."""
-        if not written:
+    def _write_shards(self, hx: str, data: bytes, placement: list[str], attempt: str) -> str:
+        self.io.write(hx, data, placement, attempt)
+        return hashlib.sha256(data).hexdigest()
+
+    async def _commit_blocks(self, state: _PutState) -> tuple[int, int]:
+        """Write the metadata of every block this put wrote (one script); remove the shards of
+        blocks another put committed first. Returns (blocks stored, store bytes after)."""
+        now = self.clock()
+        keys = [self.key(w.hash) for w in state.written] + [STATS_KEY, LRU_KEY, CHILDREN_KEY]
+        args: list[Any] = []
+        for w in state.written:
+            args += [
+                w.size,
+                w.tenant,
+                w.traffic_class,
+                w.parent.hex(),
+                now,
+                json.dumps(w.placement),
+                w.checksum,
+                state.attempt,
+            ]
+        out = await self._redis(self._commit(keys=keys, args=args))
+        flags, used = [int(x) for x in out[:-1]], int(out[-1])
+        lost = [
+            p for w, won in zip(state.written, flags) if not won for p in w.shards(state.attempt)
+        ]
+        state.written = []
+        if lost:
+            await asyncio.to_thread(self.io.remove, lost)
+        return sum(flags), used
+
+    async def _discard(self, state: _PutState) -> None:
+        """Remove the shards of a failed put, unless its commit did land (Redis answered after
+        the client gave up): metadata naming this attempt keeps its shards."""
+        if not state.written:
             return
+        pipe = self.redis.pipeline(transaction=False)
+        for w in state.written:
+            pipe.hget(self.key(w.hash), "attempt")
         try:
-            visible = await self.present([h for h, _ in written])
+            attempts = await self._redis(pipe.execute())
         except StoreUnavailable:
             log.warning(
-                "failed put: Redis is down, leaving %d blocks of orphan shards (fsck)", len(written)
+                "failed put: Redis is down, leaving %d blocks of orphan shards (collected after "
+                "the grace period)",
+                len(state.written),
             )
             return
-        pairs = [p for (_, ps), v in zip(written, visible) if not v for p in ps]
+        mine = state.attempt.encode()
+        pairs = [
+            p for w, a in zip(state.written, attempts) if a != mine for p in w.shards(state.attempt)
+        ]
         await asyncio.to_thread(self.io.remove, pairs)
 
     # -- get -----------------------------------------------------------------------------------
     async def get(self, hashes: Sequence[bytes]) -> AsyncIterator[tuple[bytes, bytes]]:
         """Yield (hash, frame) for the leading stored blocks, in order; stop at the first missing.
 
-        Up to ``m`` shards may be down or damaged; damaged ones are rewritten on the way. A block
-        that lost more than ``m`` shards on healthy targets is gone: its metadata is removed so
-        ``lookup`` stops promising it, and the stream stops there. When targets are *down*,
+        Up to ``m`` shards may be down or damaged (missing, failing their CRC, a broken fragment
+        header, or wrong bytes behind a valid CRC: any ``k`` shards that reproduce the block's
+        SHA-256 serve it); damaged ones are rewritten on the way. A block that lost more than
+        ``m`` shards on healthy targets is gone: its metadata is removed so ``lookup`` stops
+        promising it, and the stream stops there. When targets are *down*,
         :class:`BlockUnreadable` (a :class:`StoreUnavailable`) is raised instead: nothing is
         deleted, and no wrong bytes are ever yielded.
         """
@@ -366,36 +356,38 @@ class BlockStore:
         await self._touch(leading)
         pipe = self.redis.pipeline(transaction=False)
         for h in leading:
-            pipe.hmget(self.key(h), ["targets", "checksum"])
+            pipe.hmget(self.key(h), ["targets", "checksum", "attempt"])
         metas = await self._redis(pipe.execute())
-        blocks: list[tuple[bytes, list[str], str]] = []
-        for h, (targets, checksum) in zip(leading, metas):
+        blocks: list[tuple[bytes, list[str], str, str]] = []
+        for h, (targets, checksum, attempt) in zip(leading, metas):
             if targets is None:  # deleted since the lookup
                 break
-            blocks.append((h, json.loads(targets), checksum.decode()))
+            blocks.append((h, json.loads(targets), checksum.decode(), (attempt or b"").decode()))
         # Read ahead: block i+1's shards are read and decoded in a worker thread while block i
         # goes out, so disk waits overlap with CRC/decode/SHA-256 work and with the stream.
-        reads = [self._read_task(h, p, c) for h, p, c in blocks[:READ_AHEAD]]
+        reads = [self._read_task(*b) for b in blocks[:READ_AHEAD]]
         try:
-            for i, (h, placement, _) in enumerate(blocks):
+            for i, (h, placement, _, attempt) in enumerate(blocks):
                 task = reads[i]
                 if i + READ_AHEAD < len(blocks):
                     reads.append(self._read_task(*blocks[i + READ_AHEAD]))
                 try:
-                    data, scan = await task
+                    data, bad = await task
                 except BlockUnreadable as exc:
                     if not exc.damaged:
                         raise StoreUnavailable(str(exc)) from None
                     log.error("%s; dropping it", exc)
-                    await self.delete([h])
+                    await self._remove([h], [attempt])
                     return
                 if not _frame_named(data, h):
                     log.error("block %s decodes to a frame of another name; dropping it", h.hex())
-                    await self.delete([h])
+                    await self._remove([h], [attempt])
                     return
-                if scan.bad:
+                if bad:
                     try:
-                        await asyncio.to_thread(self.io.repair, h.hex(), placement, scan)
+                        await asyncio.to_thread(
+                            self.io.repair, h.hex(), placement, data, bad, attempt
+                        )
                     except (OSError, RuntimeError) as exc:
                         log.warning(
                             "block %s: repair failed (%s); fsck --repair retries", h.hex(), exc
@@ -406,9 +398,13 @@ class BlockStore:
                 t.cancel()
 
     def _read_task(
-        self, h: bytes, placement: list[str], checksum: str
-    ) -> asyncio.Future[tuple[bytes, ShardScan]]:
-        task = asyncio.ensure_future(asyncio.to_thread(self.io.read, h.hex(), placement, checksum))
+        self, h: bytes, placement: list[str], checksum: str, attempt: str
+    ) -> asyncio.Future[tuple[bytes, list[int]]]:
+        def read() -> tuple[bytes, list[int]]:
+            data, scan = self.io.read(h.hex(), placement, checksum, attempt)
+            return data, scan.bad
+
+        task = asyncio.ensure_future(asyncio.to_thread(read))
         task.add_done_callback(_retrieve)  # a read-ahead nobody awaits must not warn
         return task
 
@@ -426,15 +422,42 @@ class BlockStore:
         unique = list(dict.fromkeys(hashes))
         if not unique:
             return 0
-        keys = [self.key(h) for h in unique] + [STATS_KEY, LRU_KEY]
-        placements = await self._redis(self._delete(keys=keys, args=[]))
-        pairs = []
-        for h, targets in zip(unique, placements):
-            if targets:
-                pairs += [(t, shard_key(h.hex(), i)) for i, t in enumerate(json.loads(targets))]
+        return await self._remove(unique, [ANY_ATTEMPT] * len(unique))
+
+    async def _remove(self, hashes: Sequence[bytes], attempts: Sequence[str]) -> int:
+        """Delete metadata of ``hashes`` still naming ``attempts`` (ANY_ATTEMPT: any), then the
+        shards of what was deleted. Returns how many were deleted."""
+        keys = [self.key(h) for h in hashes] + [STATS_KEY, LRU_KEY, CHILDREN_KEY]
+        out = await self._redis(self._delete(keys=keys, args=list(attempts)))
+        gone = [(h.hex(), t, a) for h, (t, a) in zip(hashes, out) if t]
+        await self._remove_shards(gone)
+        return len(gone)
+
+    async def _remove_shards(self, blocks: Sequence[tuple[str, bytes, bytes]]) -> None:
+        """Shards of deleted blocks: (hex, targets JSON, attempt) each."""
+        pairs = [
+            (t, shard_key(hx, i, bytes(attempt).decode()))
+            for hx, targets, attempt in blocks
+            for i, t in enumerate(json.loads(targets))
+        ]
         if pairs:
             await asyncio.to_thread(self.io.remove, pairs)
-        return sum(1 for t in placements if t)
+
+    async def evict(self) -> int:
+        """Evict least recently used chain tails until the bytes fit the capacity (Lua over the
+        LRU index: the work is proportional to what is evicted, not to the store's size).
+        Returns how many blocks were evicted."""
+        cap, n = self.retention.capacity_bytes, 0
+        while cap:
+            keys = [STATS_KEY, LRU_KEY, CHILDREN_KEY]
+            out = await self._redis(self._evict(keys=keys, args=[cap, EVICT_BATCH]))
+            await self._remove_shards([(bytes(hx).decode(), t, a) for hx, t, a in out])
+            n += len(out)
+            if len(out) < EVICT_BATCH:
+                break
+        if n:
+            log.info("capacity: evicted %d least recently used chain tails", n)
+        return n
 
     async def stats(self) -> tuple[int, int]:
         """(blocks, bytes) stored; bytes are block bytes (shards take (k+m)/k of that on disk)."""
@@ -483,6 +506,15 @@ class BlockStore:
 
     async def ping(self) -> None:
         await self._redis(self.redis.ping())
+
+
+async def _each(blocks: AsyncIterator[BlockPut] | Sequence[BlockPut]) -> AsyncIterator[BlockPut]:
+    if isinstance(blocks, Sequence):
+        for b in blocks:
+            yield b
+    else:
+        async for b in blocks:
+            yield b
 
 
 def _retrieve(f: asyncio.Future[Any]) -> None:

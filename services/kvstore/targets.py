@@ -167,14 +167,28 @@ def open_targets(specs: list[str], s3_endpoint: str = "") -> list[Target]:
     return out
 
 
-def shard_key(block_hex: str, index: int) -> str:
+def shard_key(block_hex: str, index: int, attempt: str = "") -> str:
+    """``<hex[:2]>/<hex>.<attempt>.<index>``: every put attempt writes shards of its own names
+    (write-once), so two puts of one block never mix shards; ``attempt`` "" is the layout of
+    stores written before attempts existed (``<hex>.<index>``)."""
+    if attempt:
+        return f"{block_hex[:2]}/{block_hex}.{attempt}.{index:02d}"
     return f"{block_hex[:2]}/{block_hex}.{index:02d}"
 
 
-def parse_shard_key(key: str) -> tuple[str, int] | None:
-    """(block hex, shard index) of a shard key, None for anything else (temporary files too)."""
-    base = key.rsplit("/", 1)[-1]
-    hx, _, idx = base.partition(".")
-    if len(hx) != 64 or not idx.isdigit():
+def new_attempt() -> str:
+    """A put attempt's id: 48 random bits (a collision needs ~16M attempts of one block)."""
+    return uuid.uuid4().hex[:12]
+
+
+def parse_shard_key(key: str) -> tuple[str, str, int] | None:
+    """(block hex, attempt, shard index) of a shard key, None for anything else (temporary
+    files too)."""
+    parts = key.rsplit("/", 1)[-1].split(".")
+    if len(parts) == 2:
+        parts.insert(1, "")
+    if len(parts) != 3 or len(parts[0]) != 64 or not parts[2].isdigit():
         return None
-    return hx, int(idx)
+    if parts[1] and not parts[1].isalnum():
+        return None
+    return parts[0], parts[1], int(parts[2])

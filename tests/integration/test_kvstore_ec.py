@@ -101,7 +101,7 @@ def take_down(d: Path) -> Path:
 
 def shard_path(dirs: list[Path], store_meta: dict[bytes, bytes], h: bytes, i: int) -> Path:
     target = json.loads(store_meta[b"targets"])[i]
-    return Path(target) / shard_key(h.hex(), i)
+    return Path(target) / shard_key(h.hex(), i, store_meta[b"attempt"].decode())
 
 
 async def test_two_targets_down_every_block_reads_three_down_is_a_clear_error(env) -> None:
@@ -152,7 +152,9 @@ async def test_fsck_removes_orphans_and_lost_blocks(env) -> None:
     blocks = make_chain(3, 3)
     await store.put(blocks[:2])
     placement = [str(d) for d in dirs]
-    await asyncio.to_thread(store.io.write, blocks[2].hash.hex(), blocks[2].data, placement)
+    await asyncio.to_thread(
+        store.io.write, blocks[2].hash.hex(), blocks[2].data, placement, "crashed"
+    )
     (dirs[4] / "ab").mkdir(exist_ok=True)
     (dirs[4] / "ab" / ".x.tmp").write_bytes(b"half a shard")  # crash inside a shard write
     meta = await store.redis.hgetall(store.key(blocks[1].hash))
@@ -267,7 +269,7 @@ async def test_s3_targets_on_seaweedfs(seaweed: str, redis_port: int) -> None:
 
 # -- the service as processes ------------------------------------------------------------------
 def start_service(
-    data_dir: Path, redis_port: int, log: Path
+    data_dir: Path, redis_port: int, log: Path, *extra: str
 ) -> tuple[subprocess.Popen[bytes], grpc.Channel]:
     port = free_port()
     with open(log, "ab") as f:
@@ -284,6 +286,7 @@ def start_service(
                 str(data_dir),
                 "--drain-seconds",
                 "1",
+                *extra,
             ],
             cwd=ROOT,
             stdout=f,

@@ -144,3 +144,28 @@ def test_kvstore_flags_need_twelve_targets_and_sane_retention(tmp_path) -> None:
         parse_config(many[:11])
     with pytest.raises(SystemExit, match="TTL"):
         parse_config(["--agent-ttl", "0"])
+
+
+def test_shard_keys_name_the_put_attempt_and_old_keys_still_parse() -> None:
+    from services.kvstore.targets import new_attempt, parse_shard_key, shard_key
+
+    hx = "ab" * 32
+    a, b = new_attempt(), new_attempt()
+    assert a != b and shard_key(hx, 3, a) != shard_key(hx, 3, b)
+    assert parse_shard_key(shard_key(hx, 11, a)) == (hx, a, 11)
+    assert parse_shard_key(shard_key(hx, 2)) == (hx, "", 2)  # a store written before attempts
+    assert parse_shard_key(f"ab/.{hx}.07.1234.tmp") is None
+
+
+def test_a_damaged_fragment_header_is_caught_before_decoding() -> None:
+    from services.kvstore.ec import BadFragments, Codec, unwrap
+
+    codec = Codec()
+    frags = {i: unwrap(s) for i, s in enumerate(codec.encode(random.Random(2).randbytes(9_999)))}
+    assert all(f is not None and codec.fragment_ok(i, f) for i, f in frags.items())
+    assert not codec.fragment_ok(4, frags[5]), "a fragment stored under another index"
+    bad = bytearray(frags[3])  # type: ignore[arg-type]
+    bad[20] ^= 1
+    assert not codec.fragment_ok(3, bytes(bad))
+    with pytest.raises(BadFragments):
+        codec.decode({**frags, 3: bytes(bad)}, list(range(10)))  # type: ignore[dict-item]

@@ -4,16 +4,25 @@
 real one (gRPC to the entrypoint) and tests pass a deterministic in-process fake. Failures
 surface as the kinds of :mod:`libs.common.errors` (read from the gRPC status by
 :func:`libs.common.grpc_errors.from_status`), mapped to HTTP once, in the app.
+
+Every wait on the entrypoint is bounded: the first event of a call must come within
+``first_event_timeout`` seconds and each later one within ``event_timeout`` of the one before
+(``--first-event-timeout``, ``--event-timeout``), else the call is cancelled and
+:class:`~libs.common.errors.DeadlineExceeded` raised (504). The entrypoint aborts a request
+whose engines fall silent for its own ``--request-timeout`` (60 s) and sends that error, so the
+recipe's deadlines, longer, only fire when the entrypoint itself is frozen or unreachable.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from libs.common.errors import DeadlineExceeded
 from libs.common.grpc_errors import from_status
 from libs.proto.deepserve.v1 import generate_pb2, generate_pb2_grpc
 
@@ -42,13 +51,28 @@ class GenerateBackend(Protocol):
 
 
 class _GrpcCall:
-    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
-        self._call = call
+    def __init__(
+        self, call: grpc.aio.UnaryStreamCall, address: str, first_timeout: float, timeout: float
+    ) -> None:
+        self._call, self._address = call, address
+        self._first_timeout, self._timeout = first_timeout, timeout
 
     async def __aiter__(self) -> AsyncIterator[generate_pb2.GenerateEvent]:
+        wait, which = self._first_timeout, "--first-event-timeout"
         try:
-            async for event in self._call:
+            while True:
+                try:
+                    event = await asyncio.wait_for(self._call.read(), wait)
+                except TimeoutError:
+                    self._call.cancel()
+                    raise DeadlineExceeded(
+                        f"the entrypoint at {self._address} sent nothing for {wait:g} s ({which})"
+                    ) from None
+                if event is grpc.aio.EOF:
+                    return
+                assert isinstance(event, generate_pb2.GenerateEvent)
                 yield event
+                wait, which = self._timeout, "--event-timeout"
         except grpc.aio.AioRpcError as exc:
             raise from_status(exc.code(), exc.details() or "", exc.trailing_metadata()) from None
 
@@ -57,8 +81,15 @@ class _GrpcCall:
 
 
 class GrpcGenerateBackend:
-    def __init__(self, address: str, max_message_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self,
+        address: str,
+        max_message_bytes: int = 64 << 20,
+        first_event_timeout: float = 120.0,
+        event_timeout: float = 120.0,
+    ) -> None:
         self.address = address
+        self.first_event_timeout, self.event_timeout = first_event_timeout, event_timeout
         self.channel = grpc.aio.insecure_channel(
             address,
             options=[
@@ -73,7 +104,8 @@ class GrpcGenerateBackend:
         self, request: generate_pb2.GenerateRequest, traceparent: str = ""
     ) -> GenerateCall:
         metadata = (("traceparent", traceparent),) if traceparent else None
-        return _GrpcCall(self.stub.Generate(request, metadata=metadata))
+        call = self.stub.Generate(request, metadata=metadata)
+        return _GrpcCall(call, self.address, self.first_event_timeout, self.event_timeout)
 
     async def check(self) -> tuple[bool, str]:
         try:

@@ -41,6 +41,7 @@ from tokenizers import Tokenizer
 from libs.engine.tokenizer import CHAT_TEMPLATE, ServedTokenizer
 
 from .api import APIError, invalid
+from .limits import chars_per_token_bound, check_fits
 
 
 class _Generation(jinja2.ext.Extension):
@@ -101,6 +102,7 @@ class ChatTemplateEncoder:
         if served.encoding != CHAT_TEMPLATE or not served.chat_template:
             raise ValueError(f"{served.model} is not served with a chat template")
         self.full = Tokenizer.from_file(str(served.path))
+        self.chars_per_token = chars_per_token_bound(self.full)
         self.tokenizer = dr.Tokenizer.from_file(str(served.path))  # the StreamProcessor's
         # Thinking is off by default: the template renders no thinking mode (see encode).
         self.options = dr.ConversionOptions(
@@ -190,6 +192,15 @@ class ChatTemplateEncoder:
                 f"the model's chat template refused this conversation: {exc}", "messages"
             ) from None
 
-    def encode(self, conversation: dr.Conversation, parallel: bool | None = None) -> list[int]:
-        """Prompt ids (``parallel`` is accepted for PromptEncoder's signature and unused)."""
-        return list(self.full.encode(self.render(conversation), add_special_tokens=False).ids)
+    def encode(
+        self,
+        conversation: dr.Conversation,
+        parallel: bool | None = None,
+        *,
+        max_prompt_tokens: int | None = None,
+    ) -> list[int]:
+        """Prompt ids (``parallel`` is accepted for PromptEncoder's signature and unused); a
+        prompt surely longer than ``max_prompt_tokens`` is refused before tokenizing."""
+        prompt = self.render(conversation)
+        check_fits(len(prompt), self.chars_per_token, max_prompt_tokens)
+        return list(self.full.encode(prompt, add_special_tokens=False).ids)

@@ -14,31 +14,47 @@ SERVICE = "recipe"
 DESCRIPTION = """\
 recipe process: ``python -m services.recipe --port N --entrypoint-address host:port``.
 
-Serves OpenAI Chat Completions / Responses and Anthropic Messages, ``/healthz`` and
-``/metrics`` on ``--port`` (``--http-port`` is not
-used: the ops routes share the API port). Ready (``/healthz`` 200) while the entrypoint answers.
+Serves OpenAI Chat Completions / Responses and Anthropic Messages and ``/healthz`` on ``--port``
+(public), ``/healthz`` and ``/metrics`` on the ops port ``--http-port`` (keep it private: the
+metrics carry hashed tenant labels, no key is asked). Ready (``/healthz`` 200) while the
+entrypoint answers.
 """
 
 
 @dataclass(frozen=True)
 class RecipeConfig:
-    service: ServiceConfig  # its --http-port is unused: /healthz and /metrics are on --port
+    service: ServiceConfig  # its --http-port serves /healthz and /metrics (the ops port)
     app: AppConfig
     port: int = 8000
     entrypoint_address: str = "127.0.0.1:50051"
     default_thinking: bool = False
     # What the engines serve (their --model): it decides the tokenizer and the chat encoding.
     model: str = "tiny"
+    # Connections: idle between requests, and the request head (connecting and sending nothing
+    # or half a head holds a socket and a file descriptor for ever otherwise).
+    keep_alive_timeout: float = 5.0
+    header_timeout: float = 10.0
+    # The entrypoint: its first event, and each next one (beyond its own 60 s request timeout).
+    first_event_timeout: float = 120.0
+    event_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         check_port("--port", self.port)
         if not self.model:
             raise ValueError("--model must name a preset, fake, or a checkpoint directory")
+        for name, value in (
+            ("--keep-alive-timeout", self.keep_alive_timeout),
+            ("--header-timeout", self.header_timeout),
+            ("--first-event-timeout", self.first_event_timeout),
+            ("--event-timeout", self.event_timeout),
+        ):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.recipe", description=DESCRIPTION)
-    flag(p, "--port", type=int, default=8000, help="HTTP port of the API (and /healthz, /metrics)")
+    flag(p, "--port", type=int, default=8000, help="HTTP port of the API (and /healthz)")
     flag(p, "--entrypoint-address", default="127.0.0.1:50051", help="entrypoint gRPC host:port")
     flag(p, "--model-name", default="deepseek-tiny", help="the served model name (/v1/models)")
     flag(
@@ -65,6 +81,56 @@ def build_parser() -> argparse.ArgumentParser:
         help="thinking mode for requests that do not say (deepseek-recipe's default is on)",
     )
     flag(p, "--max-body-bytes", type=int, default=32 << 20, help="largest accepted request body")
+    flag(
+        p,
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        help="seconds for a request body to arrive in full, else 408 and the connection closes",
+    )
+    flag(
+        p,
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds for a request head to arrive (after connecting or the previous response), "
+        "else the connection closes",
+    )
+    flag(
+        p,
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open",
+    )
+    flag(
+        p,
+        "--encode-threads",
+        type=int,
+        default=4,
+        help="threads that parse, render and tokenize requests (off the event loop)",
+    )
+    flag(
+        p,
+        "--encode-queue",
+        type=int,
+        default=64,
+        help="requests waiting for an encode thread before a 429",
+    )
+    flag(
+        p,
+        "--first-event-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for the entrypoint's first event of a request, else 504",
+    )
+    flag(
+        p,
+        "--event-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for each next event from the entrypoint, else 504",
+    )
     flag(p, "--api-keys", default="", help="API keys: KEY=TENANT entries, comma-separated")
     flag(p, "--api-keys-file", default="", help="file of KEY=TENANT lines (# comments)")
     common_flags(p, SERVICE)
@@ -91,10 +157,17 @@ def config_from(args: argparse.Namespace) -> RecipeConfig:
             default_max_tokens=args.default_max_tokens,
             max_context=args.max_context,
             max_body_bytes=args.max_body_bytes,
+            body_timeout=args.body_timeout,
+            encode_threads=args.encode_threads,
+            encode_queue=args.encode_queue,
             keys=KeyTable(keys),
         ),
         port=args.port,
         entrypoint_address=args.entrypoint_address,
         default_thinking=bool(args.default_thinking),
         model=args.model,
+        keep_alive_timeout=args.keep_alive_timeout,
+        header_timeout=args.header_timeout,
+        first_event_timeout=args.first_event_timeout,
+        event_timeout=args.event_timeout,
     )

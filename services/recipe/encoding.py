@@ -47,6 +47,7 @@ from libs.engine.tokenizer import (
 )
 
 from .chat_template import ChatTemplateEncoder
+from .limits import chars_per_token_bound, check_fits
 
 EOS = "<｜end▁of▁sentence｜>"
 # Below this many characters a prompt is encoded in one call: a thread hop costs more than it saves.
@@ -68,8 +69,12 @@ class Encoder(Protocol):
     def eos_ids(self) -> frozenset[int]:
         """Ids that end an answer: taken out of the output, never decoded as text."""
 
-    def encode(self, conversation: dr.Conversation) -> list[int]:
-        """Prompt ids; raises the protocol's APIError (400) for what this model cannot render."""
+    def encode(
+        self, conversation: dr.Conversation, *, max_prompt_tokens: int | None = None
+    ) -> list[int]:
+        """Prompt ids; raises the protocol's APIError (400) for what this model cannot render,
+        and for a rendered prompt that is surely longer than ``max_prompt_tokens`` -- found
+        before tokenizing it (``limits.py``). Slow for long prompts: call it off the loop."""
 
     def parsing_options(self, request: dr.ConversationRequest) -> dr.ParsingOptions:
         """How the StreamProcessor parses the output."""
@@ -149,6 +154,7 @@ class PromptEncoder:
         self.eos = int(eos)
         self.eos_ids = frozenset({self.eos, *model_eos})
         self.structural = self._structural_tokens()
+        self.chars_per_token = chars_per_token_bound(self.full)  # 128 for the bundled one
 
     def parsing_options(self, request: dr.ConversationRequest) -> dr.ParsingOptions:
         """The library parses the V4 output markup (thinking, tool calls) as the request says."""
@@ -247,8 +253,16 @@ class PromptEncoder:
                 ids += next(encoded)
         return ids
 
-    def encode(self, conversation: dr.Conversation, parallel: bool | None = None) -> list[int]:
-        return self.encode_rendered(self.render(conversation), parallel)
+    def encode(
+        self,
+        conversation: dr.Conversation,
+        parallel: bool | None = None,
+        *,
+        max_prompt_tokens: int | None = None,
+    ) -> list[int]:
+        rendered = self.render(conversation)
+        check_fits(len(rendered.prompt), self.chars_per_token, max_prompt_tokens)
+        return self.encode_rendered(rendered, parallel)
 
     def encode_reference(self, conversation: dr.Conversation) -> list[int]:
         """The library's own single-threaded ``DeepseekV4Encoding.encode``."""

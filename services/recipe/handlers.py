@@ -3,10 +3,16 @@ the entrypoint's ``Generate`` stream, with ``deepseek-recipe`` doing conversion,
 output parsing.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/responses``, ``POST /v1/messages`` (JSON or
-SSE), ``POST /v1/messages/count_tokens``, ``GET /v1/models``, ``GET /healthz``, ``GET /metrics``.
-Errors are mapped once, in the caller's protocol: bad input 400 (the library's message), bad
-key 401, unknown model 404, body too large 413, backend at capacity 429 / unavailable 503
-(+ Retry-After); never a 500 for bad input. The backend's failures arrive as the kinds of
+SSE), ``POST /v1/messages/count_tokens``, ``GET /v1/models``, ``GET /healthz``. ``/metrics`` is
+not on this public port: the metrics are in the process's registry, which the ops port
+(``--http-port``) serves; their tenant label is a hash (:func:`tenant_label`), never the name.
+Errors are mapped once, in the caller's protocol: bad input 400 (the library's message; also
+JSON nested too deep and a prompt surely longer than the context), bad key 401, unknown model
+404, body not sent within ``--body-timeout`` 408 (then the connection closes), body too large
+413, encoding pool or backend at capacity 429 / unavailable 503 (+ Retry-After), entrypoint
+silent past its deadline 504; never a 500 for bad input. Everything CPU-heavy of a request
+(JSON, conversion, rendering, tokenization) runs in the :class:`~.pool.EncodePool`, never on the
+event loop. The backend's failures arrive as the kinds of
 :mod:`libs.common.errors` and become an :class:`APIError` in :meth:`Frontend.handle` (before
 the first byte) or :meth:`Frontend._stream` (an error event mid-stream), both through
 :func:`events.api_error`. A client that goes away cancels the gRPC call
@@ -22,6 +28,7 @@ render.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -32,14 +39,7 @@ from typing import Any, TypeVar
 
 import deepseek_recipe as dr
 from opentelemetry import trace
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    REGISTRY,
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -56,6 +56,7 @@ from .auth import KeyTable
 from .backend import GenerateBackend, GenerateCall
 from .encoding import Encoder
 from .events import Job, api_error
+from .pool import EncodePool
 
 log = logging.getLogger("recipe")
 T = TypeVar("T")
@@ -70,6 +71,11 @@ class AppConfig:
     default_max_tokens: int = 4096  # caps the library's default when a request names none
     max_context: int = 163840  # prompt + completion tokens (the entrypoint's default)
     max_body_bytes: int = 32 << 20
+    # The whole body must arrive within this many seconds (32 MiB at 1 MB/s is 32 s); a client
+    # that trickles it (slowloris) gets a 408 and the connection closes.
+    body_timeout: float = 60.0
+    encode_threads: int = 4  # the EncodePool's threads (long prompts also use Rayon's pool)
+    encode_queue: int = 64  # jobs waiting for an encode thread before a 429
     retry_after_s: int = 1
     keys: KeyTable = field(default_factory=KeyTable)
 
@@ -84,6 +90,21 @@ class AppConfig:
             raise ValueError(f"--max-context must be positive, got {self.max_context}")
         if self.max_body_bytes <= 0:
             raise ValueError(f"--max-body-bytes must be positive, got {self.max_body_bytes}")
+        if not self.body_timeout > 0:
+            raise ValueError(f"--body-timeout must be > 0 seconds, got {self.body_timeout}")
+        if self.encode_threads <= 0:
+            raise ValueError(f"--encode-threads must be positive, got {self.encode_threads}")
+        if self.encode_queue < 0:
+            raise ValueError(f"--encode-queue must be >= 0, got {self.encode_queue}")
+
+
+def tenant_label(tenant: str) -> str:
+    """A tenant as a metrics label: the first 8 hex digits of its SHA-256 ("-" for none), so
+    scraped metrics never carry tenant names (STYLE 15); ``deepserve``'s operators can hash a
+    name to find its series."""
+    if tenant == "-":
+        return tenant
+    return hashlib.sha256(tenant.encode()).hexdigest()[:8]
 
 
 class Metrics:
@@ -91,7 +112,7 @@ class Metrics:
         self.registry = registry
         self.requests = Counter(
             "deepserve_recipe_requests_total",
-            "HTTP requests by route, status and tenant",
+            "HTTP requests by route, status and tenant (hashed: tenant_label)",
             ["route", "status", "tenant"],
             registry=registry,
         )
@@ -110,7 +131,7 @@ class Metrics:
         )
         self.tokens = Counter(
             "deepserve_recipe_tokens_total",
-            "tokens by kind (prompt, cached, completion) and tenant",
+            "tokens by kind (prompt, cached, completion) and tenant (hashed: tenant_label)",
             ["kind", "tenant"],
             registry=registry,
         )
@@ -129,6 +150,8 @@ def error_response(proto: Protocol, err: APIError, request_id: str = "") -> JSON
     headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else {}
     if request_id:
         headers["X-Request-Id"] = request_id
+    if err.status == 408:  # the rest of the body may still trickle in: end the connection
+        headers["Connection"] = "close"
     return JSONResponse(proto.error_body(err), status_code=err.status, headers=headers)
 
 
@@ -156,9 +179,15 @@ class _CancellingStream(StreamingResponse):
 
 class Frontend:
     def __init__(
-        self, cfg: AppConfig, encoder: Encoder, backend: GenerateBackend, metrics: Metrics
+        self,
+        cfg: AppConfig,
+        encoder: Encoder,
+        backend: GenerateBackend,
+        metrics: Metrics,
+        pool: EncodePool,
     ) -> None:
         self.cfg, self.encoder, self.backend, self.metrics = cfg, encoder, backend, metrics
+        self.pool = pool
         self.tracer = tracer("recipe")
 
     # -- shared front half: auth, body, model, conversion ---------------------------------------
@@ -185,16 +214,39 @@ class Frontend:
                 code="request_too_large",
             )
         chunks, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > self.cfg.max_body_bytes:
-                raise APIError(
-                    413,
-                    f"request body exceeds {self.cfg.max_body_bytes} bytes",
-                    code="request_too_large",
-                )
-            chunks.append(part)
+        try:
+            # uvicorn has no timeout for a body that trickles in (only for idle keep-alive)
+            async with asyncio.timeout(self.cfg.body_timeout):
+                async for part in request.stream():
+                    size += len(part)
+                    if size > self.cfg.max_body_bytes:
+                        raise APIError(
+                            413,
+                            f"request body exceeds {self.cfg.max_body_bytes} bytes",
+                            code="request_too_large",
+                        )
+                    chunks.append(part)
+        except TimeoutError:
+            raise APIError(
+                408,
+                f"the request body did not arrive within {self.cfg.body_timeout:g} s "
+                f"({size} bytes came)",
+                code="request_timeout",
+            ) from None
         return b"".join(chunks)
+
+    async def _prepare(
+        self, proto: Protocol, body: bytes, rid: str
+    ) -> tuple[str, dr.ConversationRequest, Any, list[int]]:
+        """(model, conversation request, chunk generator, prompt ids), computed in the encode
+        pool: parsing, conversion, rendering and tokenizing a large body takes seconds."""
+
+        def work() -> tuple[str, dr.ConversationRequest, Any, list[int]]:
+            model, conv, gen = self._convert(proto, body, rid)
+            prompt = self.encoder.encode(conv.conversation, max_prompt_tokens=self.cfg.max_context)
+            return model, conv, gen, prompt
+
+        return await self.pool.run(work)
 
     def _convert(
         self, proto: Protocol, body: bytes, rid: str
@@ -206,6 +258,11 @@ class Frontend:
         except (ValueError, UnicodeDecodeError) as exc:
             raise invalid(
                 f"could not parse the JSON body of your request: {exc}", code="invalid_json"
+            ) from None
+        except RecursionError:  # json's C scanner counts its depth and gives up (~1000 deep)
+            raise invalid(
+                "could not parse the JSON body of your request: it is nested too deeply",
+                code="invalid_json",
             ) from None
         if not isinstance(decoded, dict):
             raise invalid("the request body must be a JSON object")
@@ -234,6 +291,8 @@ class Frontend:
             gen = proto.request_cls.chunk_generator(conv, proto.id_prefix + rid, model)
         except (dr.ConversionError, ValueError, TypeError, OverflowError) as exc:
             raise conversion_error(exc) from None
+        except RecursionError:  # only a body that nests deeper than any request needs
+            raise invalid("the request is nested too deeply", code="invalid_json") from None
         # Images: the V4 conversion itself replaces them with "[Unsupported Image]" text.
         if conv.inference_options.logprobs:
             raise invalid("logprobs are not supported yet", "logprobs", "unsupported_value")
@@ -274,26 +333,30 @@ class Frontend:
         except ClientGone:
             self.metrics.disconnects.inc()
             response = Response(status_code=499)  # nobody reads it; nginx's "client closed request"
-        self.metrics.requests.labels(proto.name, str(response.status_code), tenant).inc()
+        self.metrics.requests.labels(
+            proto.name, str(response.status_code), tenant_label(tenant)
+        ).inc()
         return response
 
     async def count_tokens(self, request: Request) -> Response:
         rid, tenant = uuid.uuid4().hex, "-"
         try:
             tenant = self._tenant(request) or "-"
-            _, conv, _ = self._convert(MESSAGES, await self._body(request), rid)
-            ids = await asyncio.to_thread(self.encoder.encode, conv.conversation)
+            *_, ids = await self._prepare(MESSAGES, await self._body(request), rid)
             response: Response = JSONResponse({"input_tokens": len(ids)})
         except APIError as err:
             response = error_response(MESSAGES, err, rid)
-        self.metrics.requests.labels("count_tokens", str(response.status_code), tenant).inc()
+        except DeepserveError as exc:  # the encode pool is full
+            response = error_response(MESSAGES, api_error(exc, self.cfg.retry_after_s), rid)
+        self.metrics.requests.labels(
+            "count_tokens", str(response.status_code), tenant_label(tenant)
+        ).inc()
         return response
 
     async def _serve(
         self, request: Request, proto: Protocol, rid: str, tenant: str, t0: float
     ) -> Response:
-        model, conv, gen = self._convert(proto, await self._body(request), rid)
-        prompt = await asyncio.to_thread(self.encoder.encode, conv.conversation)
+        model, conv, gen, prompt = await self._prepare(proto, await self._body(request), rid)
         agent = (
             bool(conv.conversation.tools)
             or request.headers.get(TRAFFIC_CLASS_HEADER, "").strip().lower() == "agent"
@@ -438,16 +501,24 @@ class Frontend:
             span.end()
 
     def _count(self, job: Job) -> None:
-        self.metrics.tokens.labels("prompt", job.tenant).inc(job.prompt_tokens)
-        self.metrics.tokens.labels("cached", job.tenant).inc(job.cached_tokens)
-        self.metrics.tokens.labels("completion", job.tenant).inc(job.completion_tokens)
+        label = tenant_label(job.tenant)
+        self.metrics.tokens.labels("prompt", label).inc(job.prompt_tokens)
+        self.metrics.tokens.labels("cached", label).inc(job.cached_tokens)
+        self.metrics.tokens.labels("completion", label).inc(job.completion_tokens)
 
 
 def build_app(
-    cfg: AppConfig, encoder: Encoder, backend: GenerateBackend, metrics: Metrics | None = None
+    cfg: AppConfig,
+    encoder: Encoder,
+    backend: GenerateBackend,
+    metrics: Metrics | None = None,
+    pool: EncodePool | None = None,
 ) -> Starlette:
+    """The public API. ``pool``: the encode pool (default: one of ``cfg``'s size, which the
+    caller then does not close -- fine for tests)."""
     metrics = metrics or Metrics(CollectorRegistry())
-    front = Frontend(cfg, encoder, backend, metrics)
+    pool = pool or EncodePool(cfg.encode_threads, cfg.encode_queue, cfg.retry_after_s * 1000)
+    front = Frontend(cfg, encoder, backend, metrics, pool)
     created = int(time.time())
 
     def model_card() -> dict[str, Any]:
@@ -502,9 +573,6 @@ def build_app(
             status_code=200 if ok else 503,
         )
 
-    async def prometheus(request: Request) -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
     def proto_of(request: Request) -> Protocol:
         return MESSAGES if request.url.path.startswith("/v1/messages") else CHAT
 
@@ -543,7 +611,6 @@ def build_app(
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
-        Route("/metrics", prometheus, methods=["GET"]),
     ]
     return Starlette(
         routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error}

@@ -1,62 +1,59 @@
 """recipe process: ``python -m services.recipe --port N --entrypoint-address host:port``.
 
-Serves OpenAI Chat Completions / Responses and Anthropic Messages, ``/healthz`` and
-``/metrics`` on ``--port`` (``--http-port`` is not
-used: the ops routes share the API port). Ready (``/healthz`` 200) while the entrypoint answers.
+Serves OpenAI Chat Completions / Responses and Anthropic Messages and ``/healthz`` on ``--port``
+(public); ``/healthz`` and ``/metrics`` on the ops port ``--http-port``, as every service does
+(``ServiceContext.start_ops``): the public port serves no metrics. Ready (``/healthz`` 200)
+while the entrypoint answers; the ops port's health is the entrypoint check of at most
+``HEALTH_POLL_S`` ago.
 
 ``--model`` (what the engines serve) decides the tokenizer and chat encoding; a tokenizer that
 can emit ids beyond the model's vocabulary is refused before any port opens: one line in the
 log, exit code 2 (as a bad flag), rather than a 502 on every request.
 
-Wiring only: flags in ``config.py``, the API in ``handlers.py``. uvicorn runs as a task inside
-the shared lifecycle (``libs/common/service.py``): the stop event, not uvicorn, hears SIGTERM,
-and the exit stack stops uvicorn (open requests finish within ``--drain-seconds``), then closes
-the entrypoint channel.
+Wiring only: flags in ``config.py``, the API in ``handlers.py``, uvicorn and its connection
+timeouts in ``server.py``. uvicorn runs as a task inside the shared lifecycle
+(``libs/common/service.py``): the stop event, not uvicorn, hears SIGTERM, and the exit stack
+stops uvicorn (open requests finish within ``--drain-seconds``), then the encode pool, the
+entrypoint channel and the ops port.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
-from collections.abc import Iterator
-
-import uvicorn
 
 from libs.common.service import ServiceContext, run_service
 
-from .backend import GrpcGenerateBackend
+from .backend import GenerateBackend, GrpcGenerateBackend
 from .config import SERVICE, RecipeConfig, build_parser, config_from
 from .encoding import load_encoder
 from .handlers import Metrics, build_app
+from .pool import EncodePool
+from .server import build_server, run_server, stop_server
+
+HEALTH_POLL_S = 1.0
 
 
 def main(argv: list[str] | None = None) -> int:
     return run_service(SERVICE, argv, build_parser, config_from, serve)
 
 
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: the service's stop event decides."""
+class _Health:
+    """The entrypoint check, refreshed in the background for the ops port's sync health."""
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
+    def __init__(self, backend: GenerateBackend) -> None:
+        self.backend = backend
+        self.state = (False, "starting: the entrypoint has not been checked yet")
 
+    def __call__(self) -> tuple[bool, str]:
+        return self.state
 
-async def _run_uvicorn(server: _Server) -> None:
-    try:
-        await server.serve()
-    except SystemExit:  # uvicorn's way to report a port it cannot bind; server.started says so
-        pass
-
-
-async def _stop_uvicorn(
-    server: _Server, task: asyncio.Task[None], drain_seconds: float, log: logging.Logger
-) -> None:
-    if not task.done():
-        log.info("stopping: finishing open requests for up to %.0fs", drain_seconds)
-    server.should_exit = True
-    await task
+    async def poll(self) -> None:
+        while True:
+            try:
+                self.state = await self.backend.check()
+            except Exception as exc:  # a check that cannot even run is "not ready", not a crash
+                self.state = (False, f"entrypoint check failed: {exc!r}")
+            await asyncio.sleep(HEALTH_POLL_S)
 
 
 async def serve(cfg: RecipeConfig, ctx: ServiceContext) -> int:
@@ -69,27 +66,36 @@ async def serve(cfg: RecipeConfig, ctx: ServiceContext) -> int:
         log.error("cannot serve: %s", exc)
         return 2
     log.info("model %s: tokenizer %s", cfg.model, served.describe)
-    backend = GrpcGenerateBackend(cfg.entrypoint_address)
-    ctx.stack.push_async_callback(backend.close)
-    app = build_app(cfg.app, encoder, backend, Metrics())
-    server = _Server(
-        uvicorn.Config(
-            app,
-            host=svc.host,
-            port=cfg.port,
-            lifespan="off",
-            log_level=svc.log_level.lower(),
-            access_log=False,
-            timeout_graceful_shutdown=max(1, int(svc.drain_seconds)),
-        )
+    backend = GrpcGenerateBackend(
+        cfg.entrypoint_address,
+        first_event_timeout=cfg.first_event_timeout,
+        event_timeout=cfg.event_timeout,
     )
-    task = asyncio.create_task(_run_uvicorn(server), name="uvicorn")
-    ctx.stack.push_async_callback(_stop_uvicorn, server, task, svc.drain_seconds, log)
+    health = _Health(backend)
+    ops_port = await ctx.start_ops(health)
+    ctx.stack.push_async_callback(backend.close)
+    ctx.background(health.poll(), "health")
+    pool = EncodePool(cfg.app.encode_threads, cfg.app.encode_queue, cfg.app.retry_after_s * 1000)
+    ctx.stack.callback(pool.close)
+    app = build_app(cfg.app, encoder, backend, Metrics(), pool)  # Metrics(): the ops registry
+    server = build_server(
+        app,
+        svc.host,
+        cfg.port,
+        log_level=svc.log_level,
+        drain_seconds=svc.drain_seconds,
+        keep_alive_timeout=cfg.keep_alive_timeout,
+        header_timeout=cfg.header_timeout,
+    )
+    task = asyncio.create_task(run_server(server), name="uvicorn")
+    ctx.stack.push_async_callback(stop_server, server, task, svc.drain_seconds, log)
     log.info(
-        "%s serving the OpenAI and Anthropic APIs on %s:%d for model %s via entrypoint %s",
+        "%s serving the OpenAI and Anthropic APIs on %s:%d (ops: /healthz, /metrics on port %d) "
+        "for model %s via entrypoint %s",
         svc.instance_id,
         svc.host,
         cfg.port,
+        ops_port,
         cfg.app.model_name,
         cfg.entrypoint_address,
     )

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import re
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 
 import anthropic
@@ -18,6 +20,7 @@ import openai
 import pytest
 
 from deepserve.up import Stack
+from services.recipe.handlers import tenant_label
 
 from .conftest import MODEL_NAME, READY_TIMEOUT, dump_logs
 
@@ -181,6 +184,16 @@ def test_tenant_salts_the_kvstore(keyed_stack: Stack) -> None:
         time.sleep(0.3)
     assert hit >= 256, dump_logs(keyed_stack)
     assert cached(beta) == 0, "another tenant must not hit acme's cached prefix"
+    # The metrics are on the ops port (--http-port), labelled by a hash of the tenant; the
+    # public port has none.
+    recipe = next(c for c in keyed_stack.children if c.service == "recipe")
+    ops = recipe.argv[recipe.argv.index("--http-port") + 1]
+    with urllib.request.urlopen(f"http://127.0.0.1:{ops}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    assert f'tenant="{tenant_label("acme")}"' in metrics and "acme" not in metrics
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"{keyed_stack.api_base}/metrics", timeout=10)
+    assert e.value.code == 404
 
 
 def test_disconnect_aborts_downstream_within_a_second(keyed_stack: Stack) -> None:

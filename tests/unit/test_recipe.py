@@ -15,7 +15,7 @@ import anthropic
 import grpc
 import openai
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from starlette.testclient import TestClient
 
 from libs.common.errors import Overloaded
@@ -23,7 +23,7 @@ from libs.common.grpc_errors import from_status
 from libs.proto.deepserve.v1 import common_pb2
 from services.recipe.auth import KeyTable, parse_keys
 from services.recipe.encoding import PromptEncoder
-from services.recipe.handlers import AppConfig, Metrics, build_app
+from services.recipe.handlers import AppConfig, Metrics, build_app, tenant_label
 
 from .recipe_fakes import ANSWER, MODEL, REASONING, TOOL_CALL, FakeBackend
 
@@ -50,7 +50,12 @@ def backend(encoder: PromptEncoder) -> FakeBackend:
     return FakeBackend(encoder)
 
 
-def make_app(encoder: PromptEncoder, backend: FakeBackend, keys: dict[str, str] | None = None):
+def make_app(
+    encoder: PromptEncoder,
+    backend: FakeBackend,
+    keys: dict[str, str] | None = None,
+    registry: CollectorRegistry | None = None,
+):
     return build_app(
         AppConfig(
             model_name=MODEL,
@@ -60,7 +65,7 @@ def make_app(encoder: PromptEncoder, backend: FakeBackend, keys: dict[str, str] 
         ),
         encoder,
         backend,
-        Metrics(CollectorRegistry()),
+        Metrics(registry or CollectorRegistry()),
     )
 
 
@@ -487,7 +492,8 @@ def test_mid_stream_failure_is_an_error_event(client: TestClient, backend: FakeB
 def test_auth_keys_and_tenants(encoder: PromptEncoder, backend: FakeBackend) -> None:
     keys = parse_keys("k-alpha=acme  # comment\nk-beta=globex,k-gamma")
     assert keys["k-alpha"] == "acme" and keys["k-gamma"].startswith("key-")
-    app = make_app(encoder, backend, keys)
+    registry = CollectorRegistry()
+    app = make_app(encoder, backend, keys, registry)
     http = TestClient(app)
     good = openai.OpenAI(
         base_url="http://testserver/v1", api_key="k-alpha", max_retries=0, http_client=http
@@ -516,8 +522,10 @@ def test_auth_keys_and_tenants(encoder: PromptEncoder, backend: FakeBackend) -> 
     assert e.value.body["error"]["type"] == "authentication_error"
     assert http.post("/v1/messages/count_tokens", json={}).status_code == 401
     assert http.get("/healthz").status_code == 200
-    metrics = http.get("/metrics").text
-    assert 'route="messages",status="200",tenant="globex"' in metrics
+    assert http.get("/metrics").status_code == 404  # not on the public port: the ops port's
+    metrics = generate_latest(registry).decode()
+    assert f'route="messages",status="200",tenant="{tenant_label("globex")}"' in metrics
+    assert "globex" not in metrics and "acme" not in metrics
     assert len(backend.requests) == 2
 
 
@@ -539,7 +547,7 @@ def test_models_health_metrics(
     assert r.status_code == 503 and "down" in r.json()["detail"]
     assert client.get("/v1/nope").status_code == 404
     assert client.get("/v1/chat/completions").status_code == 405
-    assert "deepserve_recipe_tokens_total" in client.get("/metrics").text
+    assert client.get("/metrics").status_code == 404  # on the ops port (--http-port) instead
 
 
 # -- client disconnects cancel the generation --------------------------------------------------

@@ -52,6 +52,15 @@ class StackError(RuntimeError):
     """The stack could not start: a service exited, or was not ready in time."""
 
 
+# Which service needs which secret (docs/security.md): the entrypoint keys the tenants' cache
+# salts; prefill and decode sign and check KV frames.
+SERVICE_SECRETS = {
+    "entrypoint": ("DEEPSERVE_CACHE_SALT_SECRET",),
+    "prefill": ("DEEPSERVE_KV_MAC_KEY",),
+    "decode": ("DEEPSERVE_KV_MAC_KEY",),
+}
+
+
 @dataclass
 class Child:
     """One service process: how it was started, where it logs, where its health is."""
@@ -63,6 +72,7 @@ class Child:
     log_path: Path
     instance_id: str = ""
     grpc_port: int = 0
+    ops_port: int = 0  # --http-port: /healthz and /metrics (the recipe's health is on its API)
     proc: subprocess.Popen[bytes] | None = None
     _log: IO[bytes] | None = field(default=None, repr=False)
 
@@ -299,6 +309,12 @@ class Stack:
         self.extra_args = {k: list(v) for k, v in (extra_args or {}).items()}
         self.env = dict(os.environ if env is None else env)
         self.stack_id = secrets.token_hex(3)
+        # This stack's secrets (unless the environment gives them): they reach the services
+        # through their environment, never their command lines.
+        self.secrets = {
+            name: self.env.get(name) or secrets.token_hex(32)
+            for name in {n for names in SERVICE_SECRETS.values() for n in names}
+        }
         self.children: list[Child] = []
         self.nats_proc: subprocess.Popen[bytes] | None = None
         self.redis_proc: subprocess.Popen[bytes] | None = None
@@ -456,6 +472,7 @@ class Stack:
             self.run_dir / "logs" / f"{name}.log",
             instance_id=instance_id,
             grpc_port=grpc_port,
+            ops_port=ops_port,
         )
 
     def _plan_recipe(self, port: int) -> Child:
@@ -479,6 +496,8 @@ class Stack:
 
     def _spawn(self, c: Child) -> None:
         env = dict(self.env)
+        for name in SERVICE_SECRETS.get(c.service, ()):  # each secret only where it is used
+            env.setdefault(name, self.secrets[name])
         env.setdefault("PYTHONUNBUFFERED", "1")
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
@@ -546,7 +565,7 @@ class Stack:
             },
             "instance_ids": self.instance_ids,
             # where each service serves /healthz and /metrics
-            "ops_ports": {c.name: c.health_port for c in self.children},
+            "ops_ports": {c.name: c.ops_port for c in self.children},
         }
         tmp = self.run_dir / "stack.json.tmp"
         tmp.write_text(json.dumps(state, indent=2))

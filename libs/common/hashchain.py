@@ -24,6 +24,7 @@ No I/O and no heavy imports: policy code imports this freely.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
 from collections.abc import Sequence
 
@@ -80,3 +81,17 @@ def chain_hashes(
     if include_partial and len(token_ids) % block_size:
         out.append(block_hash(prev, token_ids[n_full * block_size :]))
     return out
+
+
+_SALT_DOMAIN = b"deepserve/tenant-salt/v1/"
+SALT_SIZE = 16
+
+
+def tenant_salt(secret: bytes, tenant: str) -> bytes:
+    """The salt that names ``tenant``'s blocks: a keyed hash (HMAC-SHA-256) of the tenant under
+    a secret only the serving tier holds, so a block's name reveals nothing about its tenant
+    and nobody without the secret can compute a tenant's names offline. Changing the secret
+    renames every tenant's blocks at once (every cached prefix becomes a miss)."""
+    if not secret:
+        raise ValueError("the tenant-salt secret must not be empty")
+    return hmac.new(secret, _SALT_DOMAIN + tenant.encode(), hashlib.sha256).digest()[:SALT_SIZE]

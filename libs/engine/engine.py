@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,10 +27,12 @@ from .kv.cache import TORCH_DTYPES
 from .kv.transfer import (
     KVFormatError,
     KVHeader,
+    KVIntegrityError,
     PeerKV,
     check_compatible,
     decode_frame,
     encode_frame,
+    verify,
 )
 from .loader import LoadedModel
 from .model.model import DeepseekForCausalLM
@@ -47,6 +49,7 @@ __all__ = [
     "InvalidRequest",
     "KVFormatError",
     "KVInput",
+    "KVIntegrityError",
     "MissingPrefix",
     "NoFreeBlocks",
     "PeerKV",
@@ -113,6 +116,9 @@ class EngineConfig:
     # Share of the device's total memory this engine may use for weights + KV + activations
     # (co-located engines split a GPU); sizes the KV cache after loading. None: see above.
     gpu_memory_fraction: float | None = None
+    # Signs exported KV frames and requires the signature on import (prefill and decode share
+    # it; nobody else holds it). None: frames are neither signed nor checked.
+    kv_mac_key: bytes | None = field(default=None, repr=False)
     overlap: bool | None = None  # None: on for CUDA
 
     def __post_init__(self) -> None:
@@ -352,7 +358,8 @@ class Engine:
             tuple(h.hex() for h in hashes[start:]),
         )
         pending = self.cache.gather_async(req.blocks[start : len(hashes)])
-        return lambda: encode_frame(header, pending.result())
+        key = self.config.kv_mac_key
+        return lambda: encode_frame(header, pending.result(), key)
 
     def export_blocks(
         self, request_id: str, start_block: int = 0
@@ -373,6 +380,7 @@ class Engine:
         hashes = req.full_block_hashes(bs, req.num_computed)
         start = min(max(start_block, 0), len(hashes))
         pending = self.cache.gather_async(req.blocks[start : len(hashes)])
+        key = self.config.kv_mac_key
         model_id, layout, bpb, dtype = (
             self.model_id,
             self.spec.layout_hash(),
@@ -388,7 +396,7 @@ class Engine:
                     model_id, layout, bs, dtype, bpb, (i + 1) * bs, i, (hashes[i].hex(),)
                 )
                 k = i - start
-                frame = encode_frame(header, raw[k * bpb : (k + 1) * bpb])
+                frame = encode_frame(header, raw[k * bpb : (k + 1) * bpb], key)
                 out.append((hashes[i], hashes[i - 1] if i else b"", frame))
             return out
 
@@ -433,6 +441,7 @@ class Engine:
         for data in frames:
             header, payload = decode_frame(bytes(data) if isinstance(data, bytearray) else data)
             check_compatible(header, self.spec)
+            verify(self.config.kv_mac_key, header, payload)
             if headers:
                 expected = headers[-1].first_block + headers[-1].num_blocks
                 if header.first_block != expected:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from libs.common.config import flag
@@ -26,6 +26,8 @@ class ModelFlags:
     fake_token_us: float = 2.0  # --model fake: and of each token computed in it
     kv_cache_dtype: str = "auto"  # or fp8 (both instances of a prefill -> decode pair must agree)
     experts: str = "bf16"  # or fp4
+    # Secret shared by prefill and decode that signs KV frames ("" : unsigned, local use).
+    kv_mac_key: str = field(default="", repr=False)
     # Share of the CUDA device's total memory for weights + KV cache + activations; sets the
     # number of KV blocks (overriding num_kv_blocks). None: num_kv_blocks as given.
     gpu_memory_fraction: float | None = None
@@ -73,6 +75,7 @@ class ModelFlags:
             kv_cache_dtype="fp8" if self.kv_cache_dtype == "fp8" else None,
             expert_dtype="fp4" if self.experts == "fp4" else "auto",
             gpu_memory_fraction=fraction,
+            kv_mac_key=self.kv_mac_key.encode() or None,
         )
         return config
 
@@ -121,6 +124,15 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     flag(parser, "--experts", default="bf16", help="fp4: routed experts in e2m1")
     flag(
         parser,
+        "--kv-mac-key",
+        default="",
+        help="secret that signs the KV frames this engine exports and must sign those it "
+        "imports (kvstore, hand-off); the same on every prefill and decode instance, known to "
+        "nothing else; pass it through the environment, not the command line. Empty: frames "
+        "are not signed (local use)",
+    )
+    flag(
+        parser,
         "--fake-step-ms",
         type=float,
         default=2.0,
@@ -150,4 +162,5 @@ def model_flags_from(args: argparse.Namespace) -> ModelFlags:
         kv_cache_dtype=args.kv_cache_dtype,
         experts=args.experts,
         gpu_memory_fraction=args.gpu_memory_fraction,
+        kv_mac_key=args.kv_mac_key,
     )

@@ -286,9 +286,7 @@ class DecodeHandler:
         try:
             blocks = await asyncio.to_thread(finish)
             if blocks:
-                await self.kvstore.put(
-                    blocks, task.cache_salt.decode("utf-8", "replace"), task.traffic_class
-                )
+                await self.kvstore.put(blocks, task.cache_salt.hex(), task.traffic_class)
                 STORED_BLOCKS.inc(len(blocks))
         except Exception as exc:  # noqa: BLE001 - a lost cache write only costs a recompute
             STORE_ERRORS.inc()

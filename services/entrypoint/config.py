@@ -93,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flag(
         parser,
+        "--cache-salt-secret",
+        default="",
+        help="secret keying the tenants' cache salts (the same on every entrypoint; pass it "
+        "through the environment). Changing it renames every cached block (all become misses). "
+        "Empty: a random one per process",
+    )
+    flag(
+        parser,
         "--admit-wait",
         type=float,
         default=10.0,
@@ -146,6 +154,7 @@ def config_from(args: argparse.Namespace) -> EntrypointConfig:
             prefill_queue_tokens=args.prefill_queue_tokens,
             max_attempts=args.max_attempts,
             instance_dead_after=args.instance_dead_after,
+            salt_secret=args.cache_salt_secret.encode(),
         ),
         grpc_port=args.grpc_port,
         kvstore_address=args.kvstore_address,

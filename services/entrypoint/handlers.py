@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -32,7 +33,7 @@ from libs.common.errors import (
     Overloaded,
     Unavailable,
 )
-from libs.common.hashchain import chain_hashes
+from libs.common.hashchain import chain_hashes, tenant_salt
 from libs.common.telemetry import extract_context, inject_traceparent, tracer
 from libs.gateway.admission import Admission, Grant
 from libs.gateway.capacity import PREFILL, Capacity, CapacityConfig, Need
@@ -166,6 +167,10 @@ class HandlerConfig:
     max_attempts: int = 3
     instance_dead_after: float = 3.0
     liveness_poll: float = 0.5
+    # The secret of the tenants' cache salts (libs/common/hashchain.py: tenant_salt): every
+    # entrypoint of a deployment needs the same one. Empty: a random one for this process
+    # (cached prefixes then do not survive its restart nor match another entrypoint's).
+    salt_secret: bytes = field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
         for name in ("max_inflight", "max_waiting", "retry_after_ms", "prefill_queue_tokens"):
@@ -242,6 +247,13 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         self.config, self.bus, self.kv, self.liveness = config, bus, kv, liveness
         self.draining = False
         self._active: set[str] = set()
+        self._salt_secret = config.salt_secret or secrets.token_bytes(32)
+        if not config.salt_secret:
+            log.warning(
+                "no --cache-salt-secret: tenants' cache names use a random secret of this "
+                "process (cached prefixes will not survive a restart or match other entrypoints)"
+            )
+        self._salts: dict[str, bytes] = {}
         # prefill instance -> its heartbeat's resident-prefix summary (first bytes of digests)
         self._resident: dict[str, frozenset[bytes]] = {}
         self.capacity = (
@@ -439,7 +451,8 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         prompt = progress.attempt_prompt
         generated = 0  # tokens of this attempt seen so far
         try:
-            hashes = await self._hashes(prompt, valid.tenant)
+            salt = self._salt(valid.tenant)
+            hashes = await self._hashes(prompt, salt)
             cached_blocks = await self._lookup(wire, hashes)
             need = self._need(prompt, hashes, cached_blocks, progress.remaining)
             grant = await self._admit_attempt(admitted, need)
@@ -465,7 +478,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                 sampling=dataclasses.replace(
                     valid.sampling, max_tokens=progress.remaining
                 ).to_proto(),
-                cache_salt=valid.tenant.encode(),
+                cache_salt=salt,
                 traffic_class=cast(Any, valid.traffic_class),
                 cached_blocks=cached_blocks,
                 decode_instance=decision.decode_instance,
@@ -513,10 +526,18 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                     self._spawn(self._abort_upstream(wire, abort_reason))
                 await sub.close()
 
-    async def _hashes(self, prompt: tuple[int, ...], tenant: str) -> list[bytes]:
+    def _salt(self, tenant: str) -> bytes:
+        """The tenant's cache salt: a keyed hash, never the tenant's name."""
+        salt = self._salts.get(tenant)
+        if salt is None:
+            if len(self._salts) >= 65_536:
+                self._salts.clear()
+            salt = self._salts[tenant] = tenant_salt(self._salt_secret, tenant)
+        return salt
+
+    async def _hashes(self, prompt: tuple[int, ...], salt: bytes) -> list[bytes]:
         size = self.config.limits.block_size
         prefix = prompt[: lookup_prefix(len(prompt), size)]
-        salt = tenant.encode()
         if len(prefix) <= INLINE_HASH_TOKENS:
             return chain_hashes(prefix, size, salt=salt)
         return await asyncio.to_thread(chain_hashes, prefix, size, salt)

@@ -36,7 +36,13 @@ from libs.common.errors import InstanceFailed, InvalidArgument, Unavailable
 from libs.common.hashchain import chain_hashes
 from libs.common.sampling import SamplingParams
 from libs.common.telemetry import extract_context, inject_traceparent
-from libs.engine.engine import InvalidRequest, KVFormatError, NoFreeBlocks, PreparedKV
+from libs.engine.engine import (
+    InvalidRequest,
+    KVFormatError,
+    KVIntegrityError,
+    NoFreeBlocks,
+    PreparedKV,
+)
 from libs.engine.kv.peer import host_id
 from libs.engine.kv.transfer import PeerKV
 from libs.kvstore.policy import LoadOrCompute
@@ -64,6 +70,10 @@ CACHED_BLOCKS = Counter(
     "deepserve_prefill_kvstore_blocks_loaded_total", "prefix blocks loaded from the kvstore"
 )
 STORED_BLOCKS = Counter("deepserve_prefill_kvstore_blocks_put_total", "blocks sent to the kvstore")
+FORGED = Counter(
+    "deepserve_prefill_kv_integrity_failures_total",
+    "kvstore blocks whose MAC did not match (forged or altered): treated as a miss",
+)
 OWN_BLOCKS = Counter(
     "deepserve_prefill_resident_blocks_total",
     "cached prefix blocks found in this engine's own cache (not fetched)",
@@ -340,6 +350,8 @@ class PrefillHandler:
         try:
             return await self.loop.prepare_kv(frames)
         except (KVFormatError, ValueError) as exc:
+            if isinstance(exc, KVIntegrityError):
+                FORGED.inc()  # a miss: the prefix is computed, the forged bytes never used
             ERRORS.labels("kv_import").inc()
             log.warning("request %s: kvstore blocks unusable (%s)", task.request_id, exc)
             return None
@@ -418,9 +430,7 @@ class PrefillHandler:
         try:
             blocks = await asyncio.to_thread(finish)
             if blocks:
-                await self.kvstore.put(
-                    blocks, task.cache_salt.decode("utf-8", "replace"), task.traffic_class
-                )
+                await self.kvstore.put(blocks, task.cache_salt.hex(), task.traffic_class)
                 STORED_BLOCKS.inc(len(blocks))
         except Exception as exc:  # noqa: BLE001 - a lost cache write only costs a future recompute
             ERRORS.labels("kvstore_put").inc()

@@ -407,3 +407,38 @@ def test_warm_up_leaves_an_engine_that_serves_as_a_fresh_one(tiny_loaded) -> Non
     assert engine.blocks.num_free == 64
     p = prompt(40, 75)
     assert run(engine, {"a": (p, GREEDY)})["a"] == alone(tiny_loaded, p, GREEDY)
+
+
+def test_signed_frames_import_and_forged_ones_never_do(tiny_loaded) -> None:
+    """With a MAC key, exported frames carry a MAC over header and bytes; an engine with the
+    key imports them, and refuses frames that are unsigned, altered, or signed by another key."""
+    from libs.engine.engine import KVIntegrityError
+
+    key = b"serving-tier-secret"
+    p = prompt(40, 76)
+    src = make(tiny_loaded, kv_mac_key=key)
+    src.add_request("s", p, SamplingParams(max_tokens=1), hold_kv=True)
+    while src.has_unfinished():
+        src.step()
+    blocks = [b[2] for b in src.export_blocks("s")]
+    assert decode_frame(blocks[0])[0].mac
+    dst = make(tiny_loaded, kv_mac_key=key)
+    dst.add_request("ok", p, GREEDY, kv=blocks, hold_kv=True)
+    assert dst.info("ok").num_cached_tokens == 32
+    altered = bytearray(blocks[1])
+    altered[-1] ^= 1
+    plain = make(tiny_loaded)  # an engine without the key signs nothing
+    plain.add_request("s", p, SamplingParams(max_tokens=1), hold_kv=True)
+    while plain.has_unfinished():
+        plain.step()
+    foreign = make(tiny_loaded, kv_mac_key=b"someone else")
+    foreign.add_request("s", p, SamplingParams(max_tokens=1), hold_kv=True)
+    while foreign.has_unfinished():
+        foreign.step()
+    for name, frames in (
+        ("altered", [blocks[0], bytes(altered)]),
+        ("unsigned", [b[2] for b in plain.export_blocks("s")]),
+        ("foreign", [b[2] for b in foreign.export_blocks("s")]),
+    ):
+        with pytest.raises(KVIntegrityError):
+            dst.add_request(name, p, GREEDY, kv=frames)

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from libs.common import subjects
-from libs.common.hashchain import chain_hashes
+from libs.common.hashchain import chain_hashes, tenant_salt
 from libs.gateway.policy import Limits
 from libs.proto.deepserve.v1 import common_pb2, control_pb2, generate_pb2
 from services.entrypoint.handlers import (
@@ -130,7 +130,12 @@ class FakeLookup:
         return min(self.present, len(hashes))
 
 
+SECRET = b"test-salt-secret"
+ACME = tenant_salt(SECRET, "acme")  # acme's cache salt under SECRET
+
+
 def make(bus: FakeBus, kv: FakeLookup | None = None, **cfg: Any) -> EntrypointHandlers:
+    cfg.setdefault("salt_secret", SECRET)
     return EntrypointHandlers(HandlerConfig(limits=LIMITS, **cfg), bus, kv or FakeLookup())
 
 
@@ -164,7 +169,7 @@ async def test_generate_relays_tokens_in_order_with_ready_and_usage() -> None:
         events[-1].finish.usage.completion_tokens,
     ) == (10, 4, 3)
 
-    hashes = chain_hashes(prompt[:8], 4, salt=b"acme")
+    hashes = chain_hashes(prompt[:8], 4, salt=ACME)
     assert kv.calls == [hashes]
     (route,) = bus.routes
     (task,) = bus.tasks()
@@ -176,7 +181,7 @@ async def test_generate_relays_tokens_in_order_with_ready_and_usage() -> None:
         10,
         1,
     )
-    assert list(task.prompt_token_ids) == prompt and task.cache_salt == b"acme"
+    assert list(task.prompt_token_ids) == prompt and task.cache_salt == ACME
     assert (task.cached_blocks, task.decode_instance, task.decode_address) == (
         1,
         "d1",
@@ -453,7 +458,7 @@ async def test_prefill_queue_counts_only_what_no_instance_holds() -> None:
         beat(h, "d1", control_pb2.ROLE_DECODE, 100)
 
     prompt = list(range(1, 21))  # 5 blocks of 4 tokens
-    digests = chain_hashes(prompt[:16], 4, salt=b"acme")
+    digests = chain_hashes(prompt[:16], 4, salt=ACME)
     outcomes = {}
     for name, resident in (("held", digests), ("cold", [])):
         bus = FakeBus(lambda task: [])
@@ -467,3 +472,19 @@ async def test_prefill_queue_counts_only_what_no_instance_holds() -> None:
         call.cancel()
         await asyncio.gather(call, return_exceptions=True)
     assert outcomes == {"held": (1, False), "cold": (0, True)}
+
+
+async def test_cache_names_are_keyed_by_a_secret_not_the_tenant_name() -> None:
+    """Nobody without the secret can compute a tenant's block names (no offline prefix
+    oracle); another secret renames every block."""
+    names = {}
+    for secret in (SECRET, b"another-secret"):
+        bus = FakeBus()
+        kv = FakeLookup()
+        h = make(bus, kv, salt_secret=secret)
+        await collect(h, req(list(range(1, 11)), tenant="acme"))
+        (task,) = bus.tasks()
+        assert task.cache_salt not in (b"acme", b"")
+        names[secret] = kv.calls[0]
+    plain = chain_hashes(list(range(1, 9)), 4, salt=b"acme")
+    assert names[SECRET] != plain and names[SECRET] != names[b"another-secret"]

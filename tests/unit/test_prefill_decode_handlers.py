@@ -25,9 +25,15 @@ from services.prefill.handlers import Block, PrefillHandler
 BS = 16
 
 
-def make(tiny_loaded) -> Engine:
+def make(tiny_loaded, kv_mac_key: bytes | None = None) -> Engine:
     return Engine(
-        EngineConfig(model="tiny", block_size=BS, num_kv_blocks=256, time_budget_s=None),
+        EngineConfig(
+            model="tiny",
+            block_size=BS,
+            num_kv_blocks=256,
+            time_budget_s=None,
+            kv_mac_key=kv_mac_key,
+        ),
         loaded=tiny_loaded,
     )
 
@@ -334,6 +340,66 @@ async def test_decode_writes_the_answers_blocks_for_the_next_turn(stack, tiny_lo
         assert [t for e in events for t in e.token_ids] == reference(tiny_loaded, turn2, sp2)
     finally:
         await ploop.close()
+
+
+async def test_a_forged_kvstore_block_is_a_miss_never_a_prefix(tiny_loaded) -> None:
+    """Blocks signed by the serving tier's key load; a block altered in the kvstore fails its
+    MAC, is counted, and the prefix is computed instead: the tokens are the engine's."""
+    from services.prefill import handlers as prefill_handlers
+
+    key = b"serving-tier"
+    bus = Bus()
+    await bus.start()
+    kv = MemoryKVStore()
+    loops = [EngineLoop(make(tiny_loaded, key), name=f"k{i}") for i in range(3)]
+    for lp in loops:
+        lp.start()
+    try:
+        decode = DecodeHandler(
+            loops[2],
+            bus.publish,
+            instance_id="d",
+            model_name="m",
+            address="inproc:0",
+            block_size=BS,
+        )
+        pusher = InProcKVPusher()
+        pusher.register("inproc:0", decode)
+
+        def prefill(loop: EngineLoop) -> PrefillHandler:
+            return PrefillHandler(
+                loop,
+                bus.publish,
+                pusher,
+                instance_id="p",
+                model_name="m",
+                block_size=BS,
+                max_model_len=163840,
+                kvstore=kv,
+            )
+
+        shared = prompt(50, 14)
+        sp = SamplingParams(max_tokens=3, ignore_eos=True)
+        prefill(loops[0]).submit(task("warm", shared + [5], sp))
+        await bus.wait_done("warm")
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if len(kv.blocks) == 3:
+                break
+        digest = chain_hashes(shared[:32], BS)[1]
+        forged = bytearray(kv.blocks[digest])
+        forged[-5] ^= 0xFF
+        kv.blocks[digest] = bytes(forged)
+        before = prefill_handlers.FORGED._value.get()
+        follow = shared + [7, 8]
+        prefill(loops[1]).submit(task("hit", follow, sp, cached_blocks=3))
+        events = await bus.wait_done("hit")
+        assert prefill_handlers.FORGED._value.get() == before + 1
+        assert events[0].cached_tokens == 0  # nothing imported: computed from scratch
+        assert [t for e in events for t in e.token_ids] == reference(tiny_loaded, follow, sp)
+    finally:
+        for lp in loops:
+            await lp.close()
 
 
 async def test_refused_push_is_a_retryable_error(stack) -> None:

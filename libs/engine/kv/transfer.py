@@ -8,14 +8,21 @@ reject a frame made for another model, layout or prompt before touching its byte
 payload is ``num_blocks`` blocks of ``bytes_per_block`` bytes; each block is the block's slice
 of every paged entry, in spec order.
 
+Integrity: with a key (held only by the serving tier: prefill and decode), a frame carries
+``mac`` = HMAC-SHA-256(key, header without the mac || payload) in its header; :func:`verify`
+rejects a frame whose mac is missing or wrong (:class:`KVIntegrityError`), so bytes that were
+forged or altered in the kvstore can never be imported as a tenant's prefix.
+
 No torch here: the engine fills and reads the payload.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .layout import CacheSpec
 
@@ -29,6 +36,10 @@ class KVFormatError(ValueError):
     """The bytes are not a valid KV frame for this engine (fatal for that transfer)."""
 
 
+class KVIntegrityError(KVFormatError):
+    """The frame's MAC is missing or does not match its bytes (forged or altered)."""
+
+
 @dataclass(frozen=True)
 class KVHeader:
     model_id: str
@@ -39,6 +50,7 @@ class KVHeader:
     num_tokens: int  # tokens covered, counted from position 0 of the request
     first_block: int
     block_hashes: tuple[str, ...]  # hex digests, one per block in the frame
+    mac: str = ""  # hex HMAC-SHA-256 over the header without it and the payload ("": none)
 
     @property
     def num_blocks(self) -> int:
@@ -61,6 +73,8 @@ class KVHeader:
             "chain_hash": self.chain_hash,
             "block_hashes": list(self.block_hashes),
         }
+        if self.mac:
+            d["mac"] = self.mac
         return json.dumps(d, separators=(",", ":")).encode()
 
 
@@ -80,10 +94,20 @@ class PeerKV:
     block_hashes: tuple[str, ...]
 
 
-def encode_frame(header: KVHeader, payload: bytes) -> bytes:
+def frame_mac(key: bytes, header: KVHeader, payload: bytes | memoryview) -> str:
+    """The MAC a frame of ``header`` and ``payload`` carries under ``key`` (hex)."""
+    m = hmac.new(key, replace(header, mac="").to_json(), hashlib.sha256)
+    m.update(payload)
+    return m.hexdigest()
+
+
+def encode_frame(header: KVHeader, payload: bytes, key: bytes | None = None) -> bytes:
+    """The frame's bytes; with ``key``, its header carries the MAC of both."""
     expected = header.num_blocks * header.bytes_per_block
     if len(payload) != expected:
         raise ValueError(f"payload is {len(payload)} bytes, header says {expected}")
+    if key:
+        header = replace(header, mac=frame_mac(key, header, payload))
     head = header.to_json()
     return _PREFIX.pack(MAGIC, VERSION, len(head)) + head + payload
 
@@ -111,6 +135,7 @@ def decode_frame(data: bytes | memoryview) -> tuple[KVHeader, memoryview]:
             num_tokens=int(raw["num_tokens"]),
             first_block=int(raw["first_block"]),
             block_hashes=tuple(str(h) for h in raw["block_hashes"]),
+            mac=str(raw.get("mac", "")),
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise KVFormatError(f"KV frame header is malformed: {exc}") from None
@@ -129,6 +154,17 @@ def decode_frame(data: bytes | memoryview) -> tuple[KVHeader, memoryview]:
     ):
         raise KVFormatError("KV frame token count does not match its blocks")
     return header, payload
+
+
+def verify(key: bytes | None, header: KVHeader, payload: bytes | memoryview) -> None:
+    """Raise :class:`KVIntegrityError` unless the frame carries the right MAC for ``key``
+    (no key: nothing is checked -- frames are then only as trusted as their transport)."""
+    if not key:
+        return
+    if not header.mac:
+        raise KVIntegrityError("KV frame carries no MAC; this engine only imports signed frames")
+    if not hmac.compare_digest(header.mac, frame_mac(key, header, payload)):
+        raise KVIntegrityError("KV frame MAC does not match its bytes (forged or altered)")
 
 
 def check_compatible(header: KVHeader, spec: CacheSpec) -> None:

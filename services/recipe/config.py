@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from libs.common.auth import KeyTable, load_keys
 from libs.common.config import ServiceConfig, check_port, common_flags, flag, service_config_from
 
-from .auth import KeyTable, parse_keys
 from .handlers import AppConfig
 
 SERVICE = "recipe"
@@ -143,13 +143,7 @@ def config_from(args: argparse.Namespace) -> RecipeConfig:
     The one file read while building config: ``--api-keys-file``, so that a missing or bad key
     file is a config error (exit 2) found before any port opens.
     """
-    keys = parse_keys(args.api_keys)
-    if args.api_keys_file:
-        try:
-            with open(args.api_keys_file, encoding="utf-8") as f:
-                keys.update(parse_keys(f.read()))
-        except OSError as exc:
-            raise ValueError(f"--api-keys-file: {exc}") from None
+    keys = load_keys(args.api_keys, args.api_keys_file)
     return RecipeConfig(
         service=service_config_from(args, SERVICE),
         app=AppConfig(

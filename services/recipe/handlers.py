@@ -47,12 +47,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from libs.common.auth import KeyTable
 from libs.common.errors import DeepserveError, Internal
 from libs.common.telemetry import extract_context, inject_traceparent, tracer
 from libs.proto.deepserve.v1 import common_pb2, generate_pb2
 
 from .api import CHAT, MESSAGES, RESPONSES, APIError, Protocol, conversion_error, invalid
-from .auth import KeyTable
 from .backend import GenerateBackend, GenerateCall
 from .encoding import Encoder
 from .events import Job, api_error

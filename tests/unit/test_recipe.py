@@ -18,10 +18,10 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from starlette.testclient import TestClient
 
+from libs.common.auth import KeyTable, parse_keys
 from libs.common.errors import Overloaded
 from libs.common.grpc_errors import from_status
 from libs.proto.deepserve.v1 import common_pb2
-from services.recipe.auth import KeyTable, parse_keys
 from services.recipe.encoding import PromptEncoder
 from services.recipe.handlers import AppConfig, Metrics, build_app, tenant_label
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from starlette.testclient import TestClient
 
-from services.recipe.auth import KeyTable
+from libs.common.auth import KeyTable
 from services.recipe.encoding import PromptEncoder
 from services.recipe.handlers import AppConfig, Metrics, build_app
 

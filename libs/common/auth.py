@@ -1,4 +1,6 @@
-"""API keys -> tenant ids (no I/O here; main.py reads the file).
+"""API keys -> tenant ids, and the service credential of the internal APIs.
+
+The recipe (HTTP) and the entrypoint (gRPC ``Generate``) take the same key sources.
 
 Keys come from ``--api-keys`` (``DEEPSERVE_API_KEYS``) and/or the file ``--api-keys-file``:
 entries separated by commas or newlines, each ``KEY=TENANT`` or a bare ``KEY`` (its tenant is
@@ -64,3 +66,16 @@ class KeyTable:
             if hmac.compare_digest(known.encode(), key.encode()):
                 found = tenant
         return found
+
+
+def load_keys(inline: str, path: str) -> dict[str, str]:
+    """Keys of ``--api-keys`` and the file ``--api-keys-file`` (when given), as
+    {key: tenant}; ValueError names the flag that is wrong (a config error)."""
+    keys = parse_keys(inline)
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                keys.update(parse_keys(f.read()))
+        except OSError as exc:
+            raise ValueError(f"--api-keys-file: {exc}") from None
+    return keys

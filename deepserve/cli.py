@@ -10,6 +10,8 @@ deepserve bench serve [--long-tokens 32768] --json OUT
 deepserve bench serve --url http://HOST:PORT/v1 --trace agent|chat --concurrency N --json OUT
 deepserve bench route --trace agent|chat|mixed --json OUT
 deepserve kvstore fsck [--repair] [--grace S] --redis-url URL (--data-dir DIR | --target T ...)
+deepserve usage --nats-url URL [--tenant T] [--since ISO] [--json]
+                [--price off-peak|peak|schedule|IN,CACHED,OUT]
 deepserve up [--port 8000] [--prefill N] [--decode N] [--model M] [--model-name NAME]
              [--device cpu|cuda [--gpus 0,1] [--gpu-memory-fraction F]] [--run-dir .run]
 """
@@ -362,6 +364,21 @@ def _up(args: argparse.Namespace) -> int:
     )
 
 
+def _add_usage(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("usage", help="total and price the recipe's usage records per tenant")
+    p.add_argument("--nats-url", default="nats://127.0.0.1:4222", help="NATS with JetStream")
+    p.add_argument("--stream", default="DEEPSERVE_USAGE", help="the recipe's --usage-stream")
+    p.add_argument("--tenant", default=None, help="only this tenant")
+    p.add_argument("--since", default=None, help="only requests recorded from this ISO time")
+    p.add_argument(
+        "--price",
+        default="off-peak",
+        help="off-peak, peak (DeepSeek's V4.1-Flash list), schedule (each request by its "
+        "start hour), or IN,CACHED,OUT in $ per million tokens",
+    )
+    p.add_argument("--json", action="store_true", help="print the totals as JSON")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deepserve")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -369,6 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_bench(sub)
     _add_up(sub)
     _add_kvstore(sub)
+    _add_usage(sub)
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _generate(args)
@@ -376,6 +394,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _up(args)
     if args.command == "kvstore":
         return _kvstore(args)
+    if args.command == "usage":
+        from deepserve.usage import run
+
+        return run(args.nats_url, args.tenant, args.since, args.price, args.json, args.stream)
     return _bench(args)
 
 

@@ -13,6 +13,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+from libs.common.redact import redact_text
 
 
 def free_port() -> int:
@@ -28,7 +31,7 @@ def wait_port(
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(
-                f"{proc.args!r} exited with {proc.returncode} before listening on {port}"
+                f"{shown_args(proc.args)} exited with {proc.returncode} before listening on {port}"
             )
         try:
             with socket.create_connection((host, port), timeout=0.5):
@@ -52,12 +55,26 @@ def find_binary(name: str, extra: list[str] = ()) -> str:  # type: ignore[assign
     raise FileNotFoundError(f"{name} not found; run `make setup`")
 
 
-def start_nats(port: int, data_dir: Path, log: Path | None = None) -> subprocess.Popen[bytes]:
+def shown_args(args: Any) -> str:
+    """A command line for an error message: the value after ``--pass`` masked, URLs redacted."""
+    words = [str(a) for a in args] if isinstance(args, list | tuple) else [str(args)]
+    words = ["***" if prev == "--pass" else w for prev, w in zip(["", *words], words)]
+    return redact_text(" ".join(words))
+
+
+def start_nats(
+    port: int, data_dir: Path, log: Path | None = None, *, user: str = "", password: str = ""
+) -> subprocess.Popen[bytes]:
+    """nats-server with JetStream on ``port``; with ``user`` and ``password`` a client must
+    log in (``nats://user:password@127.0.0.1:port``)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     binary = find_binary("nats-server", ["/usr/sbin/nats-server"])
     out = open(log, "ab") if log else subprocess.DEVNULL
+    args = [binary, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(data_dir)]
+    if user or password:
+        args += ["--user", user, "--pass", password]
     proc = subprocess.Popen(
-        [binary, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(data_dir)],
+        args,
         stdout=out,
         stderr=subprocess.STDOUT,
         start_new_session=True,

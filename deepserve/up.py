@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import IO, Any, Self
 
 from deepserve import procs
+from libs.common.redact import redact, redact_text
 from libs.engine.tokenizer import model_vocab_size
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -53,11 +54,13 @@ class StackError(RuntimeError):
 
 
 # Which service needs which secret (docs/security.md): the entrypoint keys the tenants' cache
-# salts; prefill and decode sign and check KV frames.
+# salts; prefill and decode sign and check KV frames; the internal APIs need the service token.
 SERVICE_SECRETS = {
-    "entrypoint": ("DEEPSERVE_CACHE_SALT_SECRET",),
-    "prefill": ("DEEPSERVE_KV_MAC_KEY",),
-    "decode": ("DEEPSERVE_KV_MAC_KEY",),
+    "entrypoint": ("DEEPSERVE_CACHE_SALT_SECRET", "DEEPSERVE_SERVICE_TOKEN"),
+    "prefill": ("DEEPSERVE_KV_MAC_KEY", "DEEPSERVE_SERVICE_TOKEN"),
+    "decode": ("DEEPSERVE_KV_MAC_KEY", "DEEPSERVE_SERVICE_TOKEN"),
+    "kvstore": ("DEEPSERVE_SERVICE_TOKEN",),
+    "recipe": ("DEEPSERVE_SERVICE_TOKEN",),
 }
 
 
@@ -325,6 +328,12 @@ class Stack:
         self._stopped = False
         self.killed: list[str] = []  # services that did not exit within the drain time
 
+    @property
+    def call_metadata(self) -> tuple[tuple[str, str], ...]:
+        """gRPC metadata with this stack's service credential, for tools and tests that call
+        its internal APIs (or Generate) directly."""
+        return (("authorization", f"Bearer {self.secrets['DEEPSERVE_SERVICE_TOKEN']}"),)
+
     # -- public surface ----------------------------------------------------------------
     @property
     def api_url(self) -> str:
@@ -505,7 +514,8 @@ class Stack:
         # Open for the child's whole life; stop() closes it.
         c._log = open(c.log_path, "ab")  # noqa: SIM115
         cmd = [sys.executable, "-m", f"services.{c.service}", *c.argv]
-        c._log.write(f"# {time.strftime('%F %T')} {' '.join(cmd)}\n".encode())
+        shown = redact_text(" ".join(cmd))  # --nats-url/--redis-url may carry a password
+        c._log.write(f"# {time.strftime('%F %T')} {shown}\n".encode())
         c._log.flush()
         self.children.append(c)
         c.proc = subprocess.Popen(
@@ -698,8 +708,8 @@ def run_up(
             starting = False
         print(f"deepserve is up: {stack.api_url}  (model {model_name})", flush=True)
         print(
-            f"  gRPC Generate: {stack.grpc_address}   NATS: {stack.nats_url}   "
-            f"Redis: {stack.redis_url}",
+            f"  gRPC Generate: {stack.grpc_address}   NATS: {redact(stack.nats_url)}   "
+            f"Redis: {redact(stack.redis_url)}",
             flush=True,
         )
         while not stop_requested:

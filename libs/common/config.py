@@ -13,6 +13,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from .redact import redact, redacted_repr
+
 ENV_PREFIX = "DEEPSERVE_"
 LOG_LEVELS = ("CRITICAL", "FATAL", "ERROR", "WARNING", "WARN", "INFO", "DEBUG")
 NATS_SCHEMES = ("nats", "tls", "ws", "wss")
@@ -36,6 +38,8 @@ class ServiceConfig:
     drain_seconds: float = 10.0
     log_level: str = "INFO"
 
+    __repr__ = redacted_repr  # the NATS URL may carry a password or token
+
     def __post_init__(self) -> None:
         check_port("--http-port", self.http_port)
         if not self.drain_seconds >= 0:
@@ -44,7 +48,9 @@ class ServiceConfig:
             raise ValueError("--host must name an address to bind, e.g. 127.0.0.1 or 0.0.0.0")
         scheme = self.nats_url.split("://", 1)[0] if "://" in self.nats_url else "nats"
         if not self.nats_url or scheme not in NATS_SCHEMES:
-            raise ValueError(f"--nats-url must be a nats:// or tls:// URL, got {self.nats_url!r}")
+            raise ValueError(
+                f"--nats-url must be a nats:// or tls:// URL, got {redact(self.nats_url)!r}"
+            )
         if _SUBJECT_UNSAFE & set(self.instance_id):
             raise ValueError(
                 f"--instance-id must not contain '.', '*', '>' or spaces (it names NATS "

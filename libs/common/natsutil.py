@@ -8,6 +8,8 @@ import logging
 import nats
 from nats.aio.client import Client
 
+from .redact import redact, redact_text
+
 
 async def connect_nats(
     url: str, name: str, stop: asyncio.Event, log: logging.Logger, drain_timeout: float = 10.0
@@ -18,16 +20,17 @@ async def connect_nats(
     the gaps. ``drain_timeout`` bounds ``drain()`` at shutdown.
     """
     closing: list[Client] = []
+    shown = redact(url)  # logs never show the URL's password or token
 
     async def on_error(exc: Exception) -> None:
-        log.warning("NATS %s: %s", url, exc)
+        log.warning("NATS %s: %s", shown, redact_text(str(exc)))
 
     async def on_disconnect() -> None:
         if not (closing and closing[0].is_closed):  # our own close() is not an outage
-            log.warning("NATS disconnected from %s; reconnecting", url)
+            log.warning("NATS disconnected from %s; reconnecting", shown)
 
     async def on_reconnect() -> None:
-        log.info("NATS reconnected to %s", url)
+        log.info("NATS reconnected to %s", shown)
 
     while not stop.is_set():
         # With max_reconnect_attempts=-1 nats.connect itself retries a server that is not
@@ -60,7 +63,7 @@ async def connect_nats(
             nc = attempt.result()
             closing.append(nc)
             return nc
-        log.warning("NATS at %s not reachable (%s); retrying in 1 s", url, exc)
+        log.warning("NATS at %s not reachable (%s); retrying in 1 s", shown, redact_text(str(exc)))
         try:
             await asyncio.wait_for(stop.wait(), 1.0)
         except TimeoutError:

@@ -31,6 +31,7 @@ from nats.aio.client import Client
 
 from .config import ServiceConfig
 from .natsutil import close_nats, connect_nats
+from .redact import install_log_redaction, redact_text
 from .telemetry import HealthFn, OpsServer
 
 
@@ -56,8 +57,14 @@ class ServiceContext:
     log: logging.Logger
 
     async def start_ops(self, health: HealthFn) -> int:
-        """Serve /healthz and /metrics on the ops port until the stack closes; the bound port."""
-        ops = OpsServer(self.config.host, self.config.http_port, health)
+        """Serve /healthz and /metrics on the ops port until the stack closes; the bound port.
+        The /healthz detail is redacted: a URL in it shows no password or token."""
+
+        def redacted_health() -> tuple[bool, str]:
+            ok, why = health()
+            return ok, redact_text(why)
+
+        ops = OpsServer(self.config.host, self.config.http_port, redacted_health)
         port = await ops.start()
         self.stack.push_async_callback(ops.stop)
         return port
@@ -100,7 +107,7 @@ def run_service(
     try:
         cfg = config_from(args)
     except ValueError as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        print(f"{parser.prog}: error: {redact_text(str(exc))}", file=sys.stderr)
         return 2
     log = setup_logging(cfg.service.log_level, name)
     return asyncio.run(_serve(name, cfg, serve, log))
@@ -131,6 +138,8 @@ def install_stop_handlers(stop: asyncio.Event) -> None:
 
 
 def setup_logging(level: str, service: str) -> logging.Logger:
+    """Log lines on stderr; no line shows a URL's credentials (``redact.py``)."""
+    install_log_redaction()
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
         format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",

@@ -11,6 +11,7 @@ from typing import Protocol, cast
 
 import grpc
 
+from libs.common.grpc_auth import call_metadata
 from libs.proto.deepserve.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 
 Block = tuple[bytes, bytes, bytes]  # (chain digest, parent digest or b"", single-block frame)
@@ -29,8 +30,9 @@ class KVStore(Protocol):
 class GrpcKVStore:
     """The kvstore's ``Get`` and ``Put`` for prefix blocks."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, token: str = "") -> None:
         self.address = address
+        self._md = call_metadata(token)  # the service credential, on every call
         # One DeepSeek-V3 block is ~9 MB (61 layers x 128 tokens x 576 bf16): above gRPC's 4 MiB
         # default.
         limit = 64 << 20
@@ -46,7 +48,7 @@ class GrpcKVStore:
     async def get(self, hashes: list[bytes]) -> list[bytes]:
         found: dict[bytes, bytes] = {}
         async for block in self._stub.Get(
-            kvstore_pb2.GetRequest(hashes=hashes), timeout=GET_TIMEOUT_S
+            kvstore_pb2.GetRequest(hashes=hashes), timeout=GET_TIMEOUT_S, metadata=self._md
         ):
             found[block.hash] = block.data
         frames = []
@@ -67,7 +69,7 @@ class GrpcKVStore:
                     traffic_class=cast(common_pb2.TrafficClass, traffic_class),
                 )
 
-        await self._stub.Put(parts(), timeout=PUT_TIMEOUT_S)
+        await self._stub.Put(parts(), timeout=PUT_TIMEOUT_S, metadata=self._md)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from libs.common.config import ServiceConfig, check_port, common_flags, flag, service_config_from
+from libs.common.grpc_auth import add_service_token_flag
 from libs.serving.model_flags import ModelFlags, add_model_flags, model_flags_from
 
 SERVICE = "decode"
@@ -21,6 +22,7 @@ class DecodeConfig:
     grpc_port: int = 0
     heartbeat_interval: float = 1.0
     kvstore_address: str = ""  # host:port; empty: generated blocks are not written back
+    service_token: str = field(default="", repr=False)  # the internal APIs' credential
 
     def __post_init__(self) -> None:
         check_port("--grpc-port", self.grpc_port)
@@ -33,6 +35,7 @@ class DecodeConfig:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.decode", description=DESCRIPTION)
     common_flags(parser, SERVICE)
+    add_service_token_flag(parser)
     add_model_flags(parser)
     flag(parser, "--grpc-port", type=int, default=0, help="KVTransfer gRPC port (0: any free)")
     flag(parser, "--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
@@ -49,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from(args: argparse.Namespace) -> DecodeConfig:
     """The config of parsed flags; ValueError names the flag that is wrong."""
     return DecodeConfig(
+        service_token=args.service_token,
         service=service_config_from(args, SERVICE),
         model=model_flags_from(args),
         grpc_port=args.grpc_port,

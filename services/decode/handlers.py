@@ -41,7 +41,7 @@ from libs.engine.engine import (
     PreparedKV,
 )
 from libs.engine.kv.peer import PeerUnavailable, host_id
-from libs.engine.kv.transfer import PeerKV
+from libs.engine.kv.transfer import MAX_HEADER_BYTES, PeerKV
 from libs.proto.deepserve.v1 import control_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 from libs.serving.aborts import RecentAborts
 from libs.serving.convert import error_event
@@ -356,10 +356,18 @@ class DecodeHandler:
 
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     """``Push``: the DecodeTask first, then the KV frame in chunks or one PeerBlocks
-    reference; ``Match``: what this instance holds of a chain. The handler does the rest."""
+    reference; ``Match``: what this instance holds of a chain. The handler does the rest.
+
+    A push is refused as soon as it is implausible: a task whose prompt length does not fit
+    its tokens before any chunk is read, and a frame at the first chunk that takes it past
+    the most a frame for that prompt can be (:func:`max_frame_bytes`), so a garbage stream
+    costs at most one frame's worth of memory and is never read to its end.
+    """
 
     def __init__(self, handler: DecodeHandler) -> None:
         self.handler = handler
+        # A prompt this engine could never hold is refused before its KV is read.
+        self.max_model_len = handler.loop.engine.scheduler_config.max_model_len
 
     async def Push(
         self,
@@ -368,6 +376,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     ) -> kv_transfer_pb2.KVPushReply:
         task: control_pb2.DecodeTask | None = None
         frame = bytearray()
+        limit = 0
         ref: PeerKV | None = None
         async for part in request_iterator:
             which = part.WhichOneof("part")
@@ -375,7 +384,21 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                 if which != "task":
                     return _refuse("the first KVPush message must carry the DecodeTask")
                 task = part.task
+                why = _implausible(task, self.max_model_len)
+                if why:
+                    return _refuse(why)
+                limit = max_frame_bytes(
+                    task.num_prompt_tokens, self.handler.block_size, self.handler.bytes_per_block
+                )
             elif which == "chunk" and ref is None:
+                if len(frame) + len(part.chunk) > limit:
+                    return _refuse(
+                        f"KV frame for request {task.request_id!r} passed {limit} bytes, the "
+                        f"most {task.num_prompt_tokens} prompt tokens can need here "
+                        f"(block size {self.handler.block_size}, "
+                        f"{self.handler.bytes_per_block} bytes per block): was it made for "
+                        f"another model or prompt?"
+                    )
                 frame += part.chunk
             elif which == "peer" and ref is None and not frame:
                 ref = peer_from_proto(part.peer)
@@ -397,5 +420,41 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         return kv_transfer_pb2.MatchReply(blocks=held.blocks, host=held.host)
 
 
+# A frame's bytes beyond its digests and blocks: the 10-byte prefix (magic, version, header
+# length) and the header's other JSON -- model id, layout hash, dtype, numbers and the mac
+# (~300 bytes today); 64 KiB leaves room for long model ids without letting much through.
+_HEADER_FIXED_BYTES = 64 << 10
+# One hex digest in the header's JSON list: 64 hex digits (SHA-256), quotes and a comma;
+# counted at twice that so a longer digest would still fit.
+_HEADER_BYTES_PER_BLOCK = 2 * (64 + 3)
+
+
+def max_frame_bytes(num_prompt_tokens: int, block_size: int, bytes_per_block: int) -> int:
+    """The most bytes a KV frame for a prompt of ``num_prompt_tokens`` can have: prefix and
+    header (the header at most ``MAX_HEADER_BYTES``) plus one block per ``block_size`` prompt
+    tokens (the tail block included), each ``bytes_per_block``."""
+    blocks = -(-num_prompt_tokens // block_size)
+    header = min(MAX_HEADER_BYTES, blocks * _HEADER_BYTES_PER_BLOCK)
+    return _HEADER_FIXED_BYTES + header + blocks * bytes_per_block
+
+
+def _implausible(task: control_pb2.DecodeTask, max_model_len: int) -> str:
+    """Why this task cannot be real, before any of its KV is read ("" if it can)."""
+    if not 0 < task.num_prompt_tokens < max_model_len:
+        return (
+            f"DecodeTask.num_prompt_tokens must lie in [1, {max_model_len - 1}] (this "
+            f"engine's context), got {task.num_prompt_tokens} (request {task.request_id!r})"
+        )
+    if len(task.token_ids) <= task.num_prompt_tokens:
+        return (
+            f"DecodeTask.token_ids must hold the {task.num_prompt_tokens} prompt tokens and the "
+            f"first generated token, got {len(task.token_ids)} (request {task.request_id!r})"
+        )
+    return ""
+
+
 def _refuse(why: str) -> kv_transfer_pb2.KVPushReply:
+    """A push refused before it reached the engine: counted, logged, said in the reply."""
+    REQUESTS.labels("rejected").inc()
+    log.warning("KV push refused: %s", why)
     return kv_transfer_pb2.KVPushReply(accepted=False, error=why)

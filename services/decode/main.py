@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from libs.common import subjects
+from libs.common.grpc_auth import server_interceptors
 from libs.common.service import ServiceContext, run_service
 from libs.common.telemetry import tracer
 from libs.proto.deepserve.v1 import control_pb2, kv_transfer_pb2_grpc
@@ -40,10 +41,13 @@ async def serve(cfg: DecodeConfig, ctx: ServiceContext) -> int:
         return rc
     assert rt.loop is not None and rt.nc is not None
     nc = rt.nc
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+        interceptors=server_interceptors(cfg.service_token, log, "KVTransfer"),
+    )
     port = server.add_insecure_port(f"{host}:{cfg.grpc_port}")
     address = f"{advertise_host(host)}:{port}"
-    kvstore = GrpcKVStore(cfg.kvstore_address) if cfg.kvstore_address else None
+    kvstore = GrpcKVStore(cfg.kvstore_address, cfg.service_token) if cfg.kvstore_address else None
     if kvstore is not None:
         ctx.stack.push_async_callback(kvstore.close)
     handler = DecodeHandler(

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from libs.common.auth import load_keys
 from libs.common.config import ServiceConfig, check_port, common_flags, flag, service_config_from
+from libs.common.grpc_auth import add_service_token_flag
 from libs.gateway.policy import Limits
 
 from .handlers import HandlerConfig
@@ -35,6 +37,16 @@ class EntrypointConfig:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.entrypoint", description=DESCRIPTION)
     common_flags(parser, SERVICE)
+    add_service_token_flag(parser)
+    flag(
+        parser,
+        "--api-keys",
+        default="",
+        help="API keys of Generate's callers: KEY=TENANT entries, comma-separated (the "
+        "recipe's sources); with keys, a caller needs authorization: Bearer KEY (or the "
+        "service token) and its tenant comes from the key",
+    )
+    flag(parser, "--api-keys-file", default="", help="file of KEY=TENANT lines (# comments)")
     flag(parser, "--grpc-port", type=int, default=50051, help="port of the Generate gRPC API")
     flag(parser, "--kvstore-address", default="", help="kvstore gRPC host:port (empty: no cache)")
     flag(
@@ -155,6 +167,8 @@ def config_from(args: argparse.Namespace) -> EntrypointConfig:
             max_attempts=args.max_attempts,
             instance_dead_after=args.instance_dead_after,
             salt_secret=args.cache_salt_secret.encode(),
+            api_keys=load_keys(args.api_keys, args.api_keys_file),
+            service_token=args.service_token,
         ),
         grpc_port=args.grpc_port,
         kvstore_address=args.kvstore_address,

@@ -16,7 +16,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -25,14 +25,17 @@ from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
 from libs.common import grpc_errors, subjects
+from libs.common.auth import KeyTable
 from libs.common.errors import (
     AlreadyExists,
     DeadlineExceeded,
     DeepserveError,
     Internal,
     Overloaded,
+    Unauthenticated,
     Unavailable,
 )
+from libs.common.grpc_auth import bearer, same_token
 from libs.common.hashchain import chain_hashes, tenant_salt
 from libs.common.telemetry import extract_context, inject_traceparent, tracer
 from libs.gateway.admission import Admission, Grant
@@ -171,6 +174,12 @@ class HandlerConfig:
     # entrypoint of a deployment needs the same one. Empty: a random one for this process
     # (cached prefixes then do not survive its restart nor match another entrypoint's).
     salt_secret: bytes = field(default=b"", repr=False)
+    # Who may call Generate (docs/security.md): with api_keys, a caller presents one of them
+    # (its tenant then comes from the key, whatever the request says) or the service token
+    # (internal front ends such as the recipe, which authenticated the client; the request's
+    # tenant is trusted); with only a service token, that token; with neither, anyone.
+    api_keys: Mapping[str, str] = field(default_factory=dict, repr=False)
+    service_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         for name in ("max_inflight", "max_waiting", "retry_after_ms", "prefill_queue_tokens"):
@@ -302,6 +311,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         INFLIGHT.inc()
         outcome = "cancelled"  # stays so only if the client goes away (CancelledError)
         try:
+            request = self._authenticate(request, context)
             valid, rid = self._admit(request)
             try:
                 self.admission.refuse_if_full(
@@ -333,6 +343,32 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             INFLIGHT.dec()
             REQUESTS.labels(outcome).inc()
             REQUEST_SECONDS.observe(time.monotonic() - started)
+
+    def _authenticate(
+        self, request: generate_pb2.GenerateRequest, context: Any
+    ) -> generate_pb2.GenerateRequest:
+        """The request as this caller may send it: its tenant is the key's when a key was
+        presented; raises Unauthenticated for a caller without a credential it needs."""
+        cfg = self.config
+        if not cfg.api_keys and not cfg.service_token:
+            return request  # open (local use): said at start
+        presented = bearer(context.invocation_metadata() or ())
+        if same_token(presented, cfg.service_token):
+            return request
+        if cfg.api_keys and presented is not None:
+            tenant = KeyTable(cfg.api_keys).tenant({"authorization": f"Bearer {presented}"})
+            if tenant is not None:
+                if request.tenant == tenant:
+                    return request
+                out = generate_pb2.GenerateRequest()
+                out.CopyFrom(request)
+                out.tenant = tenant
+                return out
+        raise Unauthenticated(
+            "Generate needs a credential: authorization: Bearer <API key>"
+            + (" or the service token" if cfg.service_token else "")
+            + ("" if presented is None else " (the one presented is not valid)")
+        )
 
     def _admit(self, request: generate_pb2.GenerateRequest) -> tuple[ValidRequest, str]:
         if self.draining:

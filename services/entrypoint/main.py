@@ -58,11 +58,17 @@ async def serve(config: EntrypointConfig, ctx: ServiceContext) -> int:
         config.kvstore_address or "(none)",
     )
     kv: GrpcLookup | NoLookup = (
-        GrpcLookup(config.kvstore_address, config.kvstore_timeout)
+        GrpcLookup(config.kvstore_address, config.kvstore_timeout, config.handler.service_token)
         if config.kvstore_address
         else NoLookup()
     )
     ctx.stack.push_async_callback(kv.close)
+    if not config.handler.api_keys and not config.handler.service_token:
+        log.warning(
+            "Generate is OPEN: no --api-keys and no --service-token; any caller that reaches "
+            "port %d may send requests as any tenant",
+            config.grpc_port,
+        )
     nc = await ctx.connect_nats(drain_timeout=5.0)
     if nc is None:
         return 0

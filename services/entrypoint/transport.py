@@ -18,6 +18,7 @@ from nats.aio.client import Client
 from nats.aio.subscription import Subscription as NatsSub
 
 from libs.common import subjects
+from libs.common.grpc_auth import call_metadata
 from libs.proto.deepserve.v1 import control_pb2, kvstore_pb2, kvstore_pb2_grpc
 
 from .handlers import BusUnavailable, LookupFailed
@@ -115,8 +116,9 @@ class NoLookup:
 class GrpcLookup:
     """``KVStore.Lookup`` over gRPC; a failure is logged and raised as :class:`LookupFailed`."""
 
-    def __init__(self, address: str, timeout: float) -> None:
+    def __init__(self, address: str, timeout: float, token: str = "") -> None:
         self.address, self.timeout = address, timeout
+        self._md = call_metadata(token)  # the service credential, on every call
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)  # type: ignore[no-untyped-call]
 
@@ -125,7 +127,7 @@ class GrpcLookup:
             return 0
         try:
             reply = await self._stub.Lookup(
-                kvstore_pb2.LookupRequest(hashes=hashes), timeout=self.timeout
+                kvstore_pb2.LookupRequest(hashes=hashes), timeout=self.timeout, metadata=self._md
             )
         except grpc.aio.AioRpcError as exc:
             log.warning(

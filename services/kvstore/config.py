@@ -7,10 +7,12 @@ opens the same targets and Redis as the service.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from libs.common.config import ServiceConfig, check_port, common_flags, flag, service_config_from
+from libs.common.grpc_auth import add_service_token_flag
+from libs.common.redact import redacted_repr
 from libs.kvstore.policy import DAY_S, Retention
 
 SERVICE = "kvstore"
@@ -45,6 +47,9 @@ class KVStoreConfig:
     ec_backend: str = ""
     orphan_interval: float = 3600.0
     orphan_grace: float = 600.0
+    service_token: str = field(default="", repr=False)  # the internal APIs' credential
+
+    __repr__ = redacted_repr  # the Redis URL may carry a password
 
     def __post_init__(self) -> None:
         if self.targets and len(set(self.targets)) < 12:
@@ -155,12 +160,14 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
         help="largest gRPC message (one block)",
     )
     common_flags(p, SERVICE)
+    add_service_token_flag(p)
     return p
 
 
 def config_from(a: argparse.Namespace) -> KVStoreConfig:
     """The config of parsed kvstore flags; ValueError names the flag that is wrong."""
     return KVStoreConfig(
+        service_token=a.service_token,
         service=service_config_from(a, SERVICE),
         grpc_port=a.grpc_port,
         redis_url=a.redis_url,

@@ -25,6 +25,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 from libs.common import grpc_errors
 from libs.common.errors import DeepserveError, Internal, Unavailable
+from libs.common.redact import redact
 from libs.common.telemetry import extract_context, tracer
 from libs.proto.deepserve.v1 import common_pb2, kvstore_pb2, kvstore_pb2_grpc
 
@@ -197,11 +198,11 @@ class RedisMonitor:
     async def check(self) -> None:
         try:
             await asyncio.wait_for(self.store.ping(), PING_INTERVAL_S * 2)
-            ok, detail = True, f"Redis at {redacted(self.redis_url)} answers"
+            ok, detail = True, f"Redis at {redact(self.redis_url)} answers"
         except (TimeoutError, StoreUnavailable) as exc:
             ok, detail = (
                 False,
-                f"Redis DOWN at {redacted(self.redis_url)}: {exc or 'ping timed out'}",
+                f"Redis DOWN at {redact(self.redis_url)}: {exc or 'ping timed out'}",
             )
         if ok != self.ok:
             (self.log.info if ok else self.log.error)(detail)
@@ -248,11 +249,3 @@ async def collect_orphans_forever(store: BlockStore, interval: float, grace: flo
             continue
         if report.removed_orphans:
             log.warning("removed %d orphan shards", report.removed_orphans)
-
-
-def redacted(url: str) -> str:
-    """The URL without a password, for logs and /healthz."""
-    if "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"

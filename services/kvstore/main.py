@@ -16,6 +16,8 @@ import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from libs.common.grpc_auth import server_interceptors
+from libs.common.redact import redact
 from libs.common.service import ServiceContext, run_service
 from libs.proto.deepserve.v1 import kvstore_pb2_grpc
 
@@ -27,7 +29,6 @@ from .handlers import (
     Metrics,
     RedisMonitor,
     collect_orphans_forever,
-    redacted,
     sweep_forever,
 )
 from .store import BlockStore
@@ -78,7 +79,9 @@ async def serve(cfg: KVStoreConfig, ctx: ServiceContext) -> int:
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
         ("grpc.max_send_message_length", cfg.max_message_bytes),
     ]
-    server = grpc.aio.server(options=opts)
+    server = grpc.aio.server(
+        options=opts, interceptors=server_interceptors(cfg.service_token, log, "KVStore")
+    )
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(  # type: ignore[no-untyped-call]
         KVStoreHandlers(store, Metrics()), server
     )
@@ -94,7 +97,7 @@ async def serve(cfg: KVStoreConfig, ctx: ServiceContext) -> int:
         http_port,
         len(store.targets),
         store.codec.backend,
-        redacted(cfg.redis_url),
+        redact(cfg.redis_url),
     )
     await ctx.stop.wait()
     return 0

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from libs.common.grpc_auth import call_metadata
 from libs.engine.kv.transfer import PeerKV
 from libs.proto.deepserve.v1 import control_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 from libs.serving.handoff import Holding, check_reply, peer_to_proto
@@ -22,8 +23,11 @@ class GrpcKVPusher:
     """``KVTransfer.Match`` and ``Push`` to decode instances; one channel per address, kept
     open (:class:`libs.serving.handoff.KVPusher` over gRPC)."""
 
-    def __init__(self, timeout_s: float = PUSH_TIMEOUT_S, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(
+        self, timeout_s: float = PUSH_TIMEOUT_S, chunk_bytes: int = CHUNK_BYTES, token: str = ""
+    ) -> None:
         self.timeout_s = timeout_s
+        self._md = call_metadata(token)  # the service credential, on every call
         self.chunk_bytes = chunk_bytes
         self._stubs: dict[str, tuple[grpc.aio.Channel, kv_transfer_pb2_grpc.KVTransferStub]] = {}
 
@@ -36,7 +40,9 @@ class GrpcKVPusher:
     async def match(self, address: str, block_hashes: list[bytes]) -> Holding:
         try:
             reply = await self._stub(address).Match(
-                kv_transfer_pb2.MatchRequest(block_hashes=block_hashes), timeout=MATCH_TIMEOUT_S
+                kv_transfer_pb2.MatchRequest(block_hashes=block_hashes),
+                timeout=MATCH_TIMEOUT_S,
+                metadata=self._md,
             )
         except grpc.aio.AioRpcError as exc:
             raise PushFailed(
@@ -54,7 +60,7 @@ class GrpcKVPusher:
             for i in range(0, len(view), self.chunk_bytes):
                 yield kv_transfer_pb2.KVPush(chunk=bytes(view[i : i + self.chunk_bytes]))
 
-        metadata = (("traceparent", task.traceparent),) if task.traceparent else None
+        metadata = self._md + ((("traceparent", task.traceparent),) if task.traceparent else ())
         try:
             reply = await self._stub(address).Push(
                 parts(), timeout=self.timeout_s, metadata=metadata

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from libs.common.config import ServiceConfig, common_flags, flag, service_config_from
+from libs.common.grpc_auth import add_service_token_flag
 from libs.serving.model_flags import ModelFlags, add_model_flags, model_flags_from
 
 from .clients import PUSH_TIMEOUT_S
@@ -22,6 +23,7 @@ class PrefillConfig:
     service: ServiceConfig
     model: ModelFlags
     kvstore_address: str = ""  # empty: no kvstore (no cached prefixes, no block writes)
+    service_token: str = field(default="", repr=False)  # the internal APIs' credential
     push_timeout_s: float = PUSH_TIMEOUT_S
     heartbeat_interval: float = 1.0
 
@@ -39,6 +41,7 @@ class PrefillConfig:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.prefill", description=DESCRIPTION)
     common_flags(parser, SERVICE)
+    add_service_token_flag(parser)
     add_model_flags(parser)
     flag(parser, "--kvstore-address", default="", help="kvstore gRPC host:port (empty: no kvstore)")
     flag(
@@ -55,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from(args: argparse.Namespace) -> PrefillConfig:
     """The config of parsed flags; ValueError names the flag that is wrong."""
     return PrefillConfig(
+        service_token=args.service_token,
         service=service_config_from(args, SERVICE),
         model=model_flags_from(args),
         kvstore_address=args.kvstore_address,

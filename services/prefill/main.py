@@ -37,9 +37,9 @@ async def serve(cfg: PrefillConfig, ctx: ServiceContext) -> int:
         return rc
     assert rt.loop is not None and rt.nc is not None
     nc = rt.nc
-    pusher = GrpcKVPusher(cfg.push_timeout_s)
+    pusher = GrpcKVPusher(cfg.push_timeout_s, token=cfg.service_token)
     ctx.stack.push_async_callback(pusher.close)
-    kvstore = GrpcKVStore(cfg.kvstore_address) if cfg.kvstore_address else None
+    kvstore = GrpcKVStore(cfg.kvstore_address, cfg.service_token) if cfg.kvstore_address else None
     if kvstore is not None:
         ctx.stack.push_async_callback(kvstore.close)
     handler = PrefillHandler(

@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from libs.common.errors import DeadlineExceeded
+from libs.common.grpc_auth import call_metadata
 from libs.common.grpc_errors import from_status
 from libs.proto.deepserve.v1 import generate_pb2, generate_pb2_grpc
 
@@ -87,8 +88,12 @@ class GrpcGenerateBackend:
         max_message_bytes: int = 64 << 20,
         first_event_timeout: float = 120.0,
         event_timeout: float = 120.0,
+        service_token: str = "",
     ) -> None:
         self.address = address
+        # The recipe authenticated the client (its API key -> tenant); to the entrypoint it
+        # presents the service credential, which lets it name that tenant in the request.
+        self._md = call_metadata(service_token)
         self.first_event_timeout, self.event_timeout = first_event_timeout, event_timeout
         self.channel = grpc.aio.insecure_channel(
             address,
@@ -103,8 +108,8 @@ class GrpcGenerateBackend:
     def generate(
         self, request: generate_pb2.GenerateRequest, traceparent: str = ""
     ) -> GenerateCall:
-        metadata = (("traceparent", traceparent),) if traceparent else None
-        call = self.stub.Generate(request, metadata=metadata)
+        metadata = self._md + ((("traceparent", traceparent),) if traceparent else ())
+        call = self.stub.Generate(request, metadata=metadata or None)
         return _GrpcCall(call, self.address, self.first_event_timeout, self.event_timeout)
 
     async def check(self) -> tuple[bool, str]:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from libs.common.auth import KeyTable, load_keys
 from libs.common.config import ServiceConfig, check_port, common_flags, flag, service_config_from
+from libs.common.grpc_auth import add_service_token_flag
+from libs.gateway.keylimits import KeyLimit, KeyLimitPolicy, key_id, parse_key_limits
 
 from .handlers import AppConfig
 
@@ -37,9 +39,20 @@ class RecipeConfig:
     # The entrypoint: its first event, and each next one (beyond its own 60 s request timeout).
     first_event_timeout: float = 120.0
     event_timeout: float = 120.0
+    # Usage records: the JetStream stream ("" writes none) and how many may wait to be published.
+    usage_stream: str = "DEEPSERVE_USAGE"
+    usage_queue: int = 10000
+    # The credential it presents to the entrypoint (the internal APIs' service token).
+    service_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         check_port("--port", self.port)
+        if self.usage_stream and not self.usage_stream.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(
+                f"--usage-stream must be letters, digits, '-' and '_', got {self.usage_stream!r}"
+            )
+        if self.usage_queue <= 0:
+            raise ValueError(f"--usage-queue must be positive, got {self.usage_queue}")
         if not self.model:
             raise ValueError("--model must name a preset, fake, or a checkpoint directory")
         for name, value in (
@@ -133,7 +146,44 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flag(p, "--api-keys", default="", help="API keys: KEY=TENANT entries, comma-separated")
     flag(p, "--api-keys-file", default="", help="file of KEY=TENANT lines (# comments)")
+    flag(
+        p,
+        "--key-max-concurrency",
+        type=int,
+        default=500,
+        help="requests in flight at once per API key, then 429 (0: no cap; with API keys only)",
+    )
+    flag(
+        p,
+        "--key-tokens-per-min",
+        type=int,
+        default=0,
+        help="token rate per API key: prompt + max_tokens reserved at admission, the unused "
+        "part given back at the end, then 429 (0: no limit)",
+    )
+    flag(
+        p,
+        "--key-limits",
+        default="",
+        help="per-key overrides, KEYID=CONCURRENCY[:TOKENS_PER_MIN],... where KEYID is the "
+        "first 8 hex digits of the key's SHA-256 (never the key)",
+    )
+    flag(
+        p,
+        "--usage-stream",
+        default="DEEPSERVE_USAGE",
+        help="JetStream stream of the usage records (one per request; created when missing; "
+        "'' writes none)",
+    )
+    flag(
+        p,
+        "--usage-queue",
+        type=int,
+        default=10000,
+        help="usage records waiting to be published before new ones are dropped (counted)",
+    )
     common_flags(p, SERVICE)
+    add_service_token_flag(p)
     return p
 
 
@@ -145,6 +195,7 @@ def config_from(args: argparse.Namespace) -> RecipeConfig:
     """
     keys = load_keys(args.api_keys, args.api_keys_file)
     return RecipeConfig(
+        service_token=args.service_token,
         service=service_config_from(args, SERVICE),
         app=AppConfig(
             model_name=args.model_name,
@@ -155,6 +206,9 @@ def config_from(args: argparse.Namespace) -> RecipeConfig:
             encode_threads=args.encode_threads,
             encode_queue=args.encode_queue,
             keys=KeyTable(keys),
+            key_limits=key_limit_policy(
+                args.key_max_concurrency, args.key_tokens_per_min, args.key_limits, keys
+            ),
         ),
         port=args.port,
         entrypoint_address=args.entrypoint_address,
@@ -164,4 +218,25 @@ def config_from(args: argparse.Namespace) -> RecipeConfig:
         header_timeout=args.header_timeout,
         first_event_timeout=args.first_event_timeout,
         event_timeout=args.event_timeout,
+        usage_stream=args.usage_stream,
+        usage_queue=args.usage_queue,
     )
+
+
+def key_limit_policy(
+    concurrency: int, tokens_per_min: int, overrides: str, keys: dict[str, str]
+) -> KeyLimitPolicy:
+    """The key limits of the flags; ValueError for a bad value or an override that names no
+    configured key (a typo would otherwise leave that key at the default silently)."""
+    try:
+        default = KeyLimit(concurrency, tokens_per_min)
+    except ValueError as exc:
+        raise ValueError(f"--key-max-concurrency / --key-tokens-per-min: {exc}") from None
+    policy = KeyLimitPolicy(default, parse_key_limits(overrides))
+    known = {key_id(k) for k in keys}
+    unknown = sorted(set(policy.overrides) - known)
+    if unknown:
+        raise ValueError(
+            f"--key-limits names key ids of no configured API key: {', '.join(unknown)}"
+        )
+    return policy

@@ -107,8 +107,14 @@ class Job:
     response: Any = None  # the protocol's Response accumulator, built at Ready
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # every id the backend sent, EOS included
+    eos_tokens: int = 0  # of which EOS ids: the response's usage leaves them out
     finished: bool = False
+
+    @property
+    def answered_tokens(self) -> int:
+        """Completion tokens as the response's usage counts them (EOS not counted)."""
+        return self.completion_tokens - self.eos_tokens
 
     def push(
         self, ev: generate_pb2.GenerateEvent, eos: Collection[int]
@@ -123,6 +129,7 @@ class Job:
             )
         elif kind == "tokens":
             self.completion_tokens += len(ev.tokens.token_ids)
+            self.eos_tokens += sum(1 for t in ev.tokens.token_ids if t in eos)
         out: list[tuple[str | None, str]] = []
         for chunk in inference_chunks(ev, eos):
             if self.response is None:

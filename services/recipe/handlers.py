@@ -9,8 +9,10 @@ not on this public port: the metrics are in the process's registry, which the op
 Errors are mapped once, in the caller's protocol: bad input 400 (the library's message; also
 JSON nested too deep and a prompt surely longer than the context), bad key 401, unknown model
 404, body not sent within ``--body-timeout`` 408 (then the connection closes), body too large
-413, encoding pool or backend at capacity 429 / unavailable 503 (+ Retry-After), entrypoint
-silent past its deadline 504; never a 500 for bad input. Everything CPU-heavy of a request
+413, an API key past its concurrency cap or token rate (``accounting.py``), the encoding pool
+or the backend at capacity 429 / unavailable 503 (+ Retry-After), entrypoint silent past its
+deadline 504; never a 500 for bad input. Every request the backend accepted leaves one usage
+record (``usage.py``). Everything CPU-heavy of a request
 (JSON, conversion, rendering, tokenization) runs in the :class:`~.pool.EncodePool`, never on the
 event loop. The backend's failures arrive as the kinds of
 :mod:`libs.common.errors` and become an :class:`APIError` in :meth:`Frontend.handle` (before
@@ -33,7 +35,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -50,13 +52,16 @@ from starlette.types import Receive, Scope, Send
 from libs.common.auth import KeyTable
 from libs.common.errors import DeepserveError, Internal
 from libs.common.telemetry import extract_context, inject_traceparent, tracer
+from libs.gateway.keylimits import KeyLimitPolicy
 from libs.proto.deepserve.v1 import common_pb2, generate_pb2
 
+from .accounting import Accounting, RequestAccount
 from .api import CHAT, MESSAGES, RESPONSES, APIError, Protocol, conversion_error, invalid
 from .backend import GenerateBackend, GenerateCall
 from .encoding import Encoder
 from .events import Job, api_error
 from .pool import EncodePool
+from .usage import UsageSink
 
 log = logging.getLogger("recipe")
 T = TypeVar("T")
@@ -78,6 +83,9 @@ class AppConfig:
     encode_queue: int = 64  # jobs waiting for an encode thread before a 429
     retry_after_s: int = 1
     keys: KeyTable = field(default_factory=KeyTable)
+    # Per API key: concurrency cap and token rate (--key-max-concurrency, --key-tokens-per-min,
+    # --key-limits); no effect on an open API (no keys configured).
+    key_limits: KeyLimitPolicy = field(default_factory=KeyLimitPolicy)
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -140,6 +148,18 @@ class Metrics:
             "requests whose client went away before the answer ended",
             registry=registry,
         )
+        self.key_limited = Counter(
+            "deepserve_recipe_key_limited_total",
+            "requests refused with 429 by their API key's limit (reason: concurrency, tokens)",
+            ["reason", "tenant"],
+            registry=registry,
+        )
+        self.usage_records = Counter(
+            "deepserve_recipe_usage_records_total",
+            "usage records by outcome (published, dropped_queue_full, failed)",
+            ["outcome"],
+            registry=registry,
+        )
 
 
 class ClientGone(Exception):
@@ -161,13 +181,19 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 class _CancellingStream(StreamingResponse):
-    """A StreamingResponse that always stops its generation when it ends, however it ends."""
+    """A StreamingResponse that always stops its generation when it ends, however it ends,
+    and then ends the request's account (a no-op when the stream itself already did; needed
+    when the stream was never started, so its own ``finally`` never ran)."""
 
     def __init__(
-        self, content: AsyncIterator[bytes], call: GenerateCall, headers: dict[str, str]
+        self,
+        content: AsyncIterator[bytes],
+        call: GenerateCall,
+        headers: dict[str, str],
+        on_end: Callable[[], None],
     ) -> None:
         super().__init__(content, media_type="text/event-stream", headers=headers)
-        self._content, self._call = content, call
+        self._content, self._call, self._on_end = content, call, on_end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -175,6 +201,7 @@ class _CancellingStream(StreamingResponse):
         finally:
             self._call.cancel()
             await self._content.aclose()  # type: ignore[attr-defined]
+            self._on_end()
 
 
 class Frontend:
@@ -185,10 +212,13 @@ class Frontend:
         backend: GenerateBackend,
         metrics: Metrics,
         pool: EncodePool,
+        usage: UsageSink | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg, self.encoder, self.backend, self.metrics = cfg, encoder, backend, metrics
         self.pool = pool
         self.tracer = tracer("recipe")
+        self.accounting = Accounting(cfg.key_limits, cfg.keys, usage, metrics.key_limited, clock)
 
     # -- shared front half: auth, body, model, conversion ---------------------------------------
     def _tenant(self, request: Request) -> str:
@@ -323,16 +353,28 @@ class Frontend:
     async def handle(self, request: Request, proto: Protocol) -> Response:
         rid, tenant = uuid.uuid4().hex, "-"
         t0 = time.perf_counter()
+        acct: RequestAccount | None = None
+        response: Response | None = None
+        status = "client_gone"  # unless set below: also when this task is cancelled
         try:
             tenant = self._tenant(request) or "-"
-            response = await self._serve(request, proto, rid, tenant, t0)
+            acct = self.accounting.admit(
+                request.headers, proto.name, rid, "" if tenant == "-" else tenant
+            )
+            response = await self._serve(request, proto, rid, tenant, t0, acct)
+            status = "ok"
         except APIError as err:
-            response = error_response(proto, err, rid)
+            status, response = "error", error_response(proto, err, rid)
         except DeepserveError as exc:  # the backend's failure, before the first byte went out
+            status = "error"
             response = error_response(proto, api_error(exc, self.cfg.retry_after_s), rid)
         except ClientGone:
             self.metrics.disconnects.inc()
             response = Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+        finally:
+            if acct is not None and not isinstance(response, _CancellingStream):
+                acct.end(status)  # a stream ends its account when it ends
+        assert response is not None
         self.metrics.requests.labels(
             proto.name, str(response.status_code), tenant_label(tenant)
         ).inc()
@@ -354,17 +396,25 @@ class Frontend:
         return response
 
     async def _serve(
-        self, request: Request, proto: Protocol, rid: str, tenant: str, t0: float
+        self,
+        request: Request,
+        proto: Protocol,
+        rid: str,
+        tenant: str,
+        t0: float,
+        acct: RequestAccount,
     ) -> Response:
         model, conv, gen, prompt = await self._prepare(proto, await self._body(request), rid)
         agent = (
             bool(conv.conversation.tools)
             or request.headers.get(TRAFFIC_CLASS_HEADER, "").strip().lower() == "agent"
         )
+        sampling = self._sampling(conv, len(prompt))
+        acct.reserve(len(prompt) + sampling.max_tokens)
         gen_req = generate_pb2.GenerateRequest(
             request_id=rid,
             prompt_token_ids=prompt,
-            sampling=self._sampling(conv, len(prompt)),
+            sampling=sampling,
             model=self.cfg.model_name,
             tenant="" if tenant == "-" else tenant,
             traffic_class=common_pb2.TRAFFIC_CLASS_AGENT
@@ -379,6 +429,7 @@ class Frontend:
             conv,
             dr.StreamProcessor(gen, self.encoder.parsing_options(conv), self.encoder.tokenizer),
         )
+        acct.job = job
         span = self.tracer.start_span(
             f"recipe.{proto.name}", context=extract_context(request.headers.get("traceparent", ""))
         )
@@ -395,9 +446,10 @@ class Frontend:
             if conv.stream:
                 handed_over = True
                 return _CancellingStream(
-                    self._stream(job, events, pending, call, span, t0),
+                    self._stream(job, events, pending, call, span, t0, acct),
                     call,
                     {"X-Request-Id": rid, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                    lambda: acct.end("client_gone"),
                 )
             await self._unless_gone(request, self._collect(job, events), call)
             self._count(job)
@@ -471,8 +523,9 @@ class Frontend:
         call: GenerateCall,
         span: trace.Span,
         t0: float,
+        acct: RequestAccount,
     ) -> AsyncIterator[bytes]:
-        proto, ended = job.proto, False
+        proto, ended, status = job.proto, False, "client_gone"
         try:
             for name, data in pending:
                 yield proto.sse(name, data)
@@ -486,16 +539,19 @@ class Frontend:
                 raise Internal("the stream ended before finishing")
             call.cancel()  # done (a stop sequence may have ended it early)
             self._count(job)
+            status = "ok"
             yield proto.sse_done()
             ended = True
         except (DeepserveError, APIError) as exc:
             err = exc if isinstance(exc, APIError) else api_error(exc, self.cfg.retry_after_s)
             log.warning("request %s failed mid-stream: %s", job.rid, exc)
+            status = "error"
             yield proto.sse_error(err)
             ended = True
         finally:
             if not ended:
                 self.metrics.disconnects.inc()
+            acct.end(status)
             job.processor.close()
             self.metrics.latency.labels("true").observe(time.perf_counter() - t0)
             span.end()
@@ -513,12 +569,15 @@ def build_app(
     backend: GenerateBackend,
     metrics: Metrics | None = None,
     pool: EncodePool | None = None,
+    usage: UsageSink | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Starlette:
     """The public API. ``pool``: the encode pool (default: one of ``cfg``'s size, which the
-    caller then does not close -- fine for tests)."""
+    caller then does not close -- fine for tests); ``usage``: where usage records go (None:
+    nowhere); ``clock``: the key limits' clock (tests pass a fake)."""
     metrics = metrics or Metrics(CollectorRegistry())
     pool = pool or EncodePool(cfg.encode_threads, cfg.encode_queue, cfg.retry_after_s * 1000)
-    front = Frontend(cfg, encoder, backend, metrics, pool)
+    front = Frontend(cfg, encoder, backend, metrics, pool, usage, clock)
     created = int(time.time())
 
     def model_card() -> dict[str, Any]:

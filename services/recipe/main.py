@@ -13,8 +13,10 @@ log, exit code 2 (as a bad flag), rather than a 502 on every request.
 Wiring only: flags in ``config.py``, the API in ``handlers.py``, uvicorn and its connection
 timeouts in ``server.py``. uvicorn runs as a task inside the shared lifecycle
 (``libs/common/service.py``): the stop event, not uvicorn, hears SIGTERM, and the exit stack
-stops uvicorn (open requests finish within ``--drain-seconds``), then the encode pool, the
-entrypoint channel and the ops port.
+stops uvicorn (open requests finish within ``--drain-seconds``), then flushes the usage
+records (``usage.py``) and closes their NATS connection, the encode pool, the entrypoint
+channel and the ops port. The usage publisher connects to NATS in the background: the API
+serves while NATS is away (records queue, bounded).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .encoding import load_encoder
 from .handlers import Metrics, build_app
 from .pool import EncodePool
 from .server import build_server, run_server, stop_server
+from .usage import UsagePublisher
 
 HEALTH_POLL_S = 1.0
 
@@ -70,6 +73,7 @@ async def serve(cfg: RecipeConfig, ctx: ServiceContext) -> int:
         cfg.entrypoint_address,
         first_event_timeout=cfg.first_event_timeout,
         event_timeout=cfg.event_timeout,
+        service_token=cfg.service_token,
     )
     health = _Health(backend)
     ops_port = await ctx.start_ops(health)
@@ -77,7 +81,23 @@ async def serve(cfg: RecipeConfig, ctx: ServiceContext) -> int:
     ctx.background(health.poll(), "health")
     pool = EncodePool(cfg.app.encode_threads, cfg.app.encode_queue, cfg.app.retry_after_s * 1000)
     ctx.stack.callback(pool.close)
-    app = build_app(cfg.app, encoder, backend, Metrics(), pool)  # Metrics(): the ops registry
+    metrics = Metrics()  # the ops port's registry
+    usage = None
+    if cfg.usage_stream:
+        usage = UsagePublisher(
+            svc.nats_url,
+            f"{svc.instance_id}-usage",
+            cfg.usage_stream,
+            cfg.usage_queue,
+            metrics.usage_records,
+            ctx.stop,
+            log,
+        )
+        usage.start()
+        ctx.stack.push_async_callback(usage.close, svc.drain_seconds)  # after uvicorn stopped
+    else:
+        log.warning("--usage-stream is empty: no usage records are written")
+    app = build_app(cfg.app, encoder, backend, metrics, pool, usage)
     server = build_server(
         app,
         svc.host,
@@ -111,6 +131,13 @@ async def serve(cfg: RecipeConfig, ctx: ServiceContext) -> int:
             "API keys required: %d keys for %d tenants",
             len(keys.keys),
             len(set(keys.keys.values())),
+        )
+        limits = cfg.app.key_limits
+        log.info(
+            "per-key limits: %s concurrent, %s tokens/min (0: none); %d keys overridden",
+            limits.default.concurrency,
+            limits.default.tokens_per_min,
+            len(limits.overrides),
         )
     stopping = asyncio.create_task(ctx.stop.wait())
     await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)

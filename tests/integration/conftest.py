@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -74,11 +75,23 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         s.stop()
 
 
+class AuthorizedStub:
+    """A Generate stub that presents the stack's service credential on every call."""
+
+    def __init__(self, channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._stub = generate_pb2_grpc.GenerateStub(channel)
+        self._md = metadata
+
+    def Generate(self, request: generate_pb2.GenerateRequest, **kw: Any) -> Any:  # noqa: N802
+        kw.setdefault("metadata", self._md)
+        return self._stub.Generate(request, **kw)
+
+
 @pytest.fixture(scope="module")
-def grpc_stub(stack: Stack) -> Iterator[generate_pb2_grpc.GenerateStub]:
+def grpc_stub(stack: Stack) -> Iterator[AuthorizedStub]:
     channel = grpc.insecure_channel(stack.grpc_address)
     try:
-        yield generate_pb2_grpc.GenerateStub(channel)
+        yield AuthorizedStub(channel, stack.call_metadata)
     finally:
         channel.close()
 
@@ -100,7 +113,7 @@ def sampling(
 
 
 def grpc_generate(
-    stub: generate_pb2_grpc.GenerateStub,
+    stub: generate_pb2_grpc.GenerateStub | AuthorizedStub,
     prompt_ids: Sequence[int],
     max_tokens: int,
     temperature: float = 0.0,

@@ -118,7 +118,7 @@ async def run_and_kill(
         got: list[int] = []
         async with grpc.aio.insecure_channel(stack.grpc_address) as ch:
             call = generate_pb2_grpc.GenerateStub(ch).Generate(
-                request(prompt, max_tokens), timeout=90
+                request(prompt, max_tokens), timeout=90, metadata=stack.call_metadata
             )
 
             async def consume() -> tuple[grpc.StatusCode | None, str]:
@@ -150,10 +150,11 @@ async def test_over_max_inflight_is_resource_exhausted_with_a_retry_hint(stack: 
     prompt = list(range(1000, 1020))
     async with grpc.aio.insecure_channel(stack.grpc_address) as ch:
         stub = generate_pb2_grpc.GenerateStub(ch)
-        busy = stub.Generate(request(prompt, 400), timeout=60)  # ~1.2 s of decode: holds the slot
+        md = stack.call_metadata
+        busy = stub.Generate(request(prompt, 400), timeout=60, metadata=md)  # holds the slot
         first = await busy.read()
         assert first.WhichOneof("event") == "ready"
-        refused = stub.Generate(request(prompt, 4), timeout=10)
+        refused = stub.Generate(request(prompt, 4), timeout=10, metadata=md)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             async for _ in refused:
                 pass

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import nats
 import pytest
 
@@ -28,7 +29,7 @@ from libs.common import subjects
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig
 from libs.engine.llm import LLM
-from libs.proto.deepserve.v1 import control_pb2
+from libs.proto.deepserve.v1 import control_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 PREFILL_ID, DECODE_ID = "prefill-it", "decode-it"
@@ -36,6 +37,7 @@ MODEL_NAME = "deepseek-tiny"
 NUM_KV_BLOCKS = 64
 READY_TIMEOUT = 180.0
 PROMPT = [(i * 7919) % 120000 + 3 for i in range(150)]  # one full 128-token block and a tail
+NATS_USER, NATS_PASSWORD = "ds", "p@ss:w0rd-hunter2"
 
 
 @dataclass
@@ -122,8 +124,11 @@ def wait_healthy(p: Proc, deadline: float) -> None:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     run_dir = tmp_path_factory.mktemp("prefill_decode")
     nats_port = procs.free_port()
-    nats_proc = procs.start_nats(nats_port, run_dir / "nats", run_dir / "nats.log")
-    nats_url = f"nats://127.0.0.1:{nats_port}"
+    # A NATS that wants a password: every service logs in, and none may show it (issue 13).
+    nats_proc = procs.start_nats(
+        nats_port, run_dir / "nats", run_dir / "nats.log", user=NATS_USER, password=NATS_PASSWORD
+    )
+    nats_url = f"nats://{NATS_USER}:{NATS_PASSWORD}@127.0.0.1:{nats_port}"
     grpc_port = procs.free_port()
     started: list[Proc] = []
     try:
@@ -265,6 +270,99 @@ async def test_heartbeats_report_real_load(stack: Stack) -> None:
         assert st.total_kv_blocks == NUM_KV_BLOCKS and st.free_kv_blocks == NUM_KV_BLOCKS  # idle
         assert st.running == st.waiting == 0 and st.block_size == 128 and not st.draining
         assert abs(st.sent_unix_ms / 1000 - time.time()) < 10
+
+
+def healthz_body(port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as resp:
+            return str(resp.read().decode())
+    except urllib.error.HTTPError as exc:
+        return str(exc.read().decode())
+
+
+def test_no_log_line_or_healthz_shows_the_nats_password(stack: Stack, tmp_path: Path) -> None:
+    """Issue 13: the NATS password was in the logs and /healthz. prefill and decode logged
+    in with it; a balancer given a wrong one reports the URL in its log and /healthz."""
+    for p in (stack.prefill, stack.decode):
+        assert NATS_PASSWORD not in p.log.read_text(errors="replace") + healthz_body(p.http_port)
+    nats_port = stack.nats_url.rsplit(":", 1)[1]
+    wrong = f"nats://{NATS_USER}:wrong-{NATS_PASSWORD}@127.0.0.1:{nats_port}"
+    shown = f"nats://***@127.0.0.1:{nats_port}"  # an '@' in the password hides the user too
+    port, log = procs.free_port(), tmp_path / "balancer.log"
+    argv = [sys.executable, "-m", "services.balancer", "--nats-url", wrong]
+    with open(log, "wb") as out:
+        bal = subprocess.Popen(
+            [*argv, "--http-port", str(port)], cwd=REPO, stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        deadline, body = time.monotonic() + 30, ""
+        while shown not in body and time.monotonic() < deadline:
+            assert bal.poll() is None, log.read_text()
+            time.sleep(0.2)
+            body = healthz_body(port) if healthz(port) else ""
+        assert shown in body and "unavailable" in body, f"{body}\n{log.read_text()}"
+        time.sleep(1.5)  # a few refused logins logged
+    finally:
+        procs.stop(bal)
+    text = log.read_text(errors="replace")
+    assert shown in text and "uthorization" in text, text  # 'Authorization Violation'
+    assert NATS_PASSWORD not in text + body
+
+
+def push_garbage(
+    stack: Stack, task: control_pb2.DecodeTask, chunks: int, chunk_bytes: int = 1 << 20
+) -> tuple[kv_transfer_pb2.KVPushReply, int]:
+    """Push ``task`` then ``chunks`` chunks of garbage; the reply and how many messages the
+    gRPC client pulled from the stream (a bound on what decode read)."""
+    pulled = 0
+    garbage = os.urandom(chunk_bytes)
+
+    def stream() -> Iterator[kv_transfer_pb2.KVPush]:
+        nonlocal pulled
+        pulled += 1
+        yield kv_transfer_pb2.KVPush(task=task)
+        for _ in range(chunks):
+            pulled += 1
+            yield kv_transfer_pb2.KVPush(chunk=garbage)
+
+    with grpc.insecure_channel(stack.decode_address) as channel:
+        stub = kv_transfer_pb2_grpc.KVTransferStub(channel)  # type: ignore[no-untyped-call]
+        reply = stub.Push(stream(), timeout=60)
+    return reply, pulled
+
+
+def test_decode_refuses_an_oversized_push_without_reading_it(stack: Stack) -> None:
+    """Issue 13: decode buffered a 200 MiB garbage push before refusing it. A 10-token prompt
+    has one block of KV; the refusal must come after about that much, not after 200 MiB."""
+    sp = SamplingParams(max_tokens=8)
+    task = control_pb2.DecodeTask(
+        request_id="garbage-1",
+        token_ids=PROMPT[:11],
+        num_prompt_tokens=10,
+        sampling=sp.to_proto(),
+        events_subject=subjects.token_events("garbage-1"),
+    )
+    t0 = time.monotonic()
+    reply, pulled = push_garbage(stack, task, chunks=200)
+    assert not reply.accepted and "KV frame for request 'garbage-1' passed" in reply.error
+    # the tiny model's one block plus the header allowance are a few MiB at most; the client
+    # pulls a few messages ahead of what the server read (flow control windows)
+    assert pulled < 40, (pulled, reply.error)
+    assert time.monotonic() - t0 < 20
+
+    for bad, why in [
+        (
+            control_pb2.DecodeTask(request_id="g-2", token_ids=[1, 2], num_prompt_tokens=0),
+            "num_prompt_tokens must lie in [1, ",
+        ),
+        (
+            control_pb2.DecodeTask(request_id="g-3", token_ids=[1, 2], num_prompt_tokens=2),
+            "token_ids must hold the 2 prompt tokens and the first generated token, got 2",
+        ),
+    ]:
+        reply, pulled = push_garbage(stack, bad, chunks=200)
+        assert not reply.accepted and why in reply.error, reply.error
+        assert pulled < 40, pulled
 
 
 async def test_sigterm_drains_the_request_in_flight(stack: Stack, llm: LLM) -> None:

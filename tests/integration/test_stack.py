@@ -17,9 +17,17 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from deepserve.up import Stack
-from libs.proto.deepserve.v1.generate_pb2_grpc import GenerateStub as Stub
+from libs.proto.deepserve.v1 import generate_pb2, generate_pb2_grpc
 
-from .conftest import MODEL_NAME, Generation, ReferenceRuns, dump_logs, grpc_generate
+from .conftest import (
+    MODEL_NAME,
+    Generation,
+    ReferenceRuns,
+    dump_logs,
+    grpc_generate,
+    sampling,
+)
+from .conftest import AuthorizedStub as Stub
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -177,3 +185,52 @@ def test_one_request_is_one_trace_across_every_hop(client: openai.OpenAI, stack:
             break
         time.sleep(0.2)
     assert {"recipe", "entrypoint", "prefill", "decode"} <= seen.keys(), seen
+
+
+def test_internal_apis_refuse_callers_without_the_service_credential(stack: Stack) -> None:
+    """The kvstore, decode's KV transfer and Generate answer UNAUTHENTICATED to a caller
+    without the stack's service token, and serve it with; health checks need none."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from libs.proto.deepserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, kvstore_pb2
+    from libs.proto.deepserve.v1 import kvstore_pb2_grpc as kv_grpc
+
+    port = {c.service: c.grpc_port for c in stack.children if c.grpc_port}
+    calls = {
+        "kvstore": (
+            f"127.0.0.1:{port['kvstore']}",
+            lambda ch, **kw: kv_grpc.KVStoreStub(ch).Lookup(
+                kvstore_pb2.LookupRequest(hashes=[b"x" * 32]), timeout=10, **kw
+            ),
+        ),
+        "decode": (
+            f"127.0.0.1:{port['decode']}",
+            lambda ch, **kw: kv_transfer_pb2_grpc.KVTransferStub(ch).Match(
+                kv_transfer_pb2.MatchRequest(block_hashes=[b"x" * 32]), timeout=10, **kw
+            ),
+        ),
+        "entrypoint": (
+            stack.grpc_address,
+            lambda ch, **kw: list(
+                generate_pb2_grpc.GenerateStub(ch).Generate(
+                    generate_pb2.GenerateRequest(
+                        prompt_token_ids=[5, 6, 7], sampling=sampling(2), model=MODEL_NAME
+                    ),
+                    timeout=60,
+                    **kw,
+                )
+            ),
+        ),
+    }
+    for name, (address, call) in calls.items():
+        with grpc.insecure_channel(address) as ch:
+            for md in ((), (("authorization", "Bearer not-the-token"),)):
+                with pytest.raises(grpc.RpcError) as err:
+                    call(ch, metadata=md)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+                assert "credential" in (err.value.details() or ""), name
+            call(ch, metadata=stack.call_metadata)  # served
+            health = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(), timeout=10
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING, name

@@ -24,9 +24,8 @@ import pytest
 
 from deepserve.procs import free_port
 from deepserve.up import REPO_ROOT, Stack
-from libs.proto.deepserve.v1 import generate_pb2_grpc
 
-from .conftest import MODEL_NAME, grpc_generate, start_stack
+from .conftest import MODEL_NAME, AuthorizedStub, grpc_generate, start_stack
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -37,7 +36,7 @@ def test_requests_spread_over_two_prefill_and_two_decode_instances(tmp_path: Pat
     stack = start_stack(tmp_path / "run", prefill=2, decode=2)
     try:
         channel = grpc.insecure_channel(stack.grpc_address)
-        stub = generate_pb2_grpc.GenerateStub(channel)
+        stub = AuthorizedStub(channel, stack.call_metadata)
         rids = [f"spread-{i}-{uuid.uuid4().hex[:6]}" for i in range(8)]
         outputs = [grpc_generate(stub, PROMPT, 3, request_id=rid).token_ids for rid in rids]
         channel.close()

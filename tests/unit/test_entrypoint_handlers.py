@@ -32,8 +32,11 @@ class Aborted(Exception):
 class FakeContext:
     trailing: tuple[tuple[str, str], ...] = ()
 
+    def __init__(self, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        self.metadata = metadata
+
     def invocation_metadata(self) -> list[tuple[str, str]]:
-        return []
+        return list(self.metadata)
 
     def set_trailing_metadata(self, md: tuple[tuple[str, str], ...]) -> None:
         self.trailing = md
@@ -488,3 +491,33 @@ async def test_cache_names_are_keyed_by_a_secret_not_the_tenant_name() -> None:
         names[secret] = kv.calls[0]
     plain = chain_hashes(list(range(1, 9)), 4, salt=b"acme")
     assert names[SECRET] != plain and names[SECRET] != names[b"another-secret"]
+
+
+async def test_generate_needs_a_key_and_the_key_decides_the_tenant() -> None:
+    """With API keys, Generate refuses a caller without one; a key's tenant is used whatever
+    tenant the request names (no choosing another tenant's cache); the service token (the
+    recipe, which authenticated its client) may name the tenant."""
+    keys = {"sk-a": "acme", "sk-g": "globex"}
+    cases = {
+        "none": ((), "acme"),
+        "wrong": ((("authorization", "Bearer sk-nope"),), "acme"),
+        "globex-as-acme": ((("authorization", "Bearer sk-g"),), "acme"),
+        "service": ((("authorization", "Bearer svc-token"),), "acme"),
+    }
+    salts = {}
+    for name, (md, tenant) in cases.items():
+        bus = FakeBus()
+        h = make(bus, api_keys=keys, service_token="svc-token")
+        ctx = FakeContext(metadata=md)
+        try:
+            await collect_with(h, req(list(range(1, 11)), tenant=tenant), ctx)
+        except Aborted as err:
+            assert err.code == grpc.StatusCode.UNAUTHENTICATED, name
+            assert "credential" in err.details
+            salts[name] = None
+            continue
+        (task,) = bus.tasks()
+        salts[name] = task.cache_salt
+    assert salts["none"] is None and salts["wrong"] is None
+    assert salts["globex-as-acme"] == tenant_salt(SECRET, "globex")
+    assert salts["service"] == ACME

@@ -13,6 +13,7 @@ from typing import Any
 
 import anthropic
 import grpc
+import httpx
 import openai
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -21,9 +22,11 @@ from starlette.testclient import TestClient
 from libs.common.auth import KeyTable, parse_keys
 from libs.common.errors import Overloaded
 from libs.common.grpc_errors import from_status
+from libs.gateway.keylimits import KeyLimit, KeyLimitPolicy, key_id
 from libs.proto.deepserve.v1 import common_pb2
 from services.recipe.encoding import PromptEncoder
 from services.recipe.handlers import AppConfig, Metrics, build_app, tenant_label
+from services.recipe.usage import UsageRecord
 
 from .recipe_fakes import ANSWER, MODEL, REASONING, TOOL_CALL, FakeBackend
 
@@ -625,3 +628,137 @@ async def test_disconnect_before_the_answer_cancels_the_call(
     backend.hang_after = hang_after  # 0: before the first event; 3: while collecting
     await _asgi(app, "/v1/chat/completions", chat(), disconnect_after_chunks=0)
     assert backend.calls[-1].cancelled
+
+
+# -- per-key limits and usage records --------------------------------------------------------------
+class Records:
+    """A usage sink that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.records: list[UsageRecord] = []
+
+    def submit(self, record: UsageRecord) -> None:
+        self.records.append(record)
+
+
+def limited_app(
+    encoder: PromptEncoder,
+    backend: FakeBackend,
+    limit: KeyLimit,
+    sink: Records,
+    clock: Any = None,
+):
+    cfg = AppConfig(
+        model_name=MODEL,
+        default_max_tokens=64,
+        keys=KeyTable({"k-alpha": "acme", "k-beta": "globex"}),
+        key_limits=KeyLimitPolicy(limit),
+    )
+    return build_app(
+        cfg, encoder, backend, Metrics(CollectorRegistry()), usage=sink, clock=clock or Clock()
+    )
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+MESSAGE = {"model": MODEL, "max_tokens": 50, "messages": [{"role": "user", "content": "x"}]}
+
+
+async def test_key_concurrency_cap_is_429_in_each_protocol(
+    encoder: PromptEncoder, backend: FakeBackend
+) -> None:
+    """Two requests of a key in flight under a cap of 2: its third is a 429 with Retry-After
+    in the caller's protocol; another key is served; the held ones free their slots."""
+    sink = Records()
+    app = limited_app(encoder, backend, KeyLimit(concurrency=2), sink)
+    backend.hang_after = 1  # Ready, then the backend holds the request open
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+        alpha = {"authorization": "Bearer k-alpha"}
+        held = [
+            asyncio.create_task(http.post("/v1/chat/completions", json=chat(), headers=alpha))
+            for _ in range(2)
+        ]
+        while len(backend.calls) < 2 or any(c.consumed < 1 for c in backend.calls):
+            await asyncio.sleep(0.01)
+        r = await http.post("/v1/chat/completions", json=chat(), headers=alpha)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        err = r.json()["error"]
+        assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"
+        assert "concurrent" in err["message"]
+        r = await http.post("/v1/messages", json=MESSAGE, headers={"x-api-key": "k-alpha"})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "rate_limit_error"
+        assert len(backend.calls) == 2  # refused before the backend
+        backend.hang_after = None
+        r = await http.post("/v1/messages", json=MESSAGE, headers={"x-api-key": "k-beta"})
+        assert r.status_code == 200, r.text
+        for t in held:
+            t.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+        for _ in range(2):  # both held slots were freed when their requests were cancelled
+            r = await http.post("/v1/chat/completions", json=chat(), headers=alpha)
+            assert r.status_code == 200, r.text
+    assert sorted(rec.status for rec in sink.records) == ["client_gone"] * 2 + ["ok"] * 3
+
+
+def test_key_token_rate_is_429_with_the_wait(encoder: PromptEncoder, backend: FakeBackend) -> None:
+    clock = Clock()
+    app = limited_app(encoder, backend, KeyLimit(0, tokens_per_min=600), Records(), clock)
+    http = TestClient(app)
+    backend.script = "word " * 600  # the answer runs to max_tokens
+    body = {**MESSAGE, "max_tokens": 400}
+    r = http.post("/v1/messages", json=body, headers={"x-api-key": "k-alpha"})
+    assert r.status_code == 200, r.text
+    prompt = backend.requests[-1].prompt_token_ids
+    used = len(prompt) + r.json()["usage"]["output_tokens"]
+    assert r.json()["usage"]["output_tokens"] == 400
+    r = http.post("/v1/messages", json=body, headers={"x-api-key": "k-alpha"})
+    assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+    short = len(prompt) + 400 - (600 - used)
+    assert r.headers["retry-after"] == str(-(-short // 10))  # refilled at 10 tokens/s
+    assert http.post("/v1/messages", json=body, headers={"x-api-key": "k-beta"}).status_code == 200
+    clock.t += 60  # a minute later the bucket is full again
+    r = http.post("/v1/messages", json=body, headers={"x-api-key": "k-alpha"})
+    assert r.status_code == 200
+
+
+def test_one_usage_record_per_accepted_request(
+    encoder: PromptEncoder, backend: FakeBackend
+) -> None:
+    sink = Records()
+    http = TestClient(limited_app(encoder, backend, KeyLimit(), sink))
+    alpha = {"authorization": "Bearer k-alpha"}
+    r = http.post("/v1/chat/completions", json=chat(), headers=alpha)
+    usage = r.json()["usage"]
+    http.post("/v1/chat/completions", json=chat(stream=True), headers=alpha)
+    backend.fail_after = 2
+    http.post("/v1/messages", json={**MESSAGE, "stream": True}, headers={"x-api-key": "k-beta"})
+    backend.fail_at_start = from_status(grpc.StatusCode.UNAVAILABLE, "down")
+    r = http.post("/v1/chat/completions", json=chat(), headers=alpha)
+    assert r.status_code == 503  # refused before Ready: no record
+    ok, streamed, failed = sink.records
+    assert (ok.tenant, ok.key_id, ok.model, ok.route, ok.status) == (
+        "acme",
+        key_id("k-alpha"),
+        MODEL,
+        "chat_completions",
+        "ok",
+    )
+    assert ok.request_id == backend.requests[0].request_id
+    assert (ok.prompt_tokens, ok.completion_tokens) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )
+    assert ok.uncached_tokens == ok.prompt_tokens - ok.cached_tokens
+    assert ok.started_at <= ok.finished_at
+    assert streamed.status == "ok" and streamed.completion_tokens == ok.completion_tokens
+    assert (failed.tenant, failed.route, failed.status) == ("globex", "messages", "error")
+    assert failed.completion_tokens == 2  # what was produced before the failure
+    assert "k-alpha" not in ok.to_json().decode()

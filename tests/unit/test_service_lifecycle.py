@@ -170,3 +170,50 @@ def test_sigterm_ends_a_service_still_waiting_for_nats() -> None:
     argv = ["--nats-url", f"nats://127.0.0.1:{dead}"]
     assert run_service("test", argv, _parser, _config, serve) == 0
     assert closed == ["returned"]
+
+
+def test_no_log_line_or_healthz_shows_the_nats_password(
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 13: the NATS password was in the logs and in /healthz."""
+    ops_port, dead = _free_port(), _free_port()
+    url = f"nats://svc:hunter2@127.0.0.1:{dead}"
+    seen: dict[str, str] = {}
+
+    async def serve(cfg: _Config, ctx: ServiceContext) -> int:
+        await ctx.start_ops(lambda: (False, f"not connected to NATS at {ctx.config.nats_url}"))
+        ctx.log.info("config %r, NATS %s", cfg, ctx.config.nats_url)
+
+        async def probe() -> None:
+            await asyncio.sleep(1.5)  # connect_nats has failed and logged at least once
+            seen["healthz"] = await asyncio.to_thread(_healthz_body, ops_port)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        ctx.background(probe(), "probe")
+        assert await asyncio.wait_for(ctx.connect_nats(), 10) is None
+        return 0
+
+    with caplog.at_level(logging.INFO):
+        assert (
+            run_service(
+                "test", ["--nats-url", url, "--http-port", str(ops_port)], _parser, _config, serve
+            )
+            == 0
+        )
+    shown = f"nats://svc:***@127.0.0.1:{dead}"
+    assert shown in seen["healthz"] and "hunter2" not in seen["healthz"]
+    assert f"NATS {shown}: " in caplog.text  # the failed connects, logged by connect_nats
+    assert f"nats_url='{shown}'" in caplog.text
+    assert "hunter2" not in caplog.text + capsys.readouterr().err
+
+    assert run_service("test", ["--nats-url", "http://svc:hunter2@h"], _parser, _config, serve) == 2
+    err = capsys.readouterr().err
+    assert "http://svc:***@h" in err and "hunter2" not in err
+
+
+def _healthz_body(port: int) -> str:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+            return str(r.read().decode())
+    except urllib.error.HTTPError as exc:
+        return str(exc.read().decode())

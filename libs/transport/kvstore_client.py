@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol, cast
 
 import grpc
@@ -73,3 +75,25 @@ class GrpcKVStore:
 
     async def close(self) -> None:
         await self._channel.close()
+
+
+async def write_back(
+    store: KVStore,
+    finish: Callable[[], list[Block]],
+    salt: bytes,
+    traffic_class: int,
+    log: logging.Logger,
+    request_id: str,
+) -> int:
+    """Build the blocks an engine started copying out (``finish``, in a worker thread) and put
+    them; returns how many were written. A failure is logged and returns -1: a lost cache write
+    only costs a future recompute."""
+    blocks: list[Block] = []
+    try:
+        blocks = await asyncio.to_thread(finish)
+        if blocks:
+            await store.put(blocks, salt.hex(), traffic_class)
+        return len(blocks)
+    except Exception as exc:  # noqa: BLE001 - see above
+        log.warning("request %s: kvstore Put of %d blocks failed: %s", request_id, len(blocks), exc)
+        return -1

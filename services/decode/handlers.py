@@ -49,7 +49,7 @@ from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed,
 from libs.serving.handoff import Holding, peer_from_proto
 from libs.serving.instance import drain_tasks, instance_status
 from libs.serving.write_behind import WriteBehind
-from libs.transport.kvstore_client import Block, KVStore
+from libs.transport.kvstore_client import Block, KVStore, write_back
 
 log = logging.getLogger("decode")
 
@@ -282,17 +282,13 @@ class DecodeHandler:
 
     async def _put(self, task: control_pb2.DecodeTask, finish: Callable[[], list[Block]]) -> None:
         assert self.kvstore is not None
-        blocks: list[Block] = []
-        try:
-            blocks = await asyncio.to_thread(finish)
-            if blocks:
-                await self.kvstore.put(blocks, task.cache_salt.hex(), task.traffic_class)
-                STORED_BLOCKS.inc(len(blocks))
-        except Exception as exc:  # noqa: BLE001 - a lost cache write only costs a recompute
+        n = await write_back(
+            self.kvstore, finish, task.cache_salt, task.traffic_class, log, task.request_id
+        )
+        if n < 0:
             STORE_ERRORS.inc()
-            log.warning(
-                "request %s: kvstore Put of %d blocks failed: %s", task.request_id, len(blocks), exc
-            )
+        else:
+            STORED_BLOCKS.inc(n)
 
     async def _on_cut(self, rid: str, subject: str, index: int) -> None:
         """The request ended early. Client aborts need no answer; anything else is an error."""

@@ -379,12 +379,7 @@ class Stack:
                     "kvstore",
                     "kvstore",
                     grpc_port=kv_port,
-                    args=[
-                        "--redis-url",
-                        self.redis_url,
-                        "--data-dir",
-                        str(self.run_dir / "kvstore"),
-                    ],
+                    args=["--data-dir", str(self.run_dir / "kvstore")],
                 ),
                 self._plan("balancer", "balancer"),
             ]
@@ -461,8 +456,6 @@ class Stack:
         ops_port = procs.free_port()
         instance_id = f"{name}-{self.stack_id}"
         argv = [
-            "--nats-url",
-            self.nats_url,
             "--http-port",
             str(ops_port),
             "--instance-id",
@@ -507,6 +500,11 @@ class Stack:
         env = dict(self.env)
         for name in SERVICE_SECRETS.get(c.service, ()):  # each secret only where it is used
             env.setdefault(name, self.secrets[name])
+        # URLs that may carry credentials travel in the environment, not on the command line
+        # (which every user of the host can read).
+        env["NATS_URL"] = self.nats_url
+        if c.service == "kvstore":
+            env["REDIS_URL"] = self.redis_url
         env.setdefault("PYTHONUNBUFFERED", "1")
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p

@@ -14,9 +14,11 @@ lifecycle (:func:`libs.common.service.run_service`): what it opens goes on ``ctx
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nats.aio.client import Client
 
@@ -27,6 +29,9 @@ from libs.proto.deepserve.v1 import control_pb2
 from .engine_loop import EngineLoop, EngineStats
 from .model_flags import ModelFlags
 from .runtime import heartbeat_loop, publish_status
+
+if TYPE_CHECKING:
+    from libs.engine.engine import Engine
 
 
 class Drainable(Protocol):
@@ -65,10 +70,13 @@ class InstanceRuntime:
         from .engines import build_engine  # torch: after the ops port answers
 
         try:
-            engine = await asyncio.to_thread(build_engine, self.model)
+            engine = await self._load(build_engine)
         except (ValueError, OSError) as exc:
             self.log.error("cannot load model %r: %s", self.model.model, exc)
             return 1
+        if engine is None:
+            self.log.info("stopped while the model was loading")
+            return 0
         loop = EngineLoop(engine, name=self.service)
         loop.start()
         self.ctx.stack.push_async_callback(loop.close)
@@ -84,6 +92,39 @@ class InstanceRuntime:
         if self.nc is None:
             return 0
         return None
+
+    async def _load(self, build: Callable[[ModelFlags], Engine]) -> Engine | None:
+        """The engine, built in a daemon thread (minutes for a large model); None if a stop
+        signal came first -- the service then exits at once instead of after the load (a
+        daemon thread does not hold the interpreter's exit)."""
+        aio = asyncio.get_running_loop()
+        built: asyncio.Future[Engine] = aio.create_future()
+
+        def settle(fn: Callable[[], None]) -> None:
+            if not built.done():
+                fn()
+
+        def work() -> None:
+            try:
+                engine = build(self.model)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting side
+                err = exc
+                with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                    aio.call_soon_threadsafe(settle, lambda: built.set_exception(err))
+            else:
+                with contextlib.suppress(RuntimeError):
+                    aio.call_soon_threadsafe(settle, lambda: built.set_result(engine))
+
+        threading.Thread(target=work, name=f"{self.service}-load", daemon=True).start()
+        stop: asyncio.Future[Any] = asyncio.ensure_future(self.ctx.stop.wait())
+        try:
+            await asyncio.wait((built, stop), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not built.done():
+            built.cancel()
+            return None
+        return built.result()
 
     async def ready(self, status: Callable[[], control_pb2.InstanceStatus]) -> None:
         """Subscriptions are in place: confirm them with the server, start heartbeats, go ready."""

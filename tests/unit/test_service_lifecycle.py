@@ -190,7 +190,7 @@ def test_no_log_line_or_healthz_shows_the_nats_password(
             os.kill(os.getpid(), signal.SIGTERM)
 
         ctx.background(probe(), "probe")
-        assert await asyncio.wait_for(ctx.connect_nats(), 10) is None
+        assert await asyncio.wait_for(ctx.connect_nats(), 60) is None  # generous: a busy host
         return 0
 
     with caplog.at_level(logging.INFO):
@@ -217,3 +217,42 @@ def _healthz_body(port: int) -> str:
             return str(r.read().decode())
     except urllib.error.HTTPError as exc:
         return str(exc.read().decode())
+
+
+def test_sigterm_during_a_long_model_load_exits_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large model loads for minutes: SIGTERM then ends the service at once (exit 0), not
+    after the load, and it never connects to NATS."""
+    import threading
+    import time
+
+    from libs.serving import engines
+    from libs.serving.instance import InstanceRuntime
+    from libs.serving.model_flags import ModelFlags
+
+    loading = threading.Event()
+
+    def slow_build(flags: ModelFlags) -> object:
+        loading.set()
+        time.sleep(30)
+        raise AssertionError("the load should have been abandoned")
+
+    monkeypatch.setattr(engines, "build_engine", slow_build)
+    seen: list[object] = []
+
+    async def serve(cfg: _Config, ctx: ServiceContext) -> int:
+        def signal_when_loading() -> None:
+            loading.wait(10)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=signal_when_loading, daemon=True).start()
+        rt = InstanceRuntime(ctx, ModelFlags(model="fake"), 1.0)
+        rc = await rt.start()
+        seen.append(rc)
+        seen.append(rt.nc)
+        return 0 if rc is None else rc
+
+    t0 = time.monotonic()
+    argv = ["--nats-url", f"nats://127.0.0.1:{_free_port()}"]
+    assert run_service("test", argv, _parser, _config, serve) == 0
+    assert time.monotonic() - t0 < 10
+    assert seen == [0, None]

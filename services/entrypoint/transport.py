@@ -76,17 +76,29 @@ class NatsBus:
 class HeartbeatWatch:
     """When each instance last heartbeated (``ds.heartbeat.<role>.<instance>``), for
     :class:`~libs.gateway.retry.Watch` (the subject names the instance), and each heartbeat's
-    figures for ``on_status`` (admission), if given."""
+    figures for ``on_status`` (admission), if given.
 
-    def __init__(self) -> None:
+    A NATS outage is not an instance's death: while this entrypoint is cut off from NATS no
+    instance counts as silent, and after it is back an instance's silence is counted from
+    the reconnection (heartbeats could not arrive in between), so in-flight requests wait for
+    NATS instead of being failed over to other instances.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._seen: dict[str, float] = {}
         self._sub: NatsSub | None = None
+        self._nc: Any = None
+        self._clock = clock
+        self._cut_off = False
+        self._back_at = 0.0  # when NATS answered again after an outage
 
     async def start(
         self, nc: Client, on_status: Callable[[control_pb2.InstanceStatus], None] | None = None
     ) -> None:
+        self._nc = nc
+
         async def on_beat(msg: Any) -> None:
-            self._seen[msg.subject.rsplit(".", 1)[-1]] = time.monotonic()
+            self._seen[msg.subject.rsplit(".", 1)[-1]] = self._clock()
             if on_status is None:
                 return
             try:
@@ -100,7 +112,17 @@ class HeartbeatWatch:
 
     def silent_for(self, instance_id: str) -> float | None:
         seen = self._seen.get(instance_id)
-        return None if seen is None else time.monotonic() - seen
+        if seen is None:
+            return None
+        now = self._clock()
+        if self._nc is not None and not self._nc.is_connected:
+            if not self._cut_off:
+                log.warning("NATS is unreachable: no instance is declared dead until it is back")
+            self._cut_off = True
+            return 0.0
+        if self._cut_off:  # back: silence counts from now on
+            self._cut_off, self._back_at = False, now
+        return now - max(seen, self._back_at)
 
 
 class NoLookup:

@@ -38,6 +38,7 @@ from deepserve.procs import free_port, start_redis, start_seaweedfs, stop
 from libs.engine.kv.transfer import KVHeader, encode_frame
 from libs.kvstore.policy import Retention
 from services.kvstore.ec import Codec, tune_allocator
+from services.kvstore.scripts import LRU_KEY
 from services.kvstore.store import BlockPut, BlockStore
 from services.kvstore.targets import MARKER, DirTarget, open_targets
 
@@ -108,8 +109,8 @@ async def get_gbps(store: BlockStore, blocks: list[BlockPut]) -> float:
 
 
 async def lookup_phase(store: BlockStore, count: int, chain: int) -> tuple[float, float]:
-    """Metadata for a ``chain``-long chain (no shards: Lookup never reads them), then timed
-    Lookups."""
+    """Metadata and LRU index entries for a ``chain``-long chain, as a Put's commit writes them
+    (no shards: Lookup never reads them), then timed Lookups."""
     hashes, parent = [], b""
     pipe = store.redis.pipeline(transaction=False)
     now = store.clock()
@@ -119,6 +120,7 @@ async def lookup_phase(store: BlockStore, count: int, chain: int) -> tuple[float
             store.key(h),
             mapping={"size": 1, "class": "chat", "parent": parent.hex(), "last_access": now},
         )
+        pipe.zadd(LRU_KEY, {h.hex(): now})
         hashes.append(h)
         parent = h
     await pipe.execute()
@@ -129,6 +131,7 @@ async def lookup_phase(store: BlockStore, count: int, chain: int) -> tuple[float
         times.append((time.perf_counter() - t0) * 1e3)
         assert n == chain
     await store.redis.delete(*[store.key(h) for h in hashes])
+    await store.redis.zrem(LRU_KEY, *[h.hex() for h in hashes])
     times.sort()
     return statistics.median(times), times[min(len(times) - 1, int(len(times) * 0.99))]
 

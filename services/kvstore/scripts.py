@@ -134,28 +134,54 @@ end
 return out
 """
 
-# KEYS: block keys, LRU_KEY. ARGV[1]: now. Refresh last use of the blocks that still exist.
+# KEYS: LRU_KEY. ARGV: now, then the blocks' hex digests concatenated (64 characters each).
+# Refresh last use of the blocks that still exist (a deleted one is not brought back).
 TOUCH = """
-local n = #KEYS - 1
-for i = 1, n do
-  if redis.call('EXISTS', KEYS[i]) == 1 then
-    redis.call('HSET', KEYS[i], 'last_access', ARGV[1])
-    redis.call('ZADD', KEYS[n + 1], ARGV[1], string.sub(KEYS[i], 7))
+local s = ARGV[2]
+for i = 0, #s / 64 - 1 do
+  local hex = string.sub(s, i * 64 + 1, i * 64 + 64)
+  local key = 'ds:kv:' .. hex
+  if redis.call('EXISTS', key) == 1 then
+    redis.call('HSET', key, 'last_access', ARGV[1])
+    redis.call('ZADD', KEYS[1], ARGV[1], hex)
   end
 end
 return 0
 """
 
-# KEYS: a chain's block keys. ARGV: now, default TTL, then class/TTL pairs. Returns how many
-# leading blocks exist and have not expired: the whole Lookup in one round trip.
+# KEYS: LRU_KEY. ARGV: the chain's hex digests concatenated (64 characters each), now, the
+# shortest TTL of any class, the default TTL, then class/TTL pairs. Returns how many leading
+# blocks exist and have not expired: the whole Lookup in one round trip, read-only.
+#
+# Existence and last use both come from the LRU index, ZMSCORE'd LOOKUP_CHUNK members at a time
+# (one native command per chunk instead of one call per key; every script above adds, refreshes
+# and removes a block's index entry together with its metadata, the entry's score being the
+# block's last_access). Only a block older than the shortest TTL (days, so rarely) costs one
+# HGET of its class to decide with its own class's TTL.
+LOOKUP_CHUNK = 256  # members per ZMSCORE (Lua unpacks at most 8000): a miss stops early
 LOOKUP = """
-local now, ttl = tonumber(ARGV[1]), {}
-for j = 3, #ARGV, 2 do ttl[ARGV[j]] = tonumber(ARGV[j + 1]) end
-for i = 1, #KEYS do
-  local v = redis.call('HMGET', KEYS[i], 'class', 'last_access')
-  if not v[2] then return i - 1 end
-  local t = ttl[v[1]] or tonumber(ARGV[2])
-  if now - tonumber(v[2]) >= t then return i - 1 end
+local s = ARGV[1]
+local n = #s / 64
+local now, shortest, dflt = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local ttl = nil
+for first = 0, n - 1, LOOKUP_CHUNK do
+  local last = math.min(first + LOOKUP_CHUNK, n) - 1
+  local m = {}
+  for i = first, last do m[#m + 1] = string.sub(s, i * 64 + 1, i * 64 + 64) end
+  local sc = redis.call('ZMSCORE', KEYS[1], unpack(m))
+  for j = 1, #m do
+    local v = sc[j]
+    if not v then return first + j - 1 end
+    local age = now - tonumber(v)
+    if age >= shortest then
+      if not ttl then
+        ttl = {}
+        for a = 5, #ARGV, 2 do ttl[ARGV[a]] = tonumber(ARGV[a + 1]) end
+      end
+      local cls = redis.call('HGET', 'ds:kv:' .. m[j], 'class')
+      if not cls or age >= (ttl[cls] or dflt) then return first + j - 1 end
+    end
+  end
 end
-return #KEYS
-"""
+return n
+""".replace("LOOKUP_CHUNK", str(LOOKUP_CHUNK))

@@ -87,13 +87,14 @@ class ShardIO:
         damaged or names another index is ``bad``."""
         out = ShardScan()
 
-        def one(i: int) -> bytes | None:
-            return self.target(placement[i]).get(shard_key(hex_, i, attempt))
+        def one(i: int) -> bytes | None:  # the CRC too: the pool's threads check in parallel
+            frag = unwrap(self.target(placement[i]).get(shard_key(hex_, i, attempt)))
+            return frag if frag is not None and self.codec.fragment_ok(i, frag) else None
 
         futs = [(i, self.pool.submit(one, i)) for i in indices]
         for i, f in futs:
             try:
-                frag = unwrap(f.result())
+                frag = f.result()
             except TargetDown:
                 out.down[i] = placement[i]
                 continue
@@ -101,7 +102,7 @@ class ShardIO:
                 log.warning("shard %d of %s on %s unreadable: %s", i, hex_, placement[i], exc)
                 out.bad.append(i)
                 continue
-            if frag is None or not self.codec.fragment_ok(i, frag):
+            if frag is None:
                 out.bad.append(i)
             else:
                 out.fragments[i] = frag
@@ -143,6 +144,10 @@ class ShardIO:
     def _decode(
         self, fragments: dict[int, bytes], use: tuple[int, ...], checksum: str
     ) -> bytes | None:
+        if use == tuple(range(self.codec.k)):  # the data shards: join them, no decode
+            joined = self.codec.join_data(fragments)
+            if joined is not None and hashlib.sha256(joined).hexdigest() == checksum:
+                return joined
         try:
             data = self.codec.decode(fragments, use)
         except BadFragments:

@@ -117,8 +117,9 @@ def check_hash(h: bytes, what: str = "hash") -> None:
 def check_hashes(hashes: Sequence[bytes]) -> None:
     if len(hashes) > MAX_HASHES:
         raise InvalidBlock(f"hashes holds {len(hashes)} digests; at most {MAX_HASHES} per request")
-    for i, h in enumerate(hashes):
-        check_hash(h, f"hashes[{i}]")
+    if any(n != DIGEST_SIZE for n in set(map(len, hashes))):  # one C pass; names the culprit
+        for i, h in enumerate(hashes):
+            check_hash(h, f"hashes[{i}]")
 
 
 def validate_block(block: BlockPut) -> None:
@@ -179,8 +180,9 @@ class BlockStore:
         self._evict = redis.register_script(scripts.EVICT)
         self._touch_script = redis.register_script(scripts.TOUCH)
         self._lookup = redis.register_script(scripts.LOOKUP)
-        self._ttl_args: list[Any] = [self.retention.ttl(self.retention.default_class)]
-        for cls, ttl in self.retention.ttls.items():
+        ttls = self.retention.ttls
+        self._ttl_args: list[Any] = [min(ttls.values()), ttls[self.retention.default_class]]
+        for cls, ttl in ttls.items():
             self._ttl_args += [cls, ttl]
 
     def prepare(self) -> None:
@@ -215,13 +217,19 @@ class BlockStore:
         return [bool(x) for x in found]
 
     async def lookup(self, hashes: Sequence[bytes]) -> int:
-        """How many leading hashes of a chain are stored and unexpired: metadata only, one Redis
-        round trip (a Lua script) whatever the chain's length."""
+        """How many leading hashes of a chain are stored and unexpired: the LRU index only, one
+        Redis round trip (a Lua script) whatever the chain's length, the digests sent as one
+        hex string (no per-hash work in Python or in redis-py's command packing).
+
+        Read-only: a Lookup is not a *use* of a block. A block's last use (what its TTL and the
+        LRU eviction count from) is refreshed by a ``put`` naming it and by every ``get`` that
+        returns it, i.e. when its bytes are written or read, not when they are only asked about.
+        """
         check_hashes(hashes)
         if not hashes:
             return 0
-        keys = [self.key(h) for h in hashes]
-        return int(await self._redis(self._lookup(keys=keys, args=[self.clock(), *self._ttl_args])))
+        args = [b"".join(hashes).hex(), self.clock(), *self._ttl_args]
+        return int(await self._redis(self._lookup(keys=[LRU_KEY], args=args)))
 
     # -- put -----------------------------------------------------------------------------------
     async def put(self, blocks: AsyncIterator[BlockPut] | Sequence[BlockPut]) -> PutResult:
@@ -410,8 +418,8 @@ class BlockStore:
 
     async def _touch(self, hashes: Sequence[bytes]) -> None:
         """Refresh last use; a block deleted meanwhile is not brought back as a bare key."""
-        keys = [self.key(h) for h in hashes] + [LRU_KEY]
-        await self._redis(self._touch_script(keys=keys, args=[self.clock()]))
+        args: list[float | str] = [self.clock(), b"".join(hashes).hex()]
+        await self._redis(self._touch_script(keys=[LRU_KEY], args=args))
 
     # -- delete / stats / retention --------------------------------------------------------------
     async def delete(self, hashes: Sequence[bytes]) -> int:

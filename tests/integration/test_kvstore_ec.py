@@ -231,6 +231,32 @@ async def test_lookup_is_one_round_trip_for_2048_hashes(env) -> None:
     assert await store.lookup(chain) == 4 and calls == 1
 
 
+async def test_lookup_past_a_chunk_and_is_not_a_use(env) -> None:
+    """The LOOKUP script reads the LRU index in chunks: a gap in a later chunk still stops the
+    count, and a Lookup leaves last use (TTL, LRU) alone; only put and get refresh it."""
+    store, _, clock = env
+    from services.kvstore.scripts import LOOKUP_CHUNK, LRU_KEY
+
+    blocks = make_chain(9, 2, size=256)
+    await store.put(blocks)
+    extra = [hashlib.sha256(b"chunk/%d" % i).digest() for i in range(2 * LOOKUP_CHUNK)]
+    pipe = store.redis.pipeline(transaction=False)
+    for h in extra:
+        pipe.hset(store.key(h), mapping={"size": 1, "class": "chat", "last_access": clock.t})
+        pipe.zadd(LRU_KEY, {h.hex(): clock.t})
+    await pipe.execute()
+    chain = [b.hash for b in blocks] + extra
+    assert await store.lookup(chain) == len(chain)
+    gap = LOOKUP_CHUNK + 7
+    assert await store.lookup(chain[:gap] + [bytes(32)] + chain[gap:]) == gap
+    before = await store.redis.hget(store.key(blocks[0].hash), "last_access")
+    clock.t += 100
+    assert await store.lookup(chain[:2]) == 2
+    assert await store.redis.hget(store.key(blocks[0].hash), "last_access") == before
+    assert await get_all(store, blocks) == [b.data for b in blocks]
+    assert float(await store.redis.hget(store.key(blocks[0].hash), "last_access")) == clock.t
+
+
 @pytest.fixture(scope="module")
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "deepserve-test")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import sys
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +68,47 @@ def env_name(flag_name: str) -> str:
     return ENV_PREFIX + flag_name.lstrip("-").replace("-", "_").upper()
 
 
+# Kubernetes injects ``<SERVICE>_PORT=tcp://10.0.0.1:8000`` (and ``udp://``, ``sctp://``) into
+# every pod for every Service in its namespace: a Service named ``deepserve`` would set
+# DEEPSERVE_PORT, the twin of the recipe's --port. Such a value is never a setting of ours.
+_SERVICE_LINK = re.compile(r"^(tcp|udp|sctp)://[^/\s]+:\d+$", re.IGNORECASE)
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def _parse_bool(raw: str) -> bool:
+    word = raw.strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise ValueError(f"not one of {', '.join(_TRUE + _FALSE[:-1])}")
+
+
+def env_default(env: str, type: Any, default: Any) -> Any:
+    """The default of a flag from its environment twin ``env``, or ``default`` when the twin
+    is unset or not ours to read: a Kubernetes service link (``tcp://host:port``) or a value
+    that does not parse as ``type``. Either is skipped with one line on stderr that names the
+    variable and the reason, never the value (a twin may hold a secret). The command line is
+    parsed by argparse as usual, so a bad value given there still fails loudly."""
+    raw = os.environ.get(env)
+    if raw is None:
+        return default
+    if _SERVICE_LINK.match(raw.strip()):
+        _ignored(env, "it has the shape of a Kubernetes service link (tcp://host:port)")
+        return default
+    try:
+        return _parse_bool(raw) if type is bool else type(raw)
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
+        kind = "boolean" if type is bool else getattr(type, "__name__", "value")
+        _ignored(env, f"its value is not a valid {kind}")
+        return default
+
+
+def _ignored(env: str, why: str) -> None:
+    print(f"deepserve: warning: ignoring environment variable {env}: {why}", file=sys.stderr)
+
+
 def flag(
     parser: argparse.ArgumentParser,
     name: str,
@@ -75,17 +118,10 @@ def flag(
     help: str = "",
     env: str | None = None,
 ) -> None:
-    """Add ``--name`` whose default comes from its environment twin (or ``env``) if set."""
+    """Add ``--name`` whose default comes from its environment twin (or ``env``) if set and
+    valid (:func:`env_default`); the command line wins."""
     env = env or env_name(name)
-    raw = os.environ.get(env)
-    value = default
-    if raw is not None:
-        try:
-            value = type(raw) if type is not bool else raw.lower() in ("1", "true", "yes", "on")
-        except ValueError:
-            raise SystemExit(
-                f"environment variable {env}={raw!r} is not a valid {type.__name__}"
-            ) from None
+    value = env_default(env, type, default)
     kwargs: dict[str, Any] = {"default": value, "help": f"{help} [env {env}]".strip()}
     if type is bool:
         kwargs["action"] = argparse.BooleanOptionalAction

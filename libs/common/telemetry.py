@@ -1,7 +1,9 @@
 """Health, Prometheus metrics and OpenTelemetry context for every service.
 
-:class:`OpsServer` serves ``GET /healthz`` (200 when the service says it is ready, 503 with
-the reason otherwise) and ``GET /metrics`` (Prometheus text) on one small HTTP port.
+:class:`OpsServer` serves ``GET /readyz`` (200 when the service says it is ready to take
+work, 503 with the reason otherwise; ``/healthz`` is the same), ``GET /livez`` (200 while the
+process's event loop answers: a Kubernetes liveness probe) and ``GET /metrics`` (Prometheus
+text) on one small HTTP port.
 Trace context travels as a W3C ``traceparent`` string inside proto messages and gRPC
 metadata, so one request's spans join up across every hop. Spans are exported where asked:
 ``DEEPSERVE_TRACE_FILE=path`` appends them as JSON lines (``{service}`` in the path is
@@ -48,9 +50,15 @@ class OpsServer:
                 pass
             parts = line.decode("latin-1").split()
             path = parts[1] if len(parts) > 1 else "/"
+            route = path.split("?", 1)[0]
             if path.startswith("/metrics"):
                 status, ctype, body = 200, CONTENT_TYPE_LATEST, generate_latest(REGISTRY)
-            elif path.startswith("/healthz"):
+            elif route == "/livez":
+                # Answered by this event loop, so a 200 proves the loop is not wedged; it
+                # never consults the service (a NATS or Redis outage is not a reason to
+                # restart the process -- that is what readiness is for).
+                status, ctype, body = 200, "application/json", b'{"status": "ok"}'
+            elif route == "/readyz" or path.startswith("/healthz"):
                 ok, why = self.health()
                 status, ctype = (200 if ok else 503), "application/json"
                 body = json.dumps({"status": "ok" if ok else "unavailable", "detail": why}).encode()

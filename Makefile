@@ -30,6 +30,7 @@ lint: setup
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy libs services deepserve
+	$(PY) scripts/proto_compat.py
 
 clean:
 	rm -rf $(VENV) .run

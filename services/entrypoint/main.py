@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 from nats.aio.client import Client
 
+from libs.common.grpc_server import add_health_and_reflection
 from libs.common.service import ServiceContext, run_service
 from libs.proto.deepserve.v1 import generate_pb2, generate_pb2_grpc
 
@@ -79,15 +80,12 @@ async def serve(config: EntrypointConfig, ctx: ServiceContext) -> int:
 
     server = grpc.aio.server()
     generate_pb2_grpc.add_GenerateServicer_to_server(handlers, server)  # type: ignore[no-untyped-call]
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer = await add_health_and_reflection(server, [SERVICE_NAME])
     port = server.add_insecure_port(f"{svc.host}:{config.grpc_port}")
     await server.start()
     ctx.stack.push_async_callback(
         _drain, server, health_servicer, handlers, state, svc.drain_seconds, log
     )
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     state.grpc_port = port
     log.info("serving %s on %s:%d", SERVICE_NAME, svc.host, port)
     await ctx.stop.wait()
@@ -96,7 +94,7 @@ async def serve(config: EntrypointConfig, ctx: ServiceContext) -> int:
 
 async def _drain(
     server: grpc.aio.Server,
-    health_servicer: health.aio.HealthServicer,
+    health_servicer: health_aio.HealthServicer,
     handlers: EntrypointHandlers,
     state: _State,
     grace: float,

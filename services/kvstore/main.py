@@ -13,10 +13,10 @@ import logging
 
 import grpc
 import redis.asyncio as aioredis
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from libs.common.grpc_auth import server_interceptors
+from libs.common.grpc_server import NOT_SERVING, add_health_and_reflection, new_health
 from libs.common.redact import redact
 from libs.common.service import ServiceContext, run_service
 from libs.proto.deepserve.v1 import kvstore_pb2_grpc
@@ -63,9 +63,7 @@ async def serve(cfg: KVStoreConfig, ctx: ServiceContext) -> int:
     svc, log = cfg.service, ctx.log
     redis, store = await open_store(cfg)
     ctx.stack.push_async_callback(_close_store, redis, store)
-    health = health_aio.HealthServicer()
-    for name in ("", GRPC_SERVICE_NAME):
-        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health = await new_health([GRPC_SERVICE_NAME], NOT_SERVING)  # until Redis answers
     monitor = RedisMonitor(store, health, cfg.redis_url)
     await monitor.check()
     http_port = await ctx.start_ops(monitor.status)
@@ -85,7 +83,7 @@ async def serve(cfg: KVStoreConfig, ctx: ServiceContext) -> int:
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(  # type: ignore[no-untyped-call]
         KVStoreHandlers(store, Metrics()), server
     )
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    await add_health_and_reflection(server, [GRPC_SERVICE_NAME], health)
     grpc_port = server.add_insecure_port(f"{svc.host}:{cfg.grpc_port}")
     await server.start()
     ctx.stack.push_async_callback(_stop_grpc, server, health, svc.drain_seconds, log)

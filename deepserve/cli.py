@@ -14,6 +14,7 @@ deepserve usage --nats-url URL [--tenant T] [--since ISO] [--json]
                 [--price off-peak|peak|schedule|IN,CACHED,OUT]
 deepserve up [--port 8000] [--prefill N] [--decode N] [--model M] [--model-name NAME]
              [--device cpu|cuda [--gpus 0,1] [--gpu-memory-fraction F]] [--run-dir .run]
+             [--no-restart]
 """
 
 from __future__ import annotations
@@ -345,6 +346,12 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness"
     )
+    p.add_argument(
+        "--no-restart",
+        action="store_true",
+        help="stop the whole stack when a service exits, instead of restarting it "
+        "(backoff 1 s doubling to 30 s; 5 failed starts in a row stop the stack)",
+    )
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -361,6 +368,7 @@ def _up(args: argparse.Namespace) -> int:
         device=args.device,
         gpus=args.gpus,
         gpu_memory_fraction=args.gpu_memory_fraction,
+        restart=not args.no_restart,
     )
 
 

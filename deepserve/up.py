@@ -13,7 +13,16 @@ group, so a terminal's Ctrl-C reaches only the supervisor, which then drains the
 
 ``stop()`` sends SIGTERM to every service (reverse order), waits up to the drain time, kills
 what is left (the whole process group), then stops redis and nats. ``<run_dir>/stack.json``
-names every process started, for tools and tests that check nothing outlives the stack.
+names every process started, for tools and tests that check nothing outlives the stack, and
+where each service listens (API, gRPC, ops ports, kvstore, NATS, Redis).
+
+With ``restart`` (``deepserve up`` turns it on; tests that kill instances on purpose leave it
+off) :meth:`Stack.supervise`, called in a loop, restarts a service that exits: same argv, env
+and ports, after an exponential backoff (:class:`RestartPolicy`); its restart count and last
+exit code go into stack.json. A service that fails ``max_start_failures`` times in a row
+before answering /healthz stops the stack. nats-server and redis-server are not restarted:
+our redis keeps nothing on disk, so a new one would have lost every block's metadata, and
+both are too central to lose quietly -- their exit stops the stack.
 
 With ``device="cuda"`` the engines are spread over GPUs by :func:`place_engines`: each gets
 ``--device cuda:<i>`` and ``--gpu-memory-fraction`` (its share of that GPU).
@@ -64,6 +73,36 @@ SERVICE_SECRETS = {
 }
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When :meth:`Stack.supervise` restarts a service that exited.
+
+    The n-th restart in a row waits ``first_delay * 2**(n-1)`` seconds, at most ``max_delay``;
+    a service that stays up ``reset_after`` seconds starts again from ``first_delay``. A
+    service that exits ``max_start_failures`` times in a row before its /healthz answered
+    (or is not healthy ``start_timeout`` seconds after a restart) stops the stack.
+    """
+
+    first_delay: float = 1.0
+    max_delay: float = 30.0
+    reset_after: float = 60.0
+    max_start_failures: int = 5
+    start_timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.first_delay <= self.max_delay:
+            raise ValueError(
+                f"restart delays need 0 < first_delay <= max_delay, got "
+                f"{self.first_delay:g} / {self.max_delay:g}"
+            )
+        if self.max_start_failures < 1:
+            raise ValueError(f"max_start_failures must be >= 1, got {self.max_start_failures}")
+
+    def delay(self, failures_in_a_row: int) -> float:
+        """Seconds before the restart after the ``failures_in_a_row``-th exit (1, 2, ...)."""
+        return min(self.max_delay, self.first_delay * 2.0 ** max(0, failures_in_a_row - 1))
+
+
 @dataclass
 class Child:
     """One service process: how it was started, where it logs, where its health is."""
@@ -77,6 +116,13 @@ class Child:
     grpc_port: int = 0
     ops_port: int = 0  # --http-port: /healthz and /metrics (the recipe's health is on its API)
     proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0  # times the supervisor started it again
+    last_exit_code: int | None = None  # of its latest exit while the stack was up
+    healthy: bool = False  # /healthz answered 200 since the latest (re)start
+    started_at: float = 0.0  # time.monotonic() of the latest (re)start
+    exits_in_a_row: int = 0  # exits without staying up reset_after seconds (sets the backoff)
+    start_failures: int = 0  # exits in a row before /healthz ever answered
+    restart_at: float | None = None  # a restart is due at this time.monotonic()
     _log: IO[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -86,6 +132,20 @@ class Child:
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def ports(self) -> list[int]:
+        """Every port it listens on (the supervisor chose them; a restart reuses them)."""
+        return sorted({p for p in (self.health_port, self.ops_port, self.grpc_port) if p})
+
+    def status(self) -> str:
+        """``running`` (healthy), ``starting``, ``restarting`` (waiting out the backoff) or
+        ``exited``."""
+        if self.restart_at is not None:
+            return "restarting"
+        if not self.running():
+            return "exited"
+        return "running" if self.healthy else "starting"
 
 
 def log_tail(path: Path, lines: int = 40) -> str:
@@ -272,6 +332,8 @@ class Stack:
     engines are placed over ``gpus`` (default: every visible GPU) by :func:`place_engines`,
     each with ``gpu_memory_fraction`` if given. After :meth:`start`, :attr:`api_url`,
     :attr:`grpc_address`, :attr:`nats_url`, :attr:`redis_url` and :attr:`instance_ids` are set.
+    ``restart`` (True: the default :class:`RestartPolicy`) lets :meth:`supervise` restart
+    services that exit; without it a service that exits stays down (:meth:`exited`).
     """
 
     def __init__(
@@ -290,6 +352,7 @@ class Stack:
         drain_seconds: float = 10.0,
         extra_args: Mapping[str, Sequence[str]] | None = None,
         env: Mapping[str, str] | None = None,
+        restart: RestartPolicy | bool = False,
     ) -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(
@@ -309,6 +372,11 @@ class Stack:
         self.model, self.model_name, self.device = model, model_name, device
         self.recipe_port = recipe_port
         self.ready_timeout, self.drain_seconds = ready_timeout, drain_seconds
+        self.restart_policy: RestartPolicy | None = (
+            (RestartPolicy(start_timeout=ready_timeout) if restart else None)
+            if isinstance(restart, bool)
+            else restart
+        )
         self.extra_args = {k: list(v) for k, v in (extra_args or {}).items()}
         self.env = dict(os.environ if env is None else env)
         self.stack_id = secrets.token_hex(3)
@@ -324,6 +392,7 @@ class Stack:
         self.nats_url = ""
         self.redis_url = ""
         self.grpc_address = ""
+        self.kvstore_address = ""
         self.api_base = ""  # http://host:port
         self._stopped = False
         self.killed: list[str] = []  # services that did not exit within the drain time
@@ -384,7 +453,7 @@ class Stack:
                 self._plan("balancer", "balancer"),
             ]
         ]
-        kv_addr = f"{HOST}:{kv_port}"
+        kv_addr = self.kvstore_address = f"{HOST}:{kv_port}"
         model_args = ["--model", self.model, "--model-name", self.model_name]
         placed = {p.name: p.flags() for p in self.placements}  # --device [--gpu-memory-...]
         engines = [
@@ -497,6 +566,11 @@ class Stack:
         return c
 
     def _spawn(self, c: Child) -> None:
+        self.children.append(c)
+        self._launch(c)
+
+    def _launch(self, c: Child) -> None:
+        """Start (or restart) ``c``'s process with its argv and this stack's environment."""
         env = dict(self.env)
         for name in SERVICE_SECRETS.get(c.service, ()):  # each secret only where it is used
             env.setdefault(name, self.secrets[name])
@@ -509,13 +583,15 @@ class Stack:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
         )
-        # Open for the child's whole life; stop() closes it.
+        # Open for the child's whole life; stop() (or the next restart) closes it.
+        if c._log is not None:
+            c._log.close()
         c._log = open(c.log_path, "ab")  # noqa: SIM115
         cmd = [sys.executable, "-m", f"services.{c.service}", *c.argv]
         shown = redact_text(" ".join(cmd))  # --nats-url/--redis-url may carry a password
         c._log.write(f"# {time.strftime('%F %T')} {shown}\n".encode())
         c._log.flush()
-        self.children.append(c)
+        c.healthy, c.started_at = False, time.monotonic()
         c.proc = subprocess.Popen(
             cmd,
             stdout=c._log,
@@ -540,6 +616,7 @@ class Stack:
                     )
                 ok, detail[name] = healthz(c.health_port)
                 if ok:
+                    c.healthy = True
                     del pending[name]
             if not pending:
                 break
@@ -559,10 +636,93 @@ class Stack:
             if missing:
                 raise StackError(f"no heartbeat on NATS from {', '.join(sorted(missing))}")
 
+    # -- supervise -------------------------------------------------------------------
+    def supervise(self) -> list[str]:
+        """One round of supervision (call it every ~0.5 s while the stack is up): restart
+        what exited once its backoff passed, note what became healthy. Returns what happened,
+        one line each, for the operator's log; stack.json is rewritten on every change.
+
+        Does nothing without a restart policy or after :meth:`stop`. Raises StackError when
+        nats-server or redis-server exited, or a service failed ``max_start_failures`` times
+        in a row at start (the message names it and has its log tail).
+        """
+        policy = self.restart_policy
+        if policy is None or self._stopped:
+            return []
+        logs = self.run_dir / "logs"
+        for name, proc in (("nats-server", self.nats_proc), ("redis-server", self.redis_proc)):
+            if proc is not None and proc.poll() is not None:
+                log = logs / f"{name.split('-')[0]}.log"
+                raise StackError(
+                    f"{name} exited with code {proc.returncode} (not restarted: every "
+                    f"service depends on it); last lines of {log}:\n{log_tail(log)}"
+                )
+        events = [e for c in self.children if (e := self._supervise_child(c, policy))]
+        if events:
+            self._write_state()
+        return events
+
+    def _supervise_child(self, c: Child, policy: RestartPolicy) -> str:
+        """What changed for ``c`` ("" if nothing); see :meth:`supervise`."""
+        assert c.proc is not None
+        now = time.monotonic()
+        if c.restart_at is not None:
+            if now < c.restart_at:
+                return ""
+            # Its ports are its identity (a decode's gRPC address is what prefill pushes KV
+            # to); wait until the old process (and anything in its group) let them go.
+            if not all(port_is_free(port) for port in c.ports):
+                c.restart_at = now + 0.5
+                return ""
+            c.restart_at = None
+            c.restarts += 1
+            self._launch(c)
+            return f"{c.name} restarted (restart {c.restarts}, pid {c.pid})"
+        code = c.proc.poll()
+        if code is None:
+            if not c.healthy:
+                if healthz(c.health_port, timeout=0.5)[0]:
+                    c.healthy, c.start_failures = True, 0
+                    return f"{c.name} is up again (pid {c.pid})" if c.restarts else ""
+                if now - c.started_at > policy.start_timeout:
+                    _signal_group(c, signal.SIGKILL)  # its exit counts as a failed start
+                    return (
+                        f"{c.name} not healthy {policy.start_timeout:.0f}s after its start; killed"
+                    )
+            elif c.exits_in_a_row and now - c.started_at >= policy.reset_after:
+                c.exits_in_a_row = 0  # it stayed up: the next restart waits first_delay again
+            return ""
+        _signal_group(c, signal.SIGKILL)  # whatever it started in its group, so ports free up
+        c.last_exit_code = code
+        c.exits_in_a_row += 1
+        if not c.healthy:
+            c.start_failures += 1
+        if c.start_failures >= policy.max_start_failures:
+            raise StackError(
+                f"{c.name} failed {c.start_failures} times in a row at start (last exit code "
+                f"{code}); last lines of {c.log_path}:\n{log_tail(c.log_path)}"
+            )
+        delay = policy.delay(c.exits_in_a_row)
+        c.restart_at, c.healthy = now + delay, False
+        return (
+            f"{c.name} exited with code {code}; restarting in {delay:g}s "
+            f"(restart {c.restarts + 1}; log {c.log_path})"
+        )
+
     def _write_state(self) -> None:
+        """``<run_dir>/stack.json``: what runs and where it listens, for local tools.
+
+        The NATS and Redis URLs are written as given (a tool needs them usable), so the file
+        is created owner-only (0600), like the run dir's other state; the stack's secrets are
+        never written.
+        """
         state = {
             "api_url": self.api_url if self.api_base else "",
-            "grpc_address": self.grpc_address,
+            "grpc_address": self.grpc_address,  # the entrypoint's Generate
+            "kvstore_address": self.kvstore_address,
+            "decode_addresses": {
+                c.name: f"{HOST}:{c.grpc_port}" for c in self.children if c.service == "decode"
+            },
             "nats_url": self.nats_url,
             "redis_url": self.redis_url,
             "supervisor_pid": os.getpid(),
@@ -574,9 +734,25 @@ class Stack:
             "instance_ids": self.instance_ids,
             # where each service serves /healthz and /metrics
             "ops_ports": {c.name: c.ops_port for c in self.children},
+            "services": {
+                c.name: {
+                    "service": c.service,
+                    "instance_id": c.instance_id,
+                    "pid": c.pid if c.proc is not None else None,
+                    "status": c.status(),
+                    "ops_port": c.ops_port,
+                    "grpc_address": f"{HOST}:{c.grpc_port}" if c.grpc_port else "",
+                    "restarts": c.restarts,
+                    "last_exit_code": c.last_exit_code,
+                    "log": str(c.log_path),
+                }
+                for c in self.children
+            },
         }
         tmp = self.run_dir / "stack.json.tmp"
-        tmp.write_text(json.dumps(state, indent=2))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(state, indent=2))
         tmp.replace(self.run_dir / "stack.json")
 
     # -- stop --------------------------------------------------------------------------
@@ -621,6 +797,29 @@ class Stack:
             raise StackError(f"still running after stop: {', '.join(leftover)}")
 
 
+def _serve(stack: Stack, stop_requested: Sequence[int]) -> str:
+    """Supervise ``stack`` until a signal arrives (returns "") or it must stop (returns why)."""
+    while not stop_requested:
+        if stack.restart_policy is None:
+            dead = stack.exited()
+            if dead:
+                c = dead[0]
+                code_of = c.proc.returncode if c.proc else "?"
+                return (
+                    f"{c.name} exited with code {code_of}; stopping. "
+                    f"Last lines of {c.log_path}:\n{log_tail(c.log_path)}"
+                )
+        else:
+            try:
+                events = stack.supervise()
+            except StackError as exc:
+                return f"{exc}\nstopping the stack"
+            for line in events:
+                print(f"deepserve up: {line}", flush=True)
+        time.sleep(0.5)
+    return ""
+
+
 def _signal_group(c: Child, sig: signal.Signals) -> None:
     """Signal the child's process group (it leads its own session)."""
     assert c.proc is not None
@@ -646,11 +845,15 @@ def run_up(
     device: str = "cpu",
     gpus: str | None = None,
     gpu_memory_fraction: float | None = None,
+    restart: bool = True,
 ) -> int:
     """``deepserve up``: start the stack, print its URL, serve until SIGINT/SIGTERM, stop it.
 
-    A bad flag (``gpus``: ``"0,1"``; None: every visible GPU) or a taken port: one line on
-    stderr and 2, before anything starts."""
+    With ``restart`` a service that exits is restarted (:meth:`Stack.supervise`); the stack
+    stops, with exit code 1, only when one fails repeatedly at start or nats/redis exit.
+    Without it the first service that exits stops the stack. A bad flag (``gpus``:
+    ``"0,1"``; None: every visible GPU) or a taken port: one line on stderr and 2, before
+    anything starts."""
     try:
         stack = Stack(
             run_dir,
@@ -663,6 +866,7 @@ def run_up(
             gpus=parse_gpus(gpus) if gpus is not None else None,
             gpu_memory_fraction=gpu_memory_fraction,
             ready_timeout=ready_timeout,
+            restart=restart,
         )
     except ValueError as exc:
         print(f"deepserve up: {exc}", file=sys.stderr)
@@ -710,19 +914,11 @@ def run_up(
             f"Redis: {redact(stack.redis_url)}",
             flush=True,
         )
-        while not stop_requested:
-            dead = stack.exited()
-            if dead:
-                c = dead[0]
-                code_of = c.proc.returncode if c.proc else "?"
-                print(
-                    f"deepserve up: {c.name} exited with code {code_of}; stopping. "
-                    f"Last lines of {c.log_path}:\n{log_tail(c.log_path)}",
-                    file=sys.stderr,
-                )
-                code = 1
-                break
-            time.sleep(0.5)
+        print(f"  where each service listens: {stack.run_dir / 'stack.json'}", flush=True)
+        problem = _serve(stack, stop_requested)
+        if problem:
+            print(f"deepserve up: {problem}", file=sys.stderr, flush=True)
+            code = 1
         print("deepserve: stopping ...", flush=True)
     finally:
         stack.stop()

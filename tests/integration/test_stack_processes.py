@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from deepserve.procs import free_port
-from deepserve.up import REPO_ROOT, Stack
+from deepserve.up import REPO_ROOT, RestartPolicy, Stack, StackError
 
 from .conftest import MODEL_NAME, AuthorizedStub, grpc_generate, start_stack
 
@@ -228,3 +228,144 @@ def test_stack_reports_a_service_that_dies_while_starting(tmp_path: Path) -> Non
     assert all(c.proc is not None and c.proc.poll() is not None for c in stack.children)
     assert stack.nats_proc is not None and stack.nats_proc.poll() is not None
     assert stack.redis_proc is not None and stack.redis_proc.poll() is not None
+
+
+# -- supervision: restarts ----------------------------------------------------------------------
+
+
+def _launch_up(port: int, run_dir: Path, *flags: str) -> tuple[subprocess.Popen[str], list[str]]:
+    """``deepserve up`` as a process; its output lines collect in the returned list."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    env.pop("NATS_URL", None)
+    env.pop("REDIS_URL", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deepserve.cli", "up", "--port", str(port)]
+        + ["--run-dir", str(run_dir), *flags],
+        cwd=REPO_ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    output: list[str] = []
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            output.append(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return proc, output
+
+
+def _wait_for(what: str, check: object, timeout: float, output: list[str]) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"no {what} after {timeout:.0f}s:\n{''.join(output)}"
+        time.sleep(0.2)
+
+
+def test_deepserve_up_restarts_a_killed_decode_and_keeps_serving(tmp_path: Path) -> None:
+    import openai
+
+    port = free_port()
+    run_dir = tmp_path / "run"
+    proc, output = _launch_up(port, run_dir, "--model", "fake", "--decode", "2")
+    state_file = run_dir / "stack.json"
+    pids: set[int] = set()
+    try:
+        _wait_for(
+            "'deepserve is up'",
+            lambda: any(line.startswith("deepserve is up:") for line in output),
+            120,
+            output,
+        )
+        state = json.loads(state_file.read_text())
+        pids = set(state["pids"].values())
+        assert state["api_url"] == f"http://127.0.0.1:{port}/v1"
+        assert state["kvstore_address"] and state["grpc_address"] and state["nats_url"]
+        before = state["services"]["decode-1"]
+        address = state["decode_addresses"]["decode-1"]
+        assert before["grpc_address"] == address
+        assert (before["status"], before["restarts"]) == ("running", 0)
+        assert state_file.stat().st_mode & 0o077 == 0, "stack.json may hold credentials"
+
+        client = openai.OpenAI(base_url=state["api_url"], api_key="local", timeout=60)
+
+        def complete() -> str:
+            resp = client.chat.completions.create(
+                model="deepseek-fake", messages=[{"role": "user", "content": "Hi"}], max_tokens=8
+            )
+            return resp.choices[0].message.content or ""
+
+        want = complete()
+        os.kill(before["pid"], signal.SIGKILL)
+        # The stack keeps serving while decode-1 is down (the entrypoint routes around it).
+        for _ in range(4):
+            assert complete() == want
+
+        def restarted() -> bool:
+            svc = json.loads(state_file.read_text())["services"]["decode-1"]
+            return bool(svc["restarts"] == 1 and svc["status"] == "running")
+
+        _wait_for("restart of decode-1", restarted, 60, output)
+        state = json.loads(state_file.read_text())
+        after = state["services"]["decode-1"]
+        pids |= set(state["pids"].values())
+        assert after["pid"] != before["pid"] and _alive(after["pid"])
+        assert after["last_exit_code"] == -signal.SIGKILL
+        assert after["grpc_address"] == address == state["decode_addresses"]["decode-1"]
+        assert state["services"]["decode-0"]["restarts"] == 0
+        text = "".join(output)
+        assert "decode-1 exited with code -9" in text and "decode-1 restarted" in text
+
+        # Routing reaches the restarted instance again: it accepts KV for some request.
+        def decode1_served() -> bool:
+            assert complete() == want
+            metric = "deepserve_decode_requests_total"
+            return _counter(after["ops_port"], metric, {"accepted"}) >= 1
+
+        _wait_for("request on the restarted decode-1", decode1_served, 30, output)
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, "".join(output)
+        survivors = [pid for pid in pids if _alive(pid)] + _members_of_groups(pids)
+        assert not survivors, f"still running after deepserve up exited: {survivors}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def test_a_service_failing_at_every_restart_stops_the_stack(tmp_path: Path) -> None:
+    policy = RestartPolicy(first_delay=0.2, max_delay=0.4, max_start_failures=2)
+    stack = Stack(
+        tmp_path / "run", model="fake", model_name="deepseek-fake", drain_seconds=3, restart=policy
+    )
+    stack.start()
+    try:
+        (victim,) = [c for c in stack.children if c.name == "decode-0"]
+        victim.argv.append("--no-such-flag")  # every restart now dies at argument parsing
+        os.kill(victim.pid, signal.SIGKILL)
+        events: list[str] = []
+        deadline = time.monotonic() + 30
+        with pytest.raises(StackError) as err:
+            while time.monotonic() < deadline:
+                events += stack.supervise()
+                time.sleep(0.1)
+        message = str(err.value)
+        assert "decode-0 failed 2 times in a row at start" in message, events
+        assert "--no-such-flag" in message  # its log tail: argparse's complaint
+        state = json.loads((tmp_path / "run" / "stack.json").read_text())
+        assert state["services"]["decode-0"]["restarts"] == 2
+        assert state["services"]["decode-0"]["last_exit_code"] == 2
+        assert all(c.running() for c in stack.children if c.name != "decode-0")
+    finally:
+        stack.stop()
+    assert not any(c.running() for c in stack.children)

@@ -57,7 +57,8 @@ class ServiceContext:
     log: logging.Logger
 
     async def start_ops(self, health: HealthFn) -> int:
-        """Serve /healthz and /metrics on the ops port until the stack closes; the bound port.
+        """Serve /livez, /readyz (= /healthz) and /metrics on the ops port until the stack
+        closes; the bound port.
         The /healthz detail is redacted: a URL in it shows no password or token."""
 
         def redacted_health() -> tuple[bool, str]:

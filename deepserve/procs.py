@@ -6,6 +6,7 @@ asked for) and its data under a given directory, and is stopped with everything 
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import socket
@@ -17,11 +18,20 @@ from typing import Any
 
 from libs.common.redact import redact_text
 
+_GIVEN: collections.deque[int] = collections.deque(maxlen=4096)
+
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on now and that this process has not handed out recently (the
+    kernel may offer a just-closed port again, and a stack picks a dozen before any binds)."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.append(port)
+            return port
+    raise RuntimeError("no free port that was not handed out recently")
 
 
 def wait_port(

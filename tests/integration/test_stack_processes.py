@@ -294,8 +294,13 @@ def test_deepserve_up_restarts_a_killed_decode_and_keeps_serving(tmp_path: Path)
         client = openai.OpenAI(base_url=state["api_url"], api_key="local", timeout=60)
 
         def complete() -> str:
+            # Greedy: a request caught by the kill mid-stream is retried on another decode
+            # exactly (the retry rules cannot continue unseeded sampling after tokens went out).
             resp = client.chat.completions.create(
-                model="deepseek-fake", messages=[{"role": "user", "content": "Hi"}], max_tokens=8
+                model="deepseek-fake",
+                messages=[{"role": "user", "content": "Hi"}],
+                max_tokens=8,
+                temperature=0,
             )
             return resp.choices[0].message.content or ""
 

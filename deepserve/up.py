@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import IO, Any, Self
 
 from deepserve import procs
+from libs.common.grpc_auth import call_metadata
 from libs.common.redact import redact, redact_text
 from libs.engine.tokenizer import model_vocab_size
 
@@ -401,7 +402,7 @@ class Stack:
     def call_metadata(self) -> tuple[tuple[str, str], ...]:
         """gRPC metadata with this stack's service credential, for tools and tests that call
         its internal APIs (or Generate) directly."""
-        return (("authorization", f"Bearer {self.secrets['DEEPSERVE_SERVICE_TOKEN']}"),)
+        return call_metadata(self.secrets["DEEPSERVE_SERVICE_TOKEN"])
 
     # -- public surface ----------------------------------------------------------------
     @property

@@ -37,6 +37,12 @@ def parse_keys(text: str) -> dict[str, str]:
     return out
 
 
+def bearer_token(authorization: str) -> str | None:
+    """The token of an ``Authorization: Bearer TOKEN`` value (HTTP header or gRPC metadata)."""
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
 @dataclass(frozen=True)
 class KeyTable:
     keys: Mapping[str, str] = field(default_factory=dict)
@@ -47,10 +53,9 @@ class KeyTable:
 
     @staticmethod
     def presented(headers: Mapping[str, str]) -> str | None:
-        auth = headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() == "bearer" and token.strip():
-            return token.strip()
+        token = bearer_token(headers.get("authorization", ""))
+        if token is not None:
+            return token
         key = headers.get("x-api-key", "").strip()
         return key or None
 
@@ -59,8 +64,10 @@ class KeyTable:
         if self.open:
             return ""
         key = self.presented(headers)
-        if key is None:
-            return None
+        return None if key is None else self.tenant_of(key)
+
+    def tenant_of(self, key: str) -> str | None:
+        """The tenant of ``key``; None if it is not one of the keys."""
         found = None
         for known, tenant in self.keys.items():  # compare every key: no early exit to time
             if hmac.compare_digest(known.encode(), key.encode()):

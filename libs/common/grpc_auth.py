@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from libs.common.auth import bearer_token
 from libs.common.config import flag
 
 EXEMPT = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -41,9 +42,7 @@ def bearer(metadata: Mapping[str, Any] | Iterable[tuple[str, Any]] | None) -> st
     items = metadata.items() if isinstance(metadata, Mapping) else (metadata or ())
     for k, v in items:
         if k.lower() == "authorization":
-            scheme, _, token = str(v).partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
+            return bearer_token(str(v))
     return None
 
 

@@ -356,7 +356,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         if same_token(presented, cfg.service_token):
             return request
         if cfg.api_keys and presented is not None:
-            tenant = KeyTable(cfg.api_keys).tenant({"authorization": f"Bearer {presented}"})
+            tenant = KeyTable(cfg.api_keys).tenant_of(presented)
             if tenant is not None:
                 if request.tenant == tenant:
                     return request

@@ -345,8 +345,7 @@ class Engine:
         req = self._held(request_id)
         bs = self.spec.block_size
         covered = req.num_computed if include_partial else (req.num_computed // bs) * bs
-        hashes = chain_hashes(req.token_ids[:covered], bs, req.cache_salt, include_partial=True)
-        start = min(max(start_block, 0), len(hashes))
+        start, blocks, names = self._kv_span(req, covered, start_block)
         header = KVHeader(
             self.model_id,
             self.spec.layout_hash(),
@@ -355,9 +354,9 @@ class Engine:
             self.spec.bytes_per_block,
             covered,
             start,
-            tuple(h.hex() for h in hashes[start:]),
+            names,
         )
-        pending = self.cache.gather_async(req.blocks[start : len(hashes)])
+        pending = self.cache.gather_async(blocks)
         key = self.config.kv_mac_key
         return lambda: encode_frame(header, pending.result(), key)
 
@@ -411,17 +410,19 @@ class Engine:
         if handle is None:
             return None
         req = self._held(request_id)
-        bs = self.spec.block_size
-        covered = req.num_computed
-        hashes = chain_hashes(req.token_ids[:covered], bs, req.cache_salt, include_partial=True)
-        start = min(max(start_block, 0), len(hashes))
-        return PeerKV(
-            handle,
-            tuple(req.blocks[start : len(hashes)]),
-            start,
-            covered,
-            tuple(h.hex() for h in hashes[start:]),
+        start, blocks, names = self._kv_span(req, req.num_computed, start_block)
+        return PeerKV(handle, tuple(blocks), start, req.num_computed, names)
+
+    def _kv_span(
+        self, req: Request, covered: int, start_block: int
+    ) -> tuple[int, list[int], tuple[str, ...]]:
+        """The blocks holding tokens ``0..covered`` (a partial tail included) from
+        ``start_block`` on: (first block, their ids, their hex chain digests)."""
+        hashes = chain_hashes(
+            req.token_ids[:covered], self.spec.block_size, req.cache_salt, include_partial=True
         )
+        start = min(max(start_block, 0), len(hashes))
+        return start, req.blocks[start : len(hashes)], tuple(h.hex() for h in hashes[start:])
 
     def resident_blocks(self, block_hashes: Sequence[bytes]) -> int:
         """How many leading blocks of this chain the cache holds now (in use or cached)."""

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class WriteBehind:
@@ -50,6 +53,25 @@ class WriteBehind:
         t = asyncio.ensure_future(run())
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
+
+    async def submit(
+        self,
+        nbytes: int,
+        copy_out: Callable[[], Awaitable[T]],
+        write: Callable[[T], Awaitable[None]],
+    ) -> bool:
+        """Reserve room for ``nbytes``, run ``copy_out`` now (what it copies may be freed once
+        it returns), then ``write`` its result in the background. False, and nothing run,
+        when there is no room."""
+        if not self.reserve(nbytes):
+            return False
+        try:
+            copied = await copy_out()
+        except BaseException:
+            self.unreserve(nbytes)
+            raise
+        self.start(lambda: write(copied), nbytes)
+        return True
 
     @property
     def busy(self) -> bool:

@@ -267,14 +267,11 @@ class DecodeHandler:
         computed = task.num_prompt_tokens + outputs - 1  # the last token was never computed
         nbytes = max(0, computed // self.block_size - start) * self.bytes_per_block
         try:
-            if nbytes and self.writes.reserve(nbytes):
-                try:
-                    finish = await self.loop.call(lambda e: e.export_blocks_async(rid, start))
-                except BaseException:
-                    self.writes.unreserve(nbytes)
-                    raise
-                self.writes.start(lambda: self._put(task, finish), nbytes)
-            elif nbytes:
+            if nbytes and not await self.writes.submit(
+                nbytes,
+                lambda: self.loop.call(lambda e: e.export_blocks_async(rid, start)),
+                lambda finish: self._put(task, finish),
+            ):
                 STORE_DROPPED.inc()
             await self.loop.call(lambda e: e.release(rid))
         except EngineLoopClosed:

@@ -409,18 +409,13 @@ class PrefillHandler:
         """Copy the prompt's new full blocks out of the engine (before the KV is released) and
         write them to the kvstore in the background, if the write-behind has room."""
         nbytes = max(n_new, 0) * self.loop.engine.spec.bytes_per_block
-        if not nbytes:
-            return
-        if not self.writes.reserve(nbytes):
-            STORE_DROPPED.inc()
-            return
         rid = task.request_id
-        try:
-            finish = await self.loop.call(lambda e: e.export_blocks_async(rid, start))
-        except BaseException:
-            self.writes.unreserve(nbytes)
-            raise
-        self.writes.start(lambda: self._store(task, finish), nbytes)
+        if nbytes and not await self.writes.submit(
+            nbytes,
+            lambda: self.loop.call(lambda e: e.export_blocks_async(rid, start)),
+            lambda finish: self._store(task, finish),
+        ):
+            STORE_DROPPED.inc()
 
     async def _store(
         self, task: control_pb2.PrefillTask, finish: Callable[[], list[Block]]

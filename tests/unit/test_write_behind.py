@@ -54,3 +54,34 @@ def test_one_write_larger_than_the_bound_still_runs_alone() -> None:
     assert not wb.reserve(1)
     with pytest.raises(ValueError):
         WriteBehind(max_bytes=0)
+
+
+async def test_submit_copies_now_writes_later_and_refuses_without_room() -> None:
+    wb = WriteBehind(max_bytes=100, max_concurrent=1)
+    order: list[str] = []
+
+    async def copy() -> str:
+        order.append("copied")
+        return "blocks"
+
+    async def write(what: str) -> None:
+        order.append(f"wrote {what}")
+
+    assert await wb.submit(80, copy, write)
+    assert order == ["copied"]  # the copy is done when submit returns; the write comes later
+    calls: list[str] = []
+
+    async def never() -> str:
+        calls.append("copy")
+        return ""
+
+    assert not await wb.submit(50, never, write) and calls == [] and wb.dropped == 1
+    await wb.drain(5.0)
+    assert order == ["copied", "wrote blocks"] and wb.pending_bytes == 0
+
+    async def broken() -> str:
+        raise OSError("engine gone")
+
+    with pytest.raises(OSError):
+        await wb.submit(60, broken, write)
+    assert wb.pending_bytes == 0  # a failed copy gives its room back

@@ -5,12 +5,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup up test test-gpu lint clean
+.PHONY: setup up test test-gpu test-container image lint clean
 
 setup: $(STAMP)
 
 # Idempotent: re-runs only when the project's dependency list changes.
-$(STAMP): pyproject.toml scripts/setup.sh
+$(STAMP): pyproject.toml scripts/setup.sh scripts/install-torch.sh
 	bash scripts/setup.sh $(VENV)
 	touch $(STAMP)
 
@@ -22,6 +22,15 @@ test: setup
 
 test-gpu: setup
 	$(PY) -m pytest tests/gpu -q
+
+# The slower container tier: builds deepserve:cpu and drives compose.yaml (docker engine and
+# docker-compose are installed and started by scripts/docker/ensure-docker.sh). ~5 min warm.
+image: setup
+	bash scripts/docker/ensure-docker.sh
+	bash scripts/docker/build.sh cpu
+
+test-container: image
+	$(PY) -m pytest tests/container -q -p no:cacheprovider
 
 # Fails on any finding: ruff (rules and the 100-column format) and mypy --strict over the
 # libraries, the services and the tools package.

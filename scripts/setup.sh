@@ -10,7 +10,11 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 "$venv/bin/python" -m pip install -q --upgrade pip
-# torch==2.13.0 (CPU) installs from this machine's disk; see pyproject.toml.
+# The project accepts any torch >= 2.11 (pyproject.toml): a CUDA torch already in the venv
+# stays. Where there is none, the CPU build goes in first (pip would otherwise take PyPI's
+# several-GB CUDA build): a local wheel from pip's --find-links if there is one (this
+# machine's disk), else PyTorch's CPU index.
+bash "$(dirname "$0")/install-torch.sh" "$venv/bin/python"
 "$venv/bin/python" -m pip install -q -e '.[test]'
 
 apt_install() {

@@ -6,8 +6,6 @@ at the ports the flags open."""
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import importlib.util
 import re
 from pathlib import Path
@@ -16,14 +14,12 @@ from typing import Any
 import pytest
 import yaml
 
+from .service_flags import SECRET_ENVS, SERVICES
+from .service_flags import env_twins as _env_twins
+from .service_flags import flag_value as _flag_value
+from .service_flags import parser as _parser
+
 K8S = Path(__file__).resolve().parents[2] / "docker" / "k8s"
-SERVICES = ("recipe", "entrypoint", "balancer", "prefill", "decode", "kvstore")
-SECRET_ENVS = {  # docs/security.md: the secrets and their environment twins
-    "DEEPSERVE_SERVICE_TOKEN",
-    "DEEPSERVE_CACHE_SALT_SECRET",
-    "DEEPSERVE_KV_MAC_KEY",
-    "DEEPSERVE_API_KEYS",
-}
 
 _STR = {"type": "string", "minLength": 1}
 _NAME = {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"}
@@ -295,20 +291,6 @@ def _container(dep: dict[str, Any]) -> dict[str, Any]:
     return containers[0]  # type: ignore[no-any-return]
 
 
-def _parser(service: str) -> argparse.ArgumentParser:
-    module = importlib.import_module(f"services.{service}.config")
-    return module.build_parser()  # type: ignore[no-any-return]
-
-
-def _env_twins(parser: argparse.ArgumentParser) -> set[str]:
-    return {m for a in parser._actions for m in re.findall(r"\[env (\w+)\]", a.help or "")}
-
-
-def _flag_value(args: list[str], name: str) -> str:
-    assert name in args, f"{name} missing from {args}"
-    return args[args.index(name) + 1]
-
-
 def test_every_file_is_listed_and_parses() -> None:
     assert _validate(_kustomization(), KUSTOMIZATION) == []
     listed = set(_kustomization()["resources"])
@@ -341,7 +323,7 @@ def test_one_deployment_per_service_running_its_module() -> None:
     assert sorted(deps) == sorted(SERVICES)
     for name, dep in deps.items():
         c = _container(dep)
-        assert c["image"] == "deepserve:latest"
+        assert c["image"] == "deepserve:cuda"  # scripts/docker/build.sh cuda
         assert c["command"] == ["python", "-m", f"services.{name}"]
         # A real package with a __main__ (found, not run: running it would start the service).
         assert importlib.util.find_spec(f"services.{name}.__main__") is not None, name

@@ -1,0 +1,40 @@
+"""What the deployment files (docker/k8s, compose.yaml) are checked against: each service's
+own flag parser, the environment twins its flags document, and the secrets it reads."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+
+from deepserve.up import SERVICE_SECRETS
+
+SERVICES = ("recipe", "entrypoint", "balancer", "prefill", "decode", "kvstore")
+SECRET_ENVS = {  # docs/security.md: the secrets and their environment twins
+    "DEEPSERVE_SERVICE_TOKEN",
+    "DEEPSERVE_CACHE_SALT_SECRET",
+    "DEEPSERVE_KV_MAC_KEY",
+    "DEEPSERVE_API_KEYS",
+}
+
+
+def parser(service: str) -> argparse.ArgumentParser:
+    module = importlib.import_module(f"services.{service}.config")
+    return module.build_parser()  # type: ignore[no-any-return]
+
+
+def env_twins(p: argparse.ArgumentParser) -> set[str]:
+    return {m for a in p._actions for m in re.findall(r"\[env (\w+)\]", a.help or "")}
+
+
+def secrets_read_by(service: str) -> set[str]:
+    """The secrets ``service`` reads: its flags' twins among them (the API keys included)."""
+    return SECRET_ENVS & env_twins(parser(service))
+
+
+def flag_value(args: list[str], name: str) -> str:
+    assert name in args, f"{name} missing from {args}"
+    return args[args.index(name) + 1]
+
+
+__all__ = ["SERVICES", "SECRET_ENVS", "SERVICE_SECRETS", "parser", "env_twins", "flag_value"]

@@ -252,3 +252,37 @@ def test_scale_spreads_and_a_killed_decode_loses_no_stream(stack: Compose) -> No
         ).stdout
     )[0]
     assert info["State"]["ExitCode"] == 137  # it really died by SIGKILL
+
+
+def test_s3_profile_puts_blocks_in_seaweedfs(stack: Compose) -> None:
+    """``--profile s3`` with 12 ``s3://`` targets: the kvstore, recreated with them, writes
+    each block's 12 shards as objects, one per bucket, in the stack's SeaweedFS."""
+    buckets = [f"ds-c{i}" for i in range(12)]
+    stack.env["DEEPSERVE_TARGETS"] = ",".join(f"s3://{b}" for b in buckets)
+    # Only what changes: the others stay up and find the new kvstore at the same address.
+    stack.run("--profile", "s3", "up", "-d", "seaweedfs", "kvstore")
+    _wait_healthy(stack, 300)
+    time.sleep(3)
+    client = stack.client()
+    _chat(client, "a prompt of several blocks " * 60, 4)  # ~300 tokens: 2 full blocks
+    (kvstore,) = stack.containers("kvstore")
+    code = (
+        "import boto3, json;"
+        "c = boto3.client('s3', endpoint_url='http://seaweedfs:8333', region_name='us-east-1');"
+        "n = lambda b: c.list_objects_v2(Bucket=b).get('KeyCount', 0);"
+        f"print(json.dumps({{b: n(b) for b in {buckets}}}))"
+    )
+    deadline = time.monotonic() + 60
+    while True:  # prefill writes behind the request
+        out = subprocess.run(
+            [DOCKER, "exec", kvstore, "python", "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        counts = json.loads(out.stdout)
+        if all(n >= 2 for n in counts.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert all(n >= 2 for n in counts.values()), f"objects per bucket: {counts}"

@@ -84,4 +84,7 @@ async def close_nats(nc: Client, log: logging.Logger, drain_timeout: float | Non
         except Exception as exc:  # noqa: BLE001 - shutting down; close below regardless
             log.warning("NATS drain: %s", exc)
     if not nc.is_closed:
-        await nc.close()
+        try:
+            await nc.close()
+        except OSError as exc:  # closing while cut off (SIGTERM during an outage) is no failure
+            log.warning("NATS close: %s", exc)

@@ -153,6 +153,13 @@ class TokenReorderBuffer:
     def pending(self) -> int:
         return sum(len(v) for v in self._held.values())
 
+    def missing(self, end: int) -> int:
+        """Positions in ``[next_index, end)`` neither released nor held (lost, or late)."""
+        held = {
+            c.index + i for cs in self._held.values() for c in cs for i in range(len(c.token_ids))
+        }
+        return sum(1 for i in range(self.next_index, end) if i not in held)
+
     def push(self, chunk: Chunk) -> list[Chunk]:
         if self.finished:
             return []

@@ -7,6 +7,10 @@ service, a list in tests).
 Indices: prefill published output position 0 (the first token); the engine here starts from
 prompt + [first token], so its k-th event is output position k (k >= 1).
 
+What was published per request is kept (``libs/serving/replay.py``) while it decodes and for a
+short grace after, so ``KVTransfer.Resend`` can send the entrypoint again what a NATS outage
+lost.
+
 With a kvstore, a finished request's full blocks past the prompt's (the prompt's tail plus the
 generated tokens) are written there in the background, so a conversation's next turn finds
 them; the engine keeps the request's KV (``hold_kv``) just long enough to copy them out.
@@ -48,6 +52,7 @@ from libs.serving.convert import error_event
 from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed, RequestStream
 from libs.serving.handoff import Holding, peer_from_proto
 from libs.serving.instance import drain_tasks, instance_status
+from libs.serving.replay import EventLog
 from libs.serving.write_behind import WriteBehind
 from libs.transport.kvstore_client import Block, KVStore, write_back
 
@@ -71,6 +76,10 @@ STORE_ERRORS = Counter("deepserve_decode_kvstore_errors_total", "failed kvstore 
 STORE_DROPPED = Counter(
     "deepserve_decode_kvstore_writes_dropped_total",
     "kvstore writes not started: the write-behind bound was reached",
+)
+RESENDS = Counter(
+    "deepserve_decode_resends_total",
+    "KVTransfer.Resend calls answered with events (the entrypoint lost some: a NATS outage)",
 )
 LATENCY = Histogram(
     "deepserve_decode_request_seconds",
@@ -106,6 +115,8 @@ class DecodeHandler:
         self._stop_reason: dict[str, str] = {}  # request id -> why we cut it short ("abort", ...)
         self.writes = WriteBehind()
         self.bytes_per_block = loop.engine.spec.bytes_per_block
+        # What was published per request, for KVTransfer.Resend (events lost in a NATS outage)
+        self.sent = EventLog()
 
     # -- KV push ------------------------------------------------------------------------------
     async def match(self, block_hashes: list[bytes]) -> Holding:
@@ -221,6 +232,7 @@ class DecodeHandler:
         subject = task.events_subject or subjects.token_events(rid)
         t0 = time.perf_counter()
         index = 1
+        self.sent.start(rid, task.token_ids[-1], task.num_prompt_tokens, task.cached_tokens)
         with self.tracer.start_as_current_span(
             "decode", context=extract_context(traceparent)
         ) as span:
@@ -239,6 +251,7 @@ class DecodeHandler:
                         prompt_tokens=task.num_prompt_tokens,
                         cached_tokens=task.cached_tokens,
                     )
+                    self.sent.token(rid, ev.token_id, ev.finished, msg.finish_reason)
                     await self._send(subject, msg)
                     TOKENS.inc()
                     index += 1
@@ -248,7 +261,7 @@ class DecodeHandler:
                     await self._write_back(task, index)
             except EngineFailed as exc:
                 ERRORS.inc()
-                await self._send(
+                await self._send_error(
                     subject,
                     error_event(rid, InstanceFailed(f"decode engine failed: {exc}"), index=index),
                 )
@@ -257,7 +270,10 @@ class DecodeHandler:
                 await self._on_cut(rid, subject, index)
             finally:
                 self._relays.pop(rid, None)
-                self._stop_reason.pop(rid, None)
+                if self._stop_reason.pop(rid, None) == "abort":
+                    self.sent.drop(rid)  # the client is gone: nobody asks for a resend
+                else:
+                    self.sent.end(rid)
 
     async def _write_back(self, task: control_pb2.DecodeTask, outputs: int) -> None:
         """Copy the finished request's new full blocks out of the engine, free its KV, and
@@ -293,7 +309,7 @@ class DecodeHandler:
         if reason == "abort":
             return
         ERRORS.inc()
-        await self._send(
+        await self._send_error(
             subject,
             error_event(
                 rid,
@@ -304,6 +320,19 @@ class DecodeHandler:
                 index=index,
             ),
         )
+
+    async def _send_error(self, subject: str, msg: control_pb2.TokenEvent) -> None:
+        self.sent.error(msg.request_id, msg)
+        await self._send(subject, msg)
+
+    def resend(self, request: kv_transfer_pb2.ResendRequest) -> kv_transfer_pb2.ResendReply:
+        """The request's events from ``from_index`` on, from :attr:`sent` (``known`` false:
+        not decoding here, nor ended within the grace)."""
+        events = self.sent.since(request.request_id, request.from_index)
+        if events is None:
+            return kv_transfer_pb2.ResendReply(known=False)
+        RESENDS.inc()
+        return kv_transfer_pb2.ResendReply(known=True, events=events)
 
     async def _send(self, subject: str, msg: control_pb2.TokenEvent) -> None:
         try:
@@ -411,6 +440,11 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         except EngineLoopClosed:
             held = Holding(0, host_id())
         return kv_transfer_pb2.MatchReply(blocks=held.blocks, host=held.host)
+
+    async def Resend(
+        self, request: kv_transfer_pb2.ResendRequest, context: grpc.aio.ServicerContext
+    ) -> kv_transfer_pb2.ResendReply:
+        return self.handler.resend(request)
 
 
 # A frame's bytes beyond its digests and blocks: the 10-byte prefix (magic, version, header

@@ -102,6 +102,10 @@ RETRY_AFTER = Histogram(
     "retry hints sent with RESOURCE_EXHAUSTED (from the measured drain rates)",
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
 )
+RESENT = Counter(
+    "deepserve_entrypoint_resent_tokens_total",
+    "tokens lost on the bus and sent again by decode instances (a NATS outage)",
+)
 LOOKUP_ERRORS = Counter(
     "deepserve_entrypoint_kvstore_lookup_errors_total",
     "kvstore lookups that failed (treated as a miss)",
@@ -122,6 +126,10 @@ class LookupFailed(Unavailable):
     """The kvstore could not answer (treated as a miss)."""
 
 
+class ResendFailed(Unavailable):
+    """The decode instance could not be asked for lost token events (asked again later)."""
+
+
 class Subscription(Protocol):
     async def next(self, timeout: float) -> bytes:
         """The next payload; raises TimeoutError after ``timeout`` seconds without one."""
@@ -137,6 +145,41 @@ class Bus(Protocol):
 
     async def subscribe(self, subject: str) -> Subscription:
         """A subscription that is live at the server when this returns."""
+
+
+class Resender(Protocol):
+    """Token events lost on the bus, back from the decode instance (gRPC in production).
+
+    Token events are core NATS: those published while NATS is down, or before this
+    entrypoint's subscription is back on a restarted server, are gone. The decode instance
+    keeps what it published (``libs/serving/replay.py``) and sends it again on request.
+    """
+
+    def reconnects(self) -> int:
+        """How many times the bus connection came back so far (it only grows)."""
+
+    async def settle(self) -> None:
+        """Wait until the server has this entrypoint's subscriptions again after a
+        reconnection; raises :class:`ResendFailed` if it cannot tell yet."""
+
+    async def resend(
+        self, address: str, request_id: str, from_index: int
+    ) -> list[control_pb2.TokenEvent] | None:
+        """The events of ``request_id`` from ``from_index`` on, from the decode instance at
+        ``address``; None if it does not know the request; raises :class:`ResendFailed`."""
+
+
+@dataclass
+class _Refill:
+    """One attempt's watch for lost token events: after a bus reconnection, or when a gap
+    in the indices outlives ``liveness_poll``, the decode instance is asked for the events
+    from the first missing position (at most once per ``liveness_poll``)."""
+
+    address: str
+    reconnects: int  # bus reconnections already accounted for
+    gap_since: float | None = None
+    asked_at: float = float("-inf")
+    queued: list[control_pb2.TokenEvent] = field(default_factory=list)
 
 
 class PrefixLookup(Protocol):
@@ -251,9 +294,15 @@ class _Admitted:
 
 class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
     def __init__(
-        self, config: HandlerConfig, bus: Bus, kv: PrefixLookup, liveness: Liveness | None = None
+        self,
+        config: HandlerConfig,
+        bus: Bus,
+        kv: PrefixLookup,
+        liveness: Liveness | None = None,
+        resender: Resender | None = None,
     ) -> None:
         self.config, self.bus, self.kv, self.liveness = config, bus, kv, liveness
+        self.resender = resender
         self.draining = False
         self._active: set[str] = set()
         self._salt_secret = config.salt_secret or secrets.token_bytes(32)
@@ -527,10 +576,15 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             )
             stream = RequestStream(prompt_tokens=len(prompt), max_tokens=progress.remaining)
             watch = Watch(self.liveness, decision.prefill_instance, decision.decode_instance)
+            refill = (
+                _Refill(decision.decode_address, self.resender.reconnects())
+                if self.resender is not None and decision.decode_address
+                else None
+            )
             while not stream.done:
                 try:
-                    chunk = await self._next_chunk(sub, wire, watch)
-                    watch.saw(chunk.index)
+                    chunk = await self._next_chunk(sub, wire, watch, stream, refill)
+                    watch.saw(chunk.index + max(0, len(chunk.token_ids) - 1))
                     outputs = stream.push(chunk)
                 except AttemptFailed:
                     abort_reason = "instance failed"
@@ -541,7 +595,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                 except ReorderOverflow as exc:
                     abort_reason = "error"
                     raise Internal(f"request {rid}: {exc}") from None
-                generated += len(chunk.token_ids)
+                generated = max(generated, chunk.index + len(chunk.token_ids))  # resends overlap
                 self.admission.saw(grant, chunk.index, generated)
                 for out in outputs:
                     shown = progress.translate(out)
@@ -631,10 +685,22 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             raise Internal("the balancer sent an unreadable reply") from None
         return decision
 
-    async def _next_chunk(self, sub: Subscription, rid: str, watch: Watch) -> Chunk:
+    async def _next_chunk(
+        self,
+        sub: Subscription,
+        rid: str,
+        watch: Watch,
+        stream: RequestStream,
+        refill: _Refill | None,
+    ) -> Chunk:
         timeout = self.config.request_timeout
         silent_since = time.monotonic()
         while True:
+            if refill is not None:
+                if not refill.queued and self._refill_due(refill, stream):
+                    await self._refill(refill, rid, stream)
+                if refill.queued:
+                    return self._chunk(refill.queued.pop(0), rid, watch)
             waited = time.monotonic() - silent_since
             if waited >= timeout:
                 raise DeadlineExceeded(
@@ -656,18 +722,68 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             except DecodeError:
                 log.warning("request %s: unreadable token event ignored", rid)
                 continue
-            if ev.error:
-                if ev.retryable:
-                    raise AttemptFailed(ev.error, watch.serving)
-                raise Internal(f"request {rid} failed: {ev.error}")
-            return Chunk(
-                ev.index,
-                tuple(ev.token_ids),
-                ev.finished,
-                ev.finish_reason,
-                ev.prompt_tokens,
-                ev.cached_tokens,
-            )
+            return self._chunk(ev, rid, watch)
+
+    @staticmethod
+    def _chunk(ev: control_pb2.TokenEvent, rid: str, watch: Watch) -> Chunk:
+        if ev.error:
+            if ev.retryable:
+                raise AttemptFailed(ev.error, watch.serving)
+            raise Internal(f"request {rid} failed: {ev.error}")
+        return Chunk(
+            ev.index,
+            tuple(ev.token_ids),
+            ev.finished,
+            ev.finish_reason,
+            ev.prompt_tokens,
+            ev.cached_tokens,
+        )
+
+    def _refill_due(self, refill: _Refill, stream: RequestStream) -> bool:
+        """Whether to ask the decode instance for lost events now: the bus reconnected since
+        we last asked, or a gap in the indices has lasted ``liveness_poll`` (events from one
+        publisher arrive in order; prefill's and decode's may cross, but not for that long)."""
+        assert self.resender is not None
+        now, poll = time.monotonic(), self.config.liveness_poll
+        if not stream.buffer.pending:
+            refill.gap_since = None
+        elif refill.gap_since is None:
+            refill.gap_since = now
+        if now - refill.asked_at < poll:
+            return False
+        gap = refill.gap_since is not None and now - refill.gap_since >= poll
+        return gap or self.resender.reconnects() > refill.reconnects
+
+    async def _refill(self, refill: _Refill, rid: str, stream: RequestStream) -> None:
+        """Ask the decode instance for the events from the first position not yet released;
+        what it sends joins the stream like any event (overlaps are cut off). A failed ask is
+        repeated after ``liveness_poll``; the usual deadlines still apply."""
+        assert self.resender is not None
+        refill.asked_at = time.monotonic()
+        reconnects = self.resender.reconnects()
+        start = stream.buffer.next_index
+        try:
+            await self.resender.settle()
+            events = await self.resender.resend(refill.address, rid, start)
+        except ResendFailed as exc:
+            log.info("request %s: cannot ask for lost token events yet (%s)", rid, exc)
+            return
+        refill.reconnects = reconnects
+        if events is None:
+            return  # not handed over to decode yet: what prefill sends still comes
+        got = sum(len(ev.token_ids) for ev in events)
+        lost = stream.buffer.missing(start + got)
+        RESENT.inc(lost)
+        log.warning(
+            "request %s: asked decode for token events from position %d after %s: %d came, "
+            "%d of them not received here",
+            rid,
+            start,
+            "a gap" if stream.buffer.pending else "a NATS reconnection",
+            got,
+            lost,
+        )
+        refill.queued.extend(events)
 
     async def _abort_upstream(self, rid: str, reason: str) -> None:
         try:

@@ -20,7 +20,7 @@ from libs.proto.deepserve.v1 import generate_pb2, generate_pb2_grpc
 
 from .config import SERVICE, EntrypointConfig, build_parser, config_from
 from .handlers import EntrypointHandlers
-from .transport import GrpcLookup, HeartbeatWatch, NatsBus, NoLookup
+from .transport import GrpcLookup, GrpcResender, HeartbeatWatch, NatsBus, NoLookup
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name
 
@@ -75,7 +75,10 @@ async def serve(config: EntrypointConfig, ctx: ServiceContext) -> int:
         return 0
     state.nc = nc
     liveness = HeartbeatWatch()
-    handlers = EntrypointHandlers(config.handler, NatsBus(nc), kv, liveness)
+    # token events lost in a NATS outage come back from the decode instance over gRPC
+    resender = GrpcResender(nc, config.handler.service_token)
+    ctx.stack.push_async_callback(resender.close)
+    handlers = EntrypointHandlers(config.handler, NatsBus(nc), kv, liveness, resender)
     await liveness.start(nc, on_status=handlers.on_status)  # before the gRPC server opens
 
     server = grpc.aio.server()

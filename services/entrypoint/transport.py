@@ -6,6 +6,7 @@ servers; these are the real ones that ``main.py`` wires in.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -19,9 +20,15 @@ from nats.aio.subscription import Subscription as NatsSub
 
 from libs.common import subjects
 from libs.common.grpc_auth import call_metadata
-from libs.proto.deepserve.v1 import control_pb2, kvstore_pb2, kvstore_pb2_grpc
+from libs.proto.deepserve.v1 import (
+    control_pb2,
+    kv_transfer_pb2,
+    kv_transfer_pb2_grpc,
+    kvstore_pb2,
+    kvstore_pb2_grpc,
+)
 
-from .handlers import BusUnavailable, LookupFailed
+from .handlers import BusUnavailable, LookupFailed, ResendFailed
 
 log = logging.getLogger("entrypoint")
 
@@ -123,6 +130,70 @@ class HeartbeatWatch:
         if self._cut_off:  # back: silence counts from now on
             self._cut_off, self._back_at = False, now
         return now - max(seen, self._back_at)
+
+
+class GrpcResender:
+    """Lost token events back from the decode instance (``KVTransfer.Resend``), over gRPC so
+    the answer does not depend on the NATS that lost them; and how often NATS reconnected.
+
+    One channel per decode address, at most ``max_channels`` (the oldest is closed first).
+    """
+
+    def __init__(
+        self, nc: Client, token: str = "", timeout: float = 2.0, max_channels: int = 256
+    ) -> None:
+        self.nc, self.timeout, self.max_channels = nc, timeout, max_channels
+        self._md = call_metadata(token)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._flushed = 0
+
+    def reconnects(self) -> int:
+        """Reconnections so far that are complete (subscriptions replayed); 0 while cut off."""
+        if not self.nc.is_connected:
+            return self._flushed
+        return int(self.nc.stats["reconnects"])
+
+    async def settle(self) -> None:
+        """Make sure the server has our replayed subscriptions (a round trip) before asking
+        for what was missed, so no event falls between the answer and the subscription."""
+        n = self.reconnects()
+        if n == self._flushed:
+            return
+        try:
+            await self.nc.flush(timeout=max(1, round(self.timeout)))
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise ResendFailed(f"NATS is not back yet: {exc!r}") from None
+        self._flushed = n
+
+    async def resend(
+        self, address: str, request_id: str, from_index: int
+    ) -> list[control_pb2.TokenEvent] | None:
+        stub = kv_transfer_pb2_grpc.KVTransferStub(self._channel(address))  # type: ignore[no-untyped-call]
+        try:
+            reply = await stub.Resend(
+                kv_transfer_pb2.ResendRequest(request_id=request_id, from_index=from_index),
+                timeout=self.timeout,
+                metadata=self._md,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise ResendFailed(f"{address}: {exc.code().name}: {exc.details()}") from None
+        return list(reply.events) if reply.known else None
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.pop(address, None)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address)
+            while len(self._channels) >= self.max_channels:
+                oldest = next(iter(self._channels))
+                closing = self._channels.pop(oldest)
+                asyncio.get_running_loop().create_task(closing.close(grace=1.0))
+        self._channels[address] = channel  # most recently used last
+        return channel
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
 
 
 class NoLookup:

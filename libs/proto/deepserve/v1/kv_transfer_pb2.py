@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from libs.proto.deepserve.v1 import control_pb2 as deepserve_dot_v1_dot_control__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64\x65\x65pserve/v1/kv_transfer.proto\x12\x0c\x64\x65\x65pserve.v1\x1a\x1a\x64\x65\x65pserve/v1/control.proto\"u\n\x06KVPush\x12(\n\x04task\x18\x01 \x01(\x0b\x32\x18.deepserve.v1.DecodeTaskH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x12(\n\x04peer\x18\x03 \x01(\x0b\x32\x18.deepserve.v1.PeerBlocksH\x00\x42\x06\n\x04part\"l\n\nPeerBlocks\x12\x0c\n\x04pool\x18\x01 \x01(\x0c\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\t\"o\n\x0bKVPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x16\n\x0emissing_prefix\x18\x03 \x01(\x08\x12\x13\n\x0bhave_blocks\x18\x04 \x01(\x05\x12\x12\n\nsend_bytes\x18\x05 \x01(\x08\"$\n\x0cMatchRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"*\n\nMatchReply\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x05\x12\x0c\n\x04host\x18\x02 \x01(\t2\x86\x01\n\nKVTransfer\x12\x39\n\x04Push\x12\x14.deepserve.v1.KVPush\x1a\x19.deepserve.v1.KVPushReply(\x01\x12=\n\x05Match\x12\x1a.deepserve.v1.MatchRequest\x1a\x18.deepserve.v1.MatchReplyBS\n\x0f\x61i.deepserve.v1P\x01Z>github.com/deepserve/deepserve/gen/go/deepserve/v1;deepservev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64\x65\x65pserve/v1/kv_transfer.proto\x12\x0c\x64\x65\x65pserve.v1\x1a\x1a\x64\x65\x65pserve/v1/control.proto\"u\n\x06KVPush\x12(\n\x04task\x18\x01 \x01(\x0b\x32\x18.deepserve.v1.DecodeTaskH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x12(\n\x04peer\x18\x03 \x01(\x0b\x32\x18.deepserve.v1.PeerBlocksH\x00\x42\x06\n\x04part\"l\n\nPeerBlocks\x12\x0c\n\x04pool\x18\x01 \x01(\x0c\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\t\"o\n\x0bKVPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x16\n\x0emissing_prefix\x18\x03 \x01(\x08\x12\x13\n\x0bhave_blocks\x18\x04 \x01(\x05\x12\x12\n\nsend_bytes\x18\x05 \x01(\x08\"$\n\x0cMatchRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"*\n\nMatchReply\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x05\x12\x0c\n\x04host\x18\x02 \x01(\t\"7\n\rResendRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nfrom_index\x18\x02 \x01(\x05\"F\n\x0bResendReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12(\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x18.deepserve.v1.TokenEvent2\xc8\x01\n\nKVTransfer\x12\x39\n\x04Push\x12\x14.deepserve.v1.KVPush\x1a\x19.deepserve.v1.KVPushReply(\x01\x12=\n\x05Match\x12\x1a.deepserve.v1.MatchRequest\x1a\x18.deepserve.v1.MatchReply\x12@\n\x06Resend\x12\x1b.deepserve.v1.ResendRequest\x1a\x19.deepserve.v1.ResendReplyBS\n\x0f\x61i.deepserve.v1P\x01Z>github.com/deepserve/deepserve/gen/go/deepserve/v1;deepservev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,6 +43,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MATCHREQUEST']._serialized_end=454
   _globals['_MATCHREPLY']._serialized_start=456
   _globals['_MATCHREPLY']._serialized_end=498
-  _globals['_KVTRANSFER']._serialized_start=501
-  _globals['_KVTRANSFER']._serialized_end=635
+  _globals['_RESENDREQUEST']._serialized_start=500
+  _globals['_RESENDREQUEST']._serialized_end=555
+  _globals['_RESENDREPLY']._serialized_start=557
+  _globals['_RESENDREPLY']._serialized_end=627
+  _globals['_KVTRANSFER']._serialized_start=630
+  _globals['_KVTRANSFER']._serialized_end=830
 # @@protoc_insertion_point(module_scope)

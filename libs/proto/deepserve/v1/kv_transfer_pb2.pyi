@@ -58,3 +58,19 @@ class MatchReply(_message.Message):
     blocks: int
     host: str
     def __init__(self, blocks: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...
+
+class ResendRequest(_message.Message):
+    __slots__ = ("request_id", "from_index")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_INDEX_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    from_index: int
+    def __init__(self, request_id: _Optional[str] = ..., from_index: _Optional[int] = ...) -> None: ...
+
+class ResendReply(_message.Message):
+    __slots__ = ("known", "events")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    events: _containers.RepeatedCompositeFieldContainer[_control_pb2.TokenEvent]
+    def __init__(self, known: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[_control_pb2.TokenEvent, _Mapping]]] = ...) -> None: ...

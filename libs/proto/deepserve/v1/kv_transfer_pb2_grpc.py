@@ -45,6 +45,11 @@ class KVTransferStub:
                 request_serializer=deepserve_dot_v1_dot_kv__transfer__pb2.MatchRequest.SerializeToString,
                 response_deserializer=deepserve_dot_v1_dot_kv__transfer__pb2.MatchReply.FromString,
                 _registered_method=True)
+        self.Resend = channel.unary_unary(
+                '/deepserve.v1.KVTransfer/Resend',
+                request_serializer=deepserve_dot_v1_dot_kv__transfer__pb2.ResendRequest.SerializeToString,
+                response_deserializer=deepserve_dot_v1_dot_kv__transfer__pb2.ResendReply.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -67,6 +72,15 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resend(self, request, context):
+        """The token events of a request this instance decodes (or finished decoding moments ago)
+        from output position from_index on: what the entrypoint lost while NATS was down (token
+        events are core NATS, kept nowhere), asked for over gRPC so the answer needs no NATS.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +93,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.Match,
                     request_deserializer=deepserve_dot_v1_dot_kv__transfer__pb2.MatchRequest.FromString,
                     response_serializer=deepserve_dot_v1_dot_kv__transfer__pb2.MatchReply.SerializeToString,
+            ),
+            'Resend': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resend,
+                    request_deserializer=deepserve_dot_v1_dot_kv__transfer__pb2.ResendRequest.FromString,
+                    response_serializer=deepserve_dot_v1_dot_kv__transfer__pb2.ResendReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,6 +155,33 @@ class KVTransfer:
             '/deepserve.v1.KVTransfer/Match',
             deepserve_dot_v1_dot_kv__transfer__pb2.MatchRequest.SerializeToString,
             deepserve_dot_v1_dot_kv__transfer__pb2.MatchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/deepserve.v1.KVTransfer/Resend',
+            deepserve_dot_v1_dot_kv__transfer__pb2.ResendRequest.SerializeToString,
+            deepserve_dot_v1_dot_kv__transfer__pb2.ResendReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -331,3 +331,52 @@ def test_bench_serve_url_drives_the_stack_over_http(keyed_stack: Stack) -> None:
         (r.cached_tokens, r.allowed_cached_tokens) for r in later
     ]
     assert summary["ttft"]["p50_ms"] > 0 and summary["output_tokens_per_s"] > 0
+
+
+def test_usage_records_reach_jetstream_and_the_reader(keyed_stack: Stack) -> None:
+    """Recipe → JetStream → ``deepserve usage``: each tenant's totals are the sums of what its
+    responses said (prompt, cached, completion tokens), keyed by the tenant the API key names."""
+    from .test_usage import usage_cli
+
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 1))
+    want: dict[str, dict[str, int]] = {}
+    for key, tenant, prompt in [
+        ("sk-alpha", "acme", "usage one"),
+        ("sk-alpha", "acme", "usage two, a little longer"),
+        ("sk-beta", "globex", "usage three"),
+    ]:
+        u = (
+            oai(keyed_stack, key)
+            .chat.completions.create(
+                model=MODEL_NAME,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=5,
+                temperature=0,
+            )
+            .usage
+        )
+        assert u is not None
+        t = want.setdefault(tenant, dict.fromkeys(("requests", "uncached", "cached", "out"), 0))
+        cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details else 0
+        t["requests"] += 1
+        t["uncached"] += u.prompt_tokens - (cached or 0)
+        t["cached"] += cached or 0
+        t["out"] += u.completion_tokens
+    deadline = time.monotonic() + 20
+    while True:  # records are published in the background
+        got = usage_cli(keyed_stack.nats_url, "--since", since)["tenants"]
+        assert isinstance(got, dict)
+        seen = {
+            name: {
+                "requests": t["requests"],
+                "uncached": t["uncached_tokens"],
+                "cached": t["cached_tokens"],
+                "out": t["completion_tokens"],
+            }
+            for name, t in got.items()
+        }
+        if seen == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert seen == want
+    assert all(t["price_usd"] > 0 for t in got.values())

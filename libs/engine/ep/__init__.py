@@ -1,0 +1,1 @@
+"""Expert parallelism: routed experts sharded over the ranks of one engine instance."""

@@ -25,6 +25,7 @@ class EntrypointConfig:
     grpc_port: int
     kvstore_address: str = ""
     kvstore_timeout: float = 1.0
+    nats_wait: float = 10.0
 
     def __post_init__(self) -> None:
         check_port("--grpc-port", self.grpc_port)
@@ -32,6 +33,8 @@ class EntrypointConfig:
             raise ValueError(f"--kvstore-address must be host:port, got {self.kvstore_address!r}")
         if not self.kvstore_timeout > 0:
             raise ValueError(f"--kvstore-timeout must be > 0 seconds, got {self.kvstore_timeout}")
+        if not self.nats_wait > 0:
+            raise ValueError(f"--nats-wait must be > 0 seconds, got {self.nats_wait}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     flag(parser, "--block-size", type=int, default=128, help="tokens per KV block (hash chain)")
     flag(
         parser, "--route-timeout", type=float, default=2.0, help="seconds to wait for the balancer"
+    )
+    flag(
+        parser,
+        "--nats-wait",
+        type=float,
+        default=10.0,
+        help="seconds a request waits for NATS to come back (and for the balancer and the "
+        "prefill instance to subscribe again) before UNAVAILABLE",
     )
     flag(
         parser,
@@ -173,4 +184,5 @@ def config_from(args: argparse.Namespace) -> EntrypointConfig:
         grpc_port=args.grpc_port,
         kvstore_address=args.kvstore_address,
         kvstore_timeout=args.kvstore_timeout,
+        nats_wait=args.nats_wait,
     )

@@ -71,6 +71,7 @@ from libs.proto.deepserve.v1 import (
 from libs.routing.policy import resident_run
 
 from .admission import AdmissionMetrics, load_from_status
+from .delivery import TaskSender, deliver
 
 log = logging.getLogger("entrypoint")
 TRACER = tracer("entrypoint")
@@ -106,6 +107,10 @@ RESENT = Counter(
     "deepserve_entrypoint_resent_tokens_total",
     "tokens lost on the bus and sent again by decode instances (a NATS outage)",
 )
+TASK_COPIES = Counter(
+    "deepserve_entrypoint_prefill_task_copies_total",
+    "PrefillTasks sent again: not confirmed (a NATS outage, the instance not subscribed yet)",
+)
 LOOKUP_ERRORS = Counter(
     "deepserve_entrypoint_kvstore_lookup_errors_total",
     "kvstore lookups that failed (treated as a miss)",
@@ -114,6 +119,9 @@ LOOKUP_ERRORS = Counter(
 # Route requests carry the leading chain digests for cache-aware routing; 256 blocks (32K
 # tokens, 8 KiB) say where a prompt's prefix lives without shipping a 160K-token chain.
 MAX_ROUTE_HASHES = 256
+# Between two route requests answered "no instance" just after a NATS outage (heartbeats
+# come every 1 s; the bus settles for 3 s).
+ROUTE_RETRY_PAUSE_S = 0.25
 # Hash long prompts off the event loop: 160K tokens take ~20 ms of SHA-256 and packing.
 INLINE_HASH_TOKENS = 16384
 
@@ -192,6 +200,9 @@ class HandlerConfig:
     limits: Limits = field(default_factory=Limits)
     route_timeout: float = 2.0
     request_timeout: float = 60.0  # longest silence between two token events
+    # A PrefillTask copy's wait for the instance's confirmation (delivery.py): a round trip
+    # on a healthy bus; past it, a copy the server handed to a subscriber counts as arrived.
+    task_ack_timeout: float = 1.0
     # Admission (libs/gateway/admission.py): a request starts when fewer than max_inflight
     # run (0 = no cap) and, with capacity_admission, some prefill instance can queue its
     # uncached tokens within prefill_queue_tokens (0 = no limit) and some decode instance has
@@ -232,7 +243,7 @@ class HandlerConfig:
             raise ValueError(f"admit_wait must be >= 0 seconds, got {self.admit_wait}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        for name in ("instance_dead_after", "liveness_poll"):
+        for name in ("instance_dead_after", "liveness_poll", "task_ack_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if not self.route_timeout > 0:
@@ -300,9 +311,11 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         kv: PrefixLookup,
         liveness: Liveness | None = None,
         resender: Resender | None = None,
+        tasks: TaskSender | None = None,
     ) -> None:
         self.config, self.bus, self.kv, self.liveness = config, bus, kv, liveness
         self.resender = resender
+        self.tasks = tasks  # None: tasks are published once (an in-process bus loses none)
         self.draining = False
         self._active: set[str] = set()
         self._salt_secret = config.salt_secret or secrets.token_bytes(32)
@@ -571,9 +584,11 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                 events_subject=subjects.token_events(wire),
                 traceparent=traceparent,
             )
-            await self.bus.publish(
-                subjects.prefill_task(decision.prefill_instance), task.SerializeToString()
-            )
+            try:
+                await self._send_task(decision.prefill_instance, task.SerializeToString())
+            except AttemptFailed:
+                abort_reason = "instance failed"
+                raise
             stream = RequestStream(prompt_tokens=len(prompt), max_tokens=progress.remaining)
             watch = Watch(self.liveness, decision.prefill_instance, decision.decode_instance)
             refill = (
@@ -666,11 +681,19 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             del req.exclude[:]
             req.exclude.extend(exclude)
             decision = await self._ask_balancer(req)
+        while (decision.error or not decision.prefill_instance) and self._bus_settling():
+            # Just after a NATS outage the balancer has not heard the instances again yet
+            # (heartbeats every 1 s): ask again while the bus settles (a few seconds).
+            await asyncio.sleep(ROUTE_RETRY_PAUSE_S)
+            decision = await self._ask_balancer(req)
         if decision.error or not decision.prefill_instance:
             raise Unavailable(
                 f"no instance can take the request: {decision.error or 'empty decision'}"
             )
         return decision
+
+    def _bus_settling(self) -> bool:
+        return self.tasks is not None and self.tasks.settling()
 
     async def _ask_balancer(self, req: control_pb2.RouteRequest) -> control_pb2.RouteDecision:
         try:
@@ -684,6 +707,24 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         except DecodeError:
             raise Internal("the balancer sent an unreadable reply") from None
         return decision
+
+    async def _send_task(self, instance: str, data: bytes) -> None:
+        """The PrefillTask to ``instance``: until it confirms a copy where the bus can tell
+        (``delivery.py``: a task sent during a NATS outage or just after it would be lost);
+        raises AttemptFailed if nothing takes the instance's tasks for instance_dead_after."""
+        subject = subjects.prefill_task(instance)
+        if self.tasks is None:
+            await self.bus.publish(subject, data)
+            return
+        _, copies = await deliver(
+            self.tasks,
+            subject,
+            data,
+            instance=instance,
+            ack_timeout=self.config.task_ack_timeout,
+            gone_after=self.config.instance_dead_after,
+        )
+        TASK_COPIES.inc(copies - 1)
 
     async def _next_chunk(
         self,

@@ -78,7 +78,10 @@ async def serve(config: EntrypointConfig, ctx: ServiceContext) -> int:
     # token events lost in a NATS outage come back from the decode instance over gRPC
     resender = GrpcResender(nc, config.handler.service_token)
     ctx.stack.push_async_callback(resender.close)
-    handlers = EntrypointHandlers(config.handler, NatsBus(nc), kv, liveness, resender)
+    # route requests and PrefillTasks wait out a NATS outage (up to --nats-wait); tasks are
+    # confirmed by the prefill instance and sent again until one is (delivery.py)
+    bus = NatsBus(nc, outage_wait=config.nats_wait)
+    handlers = EntrypointHandlers(config.handler, bus, kv, liveness, resender, tasks=bus)
     await liveness.start(nc, on_status=handlers.on_status)  # before the gRPC server opens
 
     server = grpc.aio.server()

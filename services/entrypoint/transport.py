@@ -28,9 +28,12 @@ from libs.proto.deepserve.v1 import (
     kvstore_pb2_grpc,
 )
 
+from .delivery import Delivery
 from .handlers import BusUnavailable, LookupFailed, ResendFailed
 
 log = logging.getLogger("entrypoint")
+LINK_POLL_S = 0.05  # how often a call waiting for NATS looks again (only during an outage)
+RETRY_PAUSE_S = 0.1  # between two asks that nobody answered just after an outage
 
 
 class NatsSubscription:
@@ -57,26 +60,102 @@ class NatsSubscription:
 
 
 class NatsBus:
-    def __init__(self, nc: Client) -> None:
-        self.nc = nc
+    """The entrypoint's :class:`~.handlers.Bus` and :class:`~.delivery.TaskSender` on NATS.
+
+    A NATS outage is waited out, within bounds: a call made while the client is cut off
+    waits for the reconnection up to ``outage_wait`` seconds (then :class:`BusUnavailable`,
+    retryable) instead of leaving its message in the client's buffer, which a restarted
+    server would get before anyone subscribed there again. For ``settle`` seconds after the
+    link came back (or was seen down), a request that nobody answers is asked again every
+    0.1 s within the same bound: the balancer replicas subscribe again as they reconnect
+    (every 0.5 s, ``libs/common/natsutil.py``).
+    """
+
+    def __init__(
+        self,
+        nc: Client,
+        outage_wait: float = 10.0,
+        settle: float = 3.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.nc, self.outage_wait, self.settle, self._clock = nc, outage_wait, settle, clock
+        self._seen_reconnects = self.reconnects()
+        self._changed_at = float("-inf")  # when the link was last seen down, or newly back
+
+    def reconnects(self) -> int:
+        return int(self.nc.stats["reconnects"])
+
+    def _up(self) -> bool:
+        """Whether the link is up now; notes when it was last seen down or newly back."""
+        n, up = self.reconnects(), self.nc.is_connected
+        if not up or n != self._seen_reconnects:
+            self._seen_reconnects, self._changed_at = n, self._clock()
+        return bool(up)
+
+    def settling(self) -> bool:
+        self._up()
+        return self._clock() - self._changed_at < self.settle
+
+    async def _link(self, give_up: float) -> None:
+        """Return once connected; :class:`BusUnavailable` if not by ``give_up``."""
+        if self._up():
+            return
+        log.info("NATS is unreachable: waiting up to %gs for it", self.outage_wait)
+        while not self._up():
+            if self._clock() >= give_up:
+                raise BusUnavailable(f"NATS unreachable for {self.outage_wait:g}s")
+            await asyncio.sleep(LINK_POLL_S)
 
     async def request(self, subject: str, data: bytes, timeout: float) -> bytes:
+        give_up = self._clock() + self.outage_wait
+        while True:
+            await self._link(give_up)
+            try:
+                msg = await self.nc.request(subject, data, timeout=timeout)
+                return msg.data
+            except nats.errors.NoRespondersError:
+                why = f"nothing listens on {subject}"
+            except nats.errors.TimeoutError:
+                why = f"no answer on {subject} within {timeout:.1f}s"
+            except nats.errors.Error as exc:  # closed, reconnecting, buffer full
+                why = f"NATS: {exc!r}"
+            if not self.settling() or self._clock() >= give_up:
+                raise BusUnavailable(why)
+            log.info("%s just after NATS was cut off; asking again", why)
+            await asyncio.sleep(RETRY_PAUSE_S)
+
+    async def send(self, subject: str, data: bytes, timeout: float) -> Delivery:
+        await self._link(self._clock() + self.outage_wait)
+        before = self.reconnects()
         try:
-            msg = await self.nc.request(subject, data, timeout=timeout)
+            await self.nc.request(subject, data, timeout=timeout)
+            return Delivery.ACKED
         except nats.errors.NoRespondersError:
-            raise BusUnavailable(f"nothing listens on {subject}") from None
+            return Delivery.NOBODY
         except nats.errors.TimeoutError:
-            raise BusUnavailable(f"no answer on {subject} within {timeout:.1f}s") from None
-        return msg.data
+            pass
+        except nats.errors.Error as exc:  # closed, reconnecting, buffer full
+            log.info("sending on %s: %r", subject, exc)
+            await asyncio.sleep(RETRY_PAUSE_S)
+            return Delivery.CUT_OFF
+        # Only a subscriber could have kept the server from saying "no responders" at once.
+        if self._up() and self.reconnects() == before:
+            return Delivery.UNANSWERED
+        return Delivery.CUT_OFF
 
     async def publish(self, subject: str, data: bytes) -> None:
         await self.nc.publish(subject, data)
 
     async def subscribe(self, subject: str) -> NatsSubscription:
+        await self._link(self._clock() + self.outage_wait)
         sub = await self.nc.subscribe(subject)
         # The subscription must be live at the server before anyone publishes to it (the
         # prefill task goes out next, and its first token may come back within milliseconds).
-        await self.nc.flush()
+        try:
+            await self.nc.flush(timeout=max(1, round(self.outage_wait)))
+        except (nats.errors.Error, TimeoutError) as exc:
+            await NatsSubscription(sub).close()
+            raise BusUnavailable(f"NATS did not confirm a subscription: {exc!r}") from None
         return NatsSubscription(sub)
 
 

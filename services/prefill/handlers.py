@@ -18,6 +18,11 @@ One task, in order:
    device to device; the blocks stay held until it answers), else as a frame of bytes built
    off the engine thread; the engine's copy is released right after;
 5. new full blocks go to the kvstore in the background (failures are logged, not fatal).
+
+A task comes off the bus through :meth:`PrefillHandler.on_message`, which confirms receipt
+when the sender asks for it (a reply subject: the entrypoint sends a task again until one
+copy is confirmed, ``services/entrypoint/delivery.py``); copies of a task already in flight
+or seen in the last ``TASK_MEMORY_S`` are confirmed and otherwise ignored.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from opentelemetry import trace
 from prometheus_client import Counter, Histogram
@@ -47,7 +53,7 @@ from libs.engine.kv.peer import host_id
 from libs.engine.kv.transfer import PeerKV
 from libs.kvstore.policy import LoadOrCompute
 from libs.proto.deepserve.v1 import control_pb2
-from libs.serving.aborts import RecentAborts
+from libs.serving.aborts import RecentAborts, RecentIds
 from libs.serving.convert import error_event
 from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed, RequestStream
 from libs.serving.handoff import KVPusher, KVResend
@@ -88,7 +94,28 @@ STORE_DROPPED = Counter(
     "kvstore writes not started: the write-behind bound was reached",
 )
 RESENDS = Counter("deepserve_prefill_handoff_resends_total", "hand-overs sent again", ["why"])
+DUPLICATES = Counter(
+    "deepserve_prefill_duplicate_tasks_total",
+    "copies of a PrefillTask already in flight or seen lately (sent again after a NATS outage)",
+)
 MAX_SENDS = 3  # a hand-over tries at most: peer refs, bytes, bytes from block 0
+# Copies of a task come while the entrypoint waits for a confirmation (each copy waits 1 s,
+# the whole at most --nats-wait + --instance-dead-after, ~13 s) or out of a client's buffer
+# right after a reconnection: a minute of ids covers them (100K ids: ~15 MB at most).
+TASK_MEMORY_S = 60.0
+TASK_MEMORY_MAX = 100_000
+
+
+class TaskMessage(Protocol):
+    """A PrefillTask off the bus (``nats.aio.msg.Msg`` or the in-process twin's)."""
+
+    @property
+    def data(self) -> bytes: ...
+
+    @property
+    def reply(self) -> str: ...
+
+    async def respond(self, data: bytes) -> None: ...
 
 
 class PushFailed(InstanceFailed):
@@ -123,17 +150,38 @@ class PrefillHandler:
         self.rates = LoadOrCompute()
         self.draining = False
         self.aborted = RecentAborts()
+        self.seen = RecentIds(TASK_MEMORY_S, TASK_MEMORY_MAX)  # task ids taken lately
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._cut: dict[str, str] = {}  # request id -> why it was cancelled ("abort", "shutdown")
         self.writes = WriteBehind()
 
     # -- entry points -------------------------------------------------------------------------
+    async def on_message(self, msg: TaskMessage) -> None:
+        """A PrefillTask off the bus: start it (a copy of one taken lately is ignored), then
+        confirm receipt (an empty reply) if the sender asked for it -- before any prefill
+        work, and after the task is registered, so any later copy is recognised."""
+        try:
+            task = control_pb2.PrefillTask.FromString(msg.data)
+        except Exception as exc:  # noqa: BLE001 - not ours to answer: we cannot even read the request id
+            log.warning("unreadable PrefillTask dropped: %s", exc)
+            return
+        self.submit(task)  # its own task: the subscription keeps taking messages
+        if msg.reply:
+            try:
+                await msg.respond(b"")
+            except Exception as exc:  # noqa: BLE001 - the sender sends the task again
+                log.info("request %s: could not confirm the task: %r", task.request_id, exc)
+
     def submit(self, task: control_pb2.PrefillTask) -> asyncio.Task[None] | None:
-        """Start serving ``task`` in its own asyncio task (None if it is refused outright)."""
+        """Start serving ``task`` in its own asyncio task (None if it is refused outright, or
+        is a copy of a task in flight or taken within ``TASK_MEMORY_S``)."""
         rid = task.request_id
-        if rid in self._tasks:
-            log.warning("duplicate PrefillTask for %s ignored", rid)
+        if rid in self._tasks or rid in self.seen:
+            DUPLICATES.inc()
+            state = "in flight" if rid in self._tasks else "taken lately"
+            log.info("copy of PrefillTask %s ignored (%s)", rid, state)
             return None
+        self.seen.add(rid)
         t = asyncio.create_task(self.handle(task), name=f"prefill-{rid}")
         self._tasks[rid] = t
 

@@ -1,11 +1,12 @@
 """prefill service:
 ``python -m services.prefill --nats-url nats://... [--kvstore-address host:port]``.
 
-Takes PrefillTasks on ``ds.prefill.<id>.task``, publishes each request's first token, pushes
-its KV to the chosen decode instance over gRPC, writes new prefix blocks to the kvstore,
-heartbeats every second on ``ds.heartbeat.prefill.<id>``, drops requests named on
-``ds.abort``. SIGTERM: heartbeat ``draining``, refuse new tasks (retryable error events),
-finish the ones in flight for up to ``--drain-seconds``, exit 0.
+Takes PrefillTasks on ``ds.prefill.<id>.task`` (confirming each on receipt, ignoring copies),
+publishes each request's first token, pushes its KV to the chosen decode instance over gRPC,
+writes new prefix blocks to the kvstore, heartbeats every second on
+``ds.heartbeat.prefill.<id>``, drops requests named on ``ds.abort``. SIGTERM: heartbeat
+``draining``, refuse new tasks (retryable error events), finish the ones in
+flight for up to ``--drain-seconds``, exit 0.
 
 Wiring only: flags in ``config.py``, the work in ``handlers.py``; everything is opened on the
 shared lifecycle's exit stack (``libs/common/service.py``) and closed in reverse.
@@ -54,19 +55,12 @@ async def serve(cfg: PrefillConfig, ctx: ServiceContext) -> int:
         tracer=tracer(SERVICE),
     )
 
-    async def on_task(msg: object) -> None:
-        try:
-            task = control_pb2.PrefillTask.FromString(msg.data)  # type: ignore[attr-defined]
-        except Exception as exc:  # noqa: BLE001 - not ours to answer: we cannot even read the request id
-            log.warning("unreadable PrefillTask dropped: %s", exc)
-            return
-        handler.submit(task)  # its own task: the subscription keeps taking messages
-
     async def on_abort(msg: object) -> None:
         await handler.on_abort(control_pb2.Abort.FromString(msg.data))  # type: ignore[attr-defined]
 
     subs = [
-        await nc.subscribe(subjects.prefill_task(instance_id), cb=on_task),
+        # confirms each task on receipt (the entrypoint sends it again until it is)
+        await nc.subscribe(subjects.prefill_task(instance_id), cb=handler.on_message),
         await nc.subscribe(subjects.ABORT, cb=on_abort),
     ]
     await rt.ready(handler.status)

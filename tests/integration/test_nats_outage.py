@@ -11,11 +11,17 @@ entrypoint's ``--instance-dead-after`` here.
 Token events are core NATS (no persistence): those published while the entrypoint is not
 subscribed on the restarted server are gone, and the entrypoint asks the decode instance to
 publish them again from the first missing index (``ResendRequest``).
+
+Requests that arrive while NATS is down wait for it (within a bound): the route request and
+the PrefillTask are sent once the entrypoint is connected again, and sent again while the
+restarted server says nobody listens yet (the balancer or the prefill instance has not
+subscribed again); the prefill instance acknowledges a task on receipt and ignores copies.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import signal
@@ -24,12 +30,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import nats
 import pytest
 
 from deepserve import procs
 from deepserve.up import Stack
+from libs.common.natsutil import connect_nats
 from libs.proto.deepserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from libs.serving.fake_engine import fake_completion
+from services.entrypoint.delivery import Delivery, deliver
+from services.entrypoint.transport import NatsBus
 
 from .conftest import dump_logs
 
@@ -64,11 +74,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         s.stop()
 
 
-def request(prompt: list[int]) -> generate_pb2.GenerateRequest:
+def request(prompt: list[int], max_tokens: int = MAX_TOKENS) -> generate_pb2.GenerateRequest:
     return generate_pb2.GenerateRequest(
         prompt_token_ids=prompt,
         model=MODEL,
-        sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
     )
 
 
@@ -77,12 +87,13 @@ async def stream(
     prompt: list[int],
     md: tuple[tuple[str, str], ...],
     received: list[int] | None = None,
+    max_tokens: int = MAX_TOKENS,
 ) -> tuple[list[int], generate_pb2.Finish | None]:
     """(tokens, finish) of one call, tokens also appended to ``received`` as they come;
     raises AioRpcError if the call ends in an error."""
     got = [] if received is None else received
     finish = None
-    async for ev in stub.Generate(request(prompt), timeout=60, metadata=md):
+    async for ev in stub.Generate(request(prompt, max_tokens), timeout=60, metadata=md):
         kind = ev.WhichOneof("event")
         if kind == "tokens":
             got.extend(ev.tokens.token_ids)
@@ -91,16 +102,26 @@ async def stream(
     return got, finish
 
 
-def restart_nats(stack: Stack, outage_s: float) -> float:
-    """SIGKILL nats-server, wait ``outage_s``, start it on the same port and data dir."""
+def kill_nats(stack: Stack) -> float:
+    """SIGKILL nats-server (whatever it held in flight is gone); returns when it died."""
     assert stack.nats_proc is not None
-    port = int(stack.nats_url.rsplit(":", 1)[1])
     os.kill(stack.nats_proc.pid, signal.SIGKILL)
     stack.nats_proc.wait(10)
-    killed = time.monotonic()
-    time.sleep(outage_s)
+    return time.monotonic()
+
+
+def start_nats(stack: Stack) -> None:
+    """nats-server again on the same port and data dir."""
+    port = int(stack.nats_url.rsplit(":", 1)[1])
     logs = stack.run_dir / "logs"
     stack.nats_proc = procs.start_nats(port, stack.run_dir / "nats", logs / "nats.log")
+
+
+def restart_nats(stack: Stack, outage_s: float) -> float:
+    """SIGKILL nats-server, wait ``outage_s``, start it on the same port and data dir."""
+    killed = kill_nats(stack)
+    time.sleep(outage_s)
+    start_nats(stack)
     return time.monotonic() - killed
 
 
@@ -149,3 +170,92 @@ async def test_streams_in_flight_finish_exactly_through_a_nats_restart(stack: St
     async with grpc.aio.insecure_channel(stack.grpc_address) as ch:
         again, _ = await stream(generate_pb2_grpc.GenerateStub(ch), prompts[1], md)
     assert again == want[1]
+
+
+SENT_TOKENS = 60  # ~1 s of decode each: the requests end soon after NATS is back
+
+
+async def test_requests_sent_while_nats_is_down_complete_exactly(stack: Stack) -> None:
+    """Requests that reach the entrypoint while NATS is down wait for it: each route request
+    and PrefillTask goes out once NATS is back, again while the restarted server has nobody
+    subscribed yet, and every request ends exactly as an undisturbed one would."""
+    prompts = [[(i * 3571 + k * 7907) % 120000 + 100 for i in range(150)] for k in range(STREAMS)]
+    want = [fake_completion(p, SENT_TOKENS) for p in prompts]
+    md = stack.call_metadata
+    async with grpc.aio.insecure_channel(stack.grpc_address) as ch:
+        stub = generate_pb2_grpc.GenerateStub(ch)
+        killed = await asyncio.to_thread(kill_nats, stack)
+        calls = [asyncio.create_task(stream(stub, p, md, max_tokens=SENT_TOKENS)) for p in prompts]
+        await asyncio.sleep(OUTAGE_S)
+        assert not any(c.done() for c in calls), [c.result() for c in calls if c.done()]
+        await asyncio.to_thread(start_nats, stack)
+        back = time.monotonic()
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        took = time.monotonic() - killed
+    print(f"outage {back - killed:.1f}s; requests done {took:.1f}s after the kill")
+    for k, res in enumerate(results):
+        assert not isinstance(res, BaseException), (k, res, dump_logs(stack))
+        got, finish = res
+        assert got == want[k], (k, len(got), dump_logs(stack))
+        assert finish is not None and finish.reason == "length", finish
+    assert took < OUTAGE_S + 15, f"requests took {took:.1f}s after the kill"
+    assert not stack.exited(), dump_logs(stack)
+    entrypoint = log_of(stack, "entrypoint")
+    assert "stopped heartbeating" not in entrypoint, "an instance was declared dead"
+    assert not re.search(r"attempt \d+ failed", entrypoint), "a request was retried elsewhere"
+
+
+async def test_a_task_sent_before_its_subscriber_is_back_is_sent_again(tmp_path: Path) -> None:
+    """The transport alone, on a nats-server of its own: while NATS is down a task and a
+    route request wait for it; on the restarted server the task finds nobody subscribed
+    ("no responders") until the prefill side subscribes again 1 s later, and goes out again
+    until that subscriber confirms it; the route request is answered once its responder is
+    back."""
+    port = procs.free_port()
+    url = f"nats://127.0.0.1:{port}"
+    server = procs.start_nats(port, tmp_path / "nats", tmp_path / "nats.log")
+    stop = asyncio.Event()
+    nc = await connect_nats(url, "entrypoint", stop, logging.getLogger("test"))
+    assert nc is not None
+    bus = NatsBus(nc, outage_wait=10.0)
+    got: list[bytes] = []
+
+    async def on_task(msg: nats.aio.msg.Msg) -> None:
+        got.append(msg.data)
+        await msg.respond(b"")
+
+    try:
+        assert await bus.send("ds.prefill.p1.task", b"t0", 1.0) is Delivery.NOBODY
+        server.kill()
+        server.wait(10)
+        sending = asyncio.create_task(
+            deliver(
+                bus, "ds.prefill.p1.task", b"t1", instance="p1", ack_timeout=1.0, gone_after=3.0
+            )
+        )
+        routing = asyncio.create_task(bus.request("ds.balancer.route", b"r", 2.0))
+        await asyncio.sleep(1.5)
+        assert not sending.done() and not routing.done()  # waiting for NATS, not failing
+        server = procs.start_nats(port, tmp_path / "nats", tmp_path / "nats.log")
+        back = time.monotonic()
+        while not nc.is_connected:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)  # the prefill side is not subscribed yet
+        assert not sending.done()
+        prefill = await nats.connect(url)
+        await prefill.subscribe("ds.prefill.p1.task", cb=on_task)
+
+        async def on_route(msg: nats.aio.msg.Msg) -> None:
+            await msg.respond(b"decision")
+
+        await prefill.subscribe("ds.balancer.route", cb=on_route)
+        await prefill.flush()
+        outcome, copies = await asyncio.wait_for(sending, 5)
+        assert outcome is Delivery.ACKED and copies > 2 and got == [b"t1"]
+        assert await asyncio.wait_for(routing, 5) == b"decision"
+        assert time.monotonic() - back < 4
+        await prefill.close()
+    finally:
+        stop.set()
+        await nc.close()
+        procs.stop(server)

@@ -7,12 +7,21 @@ running, the ``--summary`` most recently used digests, exactly as the engine bui
 the real :class:`~libs.routing.policy.RoutingPolicy` on a simulated clock. The same trace
 is replayed through three routers:
 
-* ``policy``: the balancer as deployed (buckets, then locality from heartbeat summaries, then load);
-* ``oracle``: the same cost rule, but it sees every cache and queue exactly at every request;
+* ``policy``: the balancer as deployed (buckets, load cap, then locality from heartbeat
+  summaries priced against load);
+* ``oracle``: locality only (no load cap or price), seeing every cache and queue exactly at
+  every request: the hit-rate ceiling;
 * ``round_robin``: instances in turn.
 
 ``hit_rate`` counts prompt tokens found in the chosen instance's GPU cache (token-weighted,
 like the seeds' 56% / 96% figures; the kvstore on SSD would serve many of the misses).
+``max_mean_load`` is busy seconds (prefill time actually spent, so cache hits count as the
+work they save) of the busiest instance over the mean, over the whole run;
+``max_mean_load_60s`` is the same per 60 s window, summed over windows (sum of the busiest
+instance's busy time in each window / sum of the mean's), so an instance that takes all of
+one burst and none of the next counts as unbalanced even if its total is average.
+``--sweep KNOB=V1,V2,...`` replays the policy once per value of a ``RoutingPolicy`` knob
+(``load_cap``, ``load_weight``, ``load_half_life``) and reports the trade-off.
 Deterministic for a given ``--seed``; no I/O besides the JSON.
 """
 
@@ -21,6 +30,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import platform
 import random
 import time
@@ -34,6 +44,9 @@ from libs.routing.policy import DECODE, DIGEST_BYTES, PREFILL, Instance, Routing
 
 BLOCK = 128
 TRACES = ("agent", "chat", "mixed")
+LOCALITY_ONLY = {"load_cap": math.inf, "load_weight": 0.0}
+KNOBS = ("load_cap", "load_weight", "load_half_life")
+WINDOWS_S = (10.0, 30.0, 60.0)
 
 
 @dataclass(frozen=True)
@@ -133,6 +146,7 @@ class SimInstance:
     free_at: float = 0.0
     busy_s: float = 0.0
     backlog: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, tokens)
+    spans: list[tuple[float, float]] = field(default_factory=list)  # every (start, end) served
 
     def hit(self, blocks: tuple[bytes, ...]) -> int:
         n = 0
@@ -178,10 +192,13 @@ def simulate(
     cache_blocks: int,
     summary: int,
     bounds: tuple[int, ...],
+    knobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     sims = [SimInstance(f"p{i:02d}", cache_blocks) for i in range(instances)]
     clock = [0.0]
-    policy = RoutingPolicy(clock=lambda: clock[0], bucket_bounds=bounds, block_size=BLOCK)
+    policy = RoutingPolicy(
+        clock=lambda: clock[0], bucket_bounds=bounds, block_size=BLOCK, **(knobs or {})
+    )
     names = bk.bucket_names(bounds)
     waits: dict[str, list[float]] = {n: [] for n in names}
     hit_tokens = total_tokens = 0
@@ -225,6 +242,7 @@ def simulate(
         sim.free_at = start + dur
         sim.busy_s += dur
         sim.backlog.append((start, start + dur, r.tokens - cached))
+        sim.spans.append((start, start + dur))
         waits[names[bk.bucket_of(r.tokens, bounds)]].append(start - r.arrival)
         hit_tokens += cached
         total_tokens += r.tokens
@@ -233,8 +251,28 @@ def simulate(
         "hit_rate": hit_tokens / max(total_tokens, 1),
         "max_mean_load": max(busy) / (sum(busy) / len(busy)) if sum(busy) else 1.0,
         "busy_s": [round(b, 3) for b in busy],
+        "max_mean_load_60s": balance([s.spans for s in sims], 60.0),
+        "max_mean_load_windows": {
+            f"{w:g}s": round(balance([s.spans for s in sims], w), 4) for w in WINDOWS_S
+        },
         "queueing": {n: _stats(w) for n, w in waits.items() if w},
     }
+
+
+def balance(spans: list[list[tuple[float, float]]], window: float) -> float:
+    """Sum over ``window``-second windows of the busiest instance's busy time / of the mean's."""
+    buckets: dict[int, list[float]] = {}
+    n = len(spans)
+    for i, sp in enumerate(spans):
+        for s, e in sp:
+            while s < e:
+                w = int(s // window)
+                end = min(e, (w + 1) * window)
+                buckets.setdefault(w, [0.0] * n)[i] += end - s
+                s = end
+    top = sum(max(b) for b in buckets.values())
+    mean = sum(sum(b) for b in buckets.values()) / n
+    return top / mean if mean else 1.0
 
 
 def _stats(w: list[float]) -> dict[str, float]:
@@ -246,6 +284,17 @@ def _stats(w: list[float]) -> dict[str, float]:
     }
 
 
+def parse_sweep(text: str) -> tuple[str, list[float]]:
+    """``"load_cap=inf,1.5,1.15"`` -> (knob, values); ValueError names what is wrong."""
+    knob, _, vals = text.partition("=")
+    if knob not in KNOBS or not vals:
+        raise ValueError(f"--sweep must be KNOB=V1,V2,... with KNOB one of {KNOBS}, got {text!r}")
+    try:
+        return knob, [float(v) for v in vals.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--sweep values must be numbers (inf: off), got {vals!r}") from None
+
+
 def run(
     kind: str,
     *,
@@ -255,7 +304,9 @@ def run(
     cache_blocks: int = 4096,
     summary: int = 2048,
     bounds: tuple[int, ...] = bk.DEFAULT_BOUNDS,
+    sweep: tuple[str, list[float]] | None = None,
 ) -> dict[str, Any]:
+    """The three routers on one trace; with ``sweep``, also the policy once per knob value."""
     if kind not in TRACES:
         raise ValueError(f"--trace must be one of {TRACES}, got {kind!r}")
     reqs = trace(kind, seed, duration_s)
@@ -265,8 +316,12 @@ def run(
         "summary": summary,
         "bounds": bounds,
     }
-    res = {name: simulate(reqs, name, **kw) for name in ("policy", "oracle", "round_robin")}
-    return {
+    res = {
+        "policy": simulate(reqs, "policy", **kw),
+        "oracle": simulate(reqs, "oracle", knobs=LOCALITY_ONLY, **kw),
+        "round_robin": simulate(reqs, "round_robin", **kw),
+    }
+    out = {
         "trace": kind,
         "seed": seed,
         "duration_s": duration_s,
@@ -280,8 +335,24 @@ def run(
         "oracle_hit_rate": res["oracle"]["hit_rate"],
         "round_robin_hit_rate": res["round_robin"]["hit_rate"],
         "max_mean_load": res["policy"]["max_mean_load"],
+        "max_mean_load_60s": res["policy"]["max_mean_load_60s"],
         "routers": res,
     }
+    if sweep is not None:
+        knob, values = sweep
+        oracle = res["oracle"]["hit_rate"]
+        rows = []
+        for v in values:
+            r = simulate(reqs, "policy", knobs={knob: v}, **kw)
+            rows.append(
+                {
+                    knob: v if math.isfinite(v) else None,
+                    "hit_ratio_to_oracle": r["hit_rate"] / oracle,
+                    **r,
+                }
+            )
+        out["sweep"] = {"knob": knob, "rows": rows}
+    return out
 
 
 def _lines(result: dict[str, Any]) -> Iterator[str]:
@@ -295,11 +366,46 @@ def _lines(result: dict[str, Any]) -> Iterator[str]:
             f"{b}: mean {v['mean_wait_s']:.3f}s p99 {v['p99_wait_s']:.3f}s"
             for b, v in r["queueing"].items()
         )
-        yield f"  {name:12s} hit {r['hit_rate']:.3f}  max/mean load {r['max_mean_load']:.2f}  {q}"
+        yield (
+            f"  {name:12s} hit {r['hit_rate']:.3f}  max/mean load {r['max_mean_load']:.2f}"
+            f" (60 s windows {r['max_mean_load_60s']:.2f})  {q}"
+        )
+    if "sweep" in result:
+        knob = result["sweep"]["knob"]
+        yield f"  sweep {knob}: hit (/ oracle)  max/mean run / 60 s  p99 wait by bucket"
+        for r in result["sweep"]["rows"]:
+            q = " ".join(f"{b} {v['p99_wait_s']:.2f}s" for b, v in r["queueing"].items())
+            yield (
+                f"  {knob}={_knob(r[knob]):<6} {r['hit_rate']:.3f} ({r['hit_ratio_to_oracle']:.3f})"
+                f"  {r['max_mean_load']:.2f} / {r['max_mean_load_60s']:.2f}  {q}"
+            )
+
+
+def _knob(v: float | None) -> str:
+    return "off" if v is None else f"{v:g}"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``deepserve bench route`` (also ``python -m deepserve.bench.route``)."""
+    p.add_argument("--trace", choices=TRACES, default="agent")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--duration", type=float, default=300.0, help="seconds of simulated traffic")
+    p.add_argument("--instances", type=int, default=8, help="simulated prefill instances")
+    p.add_argument("--cache-blocks", type=int, default=4096, help="128-token blocks each caches")
+    p.add_argument("--summary", type=int, default=2048, help="digests per heartbeat summary")
+    p.add_argument("--prefill-buckets", default="16384,65536,262144", help="bucket bounds (tokens)")
+    p.add_argument(
+        "--sweep",
+        default=None,
+        help=f"KNOB=V1,V2,...: also replay the policy once per value ({', '.join(KNOBS)}; "
+        "inf: off), e.g. load_cap=inf,1.5,1.3,1.15,1.05",
+    )
+    p.add_argument("--json", dest="json_out", default=None, help="write the result JSON here")
 
 
 def main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
+    sweep = getattr(args, "sweep", None)
     result = run(
         args.trace,
         seed=args.seed,
@@ -308,6 +414,7 @@ def main(args: argparse.Namespace) -> int:
         cache_blocks=args.cache_blocks,
         summary=args.summary,
         bounds=bk.parse_bounds(args.prefill_buckets),
+        sweep=parse_sweep(sweep) if sweep else None,
     )
     result["wall_s"] = round(time.perf_counter() - t0, 2)
     result["machine"] = platform.machine()
@@ -318,3 +425,9 @@ def main(args: argparse.Namespace) -> int:
             json.dump(result, f, indent=1, sort_keys=True)
             f.write("\n")
     return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m deepserve.bench.route", description=__doc__)
+    add_arguments(parser)
+    raise SystemExit(main(parser.parse_args()))

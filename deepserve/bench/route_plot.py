@@ -1,6 +1,11 @@
 """Plots of ``deepserve bench route`` results (matplotlib, a test extra):
 
-python -m deepserve.bench.route_plot docs/img bench/results/route-*-cpu.json
+python -m deepserve.bench.route_plot docs/img bench/results/route-{agent,chat,mixed}-cpu.json
+python -m deepserve.bench.route_plot docs/img bench/results/route-sweep-*-cpu.json
+
+Results with a ``sweep`` (``--sweep``) draw ``route-tradeoff.png``: hit rate (as a fraction
+of the oracle's) against max/mean busy time, one curve per trace; the others draw
+``route-hit-rate.png`` and ``route-p99-wait.png``.
 """
 
 from __future__ import annotations
@@ -62,6 +67,45 @@ def plot(out_dir: Path, results: list[dict[str, Any]]) -> list[Path]:
     return [hit, wait]
 
 
+def plot_sweep(out_dir: Path, results: list[dict[str, Any]]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for r in results:
+        knob, rows = r["sweep"]["knob"], r["sweep"]["rows"]
+        xs = [row["max_mean_load"] for row in rows]
+        ys = [row["hit_ratio_to_oracle"] for row in rows]
+        (line,) = ax.plot(xs, ys, "o-", ms=4, label=f"{r['trace']}: policy, {knob} swept")
+        for row, x, y in zip(rows, xs, ys):
+            label = "off" if row[knob] is None else f"{row[knob]:g}"
+            ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        rr = r["routers"]["round_robin"]
+        ax.plot(
+            [rr["max_mean_load"]],
+            [rr["hit_rate"] / r["oracle_hit_rate"]],
+            "x",
+            color=line.get_color(),
+            label=f"{r['trace']}: round robin",
+        )
+        oracle = r["routers"]["oracle"]
+        ax.plot([oracle["max_mean_load"]], [1.0], "s", color=line.get_color(), mfc="none", ms=6)
+    ax.axvline(1.15, color="grey", lw=0.8, ls="--")
+    ax.axhline(0.95, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("max/mean busy time of the prefill instances (whole run)")
+    ax.set_ylabel("prompt-token hit rate / oracle's")
+    ax.set_title("bench route: locality against load (squares: locality-only oracle)", fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path = out_dir / "route-tradeoff.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 2:
         print(__doc__)
@@ -69,7 +113,12 @@ def main(argv: list[str]) -> int:
     results = [json.loads(Path(p).read_text()) for p in argv[1:]]
     order = {"agent": 0, "chat": 1, "mixed": 2}
     results.sort(key=lambda r: order.get(r["trace"], 9))
-    for p in plot(Path(argv[0]), results):
+    sweeps = [r for r in results if "sweep" in r]
+    plain = [r for r in results if "sweep" not in r]
+    paths = plot(Path(argv[0]), plain) if plain else []
+    if sweeps:
+        paths.append(plot_sweep(Path(argv[0]), sweeps))
+    for p in paths:
         print(p)
     return 0
 

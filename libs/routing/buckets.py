@@ -8,12 +8,21 @@ instances of a model changes:
 * every bucket with demand gets at least one instance (the busiest first when there are fewer
   instances than busy buckets); the rest are shared in proportion to demand (largest
   remainder, ties to the shorter bucket);
+* except a *rare* bucket, worth less than ``MIN_SHARE`` of an instance, when the next longer
+  bucket is busy and not rare: it gets none, and its requests go to that bucket's instances
+  (the policy falls back to the nearest longer bucket). An instance reserved for a trickle
+  would idle: on the agent trace of ``deepserve bench route`` the < 16K bucket is 2% of the
+  requests and held one instance of eight at half the mean load. Only the adjacent bucket
+  is shared, so a short prompt never waits behind one more than a bucket longer (< 16K
+  behind 16K-64K, not behind 100K documents); a rare bucket next to an idle or rare one, or
+  the longest, keeps its instance, so rare long documents stay isolated;
 * instances, sorted by id, fill the buckets in bucket order, so the assignment is a pure
   function of (live ids, demand snapshot): two replicas that saw the same traffic agree, and
   a replica that restarts recomputes it at once.
 
-A request whose bucket has no usable instance (none assigned, or all excluded/draining) may
-go to any instance of its model: buckets shape the load, they never refuse it.
+A request whose bucket has no usable instance (none assigned, or all excluded/draining) goes
+to the nearest longer bucket that has one, else to any instance of its model: buckets shape
+the load, they never refuse it.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 DEFAULT_BOUNDS = (16_384, 65_536, 262_144)  # < 16K, 16K-64K, 64K-256K, >= 256K tokens
+MIN_SHARE = 0.5  # of one instance's worth of demand; below it a bucket may share (see above)
 
 
 def parse_bounds(text: str) -> tuple[int, ...]:
@@ -64,10 +74,13 @@ def bucket_names(bounds: Sequence[int]) -> list[str]:
 
 def shares(demand: Sequence[float], n: int) -> list[int]:
     """Instances per bucket for ``n`` instances and per-bucket ``demand`` (sum n if any demand)."""
-    busy = [i for i, d in enumerate(demand) if d > 0]
     out = [0] * len(demand)
-    if not busy or n <= 0:
+    total = sum(d for d in demand if d > 0)
+    if total <= 0 or n <= 0:
         return out
+    busy = [i for i, d in enumerate(demand) if d > 0]
+    rare = {i for i in busy if demand[i] * n < MIN_SHARE * total}  # shares the next bucket's
+    busy = [i for i in busy if i not in rare or i + 1 not in busy or i + 1 in rare]
     if n <= len(busy):
         for i in sorted(busy, key=lambda i: (-demand[i], i))[:n]:
             out[i] = 1

@@ -10,12 +10,27 @@ Prefill, in this order:
 1. **Length bucket** (:mod:`.buckets`): only instances the balancer assigned to the request's
    bucket (< 16K, 16K-64K, 64K-256K, >= 256K prompt tokens by default), so a 200K-token prompt
    never queues in front of a stream of short chat turns. Assignment follows demand.
-2. **Cache locality, then load**, as one cost in tokens: the prompt tokens the instance would
+   A bucket worth less than half an instance shares the instances of the next longer bucket
+   (when that one is busy and worth more), so a trickle of short prompts holds no instance.
+2. **Load cap**: an instance whose recent work is above ``load_cap`` times the mean of the
+   candidates takes no new request while another candidate is under the cap, however much
+   of the prompt it holds. Recent work is what this policy routed there (tokens to compute
+   plus a fixed cost per request), decayed with ``load_half_life``. Without the cap,
+   locality piles a hot tenant's new sessions onto the instance that holds its system prompt
+   (agent trace of ``deepserve bench route``: busiest instance 1.8x the mean); with it, the
+   tenant's next session goes to an instance under the cap, which then holds the prefix too,
+   so a hot prefix ends up replicated on as many instances as its traffic needs.
+3. **Cache locality, then load**, as one cost in tokens: the prompt tokens the instance would
    have to compute (prompt minus the longest leading run of the request's block hashes its
-   heartbeat lists as resident in GPU memory) plus the tokens already queued on it. A long
-   resident prefix therefore beats a somewhat shorter queue, and with equal caches the shorter
-   queue wins. Costs are compared in whole blocks (128 tokens), so near-equal ones tie.
-3. **Running requests**, then a tie-break.
+   heartbeat lists as resident in GPU memory) plus the tokens already queued on it, plus a
+   price for being above the mean: ``load_weight`` x prompt tokens x (recent work / mean - 1).
+   A long resident prefix therefore beats a somewhat shorter queue, and with equal caches the
+   shorter queue wins; when recent work is even the price is zero and locality decides alone.
+   The price is relative to the request's size, so a session whose whole context is resident
+   stays put (moving it would recompute it all) while a new session, whose cached part is the
+   system prompt only, moves off an instance running hot. Costs are compared in whole blocks
+   (128 tokens), so near-equal ones tie.
+4. **Running requests**, then a tie-break.
 
 Decode: KV memory in use (in 1/32 steps of the total), then running requests, then the
 tie-break.
@@ -26,12 +41,18 @@ itself routed to each instance since that instance's last heartbeat (requests an
 tokens) and adds it to the heartbeat's figures. Ties are broken by a hash of (request id,
 instance id), never by a per-process counter: several balancer replicas that saw the same
 heartbeats and the same requests make the same choices, and equal instances share a burst
-evenly instead of piling onto the first in id order.
+evenly instead of piling onto the first in id order. Recent work, too, is what *this* replica
+routed: replicas in one queue group each balance their own share of the requests (a replica
+that answered one request more differs until that work decays).
+
+Per decision the policy does O(candidates x leading resident blocks) work, as before, plus
+O(candidates) for the load figures (one decayed number per instance).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +64,9 @@ DECODE = "decode"
 ROLES = (PREFILL, DECODE)
 DIGEST_BYTES = 8  # resident-prefix summaries carry the first 8 bytes of each chain digest
 KV_STEPS = 32  # decode KV use is compared in 1/32 of the instance's blocks
+# A prefill's fixed cost, counted as tokens of work: ~20 ms of step overhead at ~20K tokens/s.
+# Without it a stream of fully cached turns would count as no work at all.
+REQUEST_WORK_TOKENS = 400
 
 
 class NoInstance(Exception):
@@ -95,6 +119,20 @@ class Decision:
 
 
 @dataclass
+class _Work:
+    """Work routed to one instance, decayed exponentially (value as of ``at``)."""
+
+    value: float = 0.0
+    at: float = 0.0
+
+    def now(self, now: float, half_life: float) -> float:
+        return self.value * math.exp2(-max(now - self.at, 0.0) / half_life)
+
+    def add(self, tokens: float, now: float, half_life: float) -> None:
+        self.value, self.at = self.now(now, half_life) + tokens, now
+
+
+@dataclass
 class _Entry:
     instance: Instance
     last_seen: float
@@ -115,7 +153,11 @@ class RoutingPolicy:
     heartbeat is more than ``heartbeat_timeout`` seconds old is dead: never chosen, and
     forgotten by :meth:`prune`. ``bucket_bounds`` split prompt lengths into buckets; the
     assignment of prefill instances to buckets is re-evaluated every ``rebalance_interval``
-    seconds from demand decayed with ``demand_half_life``.
+    seconds from demand decayed with ``demand_half_life``. ``load_cap`` (>= 1; ``inf``: off)
+    and ``load_weight`` (>= 0; 0: off) trade prefix hits for even load, on work routed in the
+    last ``load_half_life`` seconds or so (see the module docstring); the defaults hold the
+    agent trace of ``deepserve bench route`` to max/mean busy time <= 1.15 at 0.97 of the
+    locality-only oracle's hit rate.
     """
 
     heartbeat_timeout: float = 3.0
@@ -124,6 +166,10 @@ class RoutingPolicy:
     block_size: int = 128
     rebalance_interval: float = 10.0
     demand_half_life: float = 60.0
+    load_cap: float = 1.15
+    load_weight: float = 2.0
+    load_half_life: float = 30.0
+    _work: dict[str, _Work] = field(default_factory=dict, init=False)
     _table: dict[tuple[str, str], _Entry] = field(default_factory=dict, init=False)
     _demand: dict[str, bk.Demand] = field(default_factory=dict, init=False)
     _assigned: dict[str, tuple[float, tuple[str, ...], dict[str, int]]] = field(
@@ -138,6 +184,12 @@ class RoutingPolicy:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if not self.rebalance_interval > 0 or not self.demand_half_life > 0:
             raise ValueError("rebalance_interval and demand_half_life must be > 0 seconds")
+        if not self.load_cap >= 1.0:
+            raise ValueError(f"load_cap must be >= 1 (x the mean; inf: off), got {self.load_cap}")
+        if not self.load_weight >= 0.0:
+            raise ValueError(f"load_weight must be >= 0 (0: off), got {self.load_weight}")
+        if not self.load_half_life > 0:
+            raise ValueError(f"load_half_life must be > 0 seconds, got {self.load_half_life}")
 
     # -- heartbeats -------------------------------------------------------------------------
     def observe(self, instance: Instance) -> None:
@@ -148,6 +200,9 @@ class RoutingPolicy:
         """Forget dead instances; returns them (for logging)."""
         now = self.clock()
         dead = [k for k, e in self._table.items() if now - e.last_seen > self.heartbeat_timeout]
+        for role, iid in dead:
+            if role == PREFILL:
+                self._work.pop(iid, None)
         return [self._table.pop(k).instance for k in dead]
 
     def is_live(self, role: str, instance_id: str) -> bool:
@@ -213,25 +268,64 @@ class RoutingPolicy:
         if not dec:
             raise NoInstance(self._why_none(DECODE, model, excluded))
         self._demand_of(model).add(bucket, prompt_tokens, self.clock())
-        assigned = self.assignment(model)
-        in_bucket = [e for e in pre if assigned.get(e.instance.instance_id) == bucket]
-        p = min(
-            in_bucket or pre,
-            key=lambda e: self._prefill_key(e, request_id, prompt_tokens, block_hashes),
+        p = self._pick_prefill(
+            self._of_bucket(pre, bucket, model), request_id, prompt_tokens, block_hashes
         )
         d = min(dec, key=lambda e: self._decode_key(e, request_id))
         resident = p.instance.resident_run(block_hashes)
+        to_compute = max(prompt_tokens - resident * self.block_size, 0)
         p.sent_requests += 1
-        p.sent_tokens += max(prompt_tokens - resident * self.block_size, 0)
+        p.sent_tokens += to_compute
         d.sent_requests += 1
+        work = self._work.setdefault(p.instance.instance_id, _Work())
+        work.add(to_compute + REQUEST_WORK_TOKENS, self.clock(), self.load_half_life)
         return Decision(p.instance, d.instance, bucket, resident)
 
+    def _of_bucket(self, pre: list[_Entry], bucket: int, model: str) -> list[_Entry]:
+        """Instances of ``bucket``, else of the nearest longer bucket that has any, else all."""
+        assigned = self.assignment(model)
+        for b in range(bucket, len(self.bucket_bounds) + 1):
+            mine = [e for e in pre if assigned.get(e.instance.instance_id) == b]
+            if mine:
+                return mine
+        return pre
+
+    def _pick_prefill(
+        self, cands: list[_Entry], request_id: str, prompt_tokens: int, hashes: Sequence[bytes]
+    ) -> _Entry:
+        now = self.clock()
+        recent = {e.instance.instance_id: self._recent(e.instance.instance_id, now) for e in cands}
+        mean = sum(recent.values()) / len(cands)
+        if mean > 0:
+            under = [e for e in cands if recent[e.instance.instance_id] <= self.load_cap * mean]
+            cands = under or cands  # never empty: the least loaded is at most the mean
+        return min(
+            cands,
+            key=lambda e: self._prefill_key(
+                e,
+                request_id,
+                prompt_tokens,
+                hashes,
+                recent[e.instance.instance_id] / mean - 1.0 if mean > 0 else 0.0,
+            ),
+        )
+
+    def _recent(self, instance_id: str, now: float) -> float:
+        w = self._work.get(instance_id)
+        return w.now(now, self.load_half_life) if w is not None else 0.0
+
     def _prefill_key(
-        self, e: _Entry, request_id: str, prompt_tokens: int, hashes: Sequence[bytes]
+        self,
+        e: _Entry,
+        request_id: str,
+        prompt_tokens: int,
+        hashes: Sequence[bytes],
+        over_mean: float,
     ) -> tuple[int, int, bytes]:
         inst = e.instance
         to_compute = max(prompt_tokens - inst.resident_run(hashes) * self.block_size, 0)
-        cost = to_compute + inst.queued_tokens + e.sent_tokens
+        price = self.load_weight * prompt_tokens * max(over_mean, 0.0)
+        cost = to_compute + inst.queued_tokens + e.sent_tokens + int(price)
         return (
             cost // self.block_size,
             inst.running + inst.waiting + e.sent_requests,

@@ -25,6 +25,8 @@ class BalancerConfig:
     warmup_seconds: float = 1.0
     prefill_buckets: tuple[int, ...] = DEFAULT_BOUNDS
     rebalance_interval: float = 10.0
+    load_cap: float = 1.15
+    load_weight: float = 2.0
 
     def __post_init__(self) -> None:
         if not self.heartbeat_timeout > 0:
@@ -38,6 +40,10 @@ class BalancerConfig:
                 f"--rebalance-interval must be > 0 seconds, got {self.rebalance_interval}"
             )
         check_bounds(self.prefill_buckets)
+        if not self.load_cap >= 1.0:
+            raise ValueError(f"--load-cap must be >= 1 (inf: off), got {self.load_cap}")
+        if not self.load_weight >= 0.0:
+            raise ValueError(f"--load-weight must be >= 0 (0: off), got {self.load_weight}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +76,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds between re-assignments of prefill instances to buckets by demand",
     )
+    flag(
+        parser,
+        "--load-cap",
+        type=float,
+        default=1.15,
+        help="a prefill instance whose recent work passes this many times the mean takes no "
+        "new request while another is under it, whatever it caches (inf: off)",
+    )
+    flag(
+        parser,
+        "--load-weight",
+        type=float,
+        default=2.0,
+        help="price of recent work above the mean, in prompt tokens per unit of "
+        "(work / mean - 1), against the tokens a cache hit saves (0: off)",
+    )
     return parser
 
 
@@ -81,4 +103,6 @@ def config_from(args: argparse.Namespace) -> BalancerConfig:
         warmup_seconds=args.warmup_seconds,
         prefill_buckets=parse_bounds(args.prefill_buckets),
         rebalance_interval=args.rebalance_interval,
+        load_cap=args.load_cap,
+        load_weight=args.load_weight,
     )

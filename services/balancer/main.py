@@ -41,6 +41,8 @@ async def serve(config: BalancerConfig, ctx: ServiceContext) -> int:
             heartbeat_timeout=config.heartbeat_timeout,
             bucket_bounds=config.prefill_buckets,
             rebalance_interval=config.rebalance_interval,
+            load_cap=config.load_cap,
+            load_weight=config.load_weight,
         )
     )
     state: dict[str, object] = {"nc": None, "routing": False}

@@ -3,6 +3,7 @@ replica consistency, bucket reassignment as demand shifts."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from libs.common.hashchain import chain_hashes
 from libs.proto.deepserve.v1 import control_pb2
 from libs.routing import buckets as bk
-from libs.routing.policy import DECODE, PREFILL, Instance, RoutingPolicy
+from libs.routing.policy import DECODE, PREFILL, REQUEST_WORK_TOKENS, Instance, RoutingPolicy
 from services.balancer.handlers import BalancerHandlers
 
 from .test_balancer_policy import FakeClock, decode, prefill
@@ -207,9 +208,11 @@ def test_replicas_with_the_same_heartbeats_choose_identically() -> None:
         decode("d2", free_kv_blocks=10, total_kv_blocks=20),
     ]
     a, b = make(FakeClock(), *insts), make(FakeClock(), *reversed(insts))
-    b.route(model="m", request_id="warm", prompt_tokens=0)  # b answered one more: differs only
-    b.observe(insts[0]), b.observe(insts[3])  # until the heartbeats after it
-    a.observe(insts[0]), a.observe(insts[3])
+    # Heartbeats in a different order, the same requests: the same choices. (A replica that
+    # answered one request more would differ until that work decays: recent work counts.)
+    for p in (a, b):
+        p.route(model="m", request_id="warm", prompt_tokens=0)
+        p.observe(insts[0]), p.observe(insts[3])
     for i in range(12):
         kw = {
             "model": "m",
@@ -266,3 +269,98 @@ def test_handler_passes_lengths_hashes_and_resident_prefixes(clock: FakeClock) -
     d = control_pb2.RouteDecision.FromString(h.on_route(req.SerializeToString()))
     assert d.prefill_instance == "p2" and not d.error
     assert {i.role for i in h.policy.live()} == {PREFILL, DECODE}
+
+
+def test_a_rare_short_bucket_shares_the_next_bucket_and_rare_long_ones_keep_their_own() -> None:
+    # < 16K is 1% of the tokens next to a busy 16K-64K: it holds no instance of its own.
+    assert bk.shares([1, 99, 0, 0], 8) == [0, 8, 0, 0]
+    # Next to an idle bucket it keeps one (short prompts never wait behind 100K ones) ...
+    assert bk.shares([1, 0, 99, 0], 8) == [1, 0, 7, 0]
+    # ... and so do rare long buckets: documents stay apart from everything shorter.
+    assert bk.shares([60, 38, 1, 1], 8)[2:] == [1, 1]
+
+
+def test_rare_short_prompts_go_to_the_next_buckets_instances() -> None:
+    clock = FakeClock()
+    p = make(clock, *(prefill(f"p{i}") for i in range(4)), decode("d1"))
+    for i in range(40):  # 1 short prompt in 20: ~0.2% of the tokens
+        p.route(model="m", request_id=f"w{i}", prompt_tokens=1000 if i % 20 == 0 else 40 * K)
+    clock.now += 11
+    for i in range(4):
+        p.observe(prefill(f"p{i}"))
+    p.observe(decode("d1"))
+    assert set(p.assignment("m").values()) == {1}
+    short = {
+        p.route(model="m", request_id=f"s{i}", prompt_tokens=500).prefill.instance_id
+        for i in range(8)
+    }
+    assert len(short) == 4  # spread over the 16K-64K instances, not one idling for them
+
+
+def _hot_tenant(p: RoutingPolicy, n: int) -> Counter[str]:
+    """``n`` new sessions of one tenant whose 5,120-token system prompt only p0 holds."""
+    hs = hashes(40)
+    work: Counter[str] = Counter()
+    for i in range(n):
+        p.observe(prefill("p0", resident=resident(hs)))  # fresh heartbeats: no queue anywhere
+        for j in range(1, 4):
+            p.observe(prefill(f"p{j}"))
+        d = p.route(model="m", request_id=f"s{i}", prompt_tokens=7000, block_hashes=hs)
+        work[d.prefill.instance_id] += 7000 - 128 * d.resident_blocks + REQUEST_WORK_TOKENS
+    return work
+
+
+def test_a_hot_tenant_no_longer_piles_onto_the_instance_holding_its_prefix(
+    clock: FakeClock,
+) -> None:
+    hot = RoutingPolicy(clock=clock, load_cap=math.inf, load_weight=0.0)
+    hot.observe(decode("d1"))
+    assert set(_hot_tenant(hot, 40)) == {"p0"}  # locality alone: everything on p0
+    capped = RoutingPolicy(clock=clock)  # defaults: load_cap 1.15
+    capped.observe(decode("d1"))
+    work = _hot_tenant(capped, 40)
+    mean = sum(work.values()) / 4
+    one = 7000 + REQUEST_WORK_TOKENS  # the cap is checked before a request lands
+    assert len(work) == 4 and max(work.values()) <= capped.load_cap * mean + one
+    assert work.most_common(1)[0][0] == "p0"  # its prefix still makes p0 the first choice
+
+
+def test_locality_still_wins_when_load_is_even(clock: FakeClock) -> None:
+    hs = hashes(100)
+    p = make(clock, *(prefill(f"p{i}") for i in range(4)), decode("d1"))
+    for i in range(4):  # the same work on each instance: nothing to price
+        assert p.route(model="m", request_id=f"e{i}", prompt_tokens=4000).prefill
+    p.observe(prefill("p2", resident=resident(hs)))
+    d = p.route(model="m", request_id="r", prompt_tokens=13000, block_hashes=hs)
+    assert d.prefill.instance_id == "p2" and d.resident_blocks == 100
+
+
+def test_a_session_whose_context_is_resident_stays_on_an_instance_above_the_mean(
+    clock: FakeClock,
+) -> None:
+    hs = hashes(300)  # 38,400 tokens of one session, resident on p1
+    p = make(clock, prefill("p1", resident=resident(hs)), prefill("p2"), decode("d1"))
+    p.route(model="m", request_id="a", prompt_tokens=3000, exclude=["p2"])
+    p.route(model="m", request_id="b", prompt_tokens=2400, exclude=["p1"])
+    # p1 has done 1.1x the mean (under the 1.15 cap). The price of that, 2 x 38,600 x 0.1 =
+    # 7.5K tokens, is less than recomputing the 38K resident ones elsewhere: it stays.
+    d = p.route(model="m", request_id="r", prompt_tokens=38600, block_hashes=hs)
+    assert d.prefill.instance_id == "p1"
+
+
+def test_bad_load_knobs_are_refused() -> None:
+    with pytest.raises(ValueError, match="load_cap"):
+        RoutingPolicy(load_cap=0.9)
+    with pytest.raises(ValueError, match="load_weight"):
+        RoutingPolicy(load_weight=-1)
+    with pytest.raises(ValueError, match="load_half_life"):
+        RoutingPolicy(load_half_life=0)
+
+
+def test_balancer_flags_reach_the_policy_knobs() -> None:
+    from services.balancer.config import build_parser, config_from
+
+    cfg = config_from(build_parser().parse_args(["--load-cap", "inf", "--load-weight", "0"]))
+    assert (cfg.load_cap, cfg.load_weight) == (math.inf, 0.0)
+    with pytest.raises(ValueError, match="--load-cap"):
+        config_from(build_parser().parse_args(["--load-cap", "0.5"]))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from deepserve.bench import route
 
 
@@ -32,3 +34,24 @@ def test_mixed_trace_keeps_short_prompts_from_queueing_behind_long_ones() -> Non
     short = r["routers"]
     pol, rr = short["policy"]["queueing"]["<16K"], short["round_robin"]["queueing"]["<16K"]
     assert pol["p99_wait_s"] <= rr["p99_wait_s"]
+
+
+def test_sweep_reports_hit_rate_against_balance_for_each_knob_value() -> None:
+    knob, values = route.parse_sweep("load_cap=inf,1.05")
+    r = route.run("agent", seed=1, duration_s=60, sweep=(knob, values))
+    rows = r["sweep"]["rows"]
+    assert [row["load_cap"] for row in rows] == [None, 1.05]  # inf (off) is written as null
+    for row in rows:
+        assert 0 < row["hit_ratio_to_oracle"] <= 1.0 + 1e-9
+        assert (
+            row["max_mean_load"] >= 1.0 and row["max_mean_load_60s"] >= row["max_mean_load"] - 1e-9
+        )
+    with pytest.raises(ValueError, match="KNOB"):
+        route.parse_sweep("bucket_bounds=1,2")
+
+
+def test_windowed_balance_sees_an_instance_taking_a_whole_burst() -> None:
+    # Equal totals, but p0 did all of the first minute and p1 all of the second.
+    spans = [[(0.0, 30.0)], [(60.0, 90.0)]]
+    assert route.balance(spans, 1e9) == 1.0
+    assert route.balance(spans, 60.0) == 2.0

@@ -5,6 +5,9 @@ Keys: ``ds:kv:<hex>`` (a block's metadata hash), ``ds:kv:_stats`` (``blocks``/``
 ``ds:kv:_lru`` (sorted set: hex -> last use) and ``ds:kv:_children`` (hash: parent hex -> how
 many stored blocks name it as parent; a block with none is a chain tail, the only kind that
 capacity eviction removes).
+
+Lookup reads the LRU index with one native ``ZMSCORE`` (``index.py``), no script: every script
+here keeps a block's index entry (score: its ``last_access``) in step with its metadata.
 """
 
 from __future__ import annotations
@@ -148,40 +151,3 @@ for i = 0, #s / 64 - 1 do
 end
 return 0
 """
-
-# KEYS: LRU_KEY. ARGV: the chain's hex digests concatenated (64 characters each), now, the
-# shortest TTL of any class, the default TTL, then class/TTL pairs. Returns how many leading
-# blocks exist and have not expired: the whole Lookup in one round trip, read-only.
-#
-# Existence and last use both come from the LRU index, ZMSCORE'd LOOKUP_CHUNK members at a time
-# (one native command per chunk instead of one call per key; every script above adds, refreshes
-# and removes a block's index entry together with its metadata, the entry's score being the
-# block's last_access). Only a block older than the shortest TTL (days, so rarely) costs one
-# HGET of its class to decide with its own class's TTL.
-LOOKUP_CHUNK = 256  # members per ZMSCORE (Lua unpacks at most 8000): a miss stops early
-LOOKUP = """
-local s = ARGV[1]
-local n = #s / 64
-local now, shortest, dflt = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local ttl = nil
-for first = 0, n - 1, LOOKUP_CHUNK do
-  local last = math.min(first + LOOKUP_CHUNK, n) - 1
-  local m = {}
-  for i = first, last do m[#m + 1] = string.sub(s, i * 64 + 1, i * 64 + 64) end
-  local sc = redis.call('ZMSCORE', KEYS[1], unpack(m))
-  for j = 1, #m do
-    local v = sc[j]
-    if not v then return first + j - 1 end
-    local age = now - tonumber(v)
-    if age >= shortest then
-      if not ttl then
-        ttl = {}
-        for a = 5, #ARGV, 2 do ttl[ARGV[a]] = tonumber(ARGV[a + 1]) end
-      end
-      local cls = redis.call('HGET', 'ds:kv:' .. m[j], 'class')
-      if not cls or age >= (ttl[cls] or dflt) then return first + j - 1 end
-    end
-  end
-end
-return n
-""".replace("LOOKUP_CHUNK", str(LOOKUP_CHUNK))

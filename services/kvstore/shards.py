@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from itertools import combinations
 
 from .ec import HEAD_SIZE as _HEAD_SIZE
-from .ec import BadFragments, Codec, unwrap
+from .ec import BadFragments, Codec, Fragment, unwrap
 from .targets import Target, TargetDown, shard_key
 
 log = logging.getLogger("kvstore.shards")
@@ -31,7 +31,7 @@ class BlockUnreadable(RuntimeError):
 class ShardScan:
     """What reading a block's shards found."""
 
-    fragments: dict[int, bytes] = field(default_factory=dict)  # index -> valid fragment
+    fragments: dict[int, Fragment] = field(default_factory=dict)  # index -> valid fragment
     bad: list[int] = field(default_factory=list)  # missing or failing the CRC on a healthy target
     down: dict[int, str] = field(default_factory=dict)  # index -> target name, unreachable
 
@@ -87,7 +87,7 @@ class ShardIO:
         damaged or names another index is ``bad``."""
         out = ShardScan()
 
-        def one(i: int) -> bytes | None:  # the CRC too: the pool's threads check in parallel
+        def one(i: int) -> Fragment | None:  # the CRC too: the pool's threads check in parallel
             frag = unwrap(self.target(placement[i]).get(shard_key(hex_, i, attempt)))
             return frag if frag is not None and self.codec.fragment_ok(i, frag) else None
 
@@ -142,7 +142,7 @@ class ShardIO:
         return data, scan
 
     def _decode(
-        self, fragments: dict[int, bytes], use: tuple[int, ...], checksum: str
+        self, fragments: dict[int, Fragment], use: tuple[int, ...], checksum: str
     ) -> bytes | None:
         if use == tuple(range(self.codec.k)):  # the data shards: join them, no decode
             joined = self.codec.join_data(fragments)
@@ -155,7 +155,7 @@ class ShardIO:
         return data if hashlib.sha256(data).hexdigest() == checksum else None
 
     def _search(
-        self, fragments: dict[int, bytes], checksum: str, skip: tuple[int, ...]
+        self, fragments: dict[int, Fragment], checksum: str, skip: tuple[int, ...]
     ) -> tuple[bytes, tuple[int, ...]] | None:
         """The first ``k``-subset of ``fragments`` that reproduces the checksum (at most
         C(12, 10) = 66 decodes, only for a block with a wrong shard behind a valid CRC)."""

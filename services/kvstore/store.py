@@ -40,7 +40,7 @@ from libs.common.hashchain import DIGEST_SIZE
 from libs.engine.kv.transfer import KVFormatError, decode_frame
 from libs.kvstore.policy import BlockInfo, Reclaim, Retention, place, plan_reclaim
 
-from . import scripts
+from . import index, scripts
 from .ec import Codec
 from .scripts import ANY_ATTEMPT, CHILDREN_KEY, KEY_PREFIX, LRU_KEY, STATS_KEY
 from .shards import BlockUnreadable, ShardIO
@@ -179,11 +179,6 @@ class BlockStore:
         self._delete = redis.register_script(scripts.DELETE)
         self._evict = redis.register_script(scripts.EVICT)
         self._touch_script = redis.register_script(scripts.TOUCH)
-        self._lookup = redis.register_script(scripts.LOOKUP)
-        ttls = self.retention.ttls
-        self._ttl_args: list[Any] = [min(ttls.values()), ttls[self.retention.default_class]]
-        for cls, ttl in ttls.items():
-            self._ttl_args += [cls, ttl]
 
     def prepare(self) -> None:
         """Create the targets (directories, buckets) that do not exist yet (blocking; once)."""
@@ -217,9 +212,10 @@ class BlockStore:
         return [bool(x) for x in found]
 
     async def lookup(self, hashes: Sequence[bytes]) -> int:
-        """How many leading hashes of a chain are stored and unexpired: the LRU index only, one
-        Redis round trip (a Lua script) whatever the chain's length, the digests sent as one
-        hex string (no per-hash work in Python or in redis-py's command packing).
+        """How many leading hashes of a chain are stored and unexpired: one native ``ZMSCORE``
+        of the LRU index (``index.py``) whatever the chain's length, stopping at the first block
+        missing; only blocks last used longer ago than the shortest TTL (days: rarely) cost a
+        second round trip, for their traffic class, and the count stops at the first expired.
 
         Read-only: a Lookup is not a *use* of a block. A block's last use (what its TTL and the
         LRU eviction count from) is refreshed by a ``put`` naming it and by every ``get`` that
@@ -228,8 +224,20 @@ class BlockStore:
         check_hashes(hashes)
         if not hashes:
             return 0
-        args = [b"".join(hashes).hex(), self.clock(), *self._ttl_args]
-        return int(await self._redis(self._lookup(keys=[LRU_KEY], args=args)))
+        now = self.clock()
+        packed = index.pack_zmscore(LRU_KEY, hashes)
+        scores = await self._redis(index.execute_packed(self.redis, packed))
+        n, old = index.leading(scores, now, min(self.retention.ttls.values()))
+        if not old:
+            return n
+        pipe = self.redis.pipeline(transaction=False)
+        for i in old:
+            pipe.hget(self.key(hashes[i]), "class")
+        classes = await self._redis(pipe.execute())
+        for i, cls in zip(old, classes):  # a block deleted since (no class) stops the count too
+            if cls is None or self.retention.expired(_text(cls), float(scores[i]), now):
+                return i
+        return n
 
     # -- put -----------------------------------------------------------------------------------
     async def put(self, blocks: AsyncIterator[BlockPut] | Sequence[BlockPut]) -> PutResult:
@@ -528,6 +536,10 @@ async def _each(blocks: AsyncIterator[BlockPut] | Sequence[BlockPut]) -> AsyncIt
 def _retrieve(f: asyncio.Future[Any]) -> None:
     if not f.cancelled():
         f.exception()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _frame_named(data: bytes, h: bytes) -> bool:

@@ -212,6 +212,12 @@ async def test_capacity_evicts_least_recently_used_tails_first(env) -> None:
     assert (await store.stats())[0] == 7
 
 
+async def commands(store: BlockStore) -> dict[str, int]:
+    """Calls per command on the server so far (INFO commandstats)."""
+    info = await store.redis.info("commandstats")
+    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in info.items()}
+
+
 async def test_lookup_is_one_round_trip_for_2048_hashes(env) -> None:
     store, _, _ = env
     blocks = make_chain(8, 4, size=256)
@@ -219,27 +225,22 @@ async def test_lookup_is_one_round_trip_for_2048_hashes(env) -> None:
     chain = [b.hash for b in blocks] + [
         hashlib.sha256(str(i).encode()).digest() for i in range(2044)
     ]
-    calls = 0
-    real = store._lookup
-
-    async def counted(**kw):  # type: ignore[no-untyped-def]
-        nonlocal calls
-        calls += 1
-        return await real(**kw)
-
-    store._lookup = counted  # type: ignore[assignment]
-    assert await store.lookup(chain) == 4 and calls == 1
+    before = await commands(store)
+    assert await store.lookup(chain) == 4
+    after = await commands(store)
+    ran = {c: n - before.get(c, 0) for c, n in after.items() if n != before.get(c, 0)}
+    assert ran == {"zmscore": 1, "info": 1}, ran  # the INFO above is the only other command
 
 
-async def test_lookup_past_a_chunk_and_is_not_a_use(env) -> None:
-    """The LOOKUP script reads the LRU index in chunks: a gap in a later chunk still stops the
-    count, and a Lookup leaves last use (TTL, LRU) alone; only put and get refresh it."""
+async def test_lookup_past_a_long_prefix_and_is_not_a_use(env) -> None:
+    """Lookup asks about the whole chain at once: a gap deep in it still stops the count, and a
+    Lookup leaves last use (TTL, LRU) alone; only put and get refresh it."""
     store, _, clock = env
-    from services.kvstore.scripts import LOOKUP_CHUNK, LRU_KEY
+    from services.kvstore.scripts import LRU_KEY
 
     blocks = make_chain(9, 2, size=256)
     await store.put(blocks)
-    extra = [hashlib.sha256(b"chunk/%d" % i).digest() for i in range(2 * LOOKUP_CHUNK)]
+    extra = [hashlib.sha256(b"chunk/%d" % i).digest() for i in range(600)]
     pipe = store.redis.pipeline(transaction=False)
     for h in extra:
         pipe.hset(store.key(h), mapping={"size": 1, "class": "chat", "last_access": clock.t})
@@ -247,14 +248,37 @@ async def test_lookup_past_a_chunk_and_is_not_a_use(env) -> None:
     await pipe.execute()
     chain = [b.hash for b in blocks] + extra
     assert await store.lookup(chain) == len(chain)
-    gap = LOOKUP_CHUNK + 7
+    gap = 263
     assert await store.lookup(chain[:gap] + [bytes(32)] + chain[gap:]) == gap
+    assert await store.lookup(chain + chain[:3]) == len(chain) + 3, "a repeated hash is counted"
     before = await store.redis.hget(store.key(blocks[0].hash), "last_access")
     clock.t += 100
     assert await store.lookup(chain[:2]) == 2
     assert await store.redis.hget(store.key(blocks[0].hash), "last_access") == before
     assert await get_all(store, blocks) == [b.data for b in blocks]
     assert float(await store.redis.hget(store.key(blocks[0].hash), "last_access")) == clock.t
+
+
+async def test_lookup_checks_old_blocks_by_their_own_class(env) -> None:
+    """Blocks older than the shortest TTL (agent: 3 days) are decided by their own class: a
+    chat block 4 days old still counts, an agent block that old stops the count, and so does a
+    block whose metadata lost its class (or went away) while its index entry stayed."""
+    store, _, clock = env
+    chain = make_chain(10, 5, size=256)
+    classes = ["chat", "chat", "agent", "chat", "chat"]
+    for b, cls in zip(chain, classes):
+        await store.put([BlockPut(b.hash, b.parent, b.data, "t", cls)])
+    hashes = [b.hash for b in chain]
+    clock.t += 2 * DAY_S
+    assert await store.lookup(hashes) == 5, "nothing is older than the shortest TTL yet"
+    clock.t += 2 * DAY_S  # 4 days: past agent's 3, within chat's 7
+    assert await store.lookup(hashes) == 2, "the agent block expired: the count stops there"
+    assert await store.lookup(hashes[:2]) == 2
+    assert await store.lookup(hashes[3:]) == 2, "old chat blocks after it still count"
+    await store.redis.hdel(store.key(hashes[4]), "class")
+    assert await store.lookup(hashes[3:]) == 1, "a block without a class is not promised"
+    clock.t += 3.5 * DAY_S  # 7.5 days: every chat block expired too
+    assert await store.lookup(hashes) == 0
 
 
 @pytest.fixture(scope="module")

@@ -2,13 +2,16 @@
 
 deepserve generate --model PRESET_OR_DIR (--prompt TEXT | --prompt-ids 1,2,3) --max-tokens N
                    [--temperature T --top-p P --top-k K --seed S] [--device D] [--json]
+                   [--ep N [--ep-redundant R]]
 deepserve bench engine --preset tiny --device cpu --json OUT [--plot PNG] [--kv-cache-dtype fp8]
                        [--experts fp4] [--transformers-batches 1,16,64 | --no-transformers]
 deepserve bench recipe [--prompt-tokens 220000] --json OUT
 deepserve bench kvstore --json OUT
 deepserve bench serve [--long-tokens 32768] --json OUT
 deepserve bench serve --url http://HOST:PORT/v1 --trace agent|chat --concurrency N --json OUT
-deepserve bench route --trace agent|chat|mixed --json OUT
+deepserve bench route --trace agent|chat|mixed [--sweep KNOB=V1,V2,...] --json OUT
+deepserve bench eplb [--ranks 64 --experts 256 --topk 8 --redundant 1] [--mode decode|prefill]
+                     [--layers 8 --steps N --skew 0.6 --seed 0] --json OUT
 deepserve kvstore fsck [--repair] [--grace S] --redis-url URL (--data-dir DIR | --target T ...)
 deepserve usage --nats-url URL [--tenant T] [--since ISO] [--json]
                 [--price off-peak|peak|schedule|IN,CACHED,OUT]
@@ -23,6 +26,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from deepserve.bench import http_load
 
@@ -57,6 +61,14 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--dtype", default="auto")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of a preset's random weights")
     p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert parallelism: N rank processes (CPU: gloo; --device cuda: one GPU each, "
+        "NCCL), routed experts sharded over them; greedy tokens equal --ep 1's",
+    )
+    p.add_argument("--ep-redundant", type=int, default=0, help="spare expert slots per EP rank")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -73,8 +85,12 @@ def _generate(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             ignore_eos=args.ignore_eos,
         )
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.weights_seed)
-        out = llm.generate([args.prompt if args.prompt is not None else args.prompt_ids], params)[0]
+        prompt = args.prompt if args.prompt is not None else args.prompt_ids
+        if args.ep > 1 or args.ep_redundant:
+            out = _generate_ep(args, prompt, params)
+        else:
+            llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.weights_seed)
+            out = llm.generate([prompt], params)[0]
     except (ValueError, InvalidRequest) as exc:
         print(f"deepserve generate: {exc}", file=sys.stderr)
         return 2
@@ -92,6 +108,34 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         print(out.text)
     return 0
+
+
+def _generate_ep(args: argparse.Namespace, prompt: str | list[int], params: Any) -> Any:
+    """One prompt on an EP group: rank 0 serves it, the others run empty steps beside it."""
+    from libs.engine.ep.generate import generate
+    from libs.engine.ep.launch import RankFailed
+    from libs.engine.ep.placement import Placement
+    from libs.engine.loader import model_config
+
+    if args.ep < 1 or args.ep_redundant < 0:
+        raise ValueError("--ep must be >= 1 and --ep-redundant >= 0")
+    experts = model_config(args.model).n_routed_experts
+    placement = Placement.contiguous(experts, args.ep, args.ep_redundant)
+    try:
+        return generate(
+            args.model,
+            [prompt],
+            params,
+            ep=args.ep,
+            device=args.device,
+            placement=placement,
+            dtype=args.dtype,
+            seed=args.weights_seed,
+            # CPU ranks split the 1 GiB a single CPU engine takes for its KV cache.
+            kv_cache_bytes=(1 << 30) // args.ep if args.device == "cpu" else None,
+        )[0]
+    except RankFailed as exc:
+        raise ValueError(f"expert-parallel group failed: {exc}") from None
 
 
 def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -197,16 +241,16 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="replay a synthetic multi-tenant trace through the balancer "
         "policy, an oracle and round robin over simulated prefill instances",
     )
-    rt.add_argument("--trace", choices=("agent", "chat", "mixed"), default="agent")
-    rt.add_argument("--seed", type=int, default=0)
-    rt.add_argument("--duration", type=float, default=300.0, help="seconds of simulated traffic")
-    rt.add_argument("--instances", type=int, default=8, help="simulated prefill instances")
-    rt.add_argument("--cache-blocks", type=int, default=4096, help="128-token blocks each caches")
-    rt.add_argument("--summary", type=int, default=2048, help="digests per heartbeat summary")
-    rt.add_argument(
-        "--prefill-buckets", default="16384,65536,262144", help="bucket bounds (tokens)"
+    from deepserve.bench import route as bench_route_mod
+
+    bench_route_mod.add_arguments(rt)
+    ep = bsub.add_parser(
+        "eplb",
+        help="EPLB placements on a skewed, drifting routing trace against the contiguous one",
     )
-    rt.add_argument("--json", dest="json_out", default=None, help="write the result JSON here")
+    from deepserve.bench import eplb
+
+    eplb.add_arguments(ep)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -226,6 +270,10 @@ def _bench(args: argparse.Namespace) -> int:
         from deepserve.bench.route import main as bench_route
 
         return bench_route(args)
+    if args.what == "eplb":
+        from deepserve.bench.eplb import main as bench_eplb
+
+        return bench_eplb(args)
     if args.what == "serve" and args.url:
         return http_load.run(args)
     if args.what == "serve":

@@ -7,6 +7,12 @@ launched by the previous call: while the device runs step N the host schedules a
 step N+1 and turns step N-1's tokens into events, so the device never waits for Python.
 Requests that stop on a token are then known one step late and that step's extra token is
 dropped; the token stream is the same as without overlap.
+
+With expert parallelism (``ep``: one rank of an EP group, :mod:`libs.engine.ep`) each rank
+runs its own Engine over its own requests and KV cache, and the ranks step in lockstep: the
+driver asks :meth:`Engine.group_has_unfinished` (a collective) and, while it is true, every rank
+calls :meth:`Engine.step`, which then runs exactly one forward -- an empty one (0 tokens, every
+MoE layer's exchanges) when this rank has nothing scheduled.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +46,11 @@ from .parts import EngineParts, build_parts, max_model_len
 from .runner import Launched, ModelRunner
 from .sampler import Sampler
 from .scheduler import Request, Scheduler, SchedulerConfig, Status, TokenEvent
+
+if TYPE_CHECKING:
+    from .ep.group import EPGroup
+    from .ep.placement import Placement
+    from .ep.runtime import EPRuntime
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +189,9 @@ class Engine:
     ``parts``: what it runs on (model runner, KV cache, cost model...); without them they are
     built from ``config`` by :func:`~libs.engine.parts.build_parts`, which loads the model
     (``loaded``: an already loaded one). The fake engine passes its own.
+
+    ``ep``: this engine is one rank of that expert-parallel group (routed experts sharded by
+    ``placement``, default contiguous); see the module doc for the lockstep it then keeps.
     """
 
     def __init__(
@@ -186,10 +200,15 @@ class Engine:
         loaded: LoadedModel | None = None,
         *,
         parts: EngineParts | None = None,
+        ep: EPGroup | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self.config = config = config or EngineConfig()
-        parts = parts or build_parts(config, loaded)
+        if parts is not None and ep is not None:
+            raise ValueError("pass ep to build_parts, not beside ready parts")
+        parts = parts or build_parts(config, loaded, ep, placement)
         self.parts = parts
+        self.ep: EPRuntime | None = parts.ep
         self.device = parts.device
         self.model_config = cfg = parts.model_config
         self.model_id = parts.model_id
@@ -304,6 +323,26 @@ class Engine:
             s.request_id in reqs and reqs[s.request_id].status is not Status.FINISHED
             for s in self._inflight.sampling
         )
+
+    def group_has_unfinished(self) -> bool:
+        """:meth:`has_unfinished` for this engine alone; with EP, whether any rank of the group
+        has (a collective: every rank asks before every lockstep step)."""
+        local = self.has_unfinished()
+        if self.ep is None:
+            return local
+        return bool(self.ep.group.all_max([int(local)])[0])
+
+    def load_counts(self) -> Any:
+        """With EP: tokens per (MoE layer, expert) this rank routed since the last call."""
+        if self.ep is None:
+            raise AttributeError("load counts are kept by expert-parallel engines")
+        return self.ep.load_counts()
+
+    def apply_placement(self, new: Placement | Sequence[Placement]) -> None:
+        """With EP: move the experts to ``new`` (every rank, between the same two steps)."""
+        if self.ep is None:
+            raise AttributeError("this engine is not expert-parallel")
+        self.ep.apply_placement(new)
 
     def info(self, request_id: str) -> RequestInfo:
         req = self.scheduler.requests[request_id]
@@ -538,18 +577,21 @@ class Engine:
             ]
             for i, p in fitting:
                 self.add_request(f"__warmup-{i}", p, params, cache_salt=b"__warmup")
-            while self.has_unfinished():
+            while self.group_has_unfinished():
                 self.step()
         return time.perf_counter() - t0
 
     # -- stepping -----------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
-        """Schedule and launch one step; return the events of the step that finished."""
+        """Schedule and launch one step; return the events of the step that finished.
+        With EP, always one forward: an empty one when nothing is scheduled here."""
         plan = self.scheduler.schedule()
         launched = None
         if not plan.empty:
             params = [self.scheduler.requests[s.request_id].params for s in plan.seqs if s.sample]
             launched = self.runner.launch(plan, params, self._inflight)
+        elif self.ep is not None:
+            self.ep.empty_step()
         events = self._finish(self._inflight) if self._inflight is not None else []
         if launched is not None:
             self.scheduler.advance(plan)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,8 +47,14 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         decode_text: bool = True,
+        on_step: Callable[[int], None] | None = None,
     ) -> list[GenerationOutput]:
-        """Run all prompts together (continuous batching) and return outputs in prompt order."""
+        """Run all prompts together (continuous batching) and return outputs in prompt order.
+
+        With an expert-parallel engine every rank calls this (with its own prompts, maybe
+        none) and the ranks step in lockstep until none has work. ``on_step(n)``: called
+        after the ``n``-th step (1, 2, ...), between steps (live re-placement goes there).
+        """
         plist = (
             list(params)
             if isinstance(params, Sequence)
@@ -67,12 +73,16 @@ class LLM:
             prompt_ids[rid] = tokens
         generated: dict[str, list[int]] = {rid: [] for rid in order}
         finals: dict[str, TokenEvent] = {}
-        while self.engine.has_unfinished():
+        steps = 0
+        while self.engine.group_has_unfinished():
             for ev in self.engine.step():
                 if ev.token_id is not None:
                     generated[ev.request_id].append(ev.token_id)
                 if ev.finished:
                     finals[ev.request_id] = ev
+            steps += 1
+            if on_step is not None:
+                on_step(steps)
         return [
             GenerationOutput(
                 tuple(prompt_ids[rid]),

@@ -7,6 +7,10 @@ original ``mlp.experts.{e}.gate_proj.weight`` names, which transformers also wri
 FP8 block-quantized weights (DeepSeek's release: ``weight`` in e4m3 with ``weight_scale_inv``
 per 128x128 tile) are dequantized while loading. MTP layers (``model.layers.{N+j}``) load
 into ``mtp.{j}`` when asked for, and are skipped otherwise.
+
+``expert_slots`` (one rank of an expert-parallel group): the decoder layers keep only those
+routed experts. From a checkpoint that stores experts one by one, the others are never read;
+fused expert tensors are read whole and cut. A preset is built whole, then cut.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from .config import ModelConfig
+from .model.layers import Experts
 from .model.model import DeepseekForCausalLM
 from .presets import PRESETS, init_random_weights
 
@@ -41,18 +46,10 @@ class LoadedModel:
     source: str
 
 
-def load(
-    source: str,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-    with_mtp: bool = False,
-) -> LoadedModel:
+def model_config(source: str) -> ModelConfig:
+    """A preset's or checkpoint directory's model config (reads ``config.json`` only)."""
     if source in PRESETS:
-        cfg = PRESETS[source]
-        model = DeepseekForCausalLM(cfg, dtype, device, with_mtp=with_mtp)
-        init_random_weights(model, seed)
-        return LoadedModel(model, f"{source}-seed{seed}@{cfg.config_hash()}", source)
+        return PRESETS[source]
     path = Path(source)
     if not (path / "config.json").is_file():
         raise CheckpointError(
@@ -61,10 +58,28 @@ def load(
         )
     raw = json.loads((path / "config.json").read_text())
     try:
-        cfg = ModelConfig.from_hf(raw)
+        return ModelConfig.from_hf(raw)
     except (KeyError, ValueError) as exc:
         raise CheckpointError(f"{path / 'config.json'}: {exc}") from None
-    model = DeepseekForCausalLM(cfg, dtype, device, with_mtp=with_mtp)
+
+
+def load(
+    source: str,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    with_mtp: bool = False,
+    expert_slots: tuple[int, ...] | None = None,
+) -> LoadedModel:
+    cfg = model_config(source)
+    if source in PRESETS:
+        model = DeepseekForCausalLM(cfg, dtype, device, with_mtp=with_mtp)
+        init_random_weights(model, seed)
+        if expert_slots is not None:
+            model.keep_experts(expert_slots)
+        return LoadedModel(model, f"{source}-seed{seed}@{cfg.config_hash()}", source)
+    path = Path(source)
+    model = DeepseekForCausalLM(cfg, dtype, device, with_mtp=with_mtp, expert_slots=expert_slots)
     load_weights(model, path)
     return LoadedModel(model, f"{path.name}@{_checkpoint_digest(path)}", str(path))
 
@@ -98,14 +113,17 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]:
-    """Yield (name, tensor, file-local scale tensors) for every non-scale tensor."""
+def _iter_tensors(
+    path: Path, wanted: Callable[[str], bool] = lambda name: True
+) -> Iterator[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]:
+    """Yield (name, tensor, file-local scale tensors) for every ``wanted`` non-scale tensor
+    (the others are not read)."""
     for f in _weight_files(path):
         with safe_open(str(f), framework="pt") as st:
             keys = list(st.keys())
             scales = {k: st.get_tensor(k) for k in keys if k.endswith("_scale_inv")}
             for k in keys:
-                if not k.endswith("_scale_inv"):
+                if not k.endswith("_scale_inv") and wanted(k):
                     yield k, st.get_tensor(k), scales
 
 
@@ -136,10 +154,21 @@ def load_weights(model: DeepseekForCausalLM, path: Path) -> None:
     cfg = model.cfg
     params = dict(model.named_parameters())
     with_mtp = len(model.mtp) > 0
+    # Which experts each Experts module keeps (None: all), by its name.
+    held = {n: m.slots for n, m in model.named_modules() if isinstance(m, Experts)}
     loaded: set[str] = set()
     expert_parts: dict[str, int] = {}
     inter = cfg.moe_intermediate_size
-    for name, tensor, scales in _iter_tensors(path):
+
+    def wanted(name: str) -> bool:
+        target = _target_name(name, cfg, with_mtp)
+        m = _EXPERT.match(target or "")
+        if target is None or m is None:
+            return target is not None
+        slots = held.get(m.group(1))
+        return slots is None or int(m.group(2)) in slots
+
+    for name, tensor, scales in _iter_tensors(path, wanted):
         if tensor.dtype == torch.float8_e4m3fn:
             scale = scales.get(name + "_scale_inv")
             if scale is None:
@@ -149,35 +178,55 @@ def load_weights(model: DeepseekForCausalLM, path: Path) -> None:
         if target is None:
             continue
         m = _EXPERT.match(target)
-        if m:  # one expert's projection into the fused tensors
+        if m:  # one expert's projection into the fused tensors (every slot holding it)
             base, e, proj = m.group(1), int(m.group(2)), m.group(3)
-            if proj == "down_proj":
-                dst, key = params.get(f"{base}.w2"), f"{base}.w2"
-                view = dst[e] if dst is not None else None
-            else:
-                dst, key = params.get(f"{base}.w13"), f"{base}.w13"
-                half = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
-                view = dst[e, half] if dst is not None else None
-            if view is None or e >= cfg.n_routed_experts:
+            slots = held.get(base)
+            rows = [e] if slots is None else [s for s, x in enumerate(slots) if x == e]
+            w = "w2" if proj == "down_proj" else "w13"
+            dst, key = params.get(f"{base}.{w}"), f"{base}.{w}"
+            if dst is None or e >= cfg.n_routed_experts:
                 raise CheckpointError(f"unexpected tensor {name}")
-            _copy(view, tensor, name)
+            for row in rows:
+                if proj == "down_proj":
+                    _copy(dst[row], tensor, name)
+                else:
+                    half = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+                    _copy(dst[row, half], tensor, name)
             expert_parts[key] = expert_parts.get(key, 0) + 1
             continue
         target = target.replace(".mlp.experts.gate_up_proj", ".mlp.experts.w13")
         target = target.replace(".mlp.experts.down_proj", ".mlp.experts.w2")
         if target not in params:
             raise CheckpointError(f"unexpected tensor {name} (no parameter {target})")
+        slots = held.get(target.rsplit(".", 1)[0]) if target.endswith((".w13", ".w2")) else None
+        if slots is not None:  # fused experts: keep this rank's rows
+            tensor = _cut_experts(tensor, slots, cfg.n_routed_experts, name)
         _copy(params[target], tensor, name)
         loaded.add(target)
     for key, count in expert_parts.items():
         parts_per_expert = 2 if key.endswith(".w13") else 1
-        if count == parts_per_expert * cfg.n_routed_experts:
+        slots = held.get(key.rsplit(".", 1)[0])
+        experts = cfg.n_routed_experts if slots is None else len({e for e in slots if e >= 0})
+        if count == parts_per_expert * experts:
             loaded.add(key)
     _tie_defaults(model, params, loaded)
     missing = sorted(set(params) - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensor(s): {shown}")
+
+
+def _cut_experts(
+    tensor: torch.Tensor, slots: tuple[int, ...], n_experts: int, name: str
+) -> torch.Tensor:
+    """Rows ``slots`` of a fused [E, ...] expert tensor (an empty slot, ``-1``: zeros)."""
+    if tensor.shape[0] != n_experts:
+        raise CheckpointError(f"{name}: {tensor.shape[0]} experts, the config says {n_experts}")
+    out = tensor.index_select(0, torch.tensor([max(e, 0) for e in slots], dtype=torch.int64))
+    for s, e in enumerate(slots):
+        if e < 0:
+            out[s].zero_()
+    return out
 
 
 def _tie_defaults(

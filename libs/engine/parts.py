@@ -22,13 +22,16 @@ from .config import ModelConfig
 from .cost_model import CostModel
 from .kv.cache import DTYPE_NAMES, TORCH_DTYPES, PagedKVCache
 from .kv.layout import CacheSpec, mla_cache_spec
-from .loader import LoadedModel, load
+from .loader import LoadedModel, load, model_config
 from .runner import Launched, ModelRunner
 from .sampler import Sampler
 from .scheduler import StepPlan
 
 if TYPE_CHECKING:
     from .engine import EngineConfig
+    from .ep.group import EPGroup
+    from .ep.placement import Placement
+    from .ep.runtime import EPRuntime
 
 log = logging.getLogger(__name__)
 _GIB = float(1 << 30)
@@ -102,19 +105,45 @@ class EngineParts:
     runner: StepRunner
     device: torch.device = torch.device("cpu")
     loaded: LoadedModel | None = None  # the model behind a ModelRunner; None for a fake
+    ep: EPRuntime | None = None  # this rank's side of an expert-parallel group; None: alone
 
 
 def max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
     return min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
 
 
-def build_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
+def build_parts(
+    config: EngineConfig,
+    loaded: LoadedModel | None = None,
+    ep: EPGroup | None = None,
+    placement: Placement | None = None,
+) -> EngineParts:
     """Today's set-up: load the model (unless ``loaded``), size and allocate the paged KV
-    cache, build the cost model, sampler and model runner, capture the CUDA graphs."""
+    cache, build the cost model, sampler and model runner, capture the CUDA graphs.
+
+    ``ep``: this process is one rank of an expert-parallel group; the routed experts are
+    sharded by ``placement`` (default: contiguous, no spare slots) and the model changed in
+    place (a ``loaded`` model given here is this rank's own from then on). CUDA graphs are
+    off then: every MoE layer's exchange sizes change from step to step.
+    """
     device = torch.device(config.device)
     dtype = config.torch_dtype
-    loaded = loaded or load(config.model, device, dtype, config.seed, config.with_mtp)
+    runtime = None
+    if ep is not None:
+        from .ep.placement import Placement
+
+        n_experts = (loaded.model.cfg if loaded else model_config(config.model)).n_routed_experts
+        placement = placement or Placement.contiguous(n_experts, ep.size)
+    keep = placement.experts_of(ep.rank) if ep is not None and placement is not None else None
+    loaded = loaded or load(
+        config.model, device, dtype, config.seed, config.with_mtp, expert_slots=keep
+    )
     model = loaded.model
+    if ep is not None:
+        from .ep.runtime import apply_ep
+
+        assert placement is not None
+        runtime = apply_ep(model, ep, placement)
     model.set_absorb_decode(config.absorb_decode)
     use_kernels = _kernels_usable(config, model.cfg)
     model.set_kernels(use_kernels)
@@ -136,17 +165,23 @@ def build_parts(config: EngineConfig, loaded: LoadedModel | None = None) -> Engi
         expert_param_bytes=0.5 + 2 / 32 if config.expert_dtype == "fp4" else None,
         kv_token_layer_bytes=per_layer,
     )
+    graphs = config.cuda_graphs
+    if runtime is not None and graphs and use_kernels and device.type == "cuda":
+        log.info("engine: CUDA graphs off with expert parallelism (exchange sizes vary per step)")
+        graphs = False
     runner = ModelRunner(
         model,
         cache,
         Sampler(device, config.sampler_seed),
         use_kernels,
-        config.cuda_graphs,
+        graphs,
         max_model_len(config, cfg),
         max_graph_batch=config.max_running,
     )
     runner.capture_all()
-    return EngineParts(loaded.model_id, cfg, spec, cache, num_blocks, cost, runner, device, loaded)
+    return EngineParts(
+        loaded.model_id, cfg, spec, cache, num_blocks, cost, runner, device, loaded, runtime
+    )
 
 
 def _kernels_usable(config: EngineConfig, cfg: ModelConfig) -> bool:

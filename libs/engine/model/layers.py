@@ -155,11 +155,23 @@ class Experts(nn.Module):
     This is transformers' fused layout (``gate_up_proj``/``down_proj``); the loader stacks the
     original per-expert tensors into it. :meth:`quantize_fp4` replaces both with FP4 (e2m1,
     one scale per 32 weights) copies that the fused kernel dequantizes inside its GEMMs.
+
+    ``slots``: the expert each row holds when this module keeps only some of them (one rank of
+    an expert-parallel group, :mod:`libs.engine.ep`); None: all ``n_routed_experts`` in order.
+    Row ``s`` then answers ``idx == s``: the caller maps expert ids to rows.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        slots: tuple[int, ...] | None = None,
+    ) -> None:
         super().__init__()
-        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.slots = slots
+        e = cfg.n_routed_experts if slots is None else len(slots)
+        h, i = cfg.hidden_size, cfg.moe_intermediate_size
         self.w13 = nn.Parameter(
             torch.empty(e, 2 * i, h, dtype=dtype, device=device), requires_grad=False
         )
@@ -168,6 +180,10 @@ class Experts(nn.Module):
         )
         self.use_kernels = False
         self.fp4: tuple[Fp4Weight, Fp4Weight] | None = None
+        for row, expert in enumerate(slots or ()):
+            if expert < 0:  # an empty slot: never loaded, never routed to
+                self.w13.data[row].zero_()
+                self.w2.data[row].zero_()
 
     def quantize_fp4(self) -> None:
         """Swap the bf16 expert weights for FP4 ones (frees the originals); once."""
@@ -180,6 +196,39 @@ class Experts(nn.Module):
         dev, dt = self.w13.device, self.w13.dtype
         self.w13 = nn.Parameter(torch.empty(0, dtype=dt, device=dev), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(0, dtype=dt, device=dev), requires_grad=False)
+
+    def keep_slots(self, slots: tuple[int, ...]) -> None:
+        """Keep copies of these experts' weights (``-1``: an empty slot, zeros), drop the rest."""
+        if self.slots is not None:
+            raise ValueError(f"experts already hold slots {self.slots}")
+        state = []
+        for t in self.slot_state():
+            rows = torch.tensor([max(e, 0) for e in slots], dtype=torch.int64, device=t.device)
+            kept = t.index_select(0, rows)
+            for s, e in enumerate(slots):
+                if e < 0:
+                    kept[s].zero_()
+            state.append(kept)
+        self.set_slot_state(state, slots)
+
+    def slot_state(self) -> list[torch.Tensor]:
+        """The tensors that hold the experts, each with one row per slot (bf16: ``w13``, ``w2``;
+        FP4: packed codes and scales of each): what moves when a slot changes hands."""
+        if self.fp4 is not None:
+            a, b = self.fp4
+            return [a.packed, a.scales, b.packed, b.scales]
+        return [self.w13.data, self.w2.data]
+
+    def set_slot_state(self, state: list[torch.Tensor], slots: tuple[int, ...]) -> None:
+        """Take ``state`` (laid out as :meth:`slot_state`) as the weights of ``slots``."""
+        if self.fp4 is not None:
+            from ..kernels.fused_moe import Fp4Weight
+
+            self.fp4 = (Fp4Weight(state[0], state[1]), Fp4Weight(state[2], state[3]))
+        else:
+            self.w13 = nn.Parameter(state[0], requires_grad=False)
+            self.w2 = nn.Parameter(state[1], requires_grad=False)
+        self.slots = slots
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         if self.use_kernels:
@@ -230,10 +279,22 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """Shared experts plus routed experts chosen by the router.
+
+    ``expert_slots``: the routed experts this module keeps (see :class:`Experts`); a model
+    built so is only runnable once :func:`libs.engine.ep.runtime.apply_ep` has wrapped it.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        expert_slots: tuple[int, ...] | None = None,
+    ) -> None:
         super().__init__()
         self.gate = Router(cfg, dtype, device)
-        self.experts = Experts(cfg, dtype, device)
+        self.experts = Experts(cfg, dtype, device, expert_slots)
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, device)
             if cfg.n_shared_experts

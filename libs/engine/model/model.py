@@ -23,14 +23,20 @@ from .rope import Rotary
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, moe: bool, rotary: Rotary, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: ModelConfig,
+        moe: bool,
+        rotary: Rotary,
+        dtype: torch.dtype,
+        device: torch.device,
+        expert_slots: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.self_attn = MLAttention(cfg, rotary, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp: nn.Module = (
-            MoE(cfg, dtype, device)
+            MoE(cfg, dtype, device, expert_slots)
             if moe
             else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
         )
@@ -96,7 +102,12 @@ class MTPLayer(DecoderLayer):
 
 class Backbone(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, rotary: Rotary, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: ModelConfig,
+        rotary: Rotary,
+        dtype: torch.dtype,
+        device: torch.device,
+        expert_slots: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(
@@ -104,7 +115,7 @@ class Backbone(nn.Module):
         )
         self.embed_tokens.requires_grad_(False)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, cfg.is_moe_layer(i), rotary, dtype, device)
+            DecoderLayer(cfg, cfg.is_moe_layer(i), rotary, dtype, device, expert_slots)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
@@ -117,14 +128,17 @@ class DeepseekForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         with_mtp: bool = False,
+        expert_slots: tuple[int, ...] | None = None,
     ) -> None:
+        """``expert_slots``: keep only these routed experts in the decoder layers (one rank's
+        slots of an expert-parallel group; the MTP layers keep all); None: all of them."""
         super().__init__()
         device = torch.device(device)
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
         self.rotary = Rotary(cfg, device)
-        self.model = Backbone(cfg, self.rotary, dtype, device)
+        self.model = Backbone(cfg, self.rotary, dtype, device, expert_slots)
         self.lm_head = _linear(cfg.vocab_size, cfg.hidden_size, False, dtype, device)
         n_mtp = cfg.num_nextn_predict_layers if with_mtp else 0
         self.mtp = nn.ModuleList(MTPLayer(cfg, self.rotary, dtype, device) for _ in range(n_mtp))
@@ -145,6 +159,12 @@ class DeepseekForCausalLM(nn.Module):
             if isinstance(module, (MLAttention, Experts, RMSNorm, MLP)):
                 module.use_kernels = on
         self.rotary.use_kernels = on
+
+    def keep_experts(self, slots: tuple[int, ...]) -> None:
+        """Decoder MoE layers keep only these routed experts (see ``expert_slots``)."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE) and isinstance(layer.mlp.experts, Experts):
+                layer.mlp.experts.keep_slots(slots)
 
     def quantize_experts_fp4(self) -> None:
         for module in self.modules():

@@ -1,0 +1,173 @@
+"""Dispatch and combine: one MoE layer's routed experts spread over the ranks of an EP group.
+
+:class:`EPExperts` takes the place of a layer's :class:`~libs.engine.model.layers.Experts`
+(same ``forward(x, weights, idx)``); its ``local`` Experts holds this rank's slots only.
+Per layer and step, on every rank (a rank without tokens takes part with 0 rows):
+
+1. route: each (token, expert) pair picks a slot holding the expert -- a local replica if
+   this rank has one, else replica ``token % replicas`` (deterministic, spreads a hot expert's
+   tokens over its replicas); pairs are sorted by (rank, slot);
+2. exchange the pair counts per (rank, slot) (``N x S`` numbers), then the hidden rows, with
+   ``all_to_all_single`` and explicit split sizes;
+3. run the local experts on what arrived, grouped by local slot (``Experts``' own math, with
+   weight 1 and one expert per row, so each row comes back as the expert's raw output);
+4. send the outputs back the same way and combine them at home with the router weights, per
+   token in ascending expert order, in fp32 -- the order the single-device reference path
+   (:meth:`Experts._grouped`) accumulates in, so N ranks and one device add the same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..model.layers import Experts
+from .group import EPGroup
+from .placement import EMPTY, Placement
+
+
+@dataclass(frozen=True)
+class RouteTable:
+    """Where this rank sends each expert's pairs, as device tensors indexed by expert id.
+
+    Global slot ids are ``rank * slots_per_rank + slot``. ``local[e]``: this rank's first slot
+    holding ``e`` (global id), or -1; ``replicas[e, i]``: ``e``'s ``i``-th replica (padded by
+    repeating the list); ``num_replicas[e]``: how many.
+    """
+
+    local: torch.Tensor
+    replicas: torch.Tensor
+    num_replicas: torch.Tensor
+    num_ranks: int
+    slots_per_rank: int
+
+    @staticmethod
+    def build(placement: Placement, rank: int, device: torch.device) -> RouteTable:
+        s = placement.slots_per_rank
+        local = [-1] * placement.num_experts
+        for slot, e in enumerate(placement.experts_of(rank)):
+            if e != EMPTY and local[e] < 0:
+                local[e] = rank * s + slot
+        reps = [[r * s + slot for r, slot in placement.replicas(e)] for e in range(len(local))]
+        width = max(len(x) for x in reps)
+        padded = [[x[i % len(x)] for i in range(width)] for x in reps]
+        return RouteTable(
+            torch.tensor(local, dtype=torch.int64, device=device),
+            torch.tensor(padded, dtype=torch.int64, device=device),
+            torch.tensor([len(x) for x in reps], dtype=torch.int64, device=device),
+            placement.num_ranks,
+            s,
+        )
+
+    def route(self, idx: torch.Tensor) -> torch.Tensor:
+        """Global slot id of each (token, expert) pair of ``idx`` [T, k], flattened [T * k]."""
+        flat = idx.reshape(-1)
+        token = torch.arange(flat.numel(), device=flat.device) // max(idx.shape[1], 1)
+        local = self.local[flat]
+        n = self.num_replicas[flat]
+        remote = self.replicas[flat, token % n]
+        return torch.where(local >= 0, local, remote)
+
+
+@dataclass
+class Dispatch:
+    """One layer's pairs in send order: ``order[i]`` is the flat (token, expert) pair sent
+    as row ``i``; ``counts`` [N * S] pairs per destination slot; ``rows`` their token rows."""
+
+    order: torch.Tensor
+    counts: torch.Tensor
+    rows: torch.Tensor
+
+
+def plan_dispatch(idx: torch.Tensor, table: RouteTable) -> Dispatch:
+    dest = table.route(idx)
+    order = torch.argsort(dest, stable=True)
+    counts = _count(dest, table.num_ranks * table.slots_per_rank)
+    k = max(idx.shape[1], 1)
+    return Dispatch(order, counts, order // k)
+
+
+def _count(values: torch.Tensor, n: int) -> torch.Tensor:
+    """``bincount(values, minlength=n)`` for values below ``n``, without bincount's host
+    sync on CUDA (it reads the maximum back to size its output)."""
+    out = torch.zeros(n, dtype=torch.int64, device=values.device)
+    return out.index_add_(0, values, torch.ones_like(values))
+
+
+def combine(
+    y_sent: torch.Tensor, plan: Dispatch, weights: torch.Tensor, idx: torch.Tensor
+) -> torch.Tensor:
+    """The routed output per token: ``sum_j weights[t, j] * y(t, j)`` in fp32, ``j`` in
+    ascending expert id (as :meth:`Experts._grouped` adds them), returned in ``y``'s dtype.
+
+    ``y_sent``: each pair's expert output in send order (row ``i`` is pair ``plan.order[i]``).
+    """
+    t, k = idx.shape
+    h = y_sent.shape[1]
+    pairs = torch.empty_like(y_sent).index_copy_(0, plan.order, y_sent).view(t, k, h)
+    by_expert = torch.argsort(idx, dim=1, stable=True)
+    ys = pairs.gather(1, by_expert.unsqueeze(-1).expand(t, k, h))
+    ws = weights.gather(1, by_expert).to(torch.float32)
+    out = torch.zeros(t, h, dtype=torch.float32, device=y_sent.device)
+    for j in range(k):
+        out += ys[:, j].to(torch.float32) * ws[:, j, None]
+    return out.to(y_sent.dtype)
+
+
+class EPExperts(nn.Module):
+    """A MoE layer's routed experts over an EP group; ``local`` holds this rank's slots.
+
+    ``load``: tokens routed to each expert by this rank's router since :meth:`take_load`
+    (home-side counts: what EPLB's window sums over ranks).
+    """
+
+    def __init__(self, local: Experts, group: EPGroup, placement: Placement) -> None:
+        super().__init__()
+        if local.slots != placement.experts_of(group.rank):
+            raise ValueError(
+                f"rank {group.rank}: experts hold slots {local.slots}, the placement says "
+                f"{placement.experts_of(group.rank)}"
+            )
+        self.local = local
+        self.group = group
+        self.placement = placement
+        device = local.w13.device
+        self.table = RouteTable.build(placement, group.rank, device)
+        self.load = torch.zeros(placement.num_experts, dtype=torch.int64, device=device)
+
+    def set_placement(self, placement: Placement) -> None:
+        """Route by ``placement`` from now on (``local`` must already hold its slots)."""
+        self.placement = placement
+        self.table = RouteTable.build(placement, self.group.rank, self.load.device)
+
+    def take_load(self) -> torch.Tensor:
+        out = self.load.clone()
+        self.load.zero_()
+        return out
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        group, n, s = self.group, self.table.num_ranks, self.table.slots_per_rank
+        flat = idx.reshape(-1)
+        self.load.index_add_(0, flat, torch.ones_like(flat))
+        plan = plan_dispatch(idx, self.table)
+        recv_counts = group.exchange_counts(plan.counts)
+        # One host sync per layer: the split sizes (the price of variable-size exchanges).
+        both = torch.stack((plan.counts.view(n, s).sum(1), recv_counts.view(n, s).sum(1)))
+        send_splits, recv_splits = both.tolist()
+        x_recv = group.all_to_all(x.index_select(0, plan.rows), send_splits, recv_splits)
+        y_recv = self._run_local(x_recv, recv_counts, sum(recv_splits))
+        y_sent = group.all_to_all(y_recv, recv_splits, send_splits)
+        return combine(y_sent, plan, weights, idx)
+
+    def _run_local(self, x: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:
+        """Each arrived row through its slot's expert (rows come by source rank, then slot)."""
+        if rows == 0:
+            return x
+        s = self.table.slots_per_rank
+        slot_ids = torch.arange(s, device=x.device).repeat(self.table.num_ranks)
+        slot = torch.repeat_interleave(slot_ids, counts, output_size=rows).unsqueeze(1)
+        ones = torch.ones(slot.shape, dtype=torch.float32, device=x.device)
+        out: torch.Tensor = self.local(x, ones, slot)
+        return out

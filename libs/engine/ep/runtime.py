@@ -1,0 +1,212 @@
+"""Expert parallelism applied to a single-device model, and what an engine step needs of it.
+
+:func:`apply_ep` wraps every decoder MoE layer's routed experts in an :class:`EPExperts` that
+keeps only this rank's slots (the rest of the model -- attention, dense layers, shared
+experts, embeddings, head -- stays replicated, and the model code stays single-device).
+The :class:`EPRuntime` it returns gives the engine:
+
+* :meth:`EPRuntime.empty_step`: a rank with nothing scheduled still takes part in every MoE
+  layer's exchanges (with 0 rows), so the ranks' collectives always pair up;
+* :meth:`EPRuntime.load_counts`: tokens per expert and MoE layer since the last call (EPLB's
+  window);
+* :meth:`EPRuntime.apply_placement`: a live re-placement between steps, moving expert
+  weights between ranks with all-to-all; outputs do not change (a replica is a copy).
+
+MTP layers are not wrapped: the engine does not run them (the loader gives them all experts).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..model.layers import MoE
+from ..model.model import DeepseekForCausalLM
+from .group import EPGroup
+from .moe import EPExperts
+from .placement import EMPTY, Placement
+
+log = logging.getLogger(__name__)
+
+
+def apply_ep(model: DeepseekForCausalLM, group: EPGroup, placement: Placement) -> EPRuntime:
+    """Shard ``model``'s routed experts over ``group`` by ``placement`` (every layer alike).
+
+    A layer whose experts already hold this rank's slots (loaded so) is taken as is; one that
+    holds all experts keeps copies of its slots and drops the rest.
+    """
+    if placement.num_ranks != group.size:
+        raise ValueError(
+            f"the placement has {placement.num_ranks} ranks, the EP group {group.size}"
+        )
+    cfg = model.cfg
+    if placement.num_experts != cfg.n_routed_experts:
+        raise ValueError(
+            f"the placement places {placement.num_experts} experts, the model has "
+            f"{cfg.n_routed_experts}"
+        )
+    mine = placement.experts_of(group.rank)
+    layers: list[EPExperts] = []
+    for layer in model.model.layers:
+        moe = layer.mlp
+        if not isinstance(moe, MoE):
+            continue
+        experts = moe.experts
+        if experts.slots is None:
+            experts.keep_slots(mine)
+        wrapped = EPExperts(experts, group, placement)
+        moe.add_module("experts", wrapped)
+        layers.append(wrapped)
+    return EPRuntime(group, layers, cfg.hidden_size, cfg.num_experts_per_tok, model.dtype)
+
+
+@dataclass(frozen=True)
+class _Moves:
+    """One layer's re-placement as seen by one rank (slot indices; all lists in wire order)."""
+
+    keep_src: list[int]  # local copies: old slot -> new slot
+    keep_dst: list[int]
+    send_src: list[int]  # old slots sent, grouped by destination rank
+    send_splits: list[int]
+    recv_dst: list[int]  # new slots filled by received rows, grouped by source rank
+    recv_splits: list[int]
+    cross: bool  # any rank sends anything (else no collective is needed)
+
+
+def plan_moves(old: Placement, new: Placement, rank: int) -> _Moves:
+    """Where each new slot's weights come from: this rank's own old slot holding the expert if
+    any, else replica ``(dst rank + dst slot) mod replicas`` of the old placement (spreads the
+    sending). Every rank computes the same plan, so the wire order needs no negotiation."""
+    if old.num_experts != new.num_experts or old.num_ranks != new.num_ranks:
+        raise ValueError(
+            f"a re-placement keeps experts and ranks: {old.num_experts} x {old.num_ranks} "
+            f"-> {new.num_experts} x {new.num_ranks}"
+        )
+    n = new.num_ranks
+    keep_src: list[int] = []
+    keep_dst: list[int] = []
+    sends: list[list[int]] = [[] for _ in range(n)]
+    recvs: list[list[int]] = [[] for _ in range(n)]
+    cross = False
+    for d, slots in enumerate(new.rank_slots):
+        held = old.experts_of(d)
+        for s, e in enumerate(slots):
+            if e == EMPTY:
+                continue
+            if e in held:
+                if d == rank:
+                    keep_src.append(held.index(e))
+                    keep_dst.append(s)
+                continue
+            cross = True
+            reps = old.replicas(e)
+            src, src_slot = reps[(d + s) % len(reps)]
+            if src == rank:
+                sends[d].append(src_slot)
+            if d == rank:
+                recvs[src].append(s)
+    return _Moves(
+        keep_src,
+        keep_dst,
+        [x for per in sends for x in per],
+        [len(per) for per in sends],
+        [x for per in recvs for x in per],
+        [len(per) for per in recvs],
+        cross,
+    )
+
+
+class EPRuntime:
+    """The EP side of one rank's model: its wrapped layers (in forward order) and group."""
+
+    def __init__(
+        self,
+        group: EPGroup,
+        layers: list[EPExperts],
+        hidden: int,
+        top_k: int,
+        dtype: torch.dtype,
+    ) -> None:
+        self.group = group
+        self.layers = layers
+        self._hidden = hidden
+        self._top_k = top_k
+        self._dtype = dtype
+
+    @property
+    def placements(self) -> list[Placement]:
+        return [layer.placement for layer in self.layers]
+
+    def empty_step(self) -> None:
+        """This rank's part of one forward with no tokens: every MoE layer's exchanges, in
+        the order the model runs them (it may still compute experts for other ranks)."""
+        if not self.layers:
+            return
+        device = self.layers[0].load.device
+        x = torch.empty(0, self._hidden, dtype=self._dtype, device=device)
+        weights = torch.empty(0, self._top_k, dtype=torch.float32, device=device)
+        idx = torch.empty(0, self._top_k, dtype=torch.int64, device=device)
+        with torch.inference_mode():
+            for layer in self.layers:
+                layer(x, weights, idx)
+
+    def load_counts(self) -> torch.Tensor:
+        """[MoE layers, experts] int64 on the CPU: tokens this rank's routers sent to each
+        expert since the last call (each call starts a new count; sum over ranks for the
+        group's load). Not a collective."""
+        if not self.layers:
+            return torch.zeros(0, 0, dtype=torch.int64)
+        return torch.stack([layer.take_load() for layer in self.layers]).cpu()
+
+    def apply_placement(self, new: Placement | Sequence[Placement]) -> None:
+        """Re-place the experts between steps: ``new`` for every layer, or one per MoE layer.
+        A collective: every rank calls it between the same two steps with the same ``new``."""
+        news = [new] * len(self.layers) if isinstance(new, Placement) else list(new)
+        if len(news) != len(self.layers):
+            raise ValueError(f"{len(news)} placements for {len(self.layers)} MoE layers")
+        moved = 0
+        with torch.inference_mode():
+            for layer, placement in zip(self.layers, news):
+                moved += self._replace_layer(layer, placement)
+        log.info("ep: rank %d re-placed experts, %d slots received", self.group.rank, moved)
+
+    def _replace_layer(self, layer: EPExperts, new: Placement) -> int:
+        if new.num_ranks != self.group.size:
+            raise ValueError(
+                f"the placement has {new.num_ranks} ranks, the group {self.group.size}"
+            )
+        rank = self.group.rank
+        moves = plan_moves(layer.placement, new, rank)
+        local = layer.local
+        slots = new.experts_of(rank)
+        state = []
+        for t in local.slot_state():
+            out = torch.zeros((len(slots), *t.shape[1:]), dtype=t.dtype, device=t.device)
+            if moves.keep_dst:
+                out[_ix(moves.keep_dst, t)] = t[_ix(moves.keep_src, t)]
+            if moves.cross:
+                sent = t[_ix(moves.send_src, t)] if moves.send_src else t[:0]
+                got = self._exchange(sent, moves.send_splits, moves.recv_splits)
+                if moves.recv_dst:
+                    out[_ix(moves.recv_dst, t)] = got
+            state.append(out)
+        local.set_slot_state(state, slots)
+        layer.set_placement(new)
+        return len(moves.recv_dst)
+
+    def _exchange(
+        self, rows: torch.Tensor, send_splits: list[int], recv_splits: list[int]
+    ) -> torch.Tensor:
+        """Whole slots as bytes (any dtype: bf16, FP4 codes, scales travel alike)."""
+        shape = rows.shape[1:]
+        raw = rows.contiguous().reshape(rows.shape[0], math.prod(shape)).view(torch.uint8)
+        got = self.group.all_to_all(raw, send_splits, recv_splits)
+        return got.view(rows.dtype).reshape(got.shape[0], *shape)
+
+
+def _ix(values: list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=like.device)

@@ -12,12 +12,14 @@ deepserve bench serve --url http://HOST:PORT/v1 --trace agent|chat --concurrency
 deepserve bench route --trace agent|chat|mixed [--sweep KNOB=V1,V2,...] --json OUT
 deepserve bench eplb [--ranks 64 --experts 256 --topk 8 --redundant 1] [--mode decode|prefill]
                      [--layers 8 --steps N --skew 0.6 --seed 0] --json OUT
+deepserve bench ep --model PRESET --device cpu|cuda --batch 64,256 [--steps N] [--redundant R]
+                   --json OUT
 deepserve kvstore fsck [--repair] [--grace S] --redis-url URL (--data-dir DIR | --target T ...)
 deepserve usage --nats-url URL [--tenant T] [--since ISO] [--json]
                 [--price off-peak|peak|schedule|IN,CACHED,OUT]
 deepserve up [--port 8000] [--prefill N] [--decode N] [--model M] [--model-name NAME]
              [--device cpu|cuda [--gpus 0,1] [--gpu-memory-fraction F]] [--run-dir .run]
-             [--no-restart]
+             [--no-restart] [--ep N [--ep-timeout S]]
 """
 
 from __future__ import annotations
@@ -251,6 +253,14 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     from deepserve.bench import eplb
 
     eplb.add_arguments(ep)
+    epb = bsub.add_parser(
+        "ep",
+        help="decode step time of the expert-parallel path (a group of one) against the "
+        "single-device path, with and without redundant replicas; greedy tokens compared",
+    )
+    from deepserve.bench import ep as bench_ep_mod
+
+    bench_ep_mod.add_arguments(epb)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -274,6 +284,10 @@ def _bench(args: argparse.Namespace) -> int:
         from deepserve.bench.eplb import main as bench_eplb
 
         return bench_eplb(args)
+    if args.what == "ep":
+        from deepserve.bench.ep import main as bench_ep
+
+        return bench_ep(args)
     if args.what == "serve" and args.url:
         return http_load.run(args)
     if args.what == "serve":
@@ -400,6 +414,21 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="stop the whole stack when a service exits, instead of restarting it "
         "(backoff 1 s doubling to 30 s; 5 failed starts in a row stop the stack)",
     )
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks per prefill/decode instance (CPU, gloo): each rank its "
+        "own process and routing target <instance>-r<k>; a dead rank: the group restarts "
+        "with the ranks left",
+    )
+    p.add_argument(
+        "--ep-timeout",
+        type=float,
+        default=None,
+        help="--ep: seconds a collective may wait before the group counts as failed "
+        "(default: the services' 10)",
+    )
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -417,6 +446,8 @@ def _up(args: argparse.Namespace) -> int:
         gpus=args.gpus,
         gpu_memory_fraction=args.gpu_memory_fraction,
         restart=not args.no_restart,
+        ep=args.ep,
+        ep_timeout=args.ep_timeout,
     )
 
 

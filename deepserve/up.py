@@ -26,6 +26,11 @@ both are too central to lose quietly -- their exit stops the stack.
 
 With ``device="cuda"`` the engines are spread over GPUs by :func:`place_engines`: each gets
 ``--device cuda:<i>`` and ``--gpu-memory-fraction`` (its share of that GPU).
+
+With ``ep`` (``deepserve up --ep N``) a prefill/decode instance is an expert-parallel group of
+N rank processes that its own process starts and supervises (``libs/serving/ep_supervisor.py``);
+each rank heartbeats as ``<instance>-r<k>`` (the stack waits for every rank's heartbeat), and
+the supervisor restarts the group with the ranks left when one dies.
 """
 
 from __future__ import annotations
@@ -116,6 +121,7 @@ class Child:
     instance_id: str = ""
     grpc_port: int = 0
     ops_port: int = 0  # --http-port: /healthz and /metrics (the recipe's health is on its API)
+    ep: int = 1  # expert-parallel ranks (processes started by this one); 1: none
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0  # times the supervisor started it again
     last_exit_code: int | None = None  # of its latest exit while the stack was up
@@ -133,6 +139,14 @@ class Child:
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def rank_ids(self) -> list[str]:
+        """The routing identities it heartbeats under: its instance id, or one per EP rank
+        (those of the group it started first; after a rank died, see its /healthz)."""
+        if self.ep == 1:
+            return [self.instance_id]
+        return [f"{self.instance_id}-r{k}" for k in range(self.ep)]
 
     @property
     def ports(self) -> list[int]:
@@ -354,6 +368,8 @@ class Stack:
         extra_args: Mapping[str, Sequence[str]] | None = None,
         env: Mapping[str, str] | None = None,
         restart: RestartPolicy | bool = False,
+        ep: int | Mapping[str, int] = 1,
+        ep_timeout: float | None = None,
     ) -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(
@@ -379,6 +395,17 @@ class Stack:
             else restart
         )
         self.extra_args = {k: list(v) for k, v in (extra_args or {}).items()}
+        # ep: ranks of every prefill/decode instance, or per instance/service name
+        # ({"decode-0": 2} or {"decode": 2}; others 1)
+        self.ep = ep
+        for n in [ep] if isinstance(ep, int) else list(ep.values()):
+            if n < 1:
+                raise ValueError(f"--ep must be >= 1, got {n}")
+        if ep != 1 and device == "cuda":
+            raise ValueError("deepserve up --ep runs on --device cpu for now (gloo ranks)")
+        if ep_timeout is not None and ep_timeout <= 0:
+            raise ValueError(f"--ep-timeout must be positive, got {ep_timeout}")
+        self.ep_timeout = ep_timeout
         self.env = dict(os.environ if env is None else env)
         self.stack_id = secrets.token_hex(3)
         # This stack's secrets (unless the environment gives them): they reach the services
@@ -458,19 +485,12 @@ class Stack:
         model_args = ["--model", self.model, "--model-name", self.model_name]
         placed = {p.name: p.flags() for p in self.placements}  # --device [--gpu-memory-...]
         engines = [
-            self._plan(
-                f"prefill-{i}",
-                "prefill",
-                args=["--kvstore-address", kv_addr, *model_args, *placed[f"prefill-{i}"]],
-            )
+            self._plan_engine(f"prefill-{i}", "prefill", 0, [*model_args, *placed[f"prefill-{i}"]])
             for i in range(self.prefill)
         ]
         engines += [
-            self._plan(
-                f"decode-{i}",
-                "decode",
-                grpc_port=procs.free_port(),
-                args=["--kvstore-address", kv_addr, *model_args, *placed[f"decode-{i}"]],
+            self._plan_engine(
+                f"decode-{i}", "decode", procs.free_port(), [*model_args, *placed[f"decode-{i}"]]
             )
             for i in range(self.decode)
         ]
@@ -546,6 +566,27 @@ class Stack:
             grpc_port=grpc_port,
             ops_port=ops_port,
         )
+
+    def ep_of(self, name: str, service: str) -> int:
+        if isinstance(self.ep, int):
+            return self.ep
+        return self.ep.get(name, self.ep.get(service, 1))
+
+    def _plan_engine(self, name: str, service: str, grpc_port: int, args: list[str]) -> Child:
+        """A prefill/decode instance; with EP its process supervises the rank processes (each
+        rank picks its own gRPC port: what the stack passes is then unused)."""
+        ep = self.ep_of(name, service)
+        ep_args = ["--ep", str(ep)] if ep > 1 else []
+        if ep > 1 and self.ep_timeout is not None:
+            ep_args += ["--ep-timeout", repr(self.ep_timeout)]
+        c = self._plan(
+            name,
+            service,
+            grpc_port=grpc_port,
+            args=["--kvstore-address", self.kvstore_address, *args, *ep_args],
+        )
+        c.ep = ep
+        return c
 
     def _plan_recipe(self, port: int) -> Child:
         # The recipe's health is on its main HTTP port.
@@ -629,7 +670,7 @@ class Stack:
                     f"{log_tail(c.log_path)}"
                 )
             time.sleep(0.2)
-        engines = {c.instance_id for c in stage if c.service in ("prefill", "decode")}
+        engines = {i for c in stage if c.service in ("prefill", "decode") for i in c.rank_ids}
         if engines:
             missing = asyncio.run(
                 _await_heartbeats(self.nats_url, engines, max(5.0, deadline - time.monotonic()))
@@ -739,6 +780,7 @@ class Stack:
                 c.name: {
                     "service": c.service,
                     "instance_id": c.instance_id,
+                    "ep": c.ep,
                     "pid": c.pid if c.proc is not None else None,
                     "status": c.status(),
                     "ops_port": c.ops_port,
@@ -847,6 +889,8 @@ def run_up(
     gpus: str | None = None,
     gpu_memory_fraction: float | None = None,
     restart: bool = True,
+    ep: int = 1,
+    ep_timeout: float | None = None,
 ) -> int:
     """``deepserve up``: start the stack, print its URL, serve until SIGINT/SIGTERM, stop it.
 
@@ -868,6 +912,8 @@ def run_up(
             gpu_memory_fraction=gpu_memory_fraction,
             ready_timeout=ready_timeout,
             restart=restart,
+            ep=ep,
+            ep_timeout=ep_timeout,
         )
     except ValueError as exc:
         print(f"deepserve up: {exc}", file=sys.stderr)
@@ -894,6 +940,8 @@ def run_up(
             + (f" ({p.gpu_memory_fraction:g})" if p.gpu_memory_fraction is not None else "")
             for p in stack.placements
         )
+        if ep > 1:
+            where += f"; {ep} expert-parallel ranks each"
         print(
             f"deepserve: starting {prefill} prefill + {decode} decode ({model}: {where}); "
             f"logs in {stack.run_dir / 'logs'}",

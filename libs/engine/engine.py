@@ -12,7 +12,10 @@ With expert parallelism (``ep``: one rank of an EP group, :mod:`libs.engine.ep`)
 runs its own Engine over its own requests and KV cache, and the ranks step in lockstep: the
 driver asks :meth:`Engine.group_has_unfinished` (a collective) and, while it is true, every rank
 calls :meth:`Engine.step`, which then runs exactly one forward -- an empty one (0 tokens, every
-MoE layer's exchanges) when this rank has nothing scheduled.
+MoE layer's exchanges) when this rank has nothing scheduled. With ``EngineConfig.eplb`` the
+ranks also run EPLB together after those steps (:class:`~libs.engine.ep.runtime.EplbDriver`):
+group load counts, live re-placement every ``rebalance_every`` steps, and the balance gauge
+:meth:`Engine.ep_balance`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from libs.common.errors import InvalidArgument
 from libs.common.hashchain import chain_hashes
 from libs.common.sampling import SamplingParams
 
+from .eplb import Balance, EplbConfig
 from .kv.block_manager import BlockManager, NoFreeBlocks
 from .kv.cache import TORCH_DTYPES
 from .kv.transfer import (
@@ -50,7 +54,7 @@ from .scheduler import Request, Scheduler, SchedulerConfig, Status, TokenEvent
 if TYPE_CHECKING:
     from .ep.group import EPGroup
     from .ep.placement import Placement
-    from .ep.runtime import EPRuntime
+    from .ep.runtime import EplbDriver, EPRuntime
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +135,10 @@ class EngineConfig:
     # it; nobody else holds it). None: frames are neither signed nor checked.
     kv_mac_key: bytes | None = field(default=None, repr=False)
     overlap: bool | None = None  # None: on for CUDA
+    # With expert parallelism: EPLB's window and re-placement interval ("decode", "prefill":
+    # EplbConfig's defaults for that role, or an EplbConfig); None: no EPLB, placement fixed.
+    # Its redundant_per_rank sizes the default placement's spare slots. Ignored without EP.
+    eplb: EplbConfig | str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -153,6 +161,8 @@ class EngineConfig:
             )
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if isinstance(self.eplb, str):
+            object.__setattr__(self, "eplb", EplbConfig.named(self.eplb))
 
     @property
     def use_kernels(self) -> bool:
@@ -163,6 +173,11 @@ class EngineConfig:
     @property
     def use_overlap(self) -> bool:
         return self.overlap if self.overlap is not None else self.device.startswith("cuda")
+
+    @property
+    def eplb_config(self) -> EplbConfig | None:
+        assert not isinstance(self.eplb, str)  # resolved on creation
+        return self.eplb
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -206,9 +221,17 @@ class Engine:
         self.config = config = config or EngineConfig()
         if parts is not None and ep is not None:
             raise ValueError("pass ep to build_parts, not beside ready parts")
+        eplb = config.eplb_config
+        if ep is not None and eplb is not None and placement is None:
+            placement = _eplb_start(config, loaded, ep.size, eplb.redundant_per_rank)
         parts = parts or build_parts(config, loaded, ep, placement)
         self.parts = parts
         self.ep: EPRuntime | None = parts.ep
+        self.eplb: EplbDriver | None = None
+        if self.ep is not None and eplb is not None:
+            from .ep.runtime import EplbDriver
+
+            self.eplb = EplbDriver(self.ep, eplb)
         self.device = parts.device
         self.model_config = cfg = parts.model_config
         self.model_id = parts.model_id
@@ -343,6 +366,13 @@ class Engine:
         if self.ep is None:
             raise AttributeError("this engine is not expert-parallel")
         self.ep.apply_placement(new)
+
+    def ep_balance(self) -> Balance | None:
+        """With EPLB: the routed experts' busiest-rank load over the mean (``.max_mean``,
+        1.0 = even) over the current window under the placements in force, per layer, and the
+        re-placements so far; a gauge to publish. None without EP or EPLB. Not a collective
+        (every rank holds the same group counts, so every rank reports the same figure)."""
+        return self.eplb.balance() if self.eplb is not None else None
 
     def info(self, request_id: str) -> RequestInfo:
         req = self.scheduler.requests[request_id]
@@ -592,6 +622,8 @@ class Engine:
             launched = self.runner.launch(plan, params, self._inflight)
         elif self.ep is not None:
             self.ep.empty_step()
+        if self.eplb is not None:  # the forward is queued: a re-placement serves the next one
+            self.eplb.after_step()
         events = self._finish(self._inflight) if self._inflight is not None else []
         if launched is not None:
             self.scheduler.advance(plan)
@@ -608,3 +640,14 @@ class Engine:
         self.last_step_seconds = seconds
         self.last_finished_tokens = launched.plan.num_tokens  # the step those seconds timed
         return self.scheduler.commit(launched.plan, sampled, seconds)
+
+
+def _eplb_start(
+    config: EngineConfig, loaded: LoadedModel | None, ranks: int, redundant: int
+) -> Placement:
+    """EPLB's starting placement: contiguous, with its spare slots per rank."""
+    from .ep.placement import Placement
+    from .loader import model_config
+
+    cfg = loaded.model.cfg if loaded is not None else model_config(config.model)
+    return Placement.contiguous(cfg.n_routed_experts, ranks, redundant)

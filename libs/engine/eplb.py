@@ -66,6 +66,35 @@ class EplbConfig:
     def prefill(cls) -> EplbConfig:
         return cls(window_steps=100, rebalance_every=1_000, redundant_per_rank=4)
 
+    @classmethod
+    def named(cls, name: str) -> EplbConfig:
+        """``decode`` or ``prefill`` (the engine option's spelling)."""
+        if name not in ("decode", "prefill"):
+            raise ValueError(f"eplb must be decode, prefill or an EplbConfig, got {name!r}")
+        return cls.decode() if name == "decode" else cls.prefill()
+
+    def sync_interval(self, cap: int = 32) -> int:
+        """Steps whose load counts an engine sums locally before one all-reduce: the largest
+        divisor of both ``window_steps`` and ``rebalance_every`` not above ``cap``, so a
+        window of whole chunks is exactly ``window_steps`` steps and re-placements fall on the
+        same steps as with per-step counts (decode and prefill defaults: 25)."""
+        g = math.gcd(self.window_steps, self.rebalance_every)
+        return max(d for d in range(1, min(g, cap) + 1) if g % d == 0)
+
+    def in_chunks(self, k: int) -> EplbConfig:
+        """This config counted in chunks of ``k`` steps (``k`` divides both intervals)."""
+        if self.window_steps % k or self.rebalance_every % k:
+            raise ValueError(
+                f"{k} steps do not divide window {self.window_steps} and interval "
+                f"{self.rebalance_every}"
+            )
+        return EplbConfig(
+            self.window_steps // k,
+            self.rebalance_every // k,
+            self.redundant_per_rank,
+            self.tolerance,
+        )
+
 
 def slots_per_rank(num_experts: int, num_ranks: int, redundant: int) -> int:
     """Slots per rank as :meth:`Placement.contiguous` lays them out."""
@@ -108,6 +137,21 @@ def max_mean(placement: Placement, loads: ArrayLike) -> float:
     """Busiest rank's load over the mean rank load for one layer's per-expert ``loads``: the
     step waits for the busiest rank, so this is the MoE time over the balanced time."""
     return float(imbalance(rank_loads(placement, loads)))
+
+
+def layers_max_mean(placements: Sequence[Placement], loads: ArrayLike) -> float:
+    """Max/mean over all MoE layers of a step: the sum over layers of the busiest rank's load
+    over the sum of the mean rank loads (each layer waits for its busiest rank, so this is
+    the routed experts' time over the balanced time; 1.0 where nothing ran)."""
+    x = np.asarray(loads, dtype=np.float64)
+    if len(placements) != x.shape[0]:
+        raise ValueError(f"{len(placements)} placements for {x.shape[0]} layers of loads")
+    busiest = mean = 0.0
+    for placement, row in zip(placements, x, strict=True):
+        by_rank = rank_loads(placement, row)
+        busiest += float(by_rank.max())
+        mean += float(by_rank.mean())
+    return busiest / mean if mean > 0 else 1.0
 
 
 def moved_slots_per_rank(old: Placement, new: Placement) -> Ints:
@@ -397,11 +441,33 @@ class LoadTracker:
 
 @dataclass(frozen=True)
 class Rebalance:
-    """New placements to apply after ``step`` (one per MoE layer) and the slots each changed."""
+    """New placements to apply after ``step`` (one per MoE layer) and the slots each changed.
+    ``before`` / ``after``: :func:`layers_max_mean` of the window that decided it, under the
+    old and the new placements."""
 
     step: int
     placements: tuple[Placement, ...]
     moved_slots: tuple[int, ...]
+    before: float = 1.0
+    after: float = 1.0
+
+
+@dataclass(frozen=True)
+class Balance:
+    """How evenly the ranks share the routed experts' work now (a gauge for a service).
+
+    ``max_mean``: :func:`layers_max_mean` of the window's loads under the placements in
+    force (1.0: perfectly even; 1.3: the step waits 30 % longer on its MoE layers than an
+    even split would); ``per_layer``: :func:`max_mean` of each MoE layer; ``window_steps``:
+    the steps those loads cover; ``rebalances`` / ``moved_slots``: re-placements so far that
+    moved weights, and the slots they moved; ``last``: the latest re-placement, if any."""
+
+    max_mean: float
+    per_layer: tuple[float, ...]
+    window_steps: int
+    rebalances: int
+    moved_slots: int
+    last: Rebalance | None
 
 
 class Eplb:
@@ -415,8 +481,13 @@ class Eplb:
         num_experts: int,
         num_ranks: int,
         initial: Sequence[Placement] | None = None,
+        steps_per_record: int = 1,
     ) -> None:
+        """``steps_per_record``: engine steps each :meth:`step` call covers (an engine that
+        records chunks of steps passes ``config`` counted in chunks, :meth:`EplbConfig.
+        in_chunks`); reported steps and window lengths are in engine steps."""
         self.config = config
+        self.steps_per_record = steps_per_record
         self.tracker = LoadTracker(num_layers, num_experts, config.window_steps)
         if initial is None:
             base = Placement.contiguous(num_experts, num_ranks, config.redundant_per_rank)
@@ -425,6 +496,9 @@ class Eplb:
             raise ValueError(f"need {num_layers} initial placements, got {len(initial)}")
         self._placements = tuple(initial)
         self.num_ranks = num_ranks
+        self._rebalances = 0
+        self._moved = 0
+        self._last: Rebalance | None = None
 
     @property
     def placements(self) -> tuple[Placement, ...]:
@@ -448,5 +522,26 @@ class Eplb:
             for layer, old in enumerate(self._placements)
         )
         moved = tuple(moved_slots(o, n) for o, n in zip(self._placements, new, strict=True))
+        before = layers_max_mean(self._placements, loads)
         self._placements = new
-        return Rebalance(self.tracker.steps, new, moved)
+        step = self.tracker.steps * self.steps_per_record
+        out = Rebalance(step, new, moved, before, layers_max_mean(new, loads))
+        if sum(moved):
+            self._rebalances += 1
+            self._moved += sum(moved)
+            self._last = out
+        return out
+
+    def balance(self) -> Balance:
+        """The gauge: the window's loads under the placements in force (O(layers x slots)
+        Python: read it per scrape, not per step)."""
+        loads = self.tracker.loads()
+        per_layer = tuple(max_mean(p, row) for p, row in zip(self._placements, loads, strict=True))
+        return Balance(
+            layers_max_mean(self._placements, loads),
+            per_layer,
+            self.tracker.window_len * self.steps_per_record,
+            self._rebalances,
+            self._moved,
+            self._last,
+        )

@@ -8,6 +8,15 @@ engine thread. It loops::
     -> hand the step's TokenEvents to the asyncio loop (call_soon_threadsafe)
 
 Commands therefore run *between* steps, never during one, and see a consistent engine.
+
+With expert parallelism (the engine is one rank of an EP group, ``engine.ep``) the thread
+never waits idle on its own: every iteration is one :meth:`Lockstep.tick
+<libs.engine.ep.lockstep.Lockstep.tick>` that every rank of the group runs together (a step,
+empty where this rank has nothing, or an idle poll of a few ms). A tick that raises -- a peer
+died or timed out -- breaks the group for good: every request in flight fails with
+:class:`EngineFailed` (retryable for the entrypoint), the loop refuses further commands and
+``on_group_failed`` is called on the asyncio loop (the service then exits, and its supervisor
+starts a new group).
 The asyncio side gets one :class:`RequestStream` per request; events reach it in the order
 the engine produced them, and a command's result is delivered after every event the engine
 produced before the command ran (both go through ``call_soon_threadsafe``, which is FIFO).
@@ -28,11 +37,14 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, InvalidRequest, KVInput, PreparedKV
 from libs.engine.scheduler import TokenEvent
+
+if TYPE_CHECKING:
+    from libs.engine.ep.lockstep import Lockstep
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +77,9 @@ class EngineStats:
     tokens_per_s: float = 0.0
 
 
+# An idle EP group asks every 10 ms whether any rank has work (one all-reduce of 2 integers,
+# ~0.1 ms on gloo over loopback): <= 10 ms added to a request arriving at an idle group.
+LOCKSTEP_POLL_S = 0.01
 RATE_MIN_TOKENS = 256
 RESIDENT_SUMMARY = 8192  # digests per heartbeat: 64 KiB, i.e. 1M prompt tokens of prefixes
 RESIDENT_REFRESH_S = 0.5  # the summary is rebuilt at most this often (heartbeats: every 1 s)
@@ -163,9 +178,23 @@ class EngineLoop:
     After :meth:`start`, no other code may touch ``engine`` except through :meth:`call`.
     """
 
-    def __init__(self, engine: Engine, *, name: str = "engine") -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        name: str = "engine",
+        poll_s: float = LOCKSTEP_POLL_S,
+        on_group_failed: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.name = name
+        self._lockstep: Lockstep | None = None
+        if engine.ep is not None:
+            from libs.engine.ep.lockstep import Lockstep
+
+            self._lockstep = Lockstep(engine, poll_s=poll_s)
+        self._on_group_failed = on_group_failed
+        self.group_failure: BaseException | None = None  # set once an EP group broke
         self.stats = engine_stats(engine)
         self._cond = threading.Condition()
         self._commands: deque[_Command] = deque()
@@ -279,6 +308,9 @@ class EngineLoop:
 
     # -- engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
+        if self._lockstep is not None:
+            self._run_lockstep(self._lockstep)
+            return
         while True:
             with self._cond:
                 while (
@@ -298,6 +330,46 @@ class EngineLoop:
             self.stats = self._snapshot()
             if events:
                 self._emit(events)
+
+    def _run_lockstep(self, lockstep: Lockstep) -> None:
+        """The EP loop: commands, then one tick with the peers, forever (module doc)."""
+        while True:
+            with self._cond:
+                commands = list(self._commands)
+                self._commands.clear()
+                stopping = self._stopping
+            for fn, fut in commands:
+                self._apply(fn, fut)
+            try:
+                tick = lockstep.tick(stopping)
+            except Exception as exc:  # noqa: BLE001 - any failure of a rank breaks the group
+                self._group_failed(exc)
+                return
+            if tick.stop:
+                self._shutdown()
+                return
+            if tick.stepped:
+                self._count_step()
+            self.stats = self._snapshot()
+            if tick.events:
+                self._emit(tick.events)
+
+    def _group_failed(self, exc: Exception) -> None:
+        log.error("%s: the EP group failed (%r); failing every request in flight", self.name, exc)
+        with self._cond:
+            self._stopping = True  # call() refuses from now on
+            late = list(self._commands)
+            self._commands.clear()
+        sched = self.engine.scheduler
+        for rid in [r.request_id for r in (*sched.running, *sched.waiting)]:
+            self.engine.abort(rid)  # local bookkeeping only: no collective
+        for _, fut in late:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineLoopClosed(f"{self.name}: the EP group failed"))
+        self._call_soon(self._fail_open_streams, EngineFailed(f"EP group failed: {exc!r}"))
+        self.group_failure = exc
+        if self._on_group_failed is not None:
+            self._call_soon(self._on_group_failed, exc)
 
     def _snapshot(self) -> EngineStats:
         """Load after this iteration; the resident summary (O(summary) Python) only every
@@ -327,12 +399,15 @@ class EngineLoop:
             log.exception("%s: engine step failed; failing every request in flight", self.name)
             self._fail_all(exc)
             return []
+        self._count_step()
+        return events
+
+    def _count_step(self) -> None:
         self._steps += 1
         e = self.engine
         if e.last_finished_tokens >= RATE_MIN_TOKENS and e.last_step_seconds > 0:
             rate = e.last_finished_tokens / e.last_step_seconds
             self._rate = rate if not self._rate else 0.8 * self._rate + 0.2 * rate
-        return events
 
     def _fail_all(self, exc: Exception) -> None:
         sched = self.engine.scheduler
@@ -373,6 +448,9 @@ class EngineLoop:
             stream._put(ev)
             if ev.finished:
                 del self._streams[ev.request_id]
+
+    def _fail_open_streams(self, err: EngineFailed) -> None:
+        self._fail_streams(list(self._streams), err)
 
     def _fail_streams(self, request_ids: list[str], err: EngineFailed) -> None:
         for rid in request_ids:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -27,6 +28,7 @@ from libs.common.service import ServiceContext
 from libs.proto.deepserve.v1 import control_pb2
 
 from .engine_loop import EngineLoop, EngineStats
+from .ep import EXIT_GROUP_FAILED, EPFlags
 from .model_flags import ModelFlags
 from .runtime import heartbeat_loop, publish_status
 
@@ -43,8 +45,21 @@ class Drainable(Protocol):
 
 
 class InstanceRuntime:
-    def __init__(self, ctx: ServiceContext, model: ModelFlags, heartbeat_interval: float) -> None:
+    """``ep``: this instance is one rank of an EP group (``--ep-rank``): its engine joins the
+    group and steps in lockstep; when the group fails the service stops with
+    :data:`~.ep.EXIT_GROUP_FAILED` (:attr:`exit_code`), and when its supervisor is gone it
+    stops too."""
+
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        model: ModelFlags,
+        heartbeat_interval: float,
+        ep: EPFlags | None = None,
+    ) -> None:
         self.ctx, self.model, self.heartbeat_interval = ctx, model, heartbeat_interval
+        self.ep = ep if ep is not None and ep.is_rank else None
+        self.exit_code = 0  # what serve() returns after leave()
         self.service, self.instance_id = ctx.name, ctx.config.instance_id
         self.drain_seconds, self.log = ctx.config.drain_seconds, ctx.log
         self.loop: EngineLoop | None = None
@@ -69,15 +84,22 @@ class InstanceRuntime:
 
         from .engines import build_engine  # torch: after the ops port answers
 
+        build: Callable[[ModelFlags], Engine] = build_engine
+        if self.ep is not None:
+            from .ep import build_rank_engine
+
+            ep = self.ep
+            build = lambda flags: build_rank_engine(flags, ep)  # noqa: E731
+            self.ctx.background(self._watch_supervisor(os.getppid()), "ep-supervisor-watch")
         try:
-            engine = await self._load(build_engine)
+            engine = await self._load(build)
         except (ValueError, OSError) as exc:
             self.log.error("cannot load model %r: %s", self.model.model, exc)
             return 1
         if engine is None:
             self.log.info("stopped while the model was loading")
             return 0
-        loop = EngineLoop(engine, name=self.service)
+        loop = EngineLoop(engine, name=self.service, on_group_failed=self._group_failed)
         loop.start()
         self.ctx.stack.push_async_callback(loop.close)
         self.loop = loop
@@ -92,6 +114,22 @@ class InstanceRuntime:
         if self.nc is None:
             return 0
         return None
+
+    def _group_failed(self, exc: BaseException) -> None:
+        """The EP group broke under this rank (its requests already failed, retryable): stop
+        heartbeating and exit, so the supervisor restarts the group with the ranks left."""
+        self.log.error("EP group failed (%s); stopping this rank", exc)
+        self._ready = False
+        self.exit_code = EXIT_GROUP_FAILED
+        self.ctx.stop.set()
+
+    async def _watch_supervisor(self, parent: int) -> None:
+        """A rank outlives no supervisor (kill -9 of it): its parent changes, it stops."""
+        while os.getppid() == parent:
+            await asyncio.sleep(1.0)
+        self.log.error("the EP supervisor (pid %d) is gone; stopping this rank", parent)
+        self.exit_code = EXIT_GROUP_FAILED
+        self.ctx.stop.set()
 
     async def _load(self, build: Callable[[ModelFlags], Engine]) -> Engine | None:
         """The engine, built in a daemon thread (minutes for a large model); None if a stop

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from libs.common.config import ServiceConfig, check_port, common_flags, flag, service_config_from
 from libs.common.grpc_auth import add_service_token_flag
+from libs.serving.ep import EPFlags, add_ep_flags, check_ep_model, ep_flags_from
 from libs.serving.model_flags import ModelFlags, add_model_flags, model_flags_from
 
 SERVICE = "decode"
@@ -21,10 +22,12 @@ class DecodeConfig:
     model: ModelFlags
     grpc_port: int = 0
     heartbeat_interval: float = 1.0
+    ep: EPFlags = field(default_factory=EPFlags)  # --ep N: this instance is N rank processes
     kvstore_address: str = ""  # host:port; empty: generated blocks are not written back
     service_token: str = field(default="", repr=False)  # the internal APIs' credential
 
     def __post_init__(self) -> None:
+        check_ep_model(self.ep, self.model)
         check_port("--grpc-port", self.grpc_port)
         if self.heartbeat_interval <= 0:
             raise ValueError(
@@ -37,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     common_flags(parser, SERVICE)
     add_service_token_flag(parser)
     add_model_flags(parser)
+    add_ep_flags(parser)
     flag(parser, "--grpc-port", type=int, default=0, help="KVTransfer gRPC port (0: any free)")
     flag(parser, "--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
     flag(
@@ -57,5 +61,6 @@ def config_from(args: argparse.Namespace) -> DecodeConfig:
         model=model_flags_from(args),
         grpc_port=args.grpc_port,
         heartbeat_interval=args.heartbeat_interval,
+        ep=ep_flags_from(args),
         kvstore_address=args.kvstore_address,
     )

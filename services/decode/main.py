@@ -11,6 +11,10 @@ shared lifecycle's exit stack (``libs/common/service.py``) and closed in reverse
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
+from functools import partial
+
 import grpc
 
 from libs.common import subjects
@@ -19,6 +23,7 @@ from libs.common.grpc_server import add_health_and_reflection
 from libs.common.service import ServiceContext, run_service
 from libs.common.telemetry import tracer
 from libs.proto.deepserve.v1 import control_pb2, kv_transfer_pb2_grpc
+from libs.serving.ep_supervisor import supervise
 from libs.serving.instance import InstanceRuntime
 from libs.serving.runtime import advertise_host
 from libs.transport.kvstore_client import GrpcKVStore
@@ -30,12 +35,15 @@ MAX_MESSAGE_BYTES = 8 << 20  # KV arrives in chunks of <= 1 MiB; leave room
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_service(SERVICE, argv, build_parser, config_from, serve)
+    args = sys.argv[1:] if argv is None else list(argv)
+    return run_service(SERVICE, args, build_parser, config_from, partial(serve, argv=args))
 
 
-async def serve(cfg: DecodeConfig, ctx: ServiceContext) -> int:
+async def serve(cfg: DecodeConfig, ctx: ServiceContext, argv: Sequence[str] = ()) -> int:
+    if cfg.ep.supervises:  # --ep N: this process starts and watches the N rank processes
+        return await supervise(ctx, SERVICE, argv, cfg.ep, own_grpc_port=True)
     log, host, instance_id = ctx.log, cfg.service.host, cfg.service.instance_id
-    rt = InstanceRuntime(ctx, cfg.model, cfg.heartbeat_interval)
+    rt = InstanceRuntime(ctx, cfg.model, cfg.heartbeat_interval, cfg.ep)
     rc = await rt.start()
     if rc is not None:
         return rc
@@ -75,4 +83,4 @@ async def serve(cfg: DecodeConfig, ctx: ServiceContext) -> int:
     await rt.ready(handler.status)  # subscribed and serving gRPC: /healthz may say 200
     await ctx.stop.wait()
     await rt.leave(handler, subs, before_drain=health_servicer.enter_graceful_shutdown)
-    return 0
+    return rt.exit_code

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from libs.common.config import ServiceConfig, common_flags, flag, service_config_from
 from libs.common.grpc_auth import add_service_token_flag
+from libs.serving.ep import EPFlags, add_ep_flags, check_ep_model, ep_flags_from
 from libs.serving.model_flags import ModelFlags, add_model_flags, model_flags_from
 
 from .clients import PUSH_TIMEOUT_S
@@ -26,8 +27,10 @@ class PrefillConfig:
     service_token: str = field(default="", repr=False)  # the internal APIs' credential
     push_timeout_s: float = PUSH_TIMEOUT_S
     heartbeat_interval: float = 1.0
+    ep: EPFlags = field(default_factory=EPFlags)  # --ep N: this instance is N rank processes
 
     def __post_init__(self) -> None:
+        check_ep_model(self.ep, self.model)
         if self.kvstore_address and ":" not in self.kvstore_address:
             raise ValueError(f"--kvstore-address must be host:port, got {self.kvstore_address!r}")
         if self.push_timeout_s <= 0:
@@ -43,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     common_flags(parser, SERVICE)
     add_service_token_flag(parser)
     add_model_flags(parser)
+    add_ep_flags(parser)
     flag(parser, "--kvstore-address", default="", help="kvstore gRPC host:port (empty: no kvstore)")
     flag(
         parser,
@@ -64,4 +68,5 @@ def config_from(args: argparse.Namespace) -> PrefillConfig:
         kvstore_address=args.kvstore_address,
         push_timeout_s=args.push_timeout,
         heartbeat_interval=args.heartbeat_interval,
+        ep=ep_flags_from(args),
     )

@@ -14,10 +14,15 @@ shared lifecycle's exit stack (``libs/common/service.py``) and closed in reverse
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
+from functools import partial
+
 from libs.common import subjects
 from libs.common.service import ServiceContext, run_service
 from libs.common.telemetry import tracer
 from libs.proto.deepserve.v1 import control_pb2
+from libs.serving.ep_supervisor import supervise
 from libs.serving.instance import InstanceRuntime
 from libs.transport.kvstore_client import GrpcKVStore
 
@@ -27,12 +32,15 @@ from .handlers import PrefillHandler
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_service(SERVICE, argv, build_parser, config_from, serve)
+    args = sys.argv[1:] if argv is None else list(argv)
+    return run_service(SERVICE, args, build_parser, config_from, partial(serve, argv=args))
 
 
-async def serve(cfg: PrefillConfig, ctx: ServiceContext) -> int:
+async def serve(cfg: PrefillConfig, ctx: ServiceContext, argv: Sequence[str] = ()) -> int:
+    if cfg.ep.supervises:  # --ep N: this process starts and watches the N rank processes
+        return await supervise(ctx, SERVICE, argv, cfg.ep, own_grpc_port=False)
     log, instance_id = ctx.log, cfg.service.instance_id
-    rt = InstanceRuntime(ctx, cfg.model, cfg.heartbeat_interval)
+    rt = InstanceRuntime(ctx, cfg.model, cfg.heartbeat_interval, cfg.ep)
     rc = await rt.start()
     if rc is not None:
         return rc
@@ -71,4 +79,4 @@ async def serve(cfg: PrefillConfig, ctx: ServiceContext) -> int:
     )
     await ctx.stop.wait()
     await rt.leave(handler, subs)
-    return 0
+    return rt.exit_code

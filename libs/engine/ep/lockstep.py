@@ -1,11 +1,14 @@
 """The lockstep loop of an EP group's ranks, for a service that steps its engine forever.
 
 Each :meth:`Lockstep.tick` is one round on every rank: one tiny all-reduce agrees whether any
-rank has work and whether any rank is stopping; then every rank steps its engine (one
+rank has work and whether every rank is stopping; then every rank steps its engine (one
 forward each, empty where a rank has nothing: the MoE exchanges pair up), or, when no rank has
 work, every rank sleeps ``poll_s`` and asks again. A rank that stops (SIGTERM, drain done)
-says so in the same all-reduce, so the whole group leaves the loop in the same round instead
-of leaving its peers waiting in a collective.
+says so in the same all-reduce and keeps taking part (empty steps) while any peer still
+works: its drain finishing first must not cut the requests its peers are still serving. When
+every rank is stopping, the whole group leaves the loop in the same round instead of leaving
+a peer waiting in a collective. A rank that is stopped alone (its peers never are) therefore
+waits for them; the service's supervisor stops every rank of a group together.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from ..scheduler import TokenEvent
 class Tick:
     events: list[TokenEvent] = field(default_factory=list)
     stepped: bool = False  # the group ran a step this round
-    stop: bool = False  # some rank is stopping: leave the loop (every rank sees it this round)
+    stop: bool = False  # every rank is stopping: leave the loop (every rank sees it this round)
 
 
 class Lockstep:
@@ -37,8 +40,8 @@ class Lockstep:
 
     def tick(self, stopping: bool = False) -> Tick:
         """One round (a collective: every rank calls it once per round)."""
-        work, stop = self.group.all_max([int(self.engine.has_unfinished()), int(stopping)])
-        if stop:
+        work, going_on = self.group.all_max([int(self.engine.has_unfinished()), int(not stopping)])
+        if not going_on:
             return Tick(stop=True)
         if not work:
             time.sleep(self.poll_s)

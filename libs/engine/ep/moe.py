@@ -110,17 +110,21 @@ def combine(
     by_expert = torch.argsort(idx, dim=1, stable=True)
     ys = pairs.gather(1, by_expert.unsqueeze(-1).expand(t, k, h))
     ws = weights.gather(1, by_expert).to(torch.float32)
+    # Every product in one launch (fp32(y) * w, rounded as the reference rounds it), then
+    # the k adds in expert order: k + 3 launches instead of 3k + 1 (v2-lite k = 6: 9 vs 19).
+    prods = ys.to(torch.float32) * ws.unsqueeze(-1)
     out = torch.zeros(t, h, dtype=torch.float32, device=y_sent.device)
     for j in range(k):
-        out += ys[:, j].to(torch.float32) * ws[:, j, None]
+        out += prods[:, j]
     return out.to(y_sent.dtype)
 
 
 class EPExperts(nn.Module):
     """A MoE layer's routed experts over an EP group; ``local`` holds this rank's slots.
 
-    ``load``: tokens routed to each expert by this rank's router since :meth:`take_load`
-    (home-side counts: what EPLB's window sums over ranks).
+    ``load``: tokens routed to each expert by this rank's router since the layer was built
+    (home-side counts, a device tensor that only grows: readers keep their own mark, as
+    :meth:`take_load` and EPLB do, so one counter serves both with one launch per layer).
     """
 
     def __init__(self, local: Experts, group: EPGroup, placement: Placement) -> None:
@@ -136,6 +140,7 @@ class EPExperts(nn.Module):
         device = local.w13.device
         self.table = RouteTable.build(placement, group.rank, device)
         self.load = torch.zeros(placement.num_experts, dtype=torch.int64, device=device)
+        self._taken = torch.zeros_like(self.load)
 
     def set_placement(self, placement: Placement) -> None:
         """Route by ``placement`` from now on (``local`` must already hold its slots)."""
@@ -143,8 +148,10 @@ class EPExperts(nn.Module):
         self.table = RouteTable.build(placement, self.group.rank, self.load.device)
 
     def take_load(self) -> torch.Tensor:
-        out = self.load.clone()
-        self.load.zero_()
+        """Tokens per expert since the last call (or the start)."""
+        now = self.load.clone()
+        out = now - self._taken
+        self._taken = now
         return out
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

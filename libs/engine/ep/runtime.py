@@ -10,7 +10,9 @@ The :class:`EPRuntime` it returns gives the engine:
 * :meth:`EPRuntime.load_counts`: tokens per expert and MoE layer since the last call (EPLB's
   window);
 * :meth:`EPRuntime.apply_placement`: a live re-placement between steps, moving expert
-  weights between ranks with all-to-all; outputs do not change (a replica is a copy).
+  weights between ranks with all-to-all; outputs do not change (a replica is a copy);
+* :class:`EplbDriver`: EPLB (:mod:`libs.engine.eplb`) run by the ranks together between
+  steps: group load counts, re-placement every ``rebalance_every`` steps, the balance gauge.
 
 MTP layers are not wrapped: the engine does not run them (the loader gives them all experts).
 """
@@ -22,8 +24,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from ..eplb import Balance, Eplb, EplbConfig, Rebalance
 from ..model.layers import MoE
 from ..model.model import DeepseekForCausalLM
 from .group import EPGroup
@@ -154,6 +158,11 @@ class EPRuntime:
             for layer in self.layers:
                 layer(x, weights, idx)
 
+    def load_totals(self) -> torch.Tensor:
+        """[MoE layers, experts] int64 on the layers' device: tokens this rank's routers sent
+        to each expert since the layers were built (a copy; readers difference it)."""
+        return torch.stack([layer.load for layer in self.layers])
+
     def load_counts(self) -> torch.Tensor:
         """[MoE layers, experts] int64 on the CPU: tokens this rank's routers sent to each
         expert since the last call (each call starts a new count; sum over ranks for the
@@ -206,6 +215,69 @@ class EPRuntime:
         raw = rows.contiguous().reshape(rows.shape[0], math.prod(shape)).view(torch.uint8)
         got = self.group.all_to_all(raw, send_splits, recv_splits)
         return got.view(rows.dtype).reshape(got.shape[0], *shape)
+
+
+class EplbDriver:
+    """EPLB inside one rank's engine; :meth:`after_step` is a collective that every rank calls
+    after every forward (each engine step is one forward on every rank, in lockstep).
+
+    Counts are summed locally on the device (the layers' counters) and all-reduced once every
+    ``sync_every`` steps (:meth:`EplbConfig.sync_interval`: 25 for the decode and prefill
+    defaults), then recorded as one chunk of the window. Per-step all-reduces would buy
+    nothing: the window (100-1,000 steps) is a whole number of chunks and re-placements fall
+    on the same steps, and each sync costs an all-reduce of layers x experts int64 (V3: 58 x
+    256, 119 KB) plus a device-to-host read, which also stalls the CUDA stream the engine
+    overlaps with the host. Every rank then holds the same group counts, so every rank's
+    :class:`~libs.engine.eplb.Eplb` (deterministic numpy) computes the same placements and
+    :meth:`EPRuntime.apply_placement` pairs up without negotiation.
+    """
+
+    def __init__(self, runtime: EPRuntime, config: EplbConfig, sync_every: int | None = None):
+        if not runtime.layers:
+            raise ValueError("EPLB needs a model with MoE layers")
+        self.runtime = runtime
+        self.sync_every = sync_every or config.sync_interval()
+        placements = runtime.placements
+        self.policy = Eplb(
+            config.in_chunks(self.sync_every),
+            len(placements),
+            placements[0].num_experts,
+            runtime.group.size,
+            initial=placements,
+            steps_per_record=self.sync_every,
+        )
+        self.steps = 0
+        self._mark = runtime.load_totals()
+        self._balance: Balance | None = None
+
+    def after_step(self) -> Rebalance | None:
+        """Count one step; every ``sync_every`` steps sum the chunk over the ranks and feed
+        the policy; apply a re-placement that moves slots (returned), else None."""
+        self.steps += 1
+        if self.steps % self.sync_every:
+            return None
+        totals = self.runtime.load_totals()
+        chunk = self.runtime.group.all_sum(totals - self._mark)
+        self._mark = totals
+        self._balance = None
+        rebalance = self.policy.step(chunk.cpu().numpy().astype(np.int64))
+        if rebalance is None or rebalance.placements == tuple(self.runtime.placements):
+            return None
+        self.runtime.apply_placement(rebalance.placements)
+        log.info(
+            "eplb: step %d: moved %d slots, max/mean %.3f -> %.3f",
+            self.steps,
+            sum(rebalance.moved_slots),
+            rebalance.before,
+            rebalance.after,
+        )
+        return rebalance
+
+    def balance(self) -> Balance:
+        """The window's max/mean under the placements in force (cached until the next chunk)."""
+        if self._balance is None:
+            self._balance = self.policy.balance()
+        return self._balance
 
 
 def _ix(values: list[int], like: torch.Tensor) -> torch.Tensor:

@@ -395,7 +395,8 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--gpus",
         default=None,
         help="--device cuda: GPU indices, e.g. 0,1 (default: every visible GPU); engines are "
-        "dealt round robin in the order prefill-0, decode-0, prefill-1, ...",
+        "dealt round robin in the order prefill-0, decode-0, prefill-1, ... (with --ep N: "
+        "N GPUs of their own each)",
     )
     p.add_argument(
         "--gpu-memory-fraction",
@@ -418,7 +419,8 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--ep",
         type=int,
         default=1,
-        help="expert-parallel ranks per prefill/decode instance (CPU, gloo): each rank its "
+        help="expert-parallel ranks per prefill/decode instance (CPU: gloo; --device cuda: "
+        "NCCL, a GPU of its own per rank, N GPUs per instance from --gpus): each rank its "
         "own process and routing target <instance>-r<k>; a dead rank: the group restarts "
         "with the ranks left",
     )

@@ -30,7 +30,8 @@ With ``device="cuda"`` the engines are spread over GPUs by :func:`place_engines`
 With ``ep`` (``deepserve up --ep N``) a prefill/decode instance is an expert-parallel group of
 N rank processes that its own process starts and supervises (``libs/serving/ep_supervisor.py``);
 each rank heartbeats as ``<instance>-r<k>`` (the stack waits for every rank's heartbeat), and
-the supervisor restarts the group with the ranks left when one dies.
+the supervisor restarts the group with the ranks left when one dies. On CUDA every rank gets
+a GPU of its own (``--ep-gpus``, dealt by :func:`place_engines` in units of N GPUs).
 """
 
 from __future__ import annotations
@@ -228,11 +229,14 @@ class EnginePlacement:
     """Where one prefill/decode instance runs, as the flags its process gets."""
 
     name: str  # "prefill-0", "decode-1", ...
-    device: str  # "cpu" or "cuda:<i>"
-    gpu_memory_fraction: float | None = None  # None: not on a GPU
+    device: str  # "cpu", "cuda:<i>", or "cuda" for an EP group (its ranks on ep_gpus)
+    gpu_memory_fraction: float | None = None  # None: not on a GPU (else: of each GPU)
+    ep_gpus: tuple[int, ...] = ()  # an EP group on CUDA: rank k on cuda:<ep_gpus[k]>
 
     def flags(self) -> list[str]:
         out = ["--device", self.device]
+        if self.ep_gpus:
+            out += ["--ep-gpus", ",".join(map(str, self.ep_gpus))]
         if self.gpu_memory_fraction is not None:
             out += ["--gpu-memory-fraction", repr(self.gpu_memory_fraction)]
         return out
@@ -245,6 +249,7 @@ def place_engines(
     *,
     fraction: float | None = None,
     share: float = GPU_MEMORY_SHARE,
+    ep: Mapping[str, int] | None = None,
 ) -> list[EnginePlacement]:
     """Deal the engines over ``gpus`` round robin, roles interleaved.
 
@@ -256,6 +261,13 @@ def place_engines(
     GPU), rounded down to 1e-4. No ``gpus``: every engine on the CPU, no fraction.
     Raises ValueError for counts below one, a fraction outside (0, 1], or engines on one
     GPU whose fractions add up to more than 1.
+
+    ``ep``: ranks per engine name (absent: 1). When an engine has more than one, GPUs are
+    dealt in units of its rank count and nobody shares one: in the same order each engine
+    takes the next ``ep`` GPUs (device ``cuda``, ``ep_gpus`` its ranks' GPUs; an engine of
+    one rank ``cuda:<i>``), each with ``fraction`` or ``share`` of them. NCCL refuses two
+    ranks of a group on one GPU, and ranks of co-located groups would wait on each other's
+    steps, so ValueError when the GPUs are fewer than the ranks that need them.
     """
     if prefill < 1 or decode < 1:
         raise ValueError(
@@ -267,6 +279,9 @@ def place_engines(
     order = [n for i in range(max(prefill, decode)) for role in names for n in role[i : i + 1]]
     if not gpus:
         return [EnginePlacement(name, "cpu") for name in order]
+    widths = {name: (ep or {}).get(name, 1) for name in order}
+    if max(widths.values()) > 1:
+        return _place_ep(order, widths, gpus, fraction if fraction is not None else share)
     gpu_of = {name: gpus[k % len(gpus)] for k, name in enumerate(order)}
     per_gpu = {g: list(gpu_of.values()).count(g) for g in gpus}
     if fraction is not None:
@@ -285,6 +300,30 @@ def place_engines(
         )
         for name in order
     ]
+
+
+def _place_ep(
+    order: Sequence[str], widths: Mapping[str, int], gpus: Sequence[int], fraction: float
+) -> list[EnginePlacement]:
+    """GPUs of their own for every engine, ``widths[name]`` each (see :func:`place_engines`)."""
+    need = sum(widths.values())
+    if need > len(gpus):
+        ranks = " + ".join(f"{widths[n]} ({n})" for n in order)
+        raise ValueError(
+            f"--ep on --device cuda: each rank needs a GPU of its own (NCCL refuses two ranks "
+            f"on one), and these engines have {need} ranks = {ranks}, but the GPUs are "
+            f"{len(gpus)} ({','.join(map(str, gpus))}); pass more --gpus or fewer "
+            "--ep / --prefill / --decode"
+        )
+    out, at = [], 0
+    for name in order:
+        mine = tuple(gpus[at : at + widths[name]])
+        at += widths[name]
+        if len(mine) == 1:
+            out.append(EnginePlacement(name, f"cuda:{mine[0]}", fraction))
+        else:
+            out.append(EnginePlacement(name, "cuda", fraction, ep_gpus=mine))
+    return out
 
 
 def _round_down(x: float) -> float:
@@ -377,11 +416,20 @@ class Stack:
             )
         if device == "cpu" and (gpus or gpu_memory_fraction is not None):
             raise ValueError("--gpus and --gpu-memory-fraction apply to --device cuda")
+        # ep: ranks of every prefill/decode instance, or per instance/service name
+        # ({"decode-0": 2} or {"decode": 2}; others 1)
+        self.ep = ep
+        for n in [ep] if isinstance(ep, int) else list(ep.values()):
+            if n < 1:
+                raise ValueError(f"--ep must be >= 1, got {n}")
+        names = [("prefill", f"prefill-{i}") for i in range(prefill)]
+        names += [("decode", f"decode-{i}") for i in range(decode)]
         self.placements = place_engines(
             prefill,
             decode,
             visible_gpus(gpus or None) if device == "cuda" else (),
             fraction=gpu_memory_fraction,
+            ep={name: self.ep_of(name, service) for service, name in names},
         )
         self.vocab_size = model_vocab_size(model)  # ValueError for a model nobody can load
         self.run_dir = Path(run_dir).resolve()
@@ -395,14 +443,6 @@ class Stack:
             else restart
         )
         self.extra_args = {k: list(v) for k, v in (extra_args or {}).items()}
-        # ep: ranks of every prefill/decode instance, or per instance/service name
-        # ({"decode-0": 2} or {"decode": 2}; others 1)
-        self.ep = ep
-        for n in [ep] if isinstance(ep, int) else list(ep.values()):
-            if n < 1:
-                raise ValueError(f"--ep must be >= 1, got {n}")
-        if ep != 1 and device == "cuda":
-            raise ValueError("deepserve up --ep runs on --device cpu for now (gloo ranks)")
         if ep_timeout is not None and ep_timeout <= 0:
             raise ValueError(f"--ep-timeout must be positive, got {ep_timeout}")
         self.ep_timeout = ep_timeout
@@ -781,6 +821,9 @@ class Stack:
                     "service": c.service,
                     "instance_id": c.instance_id,
                     "ep": c.ep,
+                    # the ids its ranks heartbeat under (its first group's; a later group's:
+                    # <id>-r<k>-g<gen>, listed by its /healthz)
+                    "rank_ids": c.rank_ids,
                     "pid": c.pid if c.proc is not None else None,
                     "status": c.status(),
                     "ops_port": c.ops_port,
@@ -937,6 +980,7 @@ def run_up(
     try:
         where = ", ".join(
             f"{p.name} {p.device}"
+            + (f" {','.join(map(str, p.ep_gpus))}" if p.ep_gpus else "")
             + (f" ({p.gpu_memory_fraction:g})" if p.gpu_memory_fraction is not None else "")
             for p in stack.placements
         )

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, InvalidRequest, KVInput, PreparedKV
+from libs.engine.eplb import Balance
 from libs.engine.scheduler import TokenEvent
 
 if TYPE_CHECKING:
@@ -75,6 +76,9 @@ class EngineStats:
     # Tokens per second of recent steps that computed >= RATE_MIN_TOKENS (moving average;
     # 0 until one ran): what a prompt costs to compute here.
     tokens_per_s: float = 0.0
+    # With EP and EPLB: the experts' balance over the ranks (Engine.ep_balance; the engine
+    # recomputes it once per count sync, every 25 steps by default). None: no EPLB here.
+    ep_balance: Balance | None = None
 
 
 # An idle EP group asks every 10 ms whether any rank has work (one all-reduce of 2 integers,
@@ -117,6 +121,7 @@ def engine_stats(
         steps,
         resident_summary(engine) if resident is None else resident,
         tokens_per_s,
+        engine.ep_balance(),
     )
 
 

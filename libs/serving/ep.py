@@ -14,6 +14,14 @@ Timeouts: the rendezvous and the first collective (every rank has loaded its mod
 ``--ep-start-timeout`` (ranks load at different speeds); from then on every collective waits
 at most ``--ep-timeout``, so a rank whose peer hangs fails within it. A peer that dies is
 noticed sooner: gloo reports the closed connection on the next collective (~1 ms).
+
+EPLB (``--eplb decode|prefill|off``; default: the service's own role when ``--ep`` > 1) moves
+the routed experts between the ranks from the load they saw; each rank exports the live
+balance on its ops port (:mod:`.ep_metrics`).
+
+GPUs: with ``--device cuda`` rank k runs on ``cuda:<k>``, or on ``cuda:<gpus[k]>`` with
+``--ep-gpus`` (``deepserve up`` passes each instance its own); NCCL needs one GPU per rank, so
+two ranks on one GPU are refused at start.
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ from typing import TYPE_CHECKING
 from libs.common.config import flag
 
 if TYPE_CHECKING:
-    from libs.engine.engine import Engine
+    from libs.engine.engine import Engine, EngineConfig
+    from libs.engine.eplb import EplbConfig
 
     from .model_flags import ModelFlags
 
@@ -38,6 +47,7 @@ log = logging.getLogger(__name__)
 EXIT_GROUP_FAILED = 75
 DEFAULT_TIMEOUT_S = 10.0  # a collective's wait once serving (a tiny model's step: ~10 ms)
 DEFAULT_START_TIMEOUT_S = 300.0  # rendezvous + model load of the slowest rank
+EPLB_MODES = ("off", "decode", "prefill")
 
 
 @dataclass(frozen=True)
@@ -50,10 +60,33 @@ class EPFlags:
     rendezvous: str = ""  # host:port of rank 0's TCP store (the supervisor picks it)
     timeout_s: float = DEFAULT_TIMEOUT_S
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
+    # EPLB's defaults ("decode": DeepSeek's 1,000 / 10,000 steps; "prefill": 100 / 1,000) or
+    # "off" (placement fixed); the two overrides replace its window / interval (0: keep).
+    eplb: str = "off"
+    eplb_window: int = 0
+    eplb_every: int = 0
+    gpus: tuple[int, ...] = ()  # --ep-gpus: rank k on cuda:<gpus[k]>; (): cuda:<k>
 
     def __post_init__(self) -> None:
         if self.size < 1:
             raise ValueError(f"--ep must be >= 1, got {self.size}")
+        if self.eplb not in EPLB_MODES:
+            raise ValueError(f"--eplb must be off, decode or prefill, got {self.eplb!r}")
+        if self.eplb_window < 0 or self.eplb_every < 0:
+            raise ValueError(
+                f"--eplb-window and --eplb-every must be >= 0 (0: the --eplb default), got "
+                f"{self.eplb_window} / {self.eplb_every}"
+            )
+        if len(set(self.gpus)) != len(self.gpus) or any(g < 0 for g in self.gpus):
+            raise ValueError(
+                f"--ep-gpus must list distinct GPU indices (NCCL needs one GPU per rank), "
+                f"got {','.join(map(str, self.gpus))}"
+            )
+        if self.gpus and len(self.gpus) < self.size:
+            raise ValueError(
+                f"--ep-gpus {','.join(map(str, self.gpus))}: {len(self.gpus)} GPUs for "
+                f"--ep {self.size} ranks; each rank needs a GPU of its own"
+            )
         if self.timeout_s <= 0 or self.start_timeout_s <= 0:
             raise ValueError(
                 f"--ep-timeout and --ep-start-timeout must be positive, got "
@@ -77,6 +110,28 @@ class EPFlags:
     def is_rank(self) -> bool:
         return self.rank is not None
 
+    def eplb_config(self) -> EplbConfig | None:
+        """What the rank's engine runs: None without EP (one rank) or with ``--eplb off``."""
+        if self.size == 1 or self.eplb == "off":
+            return None
+        import dataclasses
+
+        from libs.engine.eplb import EplbConfig  # numpy only
+
+        base = EplbConfig.named(self.eplb)
+        return dataclasses.replace(
+            base,
+            window_steps=self.eplb_window or base.window_steps,
+            rebalance_every=self.eplb_every or base.rebalance_every,
+        )
+
+    def rank_device(self, device: str, rank: int) -> str:
+        """Rank ``rank``'s torch device for the service's ``--device``: ``cuda`` ->
+        ``cuda:<gpus[rank]>`` (or ``cuda:<rank>`` without ``--ep-gpus``); else as given."""
+        if device == "cuda":
+            return f"cuda:{self.gpus[rank] if self.gpus else rank}"
+        return device
+
 
 def rank_instance_id(instance_id: str, rank: int, generation: int = 0) -> str:
     """The routing identity of one rank: ``<instance>-r<k>``; after the group restarted
@@ -86,7 +141,18 @@ def rank_instance_id(instance_id: str, rank: int, generation: int = 0) -> str:
     return base if generation == 0 else f"{base}-g{generation}"
 
 
-def add_ep_flags(parser: argparse.ArgumentParser) -> None:
+def parse_gpu_list(text: str) -> tuple[int, ...]:
+    """``"0,1"`` -> ``(0, 1)``; "" -> (); ValueError naming --ep-gpus otherwise."""
+    if not text.strip():
+        return ()
+    try:
+        return tuple(int(t) for t in text.replace(" ", "").split(","))
+    except ValueError:
+        raise ValueError(f"--ep-gpus must list GPU indices such as 0,1; got {text!r}") from None
+
+
+def add_ep_flags(parser: argparse.ArgumentParser, role: str) -> None:
+    """``role`` ("decode" or "prefill"): the service's own --eplb default."""
     flag(
         parser,
         "--ep",
@@ -111,6 +177,29 @@ def add_ep_flags(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_START_TIMEOUT_S,
         help="seconds the ranks may take to meet and load the model",
     )
+    flag(
+        parser,
+        "--eplb",
+        default=role,
+        help="with --ep > 1: expert load balancing, re-placing the routed experts over the "
+        "ranks from the load they saw: decode (1,000-step window, every 10,000 steps), "
+        "prefill (100 / 1,000), or off (placement fixed)",
+    )
+    flag(parser, "--eplb-window", type=int, default=0, help="EPLB window in steps (0: --eplb's)")
+    flag(
+        parser,
+        "--eplb-every",
+        type=int,
+        default=0,
+        help="steps between EPLB re-placements (0: --eplb's)",
+    )
+    flag(
+        parser,
+        "--ep-gpus",
+        default="",
+        help="with --ep N and --device cuda: the N GPUs of the ranks, e.g. 0,1 (rank k on the "
+        "k-th); empty: cuda:0..N-1",
+    )
     # Set by the supervisor on the ranks it starts, not by people.
     flag(parser, "--ep-rank", type=int, default=-1, help=argparse.SUPPRESS)
     flag(parser, "--ep-rendezvous", default="", help=argparse.SUPPRESS)
@@ -123,51 +212,103 @@ def ep_flags_from(args: argparse.Namespace) -> EPFlags:
         rendezvous=args.ep_rendezvous,
         timeout_s=args.ep_timeout,
         start_timeout_s=args.ep_start_timeout,
+        eplb=args.eplb,
+        eplb_window=args.eplb_window,
+        eplb_every=args.eplb_every,
+        gpus=parse_gpu_list(args.ep_gpus),
     )
 
 
+def tag_rank_logs(service: str, rank: int) -> None:
+    """Rank ``rank``'s log lines read ``... decode r1 INFO ...``: the N ranks write into their
+    supervisor's log, and a line must say which rank wrote it. (Redaction is a record
+    factory, untouched by a new formatter.)"""
+    fmt = logging.Formatter(f"%(asctime)s {service} r{rank} %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(fmt)
+
+
 def check_ep_model(ep: EPFlags, model: ModelFlags) -> None:
-    """ValueError for a model an EP group cannot run (the fake engine has no experts)."""
+    """ValueError for a model or device an EP group cannot run: the fake engine has no
+    experts; NCCL refuses two ranks on one GPU."""
     if ep.size > 1 and model.model == "fake":  # fake_engine.FAKE_MODEL (imports torch)
         raise ValueError("--ep needs a model with experts; --model fake has none")
+    if ep.gpus and not model.device.startswith("cuda"):
+        raise ValueError(f"--ep-gpus applies to --device cuda, not --device {model.device}")
+    if ep.gpus and ep.size == 1:
+        raise ValueError("--ep-gpus applies with --ep > 1")
+    if ep.supervises and model.device.startswith("cuda:"):
+        raise ValueError(
+            f"--ep {ep.size} with --device {model.device} puts every rank on one GPU (NCCL "
+            f"needs one per rank): use --device cuda [--ep-gpus "
+            f"{','.join(str(g) for g in range(ep.size))}]"
+        )
+
+
+def rank_engine_config(model: ModelFlags, ep: EPFlags) -> EngineConfig:
+    """The engine config of rank ``ep.rank``: its device and the EPLB it runs."""
+    import dataclasses
+
+    assert ep.rank is not None
+    return dataclasses.replace(
+        model.engine_config(),
+        device=ep.rank_device(model.device, ep.rank),
+        eplb=ep.eplb_config(),
+    )
+
+
+def rank_flags(
+    ep: EPFlags,
+    rank: int,
+    size: int,
+    *,
+    rendezvous: str,
+    instance_id: str,
+    ops_port: int,
+    device: str,
+    own_grpc_port: bool,
+) -> list[str]:
+    """The flags the supervisor appends to its own argv for rank ``rank`` of a group of
+    ``size`` (argparse keeps the last of a repeated flag): its identity, ports and device --
+    ``--device cuda:<gpu>`` of its own when the service runs on ``cuda``."""
+    flags = [
+        "--ep",
+        str(size),
+        "--ep-rank",
+        str(rank),
+        "--ep-rendezvous",
+        rendezvous,
+        "--instance-id",
+        instance_id,
+        "--http-port",
+        str(ops_port),
+    ]
+    if device == "cuda":
+        flags += ["--device", ep.rank_device(device, rank)]
+    if own_grpc_port:
+        flags += ["--grpc-port", "0"]
+    return flags
 
 
 def build_rank_engine(model: ModelFlags, ep: EPFlags) -> Engine:
     """This rank's engine: join the group, load the model with this rank's experts, meet the
     peers once loaded (``start_timeout_s``), then tighten every collective to ``timeout_s``.
     Slow (loads weights): call off the event loop."""
-    import dataclasses
-
     import torch
 
     from libs.engine.engine import Engine
     from libs.engine.ep.group import EPGroup
-    from libs.engine.ep.launch import rank_device
 
     assert ep.rank is not None
     host, _, port = ep.rendezvous.rpartition(":")
-    device = rank_device(model.device, ep.rank)
-    if not device.startswith("cuda"):
+    config = rank_engine_config(model, ep)
+    if not config.device.startswith("cuda"):
         # N ranks share this host's cores: none oversubscribes them on its own.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ep.size))
     group = EPGroup.init(
-        ep.rank, ep.size, host, int(port), device=device, timeout_s=ep.start_timeout_s
+        ep.rank, ep.size, host, int(port), device=config.device, timeout_s=ep.start_timeout_s
     )
-    engine = Engine(dataclasses.replace(model.engine_config(), device=device), ep=group)
+    engine = Engine(config, ep=group)
     group.all_max([0])  # every rank has loaded: from here on a wait means a failed peer
-    set_collective_timeout(group, ep.timeout_s)
+    group.set_timeout(ep.timeout_s)
     return engine
-
-
-def set_collective_timeout(group: object, seconds: float) -> None:
-    """Every later collective of the default process group waits at most ``seconds``.
-
-    torch's ``_set_pg_timeout`` is private; EPGroup is the place for a public
-    ``set_timeout`` (the EP engine's owner's file)."""
-    from datetime import timedelta
-
-    from torch.distributed.distributed_c10d import _set_pg_timeout
-
-    _set_pg_timeout(timedelta(seconds=seconds))
-    if hasattr(group, "timeout_s"):
-        group.timeout_s = seconds

@@ -10,9 +10,11 @@ none of its ranks. It runs no engine and no NATS client: one ops port whose ``/h
 
 A generation of the group: ``size`` processes ``python -m services.<service> <argv> --ep size
 --ep-rank k --ep-rendezvous 127.0.0.1:<port> --instance-id <instance>-r<k>[-g<gen>]
---http-port <port k> [--grpc-port 0]`` (argparse keeps the last value of a repeated flag, so
-the service's own flags pass through unchanged). When one exits, the others fail their next
-collective within ``--ep-timeout`` (a dead peer: at once) and exit with
+--http-port <port k> [--device cuda:<gpu k>] [--grpc-port 0]`` (:func:`~.ep.rank_flags`;
+argparse keeps the last value of a repeated flag, so the service's own flags pass through
+unchanged; with ``--device cuda`` rank k gets ``--ep-gpus``' k-th GPU, else ``cuda:<k>``).
+When one exits, the others fail their next collective within ``--ep-timeout`` (a dead
+peer: at once) and exit with
 :data:`~libs.serving.ep.EXIT_GROUP_FAILED`; the survivors' count is the next group's size
 (``Placement.contiguous`` covers every expert at any size). Their requests failed with
 retryable errors, the dead rank's stop heartbeating: the entrypoint retries them elsewhere.
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 
 from libs.common.service import ServiceContext
 
-from .ep import EXIT_GROUP_FAILED, EPFlags, rank_instance_id
+from .ep import EXIT_GROUP_FAILED, EPFlags, rank_flags, rank_instance_id
 
 HOST = "127.0.0.1"
 HEALTH_POLL_S = 0.5
@@ -89,8 +91,10 @@ class EPSupervisor:
         ep: EPFlags,
         *,
         own_grpc_port: bool,
+        device: str = "cpu",
     ) -> None:
         self.ctx, self.service, self.argv, self.ep = ctx, service, list(argv), ep
+        self.device = device  # the service's --device: "cuda" gives each rank a GPU of its own
         self.own_grpc_port = own_grpc_port  # decode: each rank serves KVTransfer on its own port
         self.instance_id = ctx.config.instance_id
         self.group: Group | None = None
@@ -143,20 +147,16 @@ class EPSupervisor:
         for k in range(size):
             rid = rank_instance_id(self.instance_id, k, generation)
             ops = _free_port()
-            flags = [
-                "--ep",
-                str(size),
-                "--ep-rank",
-                str(k),
-                "--ep-rendezvous",
-                rendezvous,
-                "--instance-id",
-                rid,
-                "--http-port",
-                str(ops),
-            ]
-            if self.own_grpc_port:
-                flags += ["--grpc-port", "0"]
+            flags = rank_flags(
+                self.ep,
+                k,
+                size,
+                rendezvous=rendezvous,
+                instance_id=rid,
+                ops_port=ops,
+                device=self.device,
+                own_grpc_port=self.own_grpc_port,
+            )
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
@@ -229,7 +229,15 @@ class EPSupervisor:
 
 
 async def supervise(
-    ctx: ServiceContext, service: str, argv: Sequence[str], ep: EPFlags, *, own_grpc_port: bool
+    ctx: ServiceContext,
+    service: str,
+    argv: Sequence[str],
+    ep: EPFlags,
+    *,
+    own_grpc_port: bool,
+    device: str = "cpu",
 ) -> int:
     """The ``serve`` of a service started with ``--ep N`` (N > 1): the EP group's supervisor."""
-    return await EPSupervisor(ctx, service, argv, ep, own_grpc_port=own_grpc_port).run()
+    return await EPSupervisor(
+        ctx, service, argv, ep, own_grpc_port=own_grpc_port, device=device
+    ).run()

@@ -28,7 +28,7 @@ from libs.common.service import ServiceContext
 from libs.proto.deepserve.v1 import control_pb2
 
 from .engine_loop import EngineLoop, EngineStats
-from .ep import EXIT_GROUP_FAILED, EPFlags
+from .ep import EXIT_GROUP_FAILED, EPFlags, tag_rank_logs
 from .model_flags import ModelFlags
 from .runtime import heartbeat_loop, publish_status
 
@@ -59,6 +59,8 @@ class InstanceRuntime:
     ) -> None:
         self.ctx, self.model, self.heartbeat_interval = ctx, model, heartbeat_interval
         self.ep = ep if ep is not None and ep.is_rank else None
+        if self.ep is not None and self.ep.rank is not None:
+            tag_rank_logs(ctx.name, self.ep.rank)
         self.exit_code = 0  # what serve() returns after leave()
         self.service, self.instance_id = ctx.name, ctx.config.instance_id
         self.drain_seconds, self.log = ctx.config.drain_seconds, ctx.log
@@ -103,6 +105,8 @@ class InstanceRuntime:
         loop.start()
         self.ctx.stack.push_async_callback(loop.close)
         self.loop = loop
+        if engine.eplb is not None:  # an EP rank running EPLB: export its balance
+            self._export_balance(loop)
         self.log.info(
             "model %s loaded (%s), %d KV blocks of %d tokens",
             self.model.model,
@@ -114,6 +118,15 @@ class InstanceRuntime:
         if self.nc is None:
             return 0
         return None
+
+    def _export_balance(self, loop: EngineLoop) -> None:
+        from prometheus_client import REGISTRY
+
+        from .ep_metrics import EPBalanceCollector
+
+        collector = EPBalanceCollector(lambda: loop.stats)
+        REGISTRY.register(collector)
+        self.ctx.stack.callback(REGISTRY.unregister, collector)
 
     def _group_failed(self, exc: BaseException) -> None:
         """The EP group broke under this rank (its requests already failed, retryable): stop

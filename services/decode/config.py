@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     common_flags(parser, SERVICE)
     add_service_token_flag(parser)
     add_model_flags(parser)
-    add_ep_flags(parser)
+    add_ep_flags(parser, SERVICE)
     flag(parser, "--grpc-port", type=int, default=0, help="KVTransfer gRPC port (0: any free)")
     flag(parser, "--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
     flag(

@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
 
 async def serve(cfg: DecodeConfig, ctx: ServiceContext, argv: Sequence[str] = ()) -> int:
     if cfg.ep.supervises:  # --ep N: this process starts and watches the N rank processes
-        return await supervise(ctx, SERVICE, argv, cfg.ep, own_grpc_port=True)
+        return await supervise(
+            ctx, SERVICE, argv, cfg.ep, own_grpc_port=True, device=cfg.model.device
+        )
     log, host, instance_id = ctx.log, cfg.service.host, cfg.service.instance_id
     rt = InstanceRuntime(ctx, cfg.model, cfg.heartbeat_interval, cfg.ep)
     rc = await rt.start()

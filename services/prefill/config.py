@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     common_flags(parser, SERVICE)
     add_service_token_flag(parser)
     add_model_flags(parser)
-    add_ep_flags(parser)
+    add_ep_flags(parser, SERVICE)
     flag(parser, "--kvstore-address", default="", help="kvstore gRPC host:port (empty: no kvstore)")
     flag(
         parser,

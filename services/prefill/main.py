@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
 
 async def serve(cfg: PrefillConfig, ctx: ServiceContext, argv: Sequence[str] = ()) -> int:
     if cfg.ep.supervises:  # --ep N: this process starts and watches the N rank processes
-        return await supervise(ctx, SERVICE, argv, cfg.ep, own_grpc_port=False)
+        return await supervise(
+            ctx, SERVICE, argv, cfg.ep, own_grpc_port=False, device=cfg.model.device
+        )
     log, instance_id = ctx.log, cfg.service.instance_id
     rt = InstanceRuntime(ctx, cfg.model, cfg.heartbeat_interval, cfg.ep)
     rc = await rt.start()

@@ -96,12 +96,14 @@ def _wait_healthy(c: Compose, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
         ids = c.run("ps", "-q").split()
+        fmt = "{{.Name}} {{.State.Status}} {{.State.Health.Status}}"
         out = subprocess.run(
-            [DOCKER, "inspect", "--format", "{{.Name}} {{.State.Health.Status}}", *ids],
-            capture_output=True,
-            text=True,
+            [DOCKER, "inspect", "--format", fmt, *ids], capture_output=True, text=True
         ).stdout.split("\n")
-        states = dict(line.split(" ", 1) for line in out if " " in line)
+        # A replica the test killed stays exited (a kill is a manual stop for the restart
+        # policy); one that crashes is "restarting", and counts as not healthy.
+        rows = [line.split(" ", 2) for line in out if line.count(" ") == 2]
+        states = {name: health for name, status, health in rows if status != "exited"}
         if states and all(s == "healthy" for s in states.values()):
             return
         if time.monotonic() > deadline:

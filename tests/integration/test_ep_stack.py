@@ -106,9 +106,13 @@ def ranks(stack: Stack, name: str) -> dict[str, int]:
     return {m[0]: int(m[1]) for m in re.findall(r"([\w-]+)@(\d+)", detail)}
 
 
-def metric(port: int, name: str) -> float:
+def _metrics(port: int) -> str:
     with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
+        return str(resp.read().decode())
+
+
+def metric(port: int, name: str) -> float:
+    text = _metrics(port)
     return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
@@ -123,6 +127,13 @@ def test_ep_ranks_serve_chat_and_greedy_tokens_equal_no_ep(
 ) -> None:
     state = json.loads((Path(stack.run_dir) / "stack.json").read_text())
     assert state["services"]["decode-0"]["ep"] == 2
+    decode0 = state["services"]["decode-0"]
+    assert decode0["rank_ids"] == [f"{decode0['instance_id']}-r{k}" for k in (0, 1)]
+    assert state["services"]["decode-1"]["rank_ids"] == [
+        state["services"]["decode-1"]["instance_id"]
+    ]
+    log = Path(decode0["log"]).read_text()
+    assert " decode r0 INFO " in log and " decode r1 INFO " in log  # which rank said it
     client = openai.OpenAI(base_url=stack.api_url, api_key="unused", max_retries=0, timeout=120)
     chat = client.chat.completions.create(
         model=MODEL_NAME,
@@ -142,6 +153,10 @@ def test_ep_ranks_serve_chat_and_greedy_tokens_equal_no_ep(
     tokens = {i: metric(p, "deepserve_decode_tokens_total") for i, p in decode.items()}
     tokens["decode-1"] = metric(_child(stack, "decode-1").ops_port, "deepserve_decode_tokens_total")
     assert all(v > 0 for v in tokens.values()), f"a decode target got no request: {tokens}"
+    # EPLB runs on every rank by default (--eplb decode / prefill) and exports its balance.
+    for port in [*prefill.values(), *decode.values()]:
+        assert _metrics(port).count("\ndeepserve_ep_balance_max_mean ") == 1
+    assert "deepserve_ep_balance" not in _metrics(_child(stack, "decode-1").ops_port)
 
 
 def _rank_pid(stack: Stack, supervisor: Child, rank: int) -> int:

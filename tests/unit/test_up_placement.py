@@ -136,6 +136,58 @@ def test_stack_places_engines_on_the_gpus_torch_sees(monkeypatch: pytest.MonkeyP
         Stack("unused", device="cuda:1")
 
 
+# -- expert parallelism: N GPUs of its own per instance ---------------------------------------
+def test_ep_instances_get_n_gpus_each_in_the_usual_order() -> None:
+    placed = place_engines(1, 1, [0, 1, 2, 3], ep={"prefill-0": 2, "decode-0": 2})
+    assert [(p.name, p.device, p.ep_gpus, p.gpu_memory_fraction) for p in placed] == [
+        ("prefill-0", "cuda", (0, 1), 0.9),
+        ("decode-0", "cuda", (2, 3), 0.9),
+    ]
+    # What the decode process gets: each rank then runs on --device cuda:<its GPU>.
+    assert placed[1].flags() == [
+        "--device",
+        "cuda",
+        "--ep-gpus",
+        "2,3",
+        "--gpu-memory-fraction",
+        "0.9",
+    ]
+    # EP only for decode: prefill keeps one GPU, nobody shares one.
+    mixed = place_engines(2, 1, [4, 5, 6, 7], ep={"decode-0": 2}, fraction=0.5)
+    assert [(p.name, p.device, p.ep_gpus) for p in mixed] == [
+        ("prefill-0", "cuda:4", ()),
+        ("decode-0", "cuda", (5, 6)),
+        ("prefill-1", "cuda:7", ()),
+    ]
+
+
+def test_too_few_gpus_for_the_ranks_is_refused_naming_the_counts() -> None:
+    with pytest.raises(ValueError, match=r"4 ranks = 2 \(prefill-0\) \+ 2 \(decode-0\)"):
+        place_engines(1, 1, [0, 1], ep={"prefill-0": 2, "decode-0": 2})
+    with pytest.raises(ValueError, match=r"the GPUs are 1 \(0\)"):
+        place_engines(1, 1, [0], ep={"decode-0": 2})
+    # CPU: gloo ranks share the host, no GPUs involved.
+    assert place_engines(1, 1, [], ep={"decode-0": 2})[1] == EnginePlacement("decode-0", "cpu")
+
+
+def test_stack_deals_ep_ranks_over_gpus_and_refuses_too_few(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(up, "visible_gpus", lambda asked=None: list(asked or [0, 1, 2, 3]))
+    stack = Stack("unused", device="cuda", ep=2)  # builds the plan only: nothing starts
+    assert {p.name: p.ep_gpus for p in stack.placements} == {
+        "prefill-0": (0, 1),
+        "decode-0": (2, 3),
+    }
+    stack = Stack("unused", device="cuda", gpus=[3, 1, 2], ep={"decode": 2})
+    assert {p.name: (p.device, p.ep_gpus) for p in stack.placements} == {
+        "prefill-0": ("cuda:3", ()),
+        "decode-0": ("cuda", (1, 2)),
+    }
+    with pytest.raises(ValueError, match="each rank needs a GPU of its own"):
+        Stack("unused", device="cuda", gpus=[0, 1, 2], ep=2)
+
+
 # -- the fraction as an engine flag ----------------------------------------------------------
 def test_model_flag_overrides_num_kv_blocks_and_reaches_the_engine_config() -> None:
     parser = argparse.ArgumentParser()

@@ -98,6 +98,19 @@ class EPGroup:
         )
         return cls(rank, size, device, timeout_s, backend)
 
+    def set_timeout(self, seconds: float) -> None:
+        """From now on every collective of this group waits at most ``seconds`` (a service
+        loads with a long timeout, then tightens it once every rank has its model).
+
+        Wraps torch's private ``_set_pg_timeout`` (the default process group is this
+        group's): no public API changes a live group's timeout."""
+        if seconds <= 0:
+            raise ValueError(f"timeout must be positive, got {seconds}")
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(timedelta(seconds=seconds))
+        self.timeout_s = seconds
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

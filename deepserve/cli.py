@@ -4,6 +4,7 @@ deepserve generate --model PRESET_OR_DIR (--prompt TEXT | --prompt-ids 1,2,3) --
                    [--temperature T --top-p P --top-k K --seed S] [--device D] [--json]
                    [--ep N [--ep-redundant R]]
 deepserve bench engine --preset tiny --device cpu --json OUT [--plot PNG] [--kv-cache-dtype fp8]
+                       [--weights fp8]
                        [--experts fp4] [--transformers-batches 1,16,64 | --no-transformers]
 deepserve bench recipe [--prompt-tokens 220000] --json OUT
 deepserve bench kvstore --json OUT
@@ -166,6 +167,12 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     e.add_argument(
         "--experts", choices=("bf16", "fp4"), default="bf16", help="fp4: FP4 routed-expert weights"
+    )
+    e.add_argument(
+        "--weights",
+        choices=("auto", "bf16", "fp8"),
+        default="auto",
+        help="fp8: block-scaled e4m3 linear and routed-expert weights (auto: as the checkpoint)",
     )
     e.add_argument("--no-cuda-graphs", action="store_true", help="EngineConfig(cuda_graphs=False)")
     e.add_argument("--no-overlap", action="store_true", help="EngineConfig(overlap=False)")

@@ -11,13 +11,15 @@ In the same run, unless ``--no-transformers``: transformers' ``generate`` on the
 ``transformers_decode_tokens_per_s`` and ``speedup_vs_transformers``.
 
 Engine options: ``--kv-cache-dtype fp8`` (e4m3 KV cache), ``--experts fp4`` (FP4 routed-expert
-weights), ``--no-cuda-graphs``, ``--no-overlap``, ``--kernels auto|triton|torch``. With fp8 KV or
-fp4 experts and ``--quality`` (the default), the error of the configured engine's logits against
-an unquantized engine's logits on the same weights is measured first (``quality`` in the JSON):
-``--quality-prompts`` random prompts of ``--quality-tokens`` tokens, then ``--quality-steps``
-teacher-forced decode steps through the KV cache (both engines fed the same tokens). The two
-engines are built one after the other (the reference's logits are kept on the CPU), so a preset
-that fills most of the device still fits; both run without CUDA graphs and overlap.
+weights), ``--weights fp8`` (block-scaled e4m3 linear and routed-expert weights; ``bf16`` forces
+unquantized weights), ``--no-cuda-graphs``, ``--no-overlap``, ``--kernels auto|triton|torch``. With
+fp8 KV, fp4 experts or fp8 weights and ``--quality`` (the default), the error of the configured
+engine's logits against an unquantized engine's logits on the same weights is measured first
+(``quality`` in the JSON): ``--quality-prompts`` random prompts of ``--quality-tokens`` tokens,
+then ``--quality-steps`` teacher-forced decode steps through the KV cache (both engines fed the
+same tokens). The two engines are built one after the other (the reference's logits are kept
+on the CPU), so a preset that fills most of the device still fits; both run without CUDA graphs
+and overlap.
 
 ``--plot PATH`` draws the result with :mod:`deepserve.bench.engine_plot` (also
 ``python -m deepserve.bench.engine_plot RESULT.json [OUT.png]``).
@@ -161,6 +163,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         opts["kv_cache_dtype"] = "float8_e4m3fn"
     if getattr(args, "experts", "bf16") == "fp4":
         opts["expert_dtype"] = "fp4"
+    if getattr(args, "weights", "auto") in ("bf16", "fp8"):
+        opts["weight_dtype"] = args.weights
     if getattr(args, "no_cuda_graphs", False):
         opts["cuda_graphs"] = False
     if getattr(args, "no_overlap", False):
@@ -283,7 +287,9 @@ def bench_quality(args: argparse.Namespace, opts: dict[str, Any]) -> dict[str, A
     )
     quant = {k: v for k, v in opts.items() if k not in ("cuda_graphs", "overlap")}
     rows = {}
-    for name, extra in (("reference", {}), ("configured", quant)):
+    # The reference runs unquantized weights even for an FP8 checkpoint (whose auto is fp8).
+    reference: dict[str, Any] = {"weight_dtype": "bf16"} if "weight_dtype" in quant else {}
+    for name, extra in (("reference", reference), ("configured", quant)):
         engine = Engine(make_config(**base, **extra))
         prompts, forced = quality_inputs(engine.model_config.vocab_size, n, tokens, steps)
         rows[name] = capture_logits(engine, prompts, forced)
@@ -294,7 +300,7 @@ def bench_quality(args: argparse.Namespace, opts: dict[str, Any]) -> dict[str, A
         prompts=n,
         prompt_tokens=tokens,
         decode_steps=steps,
-        reference_options={},
+        reference_options=reference,
         configured_options=quant,
         note="same weights (preset seed); both engines fed the same tokens; "
         "no CUDA graphs / overlap in either",
@@ -348,7 +354,9 @@ def main(args: argparse.Namespace) -> int:
     peer_on = not getattr(args, "no_transformers", False)
     peer_batches = _ints(getattr(args, "transformers_batches", None), TRANSFORMERS_BATCHES[kind])
     peer_steps = getattr(args, "transformers_steps", 8)
-    quantized = "kv_cache_dtype" in opts or "expert_dtype" in opts
+    quantized = (
+        "kv_cache_dtype" in opts or "expert_dtype" in opts or opts.get("weight_dtype") == "fp8"
+    )
     quality: dict[str, Any]
     if quantized and getattr(args, "quality", True):
         for name, default in (
@@ -366,7 +374,7 @@ def main(args: argparse.Namespace) -> int:
         )
     else:
         quality = {
-            "skipped": "no --kv-cache-dtype fp8 / --experts fp4"
+            "skipped": "no --kv-cache-dtype fp8 / --experts fp4 / --weights fp8"
             if not quantized
             else "--no-quality"
         }
@@ -408,7 +416,8 @@ def main(args: argparse.Namespace) -> int:
     peer: list[dict[str, Any]] = []
     peer_info: dict[str, Any] = {"skipped": "--no-transformers"}
     if peer_on:
-        if "expert_dtype" in opts:  # our experts are quantized: the peer runs the bf16 weights
+        weights_quantized = "expert_dtype" in opts or opts.get("weight_dtype") == "fp8"
+        if weights_quantized:  # our weights are quantized: the peer runs the bf16 weights
             del engine
             free_memory(device)
             engine = Engine(
@@ -417,6 +426,7 @@ def main(args: argparse.Namespace) -> int:
                     device=args.device,
                     dtype=args.dtype,
                     num_kv_blocks=1,
+                    weight_dtype="bf16",
                     **_no_graphs_no_overlap(),
                 )
             )
@@ -425,7 +435,7 @@ def main(args: argparse.Namespace) -> int:
         peer, peer_info = bench_transformers(
             engine.model, peer_batches, context, peer_steps, device
         )
-        if "expert_dtype" in opts and peer:
+        if weights_quantized and peer:
             peer_info["weights"] = "unquantized (bf16) engine weights of the same preset seed"
     del engine
     free_memory(device)
@@ -452,6 +462,7 @@ def main(args: argparse.Namespace) -> int:
         "options": {
             "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"),
             "experts": getattr(args, "experts", "bf16"),
+            "weights": getattr(args, "weights", "auto"),
             "cuda_graphs": not getattr(args, "no_cuda_graphs", False),
             "overlap": not getattr(args, "no_overlap", False),
             "kernels": getattr(args, "kernels", "auto"),

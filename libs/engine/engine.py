@@ -127,6 +127,10 @@ class EngineConfig:
     expert_dtype: str = (
         "auto"  # "fp4": routed experts quantized to e2m1 (converts the loaded model)
     )
+    # "fp8": linear and routed-expert weights e4m3 with 128x128 block scales (DeepSeek's FP8
+    # format; a bf16 model is quantized at load); "bf16": the model dtype (FP8 checkpoints are
+    # dequantized); "auto": fp8 for checkpoints whose config carries that quantization_config.
+    weight_dtype: str = "auto"
     cuda_graphs: bool = True  # decode-only steps replay captured graphs (CUDA with kernels)
     # Share of the device's total memory this engine may use for weights + KV + activations
     # (co-located engines split a GPU); sizes the KV cache after loading. None: see above.
@@ -153,6 +157,10 @@ class EngineConfig:
             raise ValueError(f"kernels must be auto, triton or torch, got {self.kernels!r}")
         if self.expert_dtype not in ("auto", "fp4"):
             raise ValueError(f"expert_dtype must be auto or fp4, got {self.expert_dtype!r}")
+        if self.weight_dtype not in ("auto", "bf16", "fp8"):
+            raise ValueError(f"weight_dtype must be auto, bf16 or fp8, got {self.weight_dtype!r}")
+        if self.weight_dtype == "fp8" and self.expert_dtype == "fp4":
+            raise ValueError("weight_dtype='fp8' and expert_dtype='fp4' exclude each other")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.gpu_memory_fraction is not None and not 0 < self.gpu_memory_fraction <= 1:

@@ -5,7 +5,10 @@ with ``model.safetensors.index.json``. Routed experts may be stored per expert (
 original ``mlp.experts.{e}.gate_proj.weight`` names, which transformers also writes) or fused
 (transformers' in-memory ``mlp.experts.gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I]).
 FP8 block-quantized weights (DeepSeek's release: ``weight`` in e4m3 with ``weight_scale_inv``
-per 128x128 tile) are dequantized while loading. MTP layers (``model.layers.{N+j}``) load
+per 128x128 tile) are dequantized while loading, unless ``weight_dtype`` is fp8 (the default for
+checkpoints whose config says so): then linear layers keep the e4m3 tensors and their scales
+as they are and the routed experts are re-quantized to the same format after loading (exact
+for DeepSeek's tiles, whose largest element is +-448). MTP layers (``model.layers.{N+j}``) load
 into ``mtp.{j}`` when asked for, and are skipped otherwise.
 
 ``expert_slots`` (one rank of an expert-parallel group): the decoder layers keep only those
@@ -26,7 +29,8 @@ import torch
 from safetensors import safe_open
 
 from .config import ModelConfig
-from .model.layers import Experts
+from .kernels.fp8_gemm import FP8_DTYPE, quantize_fp8_blocks
+from .model.layers import Experts, Fp8Linear
 from .model.model import DeepseekForCausalLM
 from .presets import PRESETS, init_random_weights
 
@@ -63,6 +67,34 @@ def model_config(source: str) -> ModelConfig:
         raise CheckpointError(f"{path / 'config.json'}: {exc}") from None
 
 
+WEIGHT_DTYPES = ("auto", "bf16", "fp8")
+
+
+def checkpoint_is_fp8(source: str) -> bool:
+    """Whether ``source``'s config carries DeepSeek's FP8 quantization_config (e4m3 weights
+    with 128x128 ``weight_block_size``). Presets: never."""
+    if source in PRESETS:
+        return False
+    path = Path(source) / "config.json"
+    if not path.is_file():
+        return False
+    q = json.loads(path.read_text()).get("quantization_config") or {}
+    return (
+        q.get("quant_method") == "fp8"
+        and q.get("fmt", "e4m3") == "e4m3"
+        and list(q.get("weight_block_size") or ()) == [_FP8_TILE, _FP8_TILE]
+    )
+
+
+def resolve_weight_dtype(source: str, weight_dtype: str) -> str:
+    """``"fp8"`` or ``"bf16"`` (the model dtype); ``"auto"``: fp8 for FP8 checkpoints."""
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
+    if weight_dtype == "auto":
+        return "fp8" if checkpoint_is_fp8(source) else "bf16"
+    return weight_dtype
+
+
 def load(
     source: str,
     device: torch.device | str = "cpu",
@@ -70,18 +102,30 @@ def load(
     seed: int = 0,
     with_mtp: bool = False,
     expert_slots: tuple[int, ...] | None = None,
+    weight_dtype: str = "auto",
 ) -> LoadedModel:
+    """``weight_dtype`` (see :func:`resolve_weight_dtype`): fp8 keeps linear and routed-expert
+    weights in e4m3 with 128x128 block scales (a preset's are quantized after init); the model
+    id then says so, since the weights differ."""
     cfg = model_config(source)
+    fp8 = resolve_weight_dtype(source, weight_dtype) == "fp8"
+    suffix = "+fp8" if fp8 else ""
     if source in PRESETS:
         model = DeepseekForCausalLM(cfg, dtype, device, with_mtp=with_mtp)
         init_random_weights(model, seed)
         if expert_slots is not None:
             model.keep_experts(expert_slots)
-        return LoadedModel(model, f"{source}-seed{seed}@{cfg.config_hash()}", source)
+        if fp8:
+            model.quantize_weights_fp8()
+        return LoadedModel(model, f"{source}-seed{seed}@{cfg.config_hash()}{suffix}", source)
     path = Path(source)
     model = DeepseekForCausalLM(cfg, dtype, device, with_mtp=with_mtp, expert_slots=expert_slots)
+    if fp8:
+        model.quantize_weights_fp8(empty=True, experts=False)
     load_weights(model, path)
-    return LoadedModel(model, f"{path.name}@{_checkpoint_digest(path)}", str(path))
+    if fp8:
+        model.quantize_weights_fp8()
+    return LoadedModel(model, f"{path.name}@{_checkpoint_digest(path)}{suffix}", str(path))
 
 
 def _checkpoint_digest(path: Path) -> str:
@@ -156,6 +200,7 @@ def load_weights(model: DeepseekForCausalLM, path: Path) -> None:
     with_mtp = len(model.mtp) > 0
     # Which experts each Experts module keeps (None: all), by its name.
     held = {n: m.slots for n, m in model.named_modules() if isinstance(m, Experts)}
+    fp8_linears = {n + ".weight" for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
     loaded: set[str] = set()
     expert_parts: dict[str, int] = {}
     inter = cfg.moe_intermediate_size
@@ -169,12 +214,16 @@ def load_weights(model: DeepseekForCausalLM, path: Path) -> None:
         return slots is None or int(m.group(2)) in slots
 
     for name, tensor, scales in _iter_tensors(path, wanted):
-        if tensor.dtype == torch.float8_e4m3fn:
+        target = _target_name(name, cfg, with_mtp)
+        if target is not None and target in fp8_linears:  # kept (or made) e4m3 + block scales
+            _copy_fp8(params, target, tensor, scales.get(name + "_scale_inv"), name)
+            loaded.update((target, target + "_scale_inv"))
+            continue
+        if tensor.dtype == FP8_DTYPE:
             scale = scales.get(name + "_scale_inv")
             if scale is None:
                 raise CheckpointError(f"{name} is fp8 but has no {name}_scale_inv")
             tensor = _dequant_fp8(tensor, scale)
-        target = _target_name(name, cfg, with_mtp)
         if target is None:
             continue
         m = _EXPERT.match(target)
@@ -244,6 +293,26 @@ def _tie_defaults(
             if own not in loaded:
                 params[own].copy_(params[main])
                 loaded.add(own)
+
+
+def _copy_fp8(
+    params: Mapping[str, torch.Tensor],
+    target: str,
+    tensor: torch.Tensor,
+    scale: torch.Tensor | None,
+    name: str,
+) -> None:
+    """An :class:`Fp8Linear`'s weight and scales: the checkpoint's e4m3 tiles as they are, or
+    a higher-precision tensor quantized here."""
+    if tensor.dtype == FP8_DTYPE:
+        if scale is None:
+            raise CheckpointError(f"{name} is fp8 but has no {name}_scale_inv")
+        q, s = tensor, scale.to(torch.float32)
+    else:
+        qw = quantize_fp8_blocks(tensor)
+        q, s = qw.q, qw.scale
+    _copy(params[target], q, name)
+    _copy(params[target + "_scale_inv"], s, name + "_scale_inv")
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

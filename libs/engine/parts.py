@@ -136,7 +136,13 @@ def build_parts(
         placement = placement or Placement.contiguous(n_experts, ep.size)
     keep = placement.experts_of(ep.rank) if ep is not None and placement is not None else None
     loaded = loaded or load(
-        config.model, device, dtype, config.seed, config.with_mtp, expert_slots=keep
+        config.model,
+        device,
+        dtype,
+        config.seed,
+        config.with_mtp,
+        expert_slots=keep,
+        weight_dtype=config.weight_dtype,
     )
     model = loaded.model
     if ep is not None:
@@ -162,10 +168,18 @@ def build_parts(
         torch.finfo(dtype).bits // 8,
         torch.finfo(TORCH_DTYPES[kv_dtype]).bits // 8,
         *_nominal_rates(device),
-        expert_param_bytes=0.5 + 2 / 32 if config.expert_dtype == "fp4" else None,
+        expert_param_bytes=0.5 + 2 / 32
+        if config.expert_dtype == "fp4"
+        else 1 + 4 / 128**2
+        if model.weight_dtype == "fp8"
+        else None,
         kv_token_layer_bytes=per_layer,
     )
     graphs = config.cuda_graphs
+    if model.weight_dtype == "fp8" and graphs and use_kernels and device.type == "cuda":
+        # FP8 routed experts run one GEMM pair per expert hit (counts read on the host).
+        log.info("engine: CUDA graphs off with FP8 weights (per-expert FP8 GEMMs sync)")
+        graphs = False
     if runtime is not None and graphs and use_kernels and device.type == "cuda":
         log.info("engine: CUDA graphs off with expert parallelism (exchange sizes vary per step)")
         graphs = False

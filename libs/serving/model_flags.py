@@ -26,6 +26,7 @@ class ModelFlags:
     fake_token_us: float = 2.0  # --model fake: and of each token computed in it
     kv_cache_dtype: str = "auto"  # or fp8 (both instances of a prefill -> decode pair must agree)
     experts: str = "bf16"  # or fp4
+    weights: str = "auto"  # bf16 or fp8 (auto: fp8 for DeepSeek's FP8 checkpoints)
     # Secret shared by prefill and decode that signs KV frames ("" : unsigned, local use).
     kv_mac_key: str = field(default="", repr=False)
     # Share of the CUDA device's total memory for weights + KV cache + activations; sets the
@@ -43,6 +44,8 @@ class ModelFlags:
             raise ValueError(f"--kv-cache-dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.experts not in ("bf16", "fp4"):
             raise ValueError(f"--experts must be bf16 or fp4, got {self.experts!r}")
+        if self.weights not in ("auto", "bf16", "fp8"):
+            raise ValueError(f"--weights must be auto, bf16 or fp8, got {self.weights!r}")
         if self.gpu_memory_fraction is not None:
             if not 0 < self.gpu_memory_fraction <= 1:
                 raise ValueError(
@@ -74,6 +77,7 @@ class ModelFlags:
             max_tokens_per_step=self.max_tokens_per_step,
             kv_cache_dtype="fp8" if self.kv_cache_dtype == "fp8" else None,
             expert_dtype="fp4" if self.experts == "fp4" else "auto",
+            weight_dtype=self.weights,
             gpu_memory_fraction=fraction,
             kv_mac_key=self.kv_mac_key.encode() or None,
         )
@@ -124,6 +128,13 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     flag(parser, "--experts", default="bf16", help="fp4: routed experts in e2m1")
     flag(
         parser,
+        "--weights",
+        default="auto",
+        help="fp8: e4m3 weights with 128x128 block scales (auto: fp8 for DeepSeek's FP8 "
+        "checkpoints, else bf16)",
+    )
+    flag(
+        parser,
         "--kv-mac-key",
         default="",
         help="secret that signs the KV frames this engine exports and must sign those it "
@@ -161,6 +172,7 @@ def model_flags_from(args: argparse.Namespace) -> ModelFlags:
         fake_token_us=args.fake_token_us,
         kv_cache_dtype=args.kv_cache_dtype,
         experts=args.experts,
+        weights=args.weights,
         gpu_memory_fraction=args.gpu_memory_fraction,
         kv_mac_key=args.kv_mac_key,
     )

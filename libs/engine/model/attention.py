@@ -25,7 +25,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..kv.cache import LayerCache
-from .layers import RMSNorm, _linear
+from .layers import RMSNorm, _linear, linear_weight
 from .rope import Rotary, softmax_scale
 
 # Query rows per attention tile in the expanded path: bounds the score matrix to
@@ -120,7 +120,7 @@ class MLAttention(nn.Module):
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj as (W_uk [H, nope, r], W_uv [H, v, r])."""
         cfg = self.cfg
-        w = self.kv_b_proj.weight.view(
+        w = linear_weight(self.kv_b_proj, self.kv_a_layernorm.weight.dtype).view(
             cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank
         )
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]

@@ -11,6 +11,7 @@ from torch import nn
 from ..config import ModelConfig
 
 if TYPE_CHECKING:
+    from ..kernels.fp8_gemm import Fp8Weight
     from ..kernels.fused_moe import Fp4Weight
 
 
@@ -51,6 +52,77 @@ def _linear(
     return layer
 
 
+class Fp8Linear(nn.Module):
+    """A linear layer whose weight stays e4m3 with one fp32 scale per 128x128 tile.
+
+    Parameter names are the checkpoint's (``weight`` e4m3, ``weight_scale_inv`` fp32:
+    ``w = weight * weight_scale_inv`` per tile), so DeepSeek's FP8 tensors load as they are.
+    Activations are quantized per token and 128-channel group on every call
+    (:mod:`libs.engine.kernels.fp8_gemm`); the output has ``dtype`` (the model's).
+    """
+
+    def __init__(
+        self, out_f: int, in_f: int, bias: bool, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        from ..kernels.fp8_gemm import FP8_BLOCK, FP8_DTYPE
+
+        self.in_features, self.out_features = in_f, out_f
+        blocks = (-(-out_f // FP8_BLOCK), -(-in_f // FP8_BLOCK))
+        self.weight = nn.Parameter(
+            torch.empty(out_f, in_f, dtype=FP8_DTYPE, device=device), requires_grad=False
+        )
+        self.weight_scale_inv = nn.Parameter(
+            torch.ones(blocks, dtype=torch.float32, device=device), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.zeros(out_f, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
+        self.use_kernels = False
+
+    @classmethod
+    def from_linear(cls, layer: nn.Linear) -> Fp8Linear:
+        """The block-quantized copy of ``layer`` (its weight's dtype becomes the output's)."""
+        from ..kernels.fp8_gemm import quantize_fp8_blocks
+
+        w = layer.weight.data
+        out = cls(w.shape[0], w.shape[1], layer.bias is not None, w.dtype, w.device)
+        q = quantize_fp8_blocks(w)
+        out.weight.data.copy_(q.q)
+        out.weight_scale_inv.data.copy_(q.scale)
+        if layer.bias is not None and out.bias is not None:
+            out.bias.data.copy_(layer.bias.data)
+        return out
+
+    @property
+    def fp8(self) -> Fp8Weight:
+        from ..kernels.fp8_gemm import Fp8Weight
+
+        return Fp8Weight(self.weight, self.weight_scale_inv)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as ``dtype`` (for code that needs the matrix itself: MLA's absorption)."""
+        from ..kernels.fp8_gemm import dequantize_fp8_blocks
+
+        return dequantize_fp8_blocks(self.fp8, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..kernels.fp8_gemm import fp8_linear
+
+        return fp8_linear(x, self.fp8, self.bias, kernel=self.use_kernels and x.is_cuda)
+
+
+def linear_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The weight matrix of an ``nn.Linear`` or :class:`Fp8Linear` (dequantized) as ``dtype``."""
+    if isinstance(layer, Fp8Linear):
+        return layer.dequantized(dtype)
+    w = layer.weight
+    assert isinstance(w, torch.Tensor)
+    return w if w.dtype == dtype else w.to(dtype)
+
+
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
@@ -63,7 +135,7 @@ class MLP(nn.Module):
         self._gate_up: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_kernels:
+        if self.use_kernels and not isinstance(self.gate_proj, Fp8Linear):
             from ..kernels.fused_ops import silu_mul
 
             # One GEMM for gate and up (their weights stacked once), one kernel for silu * up.
@@ -180,6 +252,7 @@ class Experts(nn.Module):
         )
         self.use_kernels = False
         self.fp4: tuple[Fp4Weight, Fp4Weight] | None = None
+        self.fp8: tuple[Fp8Weight, Fp8Weight] | None = None
         for row, expert in enumerate(slots or ()):
             if expert < 0:  # an empty slot: never loaded, never routed to
                 self.w13.data[row].zero_()
@@ -193,6 +266,20 @@ class Experts(nn.Module):
             return
 
         self.fp4 = (quantize_fp4(self.w13.data), quantize_fp4(self.w2.data))
+        dev, dt = self.w13.device, self.w13.dtype
+        self.w13 = nn.Parameter(torch.empty(0, dtype=dt, device=dev), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(0, dtype=dt, device=dev), requires_grad=False)
+
+    def quantize_fp8(self) -> None:
+        """Swap the expert weights for e4m3 ones with 128x128 block scales (frees the
+        originals); once."""
+        from ..kernels.fp8_gemm import quantize_fp8_blocks
+
+        if self.fp8 is not None:
+            return
+        if self.fp4 is not None:
+            raise ValueError("experts are already FP4")
+        self.fp8 = (quantize_fp8_blocks(self.w13.data), quantize_fp8_blocks(self.w2.data))
         dev, dt = self.w13.device, self.w13.dtype
         self.w13 = nn.Parameter(torch.empty(0, dtype=dt, device=dev), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(0, dtype=dt, device=dev), requires_grad=False)
@@ -217,6 +304,9 @@ class Experts(nn.Module):
         if self.fp4 is not None:
             a, b = self.fp4
             return [a.packed, a.scales, b.packed, b.scales]
+        if self.fp8 is not None:
+            c, d = self.fp8
+            return [c.q, c.scale, d.q, d.scale]
         return [self.w13.data, self.w2.data]
 
     def set_slot_state(self, state: list[torch.Tensor], slots: tuple[int, ...]) -> None:
@@ -225,12 +315,18 @@ class Experts(nn.Module):
             from ..kernels.fused_moe import Fp4Weight
 
             self.fp4 = (Fp4Weight(state[0], state[1]), Fp4Weight(state[2], state[3]))
+        elif self.fp8 is not None:
+            from ..kernels.fp8_gemm import Fp8Weight
+
+            self.fp8 = (Fp8Weight(state[0], state[1]), Fp8Weight(state[2], state[3]))
         else:
             self.w13 = nn.Parameter(state[0], requires_grad=False)
             self.w2 = nn.Parameter(state[1], requires_grad=False)
         self.slots = slots
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return self._grouped_fp8(x, weights, idx, self.fp8[0], self.fp8[1])
         if self.use_kernels:
             from ..kernels.fused_moe import fused_moe
 
@@ -248,6 +344,40 @@ class Experts(nn.Module):
                 dequantize_fp4(self.fp4[1], x.dtype),
             )
         return self._grouped(x, weights, idx, self.w13, self.w2)
+
+    def _grouped_fp8(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        idx: torch.Tensor,
+        w13: Fp8Weight,
+        w2: Fp8Weight,
+    ) -> torch.Tensor:
+        """The grouped path with one block-scaled FP8 GEMM pair per expert hit (the Triton
+        GEMM with kernels on CUDA). Reads the per-expert counts on the host: not graph-safe."""
+        from ..kernels.fp8_gemm import Fp8Weight, fp8_linear
+
+        kernel = self.use_kernels and x.is_cuda
+        t, k = idx.shape
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=w13.q.shape[0]).tolist()
+        token_of = order // k
+        w_sorted = weights.reshape(-1)[order]
+        out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = token_of[start : start + n]
+            xe = x.index_select(0, rows)
+            a = Fp8Weight(w13.q[e], w13.scale[e])
+            gate, up = fp8_linear(xe, a, kernel=kernel).chunk(2, dim=-1)
+            b = Fp8Weight(w2.q[e], w2.scale[e])
+            ye = fp8_linear(F.silu(gate) * up, b, kernel=kernel)
+            out.index_add_(0, rows, ye.to(torch.float32) * w_sorted[start : start + n, None])
+            start += n
+        return out.to(x.dtype)
 
     @staticmethod
     def _grouped(

@@ -17,7 +17,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..kv.cache import LayerCache
 from .attention import AttentionMetadata, MLAttention
-from .layers import MLP, Experts, MoE, RMSNorm, _linear
+from .layers import MLP, Experts, Fp8Linear, MoE, RMSNorm, _linear
 from .rope import Rotary
 
 
@@ -137,6 +137,7 @@ class DeepseekForCausalLM(nn.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
+        self.weight_dtype = "model"  # "fp8" once quantize_weights_fp8 ran
         self.rotary = Rotary(cfg, device)
         self.model = Backbone(cfg, self.rotary, dtype, device, expert_slots)
         self.lm_head = _linear(cfg.vocab_size, cfg.hidden_size, False, dtype, device)
@@ -156,7 +157,7 @@ class DeepseekForCausalLM(nn.Module):
     def set_kernels(self, on: bool) -> None:
         """Fused attention and Triton decode/MoE kernels (on) or the plain PyTorch reference."""
         for module in self.modules():
-            if isinstance(module, (MLAttention, Experts, RMSNorm, MLP)):
+            if isinstance(module, (MLAttention, Experts, RMSNorm, MLP, Fp8Linear)):
                 module.use_kernels = on
         self.rotary.use_kernels = on
 
@@ -170,6 +171,32 @@ class DeepseekForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Experts):
                 module.quantize_fp4()
+
+    def quantize_weights_fp8(self, empty: bool = False, experts: bool = True) -> None:
+        """Attention projections, dense/shared MLPs and routed experts of every decoder (and
+        MTP) layer become e4m3 with 128x128 block scales, as DeepSeek's FP8 release stores
+        them; embeddings, router, norms, ``eh_proj`` and the heads stay in the model dtype.
+        ``empty``: allocate the FP8 linears only (the loader fills them); ``experts=False``:
+        leave the routed experts for a later call. Layers already FP8 are left as they are."""
+        for layer in [*self.model.layers, *self.mtp]:
+            for parent in [*layer.self_attn.modules(), *layer.mlp.modules()]:
+                for name, child in list(parent.named_children()):
+                    if type(child) is nn.Linear:
+                        fp8 = (
+                            Fp8Linear(
+                                child.out_features,
+                                child.in_features,
+                                child.bias is not None,
+                                child.weight.dtype,
+                                child.weight.device,
+                            )
+                            if empty
+                            else Fp8Linear.from_linear(child)
+                        )
+                        setattr(parent, name, fp8)
+                if experts and isinstance(parent, Experts):
+                    parent.quantize_fp8()
+        self.weight_dtype = "fp8"
 
     @torch.inference_mode()
     def forward(

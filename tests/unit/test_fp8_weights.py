@@ -116,13 +116,14 @@ def _fp8_checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 def test_fp8_checkpoint_keeps_its_fp8_weights(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     path, state = _fp8_checkpoint(tmp_path)
-    fp8 = EngineConfig(model=str(path), num_kv_blocks=8)  # auto: fp8 from quantization_config
+    fp8 = EngineConfig(model=str(path), num_kv_blocks=8, weight_dtype="fp8")
     params = dict(Engine(fp8).model.named_parameters())
     name = "model.layers.1.self_attn.kv_b_proj.weight"
     assert params[name].dtype == FP8_DTYPE
     assert torch.equal(params[name].view(torch.uint8), state[name].view(torch.uint8))
     assert torch.equal(params[name + "_scale_inv"], state[name + "_scale_inv"])
-    bf16 = EngineConfig(model=str(path), num_kv_blocks=8, weight_dtype="bf16")
+    bf16 = EngineConfig(model=str(path), num_kv_blocks=8)  # auto: dequantized, as before
+    assert dict(Engine(bf16).model.named_parameters())[name].dtype != FP8_DTYPE
     q = _quality({"fp8": fp8, "bf16": bf16})
     # Same linear weights bit for bit; the differences: per-token e4m3 activations and the
     # experts' tiles re-cut over the fused [gate; up] rows (I=... is not a multiple of 128

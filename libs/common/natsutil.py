@@ -53,10 +53,8 @@ async def connect_nats(
             await asyncio.wait({attempt, stopping}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopping.cancel()
-            if not attempt.done():
-                attempt.cancel()
-                await asyncio.wait({attempt})
-        if attempt.cancelled():
+            await _cancel(attempt, log)
+        if not attempt.done() or attempt.cancelled():
             return None  # stopped while connecting
         exc = attempt.exception()
         if exc is None:
@@ -69,6 +67,19 @@ async def connect_nats(
         except TimeoutError:
             pass
     return None
+
+
+async def _cancel(attempt: asyncio.Future[Client], log: logging.Logger) -> None:
+    """Cancel a pending ``nats.connect``: its retry loop can swallow a cancellation that lands
+    inside its own error handling (seen in CI: SIGTERM then waited forever), so cancel again
+    every 0.5 s and give up on it after 5 s rather than hang the shutdown."""
+    for _ in range(10):
+        if attempt.done():
+            return
+        attempt.cancel()
+        await asyncio.wait({attempt}, timeout=0.5)
+    if not attempt.done():
+        log.warning("NATS connect did not stop when cancelled; leaving it behind")
 
 
 async def close_nats(nc: Client, log: logging.Logger, drain_timeout: float | None = None) -> None:

@@ -186,8 +186,10 @@ def test_no_log_line_or_healthz_shows_the_nats_password(
 
         async def probe() -> None:
             await asyncio.sleep(1.5)  # connect_nats has failed and logged at least once
-            seen["healthz"] = await asyncio.to_thread(_healthz_body, ops_port)
-            os.kill(os.getpid(), signal.SIGTERM)
+            try:
+                seen["healthz"] = await asyncio.to_thread(_healthz_body, ops_port)
+            finally:  # whatever /healthz did, SIGTERM must end the connect loop
+                os.kill(os.getpid(), signal.SIGTERM)
 
         ctx.background(probe(), "probe")
         assert await asyncio.wait_for(ctx.connect_nats(), 60) is None  # generous: a busy host

@@ -212,7 +212,7 @@ def capture_logits(
     """
     rows: dict[tuple[int, int], torch.Tensor] = {}
 
-    def sample(logits: torch.Tensor, params: Any, positions: Any) -> torch.Tensor:
+    def sample(logits: torch.Tensor, params: Any, positions: Any, *_: Any) -> torch.Tensor:
         out = []
         for r, (p, pos) in enumerate(zip(params, positions)):
             i = int(p.seed) - _QUALITY_SEED
@@ -220,7 +220,7 @@ def capture_logits(
             out.append(forced[i][int(pos) - len(prompts[i])])
         return torch.tensor(out, dtype=torch.int64, device=logits.device)
 
-    engine.sampler.sample_device = sample  # type: ignore[method-assign]
+    engine.sampler.sample_device = sample  # type: ignore[method-assign,assignment]
     try:
         for i, p in enumerate(prompts):
             engine.add_request(

@@ -22,9 +22,15 @@ MAX_SEED = 2**63  # the sampler keys draws by a signed 64-bit seed
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature == 0`` is greedy (argmax). Otherwise logits are divided by the temperature,
-    cut to the ``top_k`` most likely tokens (0 = no cut) and to the smallest set whose
-    probability reaches ``top_p``, then sampled. With ``seed`` set, the draw for sequence
+    First the penalties change the logits (greedy rows too): ``repetition_penalty`` (HF/vLLM)
+    divides the positive and multiplies the negative logit of every token seen in the prompt
+    or the output; ``frequency_penalty`` times a token's count in the output plus
+    ``presence_penalty`` if it occurs there at all is subtracted (OpenAI). Until
+    ``min_tokens`` tokens were generated, EOS (unless ``ignore_eos``) and ``stop_token_ids``
+    cannot be drawn. ``temperature == 0`` is greedy (argmax). Otherwise logits are divided by
+    the temperature, cut to the ``top_k`` most likely tokens (0 = no cut), to tokens whose
+    probability is at least ``min_p`` times the top one's (0 = off) and to the smallest set
+    whose probability reaches ``top_p``, then sampled. With ``seed`` set, the draw for sequence
     position ``n`` depends only on (seed, n) and the logits: the same seed gives the same
     tokens whatever requests share the batch, and after a KV handoff or a preemption.
 
@@ -40,6 +46,11 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -57,6 +68,32 @@ class SamplingParams:
         for i, tok in enumerate(self.stop_token_ids):
             if tok < 0:
                 _bad(f"stop_token_ids[{i}]", f"token id {tok} is negative; token ids are >= 0")
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        if not 0.0 <= self.min_p <= 1.0:  # NaN fails too
+            _bad("min_p", f"must lie in [0, 1] (0 = off), got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            _bad(
+                "min_tokens",
+                f"must lie in [0, max_tokens] = [0, {self.max_tokens}], got {self.min_tokens}",
+            )
+        r = self.repetition_penalty
+        if not (math.isfinite(r) and r > 0):
+            _bad("repetition_penalty", f"must be a finite number > 0 (1 = off), got {r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2.0 <= v <= 2.0:  # NaN fails too
+                _bad(name, f"must lie in [-2, 2] (0 = off), got {v}")
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether sampling needs the request's token history (a penalty is on)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     @property
     def greedy(self) -> bool:
@@ -78,6 +115,12 @@ class SamplingParams:
             max_tokens=msg.max_tokens if max_tokens is None else max_tokens,
             stop_token_ids=tuple(msg.stop_token_ids),
             ignore_eos=msg.ignore_eos,
+            min_p=msg.min_p,
+            min_tokens=msg.min_tokens,
+            # 0 on the wire means "not set" (an older sender), as for top_p
+            repetition_penalty=msg.repetition_penalty if msg.repetition_penalty != 0 else 1.0,
+            presence_penalty=msg.presence_penalty,
+            frequency_penalty=msg.frequency_penalty,
         )
 
     def to_proto(self) -> common_pb2.SamplingParams:
@@ -88,6 +131,11 @@ class SamplingParams:
             max_tokens=self.max_tokens,
             stop_token_ids=list(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
+            min_p=self.min_p,
+            min_tokens=self.min_tokens,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
         )
         if self.seed is not None:
             msg.seed = self.seed

@@ -49,7 +49,7 @@ from .model.model import DeepseekForCausalLM
 from .parts import EngineParts, build_parts, max_model_len
 from .runner import Launched, ModelRunner
 from .sampler import Sampler
-from .scheduler import Request, Scheduler, SchedulerConfig, Status, TokenEvent
+from .scheduler import Request, Scheduler, SchedulerConfig, Status, StepPlan, TokenEvent
 
 if TYPE_CHECKING:
     from .ep.group import EPGroup
@@ -288,6 +288,7 @@ class Engine:
         cache_salt: bytes = b"",
         kv: KVInput | None = None,
         hold_kv: bool = False,
+        prior_outputs: int = 0,
     ) -> Any:
         """Queue a request. ``kv``: frames from :meth:`export_kv` covering a prefix of the
         tokens (or blocks ``first_block ..`` of it when this engine holds the blocks before),
@@ -298,11 +299,18 @@ class Engine:
         Raises :class:`InvalidRequest` for bad input, :class:`KVFormatError` for KV that does
         not belong to this model or these tokens (:class:`MissingPrefix` when the blocks it
         builds on are gone), :class:`NoFreeBlocks` if imported KV does not fit now.
+        ``prior_outputs``: how many of the last prompt tokens were generated already (the
+        first token, for a decode after prefill): the penalties count them as output.
         """
         params = params or SamplingParams()
         tokens = [int(t) for t in prompt_token_ids]
         self._validate(request_id, tokens, params)
+        if not 0 <= prior_outputs < len(tokens):
+            raise InvalidRequest(
+                f"prior_outputs must lie in [0, {len(tokens)}), got {prior_outputs}"
+            )
         req = Request(request_id, tokens, len(tokens), params, cache_salt, hold_kv)
+        req.num_prior_outputs = prior_outputs
         done = None
         if kv is not None:
             if not isinstance(kv, (PreparedKV, PeerKV)):
@@ -626,8 +634,7 @@ class Engine:
         plan = self.scheduler.schedule()
         launched = None
         if not plan.empty:
-            params = [self.scheduler.requests[s.request_id].params for s in plan.seqs if s.sample]
-            launched = self.runner.launch(plan, params, self._inflight)
+            launched = self._launch(plan)
         elif self.ep is not None:
             self.ep.empty_step()
         if self.eplb is not None:  # the forward is queued: a re-placement serves the next one
@@ -642,6 +649,20 @@ class Engine:
             events += self._finish(launched)
         self._inflight = None
         return events
+
+    def _launch(self, plan: StepPlan) -> Launched:
+        reqs = [(s, self.scheduler.requests[s.request_id]) for s in plan.seqs if s.sample]
+        params = [r.params for _, r in reqs]
+        num_generated = None
+        if any(p.min_tokens for p in params):
+            num_generated = [s.sample_position - r.num_prompt_tokens for s, r in reqs]
+        histories = [
+            # a copy: advance() appends
+            (i, r.token_ids[: s.sample_position], r.num_prompt_tokens - r.num_prior_outputs)
+            for i, (s, r) in enumerate(reqs)
+            if r.params.uses_penalties
+        ]
+        return self.runner.launch(plan, params, self._inflight, num_generated, histories or None)
 
     def _finish(self, launched: Launched) -> list[TokenEvent]:
         sampled, seconds = self.runner.collect(launched)

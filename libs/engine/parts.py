@@ -86,9 +86,16 @@ class StepRunner(Protocol):
     step's seconds (what calibrates the cost model)."""
 
     def launch(
-        self, plan: StepPlan, params: Sequence[SamplingParams], prev: Launched | None
+        self,
+        plan: StepPlan,
+        params: Sequence[SamplingParams],
+        prev: Launched | None,
+        num_generated: Sequence[int] | None = None,
+        histories: Sequence[tuple[int, list[int], int]] | None = None,
     ) -> Launched:
-        """``params``: per sampling seq of ``plan``, in plan order; ``prev``: the step in flight."""
+        """``params``: per sampling seq of ``plan``, in plan order; ``prev``: the step in flight;
+        ``num_generated`` (when a seq sets min_tokens) and ``histories`` (when one uses a
+        penalty): see :meth:`ModelRunner.launch`."""
         ...
 
     def collect(self, launched: Launched) -> tuple[dict[str, int], float]: ...
@@ -186,7 +193,7 @@ def build_parts(
     runner = ModelRunner(
         model,
         cache,
-        Sampler(device, config.sampler_seed),
+        Sampler(device, config.sampler_seed, cfg.eos_token_ids),
         use_kernels,
         graphs,
         max_model_len(config, cfg),

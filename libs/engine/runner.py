@@ -29,7 +29,7 @@ from libs.common.sampling import SamplingParams
 from .kv.cache import PagedKVCache
 from .model.attention import AttentionMetadata, SeqAttention
 from .model.model import DeepseekForCausalLM
-from .sampler import Sampler
+from .sampler import Sampler, TokenHistory
 from .scheduler import PLACEHOLDER, ScheduledSeq, StepPlan
 
 GRAPH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -96,9 +96,17 @@ class ModelRunner:
 
     # -- public ------------------------------------------------------------------------------
     def launch(
-        self, plan: StepPlan, params: Sequence[SamplingParams], prev: Launched | None
+        self,
+        plan: StepPlan,
+        params: Sequence[SamplingParams],
+        prev: Launched | None,
+        num_generated: Sequence[int] | None = None,
+        histories: Sequence[tuple[int, list[int], int]] | None = None,
     ) -> Launched:
-        """Queue the step on the device. ``params``: per sampling seq, in plan order."""
+        """Queue the step on the device. ``params``: per sampling seq, in plan order;
+        ``num_generated``: output tokens so far, per sampling seq (for min_tokens);
+        ``histories``: (sampling row, prompt + output token ids so far, prompt length) of the
+        seqs that use a penalty; a :data:`PLACEHOLDER` among them is read from ``prev``."""
         t0 = time.perf_counter()
         cuda = self.device.type == "cuda"
         started = _timing_event() if cuda else None
@@ -108,8 +116,9 @@ class ModelRunner:
         logits = self._forward(plan, prev)
         tokens = host = done = None
         if sampling:
+            history = self._history(sampling, histories, prev) if histories else None
             tokens = self.sampler.sample_device(
-                logits, params, [s.sample_position for s in sampling]
+                logits, params, [s.sample_position for s in sampling], num_generated, history
             )
             host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=cuda)
             host.copy_(tokens, non_blocking=cuda)
@@ -140,6 +149,31 @@ class ModelRunner:
             return {}, seconds
         ids: list[int] = launched.host.tolist()
         return {s.request_id: t for s, t in zip(launched.sampling, ids)}, seconds
+
+    def _history(
+        self,
+        sampling: list[ScheduledSeq],
+        histories: Sequence[tuple[int, list[int], int]],
+        prev: Launched | None,
+    ) -> TokenHistory:
+        rows = [h[0] for h in histories]
+        history = TokenHistory.build(
+            rows, [h[1] for h in histories], [h[2] for h in histories], self.device
+        )
+        # With overlap the step in flight has not sent its token back yet: read it there. Only
+        # the newest token can be one (one step in flight), so the scan stays O(1) per row.
+        fix_at: list[int] = []
+        fix_src: list[int] = []
+        width = history.tokens.shape[1]
+        for j, (row, toks, _) in enumerate(histories):
+            if toks and toks[-1] == PLACEHOLDER:
+                assert prev is not None, "a placeholder token without the step that samples it"
+                fix_at.append(j * width + len(toks) - 1)
+                fix_src.append(prev.index[sampling[row].request_id])
+        if fix_at:
+            flat = history.tokens.view(-1)
+            self._fill_placeholders(flat, fix_at, fix_src, prev)
+        return history
 
     # -- forward -----------------------------------------------------------------------------
     def _forward(self, plan: StepPlan, prev: Launched | None) -> torch.Tensor:

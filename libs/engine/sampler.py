@@ -4,6 +4,10 @@ Sampling uses the exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d.
 token with probability ``p``. For a seeded request the ``E`` vector for the token at sequence
 position ``n`` comes from a generator seeded with ``mix(seed, n)``, so its draw depends on
 nothing else in the batch and can be replayed anywhere (after preemption or KV import).
+
+Before the draw (greedy rows too) the penalties change the logits and ``min_tokens`` masks
+the stop tokens; each step is skipped when no row of the batch uses it, so a batch without
+them runs exactly the plain argmax/race it always did.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -23,11 +28,111 @@ def position_seed(seed: int, position: int) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (-inf) tokens outside top-k and outside the top-p nucleus; [V] fp32."""
+@dataclass(frozen=True)
+class TokenHistory:
+    """The tokens the penalties read, for the sampling rows that use a penalty.
+
+    ``tokens[j]`` holds row ``rows[j]``'s prompt then its output so far (the tokens before the
+    one being sampled), padded with negative ids; its first ``num_prompt[j]`` are the prompt.
+    """
+
+    rows: tuple[int, ...]
+    tokens: torch.Tensor  # [len(rows), L] int64 on the logits' device
+    num_prompt: torch.Tensor  # [len(rows)] int64 on the logits' device
+
+    @classmethod
+    def build(
+        cls,
+        rows: Sequence[int],
+        token_lists: Sequence[Sequence[int]],
+        num_prompt: Sequence[int],
+        device: torch.device,
+    ) -> TokenHistory:
+        width = max([len(t) for t in token_lists] + [1])
+        host = torch.full((len(rows), width), -1, dtype=torch.int64)
+        for j, toks in enumerate(token_lists):
+            host[j, : len(toks)] = torch.as_tensor(toks, dtype=torch.int64)
+        return cls(
+            tuple(rows),
+            host.to(device, non_blocking=True),
+            torch.as_tensor(num_prompt, dtype=torch.int64).to(device, non_blocking=True),
+        )
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: Sequence[SamplingParams], history: TokenHistory
+) -> torch.Tensor:
+    """``logits`` [B, V] fp32 with the rows of ``history`` penalized (out of place).
+
+    repetition (HF/vLLM): a token seen in prompt or output has a positive logit divided and a
+    negative one multiplied by the penalty; frequency and presence (OpenAI): minus
+    ``frequency * count + presence * (count > 0)`` over the output only.
+    """
+    if not history.rows:
+        return logits
+    vocab = logits.shape[-1]
+    dev = logits.device
+    idx = torch.as_tensor(history.rows, dtype=torch.int64).to(dev, non_blocking=True)
+    tok = history.tokens
+    valid = tok >= 0
+    col = torch.arange(tok.shape[1], device=dev)[None, :]
+    generated = valid & (col >= history.num_prompt[:, None])
+    tok = torch.where(valid, tok, vocab)  # padding counts into a spare column, dropped below
+    zeros = torch.zeros(tok.shape[0], vocab + 1, dtype=torch.float32, device=dev)
+    counts = zeros.scatter_add(1, tok, generated.float())[:, :vocab]
+    seen = zeros.scatter_add(1, tok, valid.float())[:, :vocab] > 0
+
+    def column(name: str) -> torch.Tensor:
+        vals = [float(getattr(params[r], name)) for r in history.rows]
+        return torch.tensor(vals, dtype=torch.float32).to(dev, non_blocking=True)[:, None]
+
+    rep, freq, pres = (
+        column("repetition_penalty"),
+        column("frequency_penalty"),
+        column("presence_penalty"),
+    )
+    x = logits.index_select(0, idx)
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - freq * counts - pres * (counts > 0).float()
+    return logits.index_copy(0, idx, x)
+
+
+def mask_stops(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    num_generated: Sequence[int],
+    eos_token_ids: Sequence[int],
+) -> torch.Tensor:
+    """``logits`` with EOS (unless ignore_eos) and stop_token_ids at -inf in every row that
+    has generated fewer than its ``min_tokens`` (out of place)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, p in enumerate(params):
+        if num_generated[i] < p.min_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            stops = {t for t in stops if t < logits.shape[-1]}
+            rows += [i] * len(stops)
+            cols += sorted(stops)
+    if not rows:
+        return logits
+    dev = logits.device
+    index = (
+        torch.as_tensor(rows, dtype=torch.int64).to(dev, non_blocking=True),
+        torch.as_tensor(cols, dtype=torch.int64).to(dev, non_blocking=True),
+    )
+    return logits.index_put(index, torch.tensor(float("-inf"), device=dev))
+
+
+def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Mask (-inf) tokens outside top-k, below min_p times the top probability and outside
+    the top-p nucleus; [V] fp32."""
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if min_p > 0.0:
+        # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p): no softmax needed
+        floor = logits.max() + torch.log(torch.tensor(min_p, device=logits.device))
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = sorted_logits.softmax(-1)
@@ -40,8 +145,14 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        seed: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
         self.device = device
+        self.eos_token_ids = tuple(eos_token_ids)  # what min_tokens keeps from being drawn
         self._rng = torch.Generator(device=device)
         if seed is None:
             self._rng.seed()
@@ -50,21 +161,44 @@ class Sampler:
         self._seeded = torch.Generator(device=device)
 
     def sample(
-        self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        positions: Sequence[int],
+        num_generated: Sequence[int] | None = None,
+        history: TokenHistory | None = None,
     ) -> list[int]:
-        """One token per row. ``positions[i]``: sequence position of the token being sampled."""
-        out: list[int] = self.sample_device(logits, params, positions).tolist()
+        """One token per row. ``positions[i]``: sequence position of the token being sampled;
+        ``num_generated[i]``: output tokens before it (needed when a row sets min_tokens);
+        ``history``: the rows that use a penalty (needed when one does)."""
+        out: list[int] = self.sample_device(
+            logits, params, positions, num_generated, history
+        ).tolist()
         return out
 
     def sample_device(
-        self, logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        positions: Sequence[int],
+        num_generated: Sequence[int] | None = None,
+        history: TokenHistory | None = None,
     ) -> torch.Tensor:
         """As :meth:`sample`, as an int64 tensor on the logits' device, without waiting for it."""
-        out = logits.float().argmax(dim=-1)
+        logits = logits.float()
+        if any(p.uses_penalties for p in params):
+            if history is None:
+                raise ValueError("a row uses a penalty: pass the token history")
+            logits = apply_penalties(logits, params, history)
+        if any(p.min_tokens for p in params):
+            if num_generated is None:
+                raise ValueError("a row sets min_tokens: pass num_generated")
+            logits = mask_stops(logits, params, num_generated, self.eos_token_ids)
+        out = logits.argmax(dim=-1)
         for i, p in enumerate(params):
             if p.greedy:
                 continue
-            row = _filter(logits[i].float() / p.temperature, p.top_k, p.top_p)
+            row = _filter(logits[i] / p.temperature, p.top_k, p.top_p, p.min_p)
             probs = row.softmax(-1)
             if p.seed is None:
                 gen = self._rng

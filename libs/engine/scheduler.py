@@ -86,6 +86,7 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None
     pending_finish: str | None = None  # "length": finishes once its last placeholder is filled
+    num_prior_outputs: int = 0  # of the prompt, generated elsewhere (prefill): penalties count
 
     @property
     def num_output_tokens(self) -> int:
@@ -420,7 +421,9 @@ class Scheduler:
     def _finish_check(self, req: Request, token: int) -> TokenEvent:
         p = req.params
         reason = None
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        stop = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        # The sampler masks stop tokens before min_tokens; this holds for any sampler.
+        if stop and req.num_output_tokens > p.min_tokens:
             reason = "stop"
         elif req.pending_finish is not None:
             reason = req.pending_finish

@@ -263,6 +263,7 @@ class EngineLoop:
         cache_salt: bytes = b"",
         kv: KVInput | None = None,
         hold_kv: bool = False,
+        prior_outputs: int = 0,
     ) -> RequestStream:
         """Queue a request; returns its event stream once the engine accepted it.
 
@@ -277,7 +278,13 @@ class EngineLoop:
         try:
             stream.imported = await self.call(
                 lambda e: e.add_request(
-                    request_id, tokens, params, cache_salt=cache_salt, kv=kv, hold_kv=hold_kv
+                    request_id,
+                    tokens,
+                    params,
+                    cache_salt=cache_salt,
+                    kv=kv,
+                    hold_kv=hold_kv,
+                    prior_outputs=prior_outputs,
                 )
             )
         except BaseException as exc:

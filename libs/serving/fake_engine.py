@@ -138,8 +138,15 @@ class FakeRunner:
         self.step_seconds, self.token_seconds = step_seconds, token_seconds
 
     def launch(
-        self, plan: StepPlan, params: Sequence[SamplingParams], prev: Launched | None
+        self,
+        plan: StepPlan,
+        params: Sequence[SamplingParams],
+        prev: Launched | None,
+        num_generated: Sequence[int] | None = None,
+        histories: Sequence[tuple[int, list[int], int]] | None = None,
     ) -> Launched:
+        """Penalties and min_tokens do not change a fake token (the scheduler still holds a
+        stop back until min_tokens)."""
         t0 = time.perf_counter()
         time.sleep(self.step_seconds + self.token_seconds * plan.num_tokens)
         sampling = [s for s in plan.seqs if s.sample]

@@ -46,7 +46,7 @@ from libs.engine.engine import (
 )
 from libs.engine.kv.peer import PeerUnavailable, host_id
 from libs.engine.kv.transfer import MAX_HEADER_BYTES, PeerKV
-from libs.proto.deepserve.v1 import control_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
+from libs.proto.deepserve.v1 import common_pb2, control_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 from libs.serving.aborts import RecentAborts
 from libs.serving.convert import error_event
 from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed, RequestStream
@@ -184,9 +184,11 @@ class DecodeHandler:
         the engine thread first); returns once the KV is in this engine's pages."""
         rid = task.request_id
         try:
-            params = SamplingParams.from_proto(
-                task.sampling, max_tokens=task.sampling.max_tokens - 1
-            )
+            # Prefill produced the first token: one fewer to generate, and to hold stops back for.
+            sampling = common_pb2.SamplingParams()
+            sampling.CopyFrom(task.sampling)
+            sampling.min_tokens = max(0, sampling.min_tokens - 1)
+            params = SamplingParams.from_proto(sampling, max_tokens=sampling.max_tokens - 1)
             source: PeerKV | PreparedKV
             if isinstance(kv, PeerKV):
                 source = kv
@@ -200,6 +202,7 @@ class DecodeHandler:
                 kv=source,
                 cache_salt=task.cache_salt,
                 hold_kv=self.kvstore is not None,
+                prior_outputs=len(task.token_ids) - task.num_prompt_tokens,
             )
             if stream.imported is not None:  # a pool copy: done before the owner reuses it
                 await asyncio.to_thread(stream.imported.synchronize)

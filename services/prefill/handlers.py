@@ -265,7 +265,9 @@ class PrefillHandler:
             REQUESTS.labels("invalid").inc()
             await self._send(subject, error_event(rid, exc))
             return
-        stream, in_store = await self._add(task, prompt, dataclasses.replace(params, max_tokens=1))
+        # Only the first token here; min_tokens >= 1 keeps it from being EOS (decode does the rest).
+        first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        stream, in_store = await self._add(task, prompt, first_only)
         if stream is None:
             return
         ev = await stream.next()

@@ -61,6 +61,7 @@ from .backend import GenerateBackend, GenerateCall
 from .encoding import Encoder
 from .events import Job, api_error
 from .pool import EncodePool
+from .sampling import checked, extra_sampling
 from .usage import UsageSink
 
 log = logging.getLogger("recipe")
@@ -267,22 +268,23 @@ class Frontend:
 
     async def _prepare(
         self, proto: Protocol, body: bytes, rid: str
-    ) -> tuple[str, dr.ConversationRequest, Any, list[int]]:
-        """(model, conversation request, chunk generator, prompt ids), computed in the encode
-        pool: parsing, conversion, rendering and tokenizing a large body takes seconds."""
+    ) -> tuple[str, dr.ConversationRequest, Any, dict[str, Any], list[int]]:
+        """(model, conversation request, chunk generator, extra sampling fields, prompt ids),
+        computed in the encode pool: parsing, conversion, rendering and tokenizing a large
+        body takes seconds."""
 
-        def work() -> tuple[str, dr.ConversationRequest, Any, list[int]]:
-            model, conv, gen = self._convert(proto, body, rid)
+        def work() -> tuple[str, dr.ConversationRequest, Any, dict[str, Any], list[int]]:
+            model, conv, gen, extra = self._convert(proto, body, rid)
             prompt = self.encoder.encode(conv.conversation, max_prompt_tokens=self.cfg.max_context)
-            return model, conv, gen, prompt
+            return model, conv, gen, extra, prompt
 
         return await self.pool.run(work)
 
     def _convert(
         self, proto: Protocol, body: bytes, rid: str
-    ) -> tuple[str, dr.ConversationRequest, Any]:
-        """(model, conversation request, chunk generator); APIError for what the caller got
-        wrong."""
+    ) -> tuple[str, dr.ConversationRequest, Any, dict[str, Any]]:
+        """(model, conversation request, chunk generator, extra sampling fields); APIError for
+        what the caller got wrong."""
         try:
             decoded = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -330,9 +332,11 @@ class Frontend:
         # enforced by constrained decoding: the engine samples freely and the parser reads it.
         if extra is not None:
             gen = gen.with_namespace_tool_map(extra[0]).with_echo(extra[1])
-        return model, conv, gen
+        return model, conv, gen, extra_sampling(decoded, proto.name)
 
-    def _sampling(self, conv: dr.ConversationRequest, prompt_len: int) -> common_pb2.SamplingParams:
+    def _sampling(
+        self, conv: dr.ConversationRequest, prompt_len: int, extra: dict[str, Any]
+    ) -> common_pb2.SamplingParams:
         io = conv.inference_options
         try:
             max_tokens = conv.resolve_max_tokens(prompt_len, self.cfg.max_context)
@@ -347,7 +351,7 @@ class Frontend:
         sp = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
         if io.seed is not None:
             sp.seed = io.seed
-        return sp
+        return checked(sp, extra)
 
     # -- the request ------------------------------------------------------------------------------
     async def handle(self, request: Request, proto: Protocol) -> Response:
@@ -404,12 +408,12 @@ class Frontend:
         t0: float,
         acct: RequestAccount,
     ) -> Response:
-        model, conv, gen, prompt = await self._prepare(proto, await self._body(request), rid)
+        model, conv, gen, extra, prompt = await self._prepare(proto, await self._body(request), rid)
         agent = (
             bool(conv.conversation.tools)
             or request.headers.get(TRAFFIC_CLASS_HEADER, "").strip().lower() == "agent"
         )
-        sampling = self._sampling(conv, len(prompt))
+        sampling = self._sampling(conv, len(prompt), extra)
         acct.reserve(len(prompt) + sampling.max_tokens)
         gen_req = generate_pb2.GenerateRequest(
             request_id=rid,

@@ -39,10 +39,19 @@ def _serve(engine: Engine, prompts: list[list[int]], sp: SamplingParams) -> dict
     return out
 
 
+# Penalties read the history on the device (the newest token from the step in flight) and
+# min_tokens masks EOS: the same tokens through CUDA graphs and overlap as eagerly.
+PENALIZED = SamplingParams(
+    max_tokens=24, min_tokens=24, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=1
+)
+
+
 @pytest.mark.parametrize("blocks", [512, 24])  # 24 blocks of 16: forces preemption
-def test_kernel_path_gives_reference_tokens_fp32(blocks: int) -> None:
+@pytest.mark.parametrize(
+    "sp", [SamplingParams(max_tokens=24, ignore_eos=True), PENALIZED], ids=["plain", "penalized"]
+)
+def test_kernel_path_gives_reference_tokens_fp32(blocks: int, sp: SamplingParams) -> None:
     loaded = load("tiny", "cuda", torch.float32, seed=1)
-    sp = SamplingParams(max_tokens=24, ignore_eos=True)
     prompts = _prompts(8, loaded.model.cfg.vocab_size)
     outs = {}
     for kernels in ("torch", "triton"):

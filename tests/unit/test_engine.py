@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from libs.common.hashchain import chain_hashes
@@ -442,3 +444,69 @@ def test_signed_frames_import_and_forged_ones_never_do(tiny_loaded) -> None:
     ):
         with pytest.raises(KVIntegrityError):
             dst.add_request(name, p, GREEDY, kv=frames)
+
+
+# -- sampling features: each changes what the caller gets ----------------------------------------
+
+
+def test_min_tokens_holds_back_a_stop_that_greedy_would_emit(tiny_loaded) -> None:
+    p = prompt(12, 60)
+    first = alone(tiny_loaded, p, GREEDY)[0]
+    stop = SamplingParams(max_tokens=10, stop_token_ids=(first,), ignore_eos=True)
+    assert alone(tiny_loaded, p, stop) == [first]
+    held = alone(tiny_loaded, p, dataclasses.replace(stop, min_tokens=3))
+    assert first not in held[:3] and len(held) >= 4
+    engine = make(tiny_loaded)
+    engine.scheduler.eos_token_ids = frozenset({first})  # pretend that token is EOS
+    engine.sampler.eos_token_ids = (first,)
+    out = run(
+        engine,
+        {
+            "eos": (p, SamplingParams(max_tokens=10)),
+            "min": (p, SamplingParams(max_tokens=10, min_tokens=4)),
+            "ign": (p, SamplingParams(max_tokens=6, ignore_eos=True)),
+        },
+    )
+    assert out["eos"] == [first]
+    assert first not in out["min"][:4] and len(out["min"]) >= 5
+    assert len(out["ign"]) == 6 and out["ign"][0] == first  # ignore_eos: exactly max_tokens
+
+
+def test_penalties_steer_greedy_away_from_repeats_in_any_batch(tiny_loaded) -> None:
+    p = prompt(9, 61)
+    plain = alone(tiny_loaded, p, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert len(set(plain)) < len(plain)  # the tiny model repeats itself: something to steer
+    pen = SamplingParams(
+        max_tokens=24, ignore_eos=True, presence_penalty=2.0, frequency_penalty=2.0
+    )
+    got = alone(tiny_loaded, p, pen)
+    assert got != plain
+    assert len(set(got)) > len(set(plain))
+    # The same tokens alone, batched with others, and without overlap (where the newest token
+    # is on the host): the history read from the step in flight is the true one.
+    batched = run(make(tiny_loaded), {"x": (p, pen), **REQS})["x"]
+    sync = alone(tiny_loaded, p, pen, overlap=False)
+    assert got == batched == sync
+    rep_only = SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=5.0)
+    rep = alone(tiny_loaded, p, rep_only)
+    assert rep != plain and len(set(rep)) > len(set(plain))
+
+
+def test_prior_outputs_count_as_output_for_the_penalties(tiny_loaded) -> None:
+    """A decode after prefill gets the first token inside its prompt: with ``prior_outputs``
+    the presence/frequency penalties still see it as output, as one engine does."""
+    p = prompt(9, 61)
+    # Negative: each use of a token raises it by 4, so counting the first token or not shows.
+    pen = SamplingParams(
+        max_tokens=24, ignore_eos=True, presence_penalty=-2.0, frequency_penalty=-2.0
+    )
+    whole = alone(tiny_loaded, p, pen)
+    rest = dataclasses.replace(pen, max_tokens=23)
+    engine = make(tiny_loaded)
+    engine.add_request("d", [*p, whole[0]], rest, prior_outputs=1)
+    out = []
+    while engine.has_unfinished():
+        out += [ev.token_id for ev in engine.step() if ev.token_id is not None]
+    assert out == whole[1:]
+    as_prompt = run(make(tiny_loaded), {"d": ([*p, whole[0]], rest)})["d"]
+    assert as_prompt != out  # counted as prompt, the first token gets no boost

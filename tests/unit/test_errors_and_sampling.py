@@ -42,8 +42,16 @@ def test_proto_round_trip_keeps_every_field() -> None:
         max_tokens=7,
         stop_token_ids=(3, 9),
         ignore_eos=True,
+        min_p=0.125,
+        min_tokens=5,
+        repetition_penalty=1.25,
+        presence_penalty=-0.5,
+        frequency_penalty=1.5,
     )
     assert SamplingParams.from_proto(sp.to_proto()) == sp
+    # A proto byte round trip too: what another process reads is what was sent.
+    wire = common_pb2.SamplingParams.FromString(sp.to_proto().SerializeToString())
+    assert SamplingParams.from_proto(wire) == sp
     unseeded = SamplingParams(max_tokens=3)
     assert not unseeded.to_proto().HasField("seed")
     assert SamplingParams.from_proto(unseeded.to_proto()).seed is None
@@ -55,6 +63,9 @@ def test_from_proto_reads_wire_defaults_and_the_max_tokens_override() -> None:
     assert (sp.top_p, sp.seed, sp.greedy) == (1.0, 0, True)  # top_p 0 on the wire means 1
     assert SamplingParams.from_proto(msg, max_tokens=4).max_tokens == 4
     assert SamplingParams.from_proto(msg).stop_token_ids == ()
+    # An older sender sets none of the newer fields: each means "off".
+    assert (sp.min_p, sp.min_tokens, sp.repetition_penalty) == (0.0, 0, 1.0)
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.uses_penalties) == (0.0, 0.0, False)
 
 
 @pytest.mark.parametrize(
@@ -70,6 +81,15 @@ def test_from_proto_reads_wire_defaults_and_the_max_tokens_override() -> None:
         ({"seed": -3}, "sampling.seed", "got -3"),
         ({"max_tokens": 0}, "sampling.max_tokens", "must be > 0, got 0"),
         ({"stop_token_ids": (4, -1)}, "sampling.stop_token_ids[1]", "token id -1 is negative"),
+        ({"min_p": 1.5}, "sampling.min_p", r"must lie in \[0, 1\]"),
+        ({"min_p": -0.1}, "sampling.min_p", r"got -0\.1"),
+        ({"min_tokens": -1}, "sampling.min_tokens", r"must lie in \[0, max_tokens\]"),
+        ({"min_tokens": 17}, "sampling.min_tokens", r"\[0, 16\], got 17"),
+        ({"repetition_penalty": 0.0}, "sampling.repetition_penalty", "must be a finite number > 0"),
+        ({"repetition_penalty": float("inf")}, "sampling.repetition_penalty", "got inf"),
+        ({"presence_penalty": 2.5}, "sampling.presence_penalty", r"must lie in \[-2, 2\]"),
+        ({"frequency_penalty": -2.1}, "sampling.frequency_penalty", r"got -2\.1"),
+        ({"frequency_penalty": float("nan")}, "sampling.frequency_penalty", "got nan"),
     ],
 )
 def test_each_check_names_its_proto_field(kw: dict[str, Any], field: str, message: str) -> None:
@@ -131,6 +151,20 @@ class _NoLookup:
         (
             common_pb2.SamplingParams(max_tokens=4, stop_token_ids=[-7]),
             "sampling.stop_token_ids[0]",
+        ),
+        (common_pb2.SamplingParams(max_tokens=4, min_tokens=5), "sampling.min_tokens"),
+        (common_pb2.SamplingParams(max_tokens=4, min_p=2.0), "sampling.min_p"),
+        (
+            common_pb2.SamplingParams(max_tokens=4, repetition_penalty=-1.0),
+            "sampling.repetition_penalty",
+        ),
+        (
+            common_pb2.SamplingParams(max_tokens=4, presence_penalty=3.0),
+            "sampling.presence_penalty",
+        ),
+        (
+            common_pb2.SamplingParams(max_tokens=4, frequency_penalty=-3.0),
+            "sampling.frequency_penalty",
         ),
     ],
 )

@@ -305,3 +305,35 @@ async def test_kv_push_to_an_unknown_or_refusing_decode_fails() -> None:
     pusher.register("inproc:d", Refusing())
     with pytest.raises(InstanceFailed, match="draining"):
         await pusher.push("inproc:d", task, b"kv")
+
+
+async def test_sampling_extras_survive_the_prefill_decode_handoff(
+    pipeline: tuple[Any, EntrypointBackend], tiny_loaded: Any
+) -> None:
+    """min_tokens = max_tokens and the penalties mean the same split across prefill and decode
+    as in one engine (decode counts the prefilled first token as output)."""
+    app, backend = pipeline
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "min_tokens": 8,
+        "frequency_penalty": -1.5,  # negative: whether the first token counts shows
+        "presence_penalty": -2.0,
+        "repetition_penalty": 1.2,
+    }
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+        resp = await http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    call = backend.calls[-1]
+    sp = call.request.sampling
+    assert (sp.min_tokens, round(sp.frequency_penalty, 2), round(sp.repetition_penalty, 2)) == (
+        8,
+        -1.5,
+        1.2,
+    )
+    ref = engine_reference(tiny_loaded, call.request)
+    assert len(ref) == 8 and call.token_ids == ref
+    assert resp.json()["usage"]["completion_tokens"] == 8

@@ -762,3 +762,57 @@ def test_one_usage_record_per_accepted_request(
     assert (failed.tenant, failed.route, failed.status) == ("globex", "messages", "error")
     assert failed.completion_tokens == 2  # what was produced before the failure
     assert "k-alpha" not in ok.to_json().decode()
+
+
+def test_extra_sampling_fields_reach_the_backend(
+    oai: openai.OpenAI, claude: anthropic.Anthropic, backend: FakeBackend
+) -> None:
+    oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=20,
+        presence_penalty=0.5,
+        frequency_penalty=-1.5,
+        extra_body={
+            **NO_THINK,
+            "ignore_eos": True,
+            "min_tokens": 8,
+            "top_k": 40,
+            "min_p": 0.1,
+            "repetition_penalty": 1.3,
+            "stop_token_ids": [7, 9],
+        },
+    )
+    sp = backend.requests[-1].sampling
+    got = (sp.ignore_eos, sp.min_tokens, sp.top_k, list(sp.stop_token_ids))
+    assert got == (True, 8, 40, [7, 9])
+    assert [round(x, 3) for x in (sp.min_p, sp.repetition_penalty)] == [0.1, 1.3]
+    assert [round(x, 3) for x in (sp.presence_penalty, sp.frequency_penalty)] == [0.5, -1.5]
+    claude.messages.create(  # this SDK version dropped the top_k argument; the API has it
+        model=MODEL,
+        max_tokens=5,
+        messages=[{"role": "user", "content": "hi"}],
+        extra_body={"top_k": 3},
+    )
+    assert backend.requests[-1].sampling.top_k == 3
+    bad = [
+        {"min_tokens": 30},  # > max_tokens
+        {"repetition_penalty": 0},
+        {"min_p": 1.5},
+        {"top_k": "many"},
+        {"stop_token_ids": [-1]},
+        {"ignore_eos": "yes"},
+    ]
+    for extra in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=20,
+                extra_body=extra,
+            )
+        assert e.value.body["param"] == next(iter(extra)), extra  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], presence_penalty=2.5
+        )

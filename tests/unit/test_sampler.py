@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from libs.common.sampling import SamplingParams
-from libs.engine.sampler import Sampler, position_seed
+from libs.engine.sampler import Sampler, TokenHistory, apply_penalties, position_seed
 
 CPU = torch.device("cpu")
 
@@ -61,6 +61,71 @@ def test_seeded_draw_depends_only_on_seed_and_position() -> None:
     assert position_seed(7, 5) != position_seed(7, 6) != position_seed(8, 5)
 
 
+def test_min_p_keeps_tokens_within_a_factor_of_the_top() -> None:
+    # p_i / p_0 = exp(-0.5 i) >= 0.3 holds for i <= 2.4: tokens 0, 1, 2 survive.
+    got = draws(SamplingParams(temperature=1.0, min_p=0.3, seed=5))
+    assert set(got) == {0, 1, 2}
+    with_top_k = draws(SamplingParams(temperature=1.0, min_p=0.3, top_k=2, seed=5))
+    assert set(with_top_k) == {0, 1}
+
+
+def history(rows, lists, prompt_lens) -> TokenHistory:
+    return TokenHistory.build(rows, lists, prompt_lens, CPU)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits() -> None:
+    x = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    sp = SamplingParams(repetition_penalty=2.0)
+    # Token 0 in the prompt, token 1 in the output: both count (prompt + output).
+    out = apply_penalties(x, [sp], history([0], [[0, 1]], [1]))
+    assert out.tolist() == [[1.0, -2.0, 0.5, 3.0]]
+    assert x.tolist() == [[2.0, -1.0, 0.5, 3.0]]  # out of place: a graph's logits stay
+
+
+def test_presence_and_frequency_penalties_count_the_output_only() -> None:
+    x = torch.zeros(1, 6)
+    sp = SamplingParams(presence_penalty=0.5, frequency_penalty=1.0)
+    # Prompt [5, 3]; output [3, 3, 4]: token 3 twice, token 4 once, token 5 only in the prompt.
+    out = apply_penalties(x, [sp], history([0], [[5, 3, 3, 3, 4]], [2]))
+    assert out.tolist() == [[0.0, 0.0, 0.0, -2.5, -1.5, 0.0]]
+    negative = SamplingParams(presence_penalty=-1.0)  # a negative penalty encourages repeats
+    assert apply_penalties(x, [negative], history([0], [[1, 2]], [1]))[0, 2].item() == 1.0
+
+
+def test_penalties_change_the_greedy_choice_per_row_only() -> None:
+    batch = torch.stack([logits_row(), logits_row(), torch.randn(50)])
+    plain = SamplingParams()
+    pen = SamplingParams(frequency_penalty=2.0)
+    s = Sampler(CPU, seed=0)
+    # Row 1 generated token 0 once: 0 - 2 < -0.5, so token 1 wins; rows 0 and 2 are untouched.
+    got = s.sample(batch, [plain, pen, plain], [3, 3, 3], history=history([1], [[7, 0]], [1]))
+    assert got == [0, 1, int(batch[2].argmax())]
+    with pytest.raises(ValueError, match="history"):
+        s.sample(batch[:1], [pen], [3])
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
+    s = Sampler(CPU, seed=0, eos_token_ids=(0,))
+    x = logits_row()[None]  # greedy picks 0, then 1, then 2
+    sp = SamplingParams(min_tokens=2, stop_token_ids=(1,))
+    assert s.sample(x, [sp], [5], num_generated=[1]) == [2]  # 0 (EOS) and 1 (stop) masked
+    assert s.sample(x, [sp], [6], num_generated=[2]) == [0]  # reached: EOS may come
+    ignoring = SamplingParams(min_tokens=2, ignore_eos=True)  # EOS is no stop: not masked
+    assert s.sample(x, [ignoring], [5], num_generated=[0]) == [0]
+    hot = SamplingParams(temperature=1.0, seed=9, min_tokens=4, stop_token_ids=(1,))
+    drawn = {s.sample(x, [hot], [i], num_generated=[0])[0] for i in range(200)}
+    assert drawn and not drawn & {0, 1}
+
+
+def test_no_feature_path_is_the_plain_argmax_and_race() -> None:
+    x = torch.randn(4, 64)
+    plain = [SamplingParams(), SamplingParams(temperature=0.7, seed=3)] * 2
+    a = Sampler(CPU, seed=0).sample(x, plain, [1, 2, 3, 4])
+    off = [SamplingParams(), SamplingParams(temperature=0.7, seed=3, min_p=0.0)] * 2
+    b = Sampler(CPU, seed=0).sample(x, off, [1, 2, 3, 4], [0] * 4, history([], [], []))
+    assert a == b and a[0] == int(x[0].argmax())
+
+
 @pytest.mark.parametrize(
     "kw",
     [
@@ -72,6 +137,11 @@ def test_seeded_draw_depends_only_on_seed_and_position() -> None:
         dict(seed=-3),
         dict(stop_token_ids=(-1,)),
         dict(temperature=float("nan")),
+        dict(min_p=1.01),
+        dict(min_tokens=20, max_tokens=10),
+        dict(repetition_penalty=0.0),
+        dict(presence_penalty=-2.01),
+        dict(frequency_penalty=2.01),
     ],
 )
 def test_bad_sampling_values_are_refused(kw) -> None:

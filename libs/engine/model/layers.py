@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -358,26 +359,13 @@ class Experts(nn.Module):
         from ..kernels.fp8_gemm import Fp8Weight, fp8_linear
 
         kernel = self.use_kernels and x.is_cuda
-        t, k = idx.shape
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=w13.q.shape[0]).tolist()
-        token_of = order // k
-        w_sorted = weights.reshape(-1)[order]
-        out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows = token_of[start : start + n]
-            xe = x.index_select(0, rows)
+
+        def ffn(xe: torch.Tensor, e: int) -> torch.Tensor:
             a = Fp8Weight(w13.q[e], w13.scale[e])
             gate, up = fp8_linear(xe, a, kernel=kernel).chunk(2, dim=-1)
-            b = Fp8Weight(w2.q[e], w2.scale[e])
-            ye = fp8_linear(F.silu(gate) * up, b, kernel=kernel)
-            out.index_add_(0, rows, ye.to(torch.float32) * w_sorted[start : start + n, None])
-            start += n
-        return out.to(x.dtype)
+            return fp8_linear(F.silu(gate) * up, Fp8Weight(w2.q[e], w2.scale[e]), kernel=kernel)
+
+        return _route_grouped(x, weights, idx, w13.q.shape[0], ffn)
 
     @staticmethod
     def _grouped(
@@ -388,24 +376,39 @@ class Experts(nn.Module):
         w2: torch.Tensor,
     ) -> torch.Tensor:
         """Reference grouped path: tokens sorted by expert, one GEMM pair per expert hit."""
-        t, k = idx.shape
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-        token_of = order // k
-        w_sorted = weights.reshape(-1)[order]
-        out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
-        start = 0
-        for expert, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows = token_of[start : start + n]
-            xe = x.index_select(0, rows)
-            gate, up = F.linear(xe, w13[expert]).chunk(2, dim=-1)
-            ye = F.linear(F.silu(gate) * up, w2[expert])
-            out.index_add_(0, rows, ye.to(torch.float32) * w_sorted[start : start + n, None])
-            start += n
-        return out.to(x.dtype)
+
+        def ffn(xe: torch.Tensor, e: int) -> torch.Tensor:
+            gate, up = F.linear(xe, w13[e]).chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, w2[e])
+
+        return _route_grouped(x, weights, idx, w13.shape[0], ffn)
+
+
+def _route_grouped(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    idx: torch.Tensor,
+    num_experts: int,
+    ffn: Callable[[torch.Tensor, int], torch.Tensor],
+) -> torch.Tensor:
+    """Tokens sorted by expert, ``ffn(rows, expert)`` once per expert hit, its output added
+    back weighted, in fp32, in ascending expert order (the order EP's combine keeps)."""
+    t, k = idx.shape
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    token_of = order // k
+    w_sorted = weights.reshape(-1)[order]
+    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = token_of[start : start + n]
+        ye = ffn(x.index_select(0, rows), expert)
+        out.index_add_(0, rows, ye.to(torch.float32) * w_sorted[start : start + n, None])
+        start += n
+    return out.to(x.dtype)
 
 
 class MoE(nn.Module):

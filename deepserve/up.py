@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import IO, Any, Self
 
 from deepserve import procs
+from libs.common.config import parse_gpu_indices
 from libs.common.grpc_auth import call_metadata
 from libs.common.redact import redact, redact_text
 from libs.engine.tokenizer import model_vocab_size
@@ -334,11 +335,8 @@ def _round_down(x: float) -> float:
 
 def parse_gpus(text: str) -> list[int]:
     """``"0,1"`` -> ``[0, 1]``; ValueError with the flag's name for anything else."""
-    try:
-        gpus = [int(t) for t in text.replace(" ", "").split(",")]
-    except ValueError:
-        gpus = []
-    if not gpus or any(g < 0 for g in gpus):
+    gpus = list(parse_gpu_indices(text, "--gpus"))
+    if not gpus:
         raise ValueError(f"--gpus must list GPU indices such as 0 or 0,1; got {text!r}")
     if len(set(gpus)) != len(gpus):
         raise ValueError(f"--gpus names a GPU twice: {text!r}")

@@ -23,6 +23,20 @@ NATS_SCHEMES = ("nats", "tls", "ws", "wss")
 _SUBJECT_UNSAFE = frozenset(".*> \t\r\n")  # instance ids are NATS subject tokens
 
 
+def parse_gpu_indices(text: str, flag_name: str) -> tuple[int, ...]:
+    """``"0,1"`` -> ``(0, 1)``; blank -> (); ValueError naming ``flag_name`` for a value that
+    is not a non-negative integer."""
+    if not text.strip():
+        return ()
+    try:
+        gpus = tuple(int(t) for t in text.replace(" ", "").split(","))
+    except ValueError:
+        gpus = (-1,)
+    if any(g < 0 for g in gpus):
+        raise ValueError(f"{flag_name} must list GPU indices such as 0 or 0,1; got {text!r}")
+    return gpus
+
+
 def check_port(flag_name: str, port: int) -> None:
     """ValueError naming ``flag_name`` unless ``port`` is a TCP port (0: any free one)."""
     if not 0 <= port < 65536:

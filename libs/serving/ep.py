@@ -32,7 +32,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from libs.common.config import flag
+from libs.common.config import flag, parse_gpu_indices
 
 if TYPE_CHECKING:
     from libs.engine.engine import Engine, EngineConfig
@@ -141,16 +141,6 @@ def rank_instance_id(instance_id: str, rank: int, generation: int = 0) -> str:
     return base if generation == 0 else f"{base}-g{generation}"
 
 
-def parse_gpu_list(text: str) -> tuple[int, ...]:
-    """``"0,1"`` -> ``(0, 1)``; "" -> (); ValueError naming --ep-gpus otherwise."""
-    if not text.strip():
-        return ()
-    try:
-        return tuple(int(t) for t in text.replace(" ", "").split(","))
-    except ValueError:
-        raise ValueError(f"--ep-gpus must list GPU indices such as 0,1; got {text!r}") from None
-
-
 def add_ep_flags(parser: argparse.ArgumentParser, role: str) -> None:
     """``role`` ("decode" or "prefill"): the service's own --eplb default."""
     flag(
@@ -215,7 +205,7 @@ def ep_flags_from(args: argparse.Namespace) -> EPFlags:
         eplb=args.eplb,
         eplb_window=args.eplb_window,
         eplb_every=args.eplb_every,
-        gpus=parse_gpu_list(args.ep_gpus),
+        gpus=parse_gpu_indices(args.ep_gpus, "--ep-gpus"),
     )
 
 

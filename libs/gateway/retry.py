@@ -126,6 +126,13 @@ class Watch:
     def serving(self) -> tuple[str, ...]:
         return (self.decode,) if self.handed_over else (self.prefill, self.decode)
 
+    def blamed(self, index: int) -> tuple[str, ...]:
+        """Whom a retryable error event at ``index`` excludes from the retry. From index 1 on
+        the prefill instance has produced the first token and its KV: what failed is the
+        hand-over to the decode instance or the decode itself, so only decode is avoided (a
+        stack with one prefill instance would otherwise have none left to retry on)."""
+        return (self.decode,) if index >= 1 else self.serving
+
     def saw(self, index: int) -> None:
         if index >= 1:
             self.handed_over = True

@@ -769,7 +769,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
     def _chunk(ev: control_pb2.TokenEvent, rid: str, watch: Watch) -> Chunk:
         if ev.error:
             if ev.retryable:
-                raise AttemptFailed(ev.error, watch.serving)
+                raise AttemptFailed(ev.error, watch.blamed(ev.index))
             raise Internal(f"request {rid} failed: {ev.error}")
         return Chunk(
             ev.index,

@@ -161,6 +161,15 @@ async def test_failure_after_tokens_continues_exactly_with_prompt_plus_sent() ->
     assert list(second.prompt_token_ids) == [1, 2, 3, 7, 8] and second.sampling.max_tokens == 3
 
 
+async def test_a_failed_hand_over_excludes_only_the_decode_instance() -> None:
+    # Prefill pushes the KV after its first token; a push failure arrives as index 1. The only
+    # prefill instance of a small stack must stay eligible, else the retry finds none (503).
+    bus = FlakyBus(["error@1", "ok"])
+    events = await collect(make(bus), req([1, 2, 3], max_tokens=5))
+    assert tokens_of(events) == FULL
+    assert [list(r.exclude) for r in bus.routes] == [[], ["d1"]]
+
+
 async def test_unseeded_sampling_after_tokens_fails_retryably_instead_of_guessing() -> None:
     bus = FlakyBus(["error@2", "ok"])
     r = req([1, 2, 3], max_tokens=5)

@@ -183,10 +183,6 @@ def build_parts(
         kv_token_layer_bytes=per_layer,
     )
     graphs = config.cuda_graphs
-    if model.weight_dtype == "fp8" and graphs and use_kernels and device.type == "cuda":
-        # FP8 routed experts run one GEMM pair per expert hit (counts read on the host).
-        log.info("engine: CUDA graphs off with FP8 weights (per-expert FP8 GEMMs sync)")
-        graphs = False
     if runtime is not None and graphs and use_kernels and device.type == "cuda":
         log.info("engine: CUDA graphs off with expert parallelism (exchange sizes vary per step)")
         graphs = False

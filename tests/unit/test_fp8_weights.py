@@ -52,6 +52,17 @@ def test_activations_get_one_scale_per_token_and_group() -> None:
     assert ((back - x).abs() <= xs.repeat_interleave(128, -1)[:, :260] * 16).all()
 
 
+def test_activation_quantization_kernel_matches_torch() -> None:
+    """The one-launch Triton quantizer (the CUDA path) gives the torch ops' bytes, an all-zero
+    group and a bf16 input included."""
+    x = torch.randn(6, 300, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    x[2, :128] = 0
+    want_q, want_s = quantize_fp8_tokens(x, kernel=False)
+    got_q, got_s = quantize_fp8_tokens(x, kernel=True)
+    assert got_q.dtype == FP8_DTYPE and torch.equal(got_s, want_s) and got_s[2, 0] == 1
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+
+
 @pytest.mark.parametrize(
     "m,n,k,bias", [(1, 64, 128, False), (3, 200, 300, True), (40, 136, 256, False)]
 )
@@ -66,6 +77,38 @@ def test_triton_fp8_gemm_matches_reference(m: int, n: int, k: int, bias: bool) -
     torch.testing.assert_close(fp8_linear(x, w, b, kernel=True), ref, rtol=1e-5, atol=1e-5)
     exact = x @ dequantize_fp8_blocks(w).T + (b if b is not None else 0)
     assert (ref - exact).abs().max() < 0.05 * exact.abs().max()  # activation rounding only
+
+
+@pytest.mark.parametrize(
+    "m,k,config",
+    [
+        (70, 300, None),  # prefill tiles (128x128, grouped sweeps), a ragged K tail
+        (5, 640, {"SPLIT_K": 2}),  # 5 K blocks in runs of 3 and 2
+        (5, 640, {"SPLIT_K": 4}),  # runs of 2: the fourth split holds nothing
+        (33, 384, {"SPLIT_K": 3, "BLOCK_N": 32}),
+    ],
+)
+def test_triton_fp8_gemm_tiles_and_split_k(m: int, k: int, config: dict[str, int] | None) -> None:
+    """Split-K (decode) sums fp32 partials in a fixed order, bias added once."""
+    from libs.engine.kernels.fp8_gemm import _gemm_config, fp8_gemm
+
+    g = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k, generator=g)
+    w = quantize_fp8_blocks(0.05 * torch.randn(200, k, generator=g))
+    b = torch.randn(200, generator=g)
+    cfg = None if config is None else _gemm_config(m, 200, k) | config
+    xq, xs = quantize_fp8_tokens(x)
+    out = fp8_gemm(xq, xs, w, torch.float32, b, config=cfg)
+    torch.testing.assert_close(out, fp8_linear_reference(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_config_splits_k_for_decode_only() -> None:
+    from libs.engine.kernels.fp8_gemm import _gemm_config
+
+    assert _gemm_config(256, 3072, 2048)["SPLIT_K"] == 1
+    small = _gemm_config(1, 576, 2048)  # kv_a_proj at batch 1: 9 tiles of 64 columns
+    assert small["SPLIT_K"] == 16 and 9 * 16 <= 264
+    assert _gemm_config(1, 1408 * 2, 128)["SPLIT_K"] == 1  # one K block: nothing to split
 
 
 def test_fp8_linear_from_linear_and_expert_slices() -> None:

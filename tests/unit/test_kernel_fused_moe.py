@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from libs.engine.config import ModelConfig
+from libs.engine.kernels.fp8_gemm import Fp8Weight, dequantize_fp8_blocks, quantize_fp8_blocks
 from libs.engine.kernels.fused_moe import (
     Fp4Weight,
     _align,
@@ -374,3 +375,76 @@ def test_swap_ab_rejects_block_m_below_16() -> None:
     }
     with pytest.raises(ValueError, match="SWAP_AB"):
         fused_moe(x, w13, w2, weights, ids, config=cfg)
+
+
+# -- FP8 experts (e4m3 weights with 128x128 block scales, FP8 activations) ------------------------
+
+
+def _fp8_case(
+    t: int, k: int, h: int, i: int, seed: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, Fp8Weight, Fp8Weight, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, 2 * i, h, generator=g) / h**0.5
+    w2 = torch.randn(E, h, i, generator=g) / i**0.5
+    x = torch.randn(t, h, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=g) + 0.1
+    return x, quantize_fp8_blocks(w13), quantize_fp8_blocks(w2), weights, ids
+
+
+_FP8_TILES = {"BLOCK_K": 128, "GROUP_M": 2, "num_warps": 4, "num_stages": 2}
+
+
+@pytest.mark.parametrize(
+    ("t", "k", "h", "i", "config"),
+    [
+        (5, 2, 256, 128, None),  # decode default: swap-AB, 16-row tiles
+        (37, 3, 200, 136, None),  # K and I not multiples of 128 (masked tails, partial tiles)
+        (40, 2, 256, 256, {"BLOCK_M": 32, "BLOCK_N": 64} | _FP8_TILES),  # plain tiles
+        (40, 2, 256, 256, {"BLOCK_M": 16, "BLOCK_N": 32, "SWAP_AB": True} | _FP8_TILES),
+    ],
+)
+def test_fused_moe_fp8_matches_reference(
+    t: int, k: int, h: int, i: int, config: dict[str, int] | None
+) -> None:
+    """In fp32 the kernels see exactly the reference's quantized operands (interpreter: e4m3
+    dots on widened operands), so only summation order differs; against unquantized experts
+    the error is FP8's (3 mantissa bits on weights and activations)."""
+    x, q13, q2, weights, ids = _fp8_case(t, k, h, i, seed=t + h)
+    ref = fused_moe_reference(x, q13, q2, weights, ids)
+    out = torch.full((t, h), float("nan"))
+    fused_moe(x, q13, q2, weights, ids, out=out, config=config)
+    assert _rel(out, ref) < 1e-5
+    exact = fused_moe_reference(
+        x, dequantize_fp8_blocks(q13), dequantize_fp8_blocks(q2), weights, ids
+    )
+    assert 1e-3 < _rel(ref, exact) < 0.05  # the activations' quantization is there, and small
+
+
+def test_fused_moe_fp8_bf16_and_the_model_experts() -> None:
+    """bf16 activations: the kernels and the model's reference FP8 experts agree within what
+    bf16 rounding of the intermediate (before its FP8 quantization) moves."""
+    cfg = ModelConfig(
+        n_routed_experts=E,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        hidden_size=256,
+        moe_intermediate_size=128,
+    )
+    x, q13, q2, weights, ids = _fp8_case(9, 2, 256, 128, seed=3, dtype=torch.bfloat16)
+    experts = Experts(cfg, torch.bfloat16, torch.device("cpu"))
+    experts.fp8 = (q13, q2)
+    ref = fused_moe_reference(x, q13, q2, weights, ids)
+    assert _rel(experts(x, weights, ids), ref) < 0.02
+    experts.use_kernels = True
+    assert _rel(experts(x, weights, ids), ref) < 0.04
+
+
+def test_fused_moe_fp8_rejects_mixed_weights_and_bad_block_k() -> None:
+    x, q13, q2, weights, ids = _fp8_case(5, 2, 128, 128, seed=4)
+    with pytest.raises(ValueError, match="both"):
+        fused_moe(x, q13, dequantize_fp8_blocks(q2), weights, ids)
+    cfg = default_config(5, 2, E, 256, 128, fp4=False, fp8=True) | {"BLOCK_K": 64}
+    with pytest.raises(ValueError, match="BLOCK_K == 128"):
+        fused_moe(x, q13, q2, weights, ids, config=cfg)

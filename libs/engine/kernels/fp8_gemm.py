@@ -39,6 +39,11 @@ class Fp8Weight:
     scale: torch.Tensor  # float32 [..., ceil(N/128), ceil(K/128)]
 
     @property
+    def shape(self) -> torch.Size:
+        """The shape of the weight this encodes."""
+        return self.q.shape
+
+    @property
     def nbytes(self) -> int:
         return self.q.nbytes + self.scale.nbytes
 
@@ -74,9 +79,16 @@ def dequantize_fp8_blocks(w: Fp8Weight, dtype: torch.dtype = torch.float32) -> t
     return (w.q.to(torch.float32) * _expand(w.scale.to(torch.float32), n, k)).to(dtype)
 
 
-def quantize_fp8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_tokens(
+    x: torch.Tensor, kernel: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` to ``(e4m3 [M, K], fp32 scales [M, ceil(K/128)])``, one per token and
-    128-channel group (``amax / 448``; an all-zero group gets scale 1)."""
+    128-channel group (``amax / 448``; an all-zero group gets scale 1). ``kernel``: one Triton
+    launch (None: on CUDA) instead of the plain PyTorch ops; the same numbers."""
+    if kernel is None:
+        kernel = x.is_cuda
+    if kernel:
+        return _quantize_tokens_triton(x)
     m, k = x.shape
     kb = _blocks(k)
     pad = kb * FP8_BLOCK - k
@@ -90,6 +102,40 @@ def quantize_fp8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(m, kb * FP8_BLOCK)[:, :k], scale
 
 
+@triton.jit
+def _quantize_tokens_kernel(  # type: ignore[no-untyped-def]
+    x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm
+):
+    """Program (row, group): one 128-channel group of one row to e4m3 and its scale. The
+    division and the round-to-nearest-even cast (the hardware's) match
+    :func:`quantize_fp8_tokens`' torch ops. ``q_ptr`` may be fp32: the values before the cast
+    (the interpreter's own e4m3 cast rounds wrongly, so there the host casts)."""
+    row = tl.program_id(0).to(tl.int64)
+    kb = tl.program_id(1)
+    offs = kb * 128 + tl.arange(0, 128)
+    ok = offs < K
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=0)
+    scale = tl.where(amax > 0, amax / 448.0, 1.0)
+    q = tl.clamp(x / scale, -448.0, 448.0)
+    tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + row * stride_sm + kb, scale)
+
+
+def _quantize_tokens_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    kb = _blocks(k)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    q = torch.empty(m, k, dtype=torch.float32 if _INTERPRET else FP8_DTYPE, device=x.device)
+    scale = torch.empty(m, kb, dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_tokens_kernel[(m, kb)](
+            x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0), num_warps=1
+        )
+    return (q.to(FP8_DTYPE) if _INTERPRET else q), scale
+
+
 def fp8_linear_reference(
     x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -97,7 +143,7 @@ def fp8_linear_reference(
     to fp32, the product cast to ``x.dtype``. ``x [..., K]``."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    xq, xs = quantize_fp8_tokens(x2)
+    xq, xs = quantize_fp8_tokens(x2, kernel=False)
     xd = xq.to(torch.float32) * xs.repeat_interleave(FP8_BLOCK, -1)[:, : xq.shape[1]]
     out = xd @ dequantize_fp8_blocks(w).T
     if bias is not None:
@@ -111,7 +157,7 @@ def _fp8_gemm_kernel(  # type: ignore[no-untyped-def]
     as_ptr,  # fp32 [M, KB]
     b_ptr,  # e4m3 [N, K]
     bs_ptr,  # fp32 [NB, KB]
-    c_ptr,  # out [M, N]
+    c_ptr,  # out [M, N], or fp32 partial sums [SPLIT_K, M, N]
     bias_ptr,
     M,
     N,
@@ -121,26 +167,41 @@ def _fp8_gemm_kernel(  # type: ignore[no-untyped-def]
     stride_bn,
     stride_bsn,
     stride_cm,
+    stride_cs,
     HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile of ``C``; BLOCK_K == 128 and BLOCK_N divides 128, so each
-    K step meets one weight scale (a scalar) and one activation scale per row."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    """One [BLOCK_M, BLOCK_N] tile of ``C`` over one of ``SPLIT_K`` runs of K blocks;
+    BLOCK_K == 128 and BLOCK_N divides 128, so each K step meets one weight scale (a scalar)
+    and one activation scale per row. Tiles go in GROUP_M-row sweeps (L2 reuse of B). With
+    SPLIT_K > 1 each split stores its fp32 partial sum (:func:`_fp8_split_reduce` adds them)."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
     nb = (pid_n * BLOCK_N) // 128
+    KB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    PER_SPLIT: tl.constexpr = (KB + SPLIT_K - 1) // SPLIT_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    for i in range(0, PER_SPLIT):
+        kb = split * PER_SPLIT + i
         k = kb * BLOCK_K + rk
-        k_ok = k < K
+        k_ok = k < K  # also false for a last split's blocks past KB
         a = tl.load(
             a_ptr + rm[:, None] * stride_am + k[None, :],
             mask=m_ok[:, None] & k_ok[None, :],
@@ -155,18 +216,75 @@ def _fp8_gemm_kernel(  # type: ignore[no-untyped-def]
             part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
             part = tl.dot(a, b)
-        a_s = tl.load(as_ptr + rm * stride_asm + kb, mask=m_ok, other=0.0)
-        b_s = tl.load(bs_ptr + nb * stride_bsn + kb)
+        in_k = kb < KB
+        a_s = tl.load(as_ptr + rm * stride_asm + kb, mask=m_ok & in_k, other=0.0)
+        b_s = tl.load(bs_ptr + nb * stride_bsn + kb, mask=in_k, other=0.0)
         acc += part * (a_s[:, None] * b_s)
+    c = c_ptr + split * stride_cs + rm[:, None] * stride_cm + rn[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        tl.store(c, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _fp8_split_reduce(  # type: ignore[no-untyped-def]
+    part_ptr,
+    bias_ptr,
+    c_ptr,
+    MN,
+    N,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """``c = sum_s part[s] (+ bias)`` in a fixed order (reproducible), cast to c's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    c = c_ptr + rm[:, None] * stride_cm + rn[None, :]
-    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        acc += tl.load(bias_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=ok)
 
 
-def _block_m(m: int) -> int:
-    """Decode batches (a few rows) take 16-row tiles, prefill 64."""
-    return 16 if m <= 16 else 32 if m <= 32 else 64
+# Programs that keep every SM of an H200 (132) streaming weights for small-M (decode) GEMMs.
+_TARGET_PROGRAMS = 264
+
+
+def _gemm_config(m: int, n: int, k: int) -> dict[str, int]:
+    """Tiles for ``[m, k] @ [n, k]^T``. Prefill-sized M: 128x128 tiles, 8 warps, 4 stages (e4m3
+    tiles are 16 KB), grouped sweeps. Decode-sized M is bound by weight bandwidth: 16-64-row
+    tiles, and K split (in whole 128-blocks) until about two programs per SM stream weights."""
+    if m > 64:
+        return {
+            "BLOCK_M": 128,
+            "BLOCK_N": 128,
+            "GROUP_M": 8,
+            "SPLIT_K": 1,
+            "num_warps": 8,
+            "num_stages": 4,
+        }
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    tiles = -(-m // block_m) * -(-n // 64)
+    kb = _blocks(k)
+    split = 1
+    while tiles * split * 2 <= _TARGET_PROGRAMS and split * 2 <= kb:
+        split *= 2
+    # Even runs of K blocks: a split that would hold none is not launched.
+    while split > 1 and -(-kb // split) * (split - 1) >= kb:
+        split //= 2
+    return {
+        "BLOCK_M": block_m,
+        "BLOCK_N": 64,
+        "GROUP_M": 1,
+        "SPLIT_K": split,
+        "num_warps": 4,
+        "num_stages": 3,
+    }
 
 
 def fp8_gemm(
@@ -175,9 +293,11 @@ def fp8_gemm(
     w: Fp8Weight,
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Launcher: ``(xq * xs) @ (w.q * w.scale).T`` for quantized ``xq [M, K]``, ``xs [M, KB]``
-    and a 2-D ``w`` (``[N, K]``); fp32 accumulation, ``out_dtype`` result ``[M, N]``."""
+    and a 2-D ``w`` (``[N, K]``); fp32 accumulation, ``out_dtype`` result ``[M, N]``.
+    ``config``: :func:`_gemm_config`'s keys (tests force split-K and tile shapes)."""
     m, k = xq.shape
     n = w.q.shape[0]
     if w.q.shape[1] != k or xq.stride(-1) != 1 or w.q.stride(-1) != 1:
@@ -185,16 +305,20 @@ def fp8_gemm(
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0:
         return out
-    block_m, block_n = _block_m(m), 64 if m <= 64 else 128
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    cfg = config or _gemm_config(m, n, k)
+    block_m, block_n, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["SPLIT_K"]
+    if FP8_BLOCK % block_n:
+        raise ValueError(f"fp8_gemm: BLOCK_N must divide {FP8_BLOCK}, got {block_n}")
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), split)
     xs = xs.contiguous()
     scale = w.scale.contiguous()
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=xq.device)
     _fp8_gemm_kernel[grid](
         xq,
         xs,
         w.q,
         scale,
-        out,
+        target,
         bias if bias is not None else out,
         m,
         n,
@@ -203,15 +327,31 @@ def fp8_gemm(
         xs.stride(0),
         w.q.stride(0),
         scale.stride(0),
-        out.stride(0),
+        target.stride(-2),
+        m * n,
         HAS_BIAS=bias is not None,
         UPCAST=_INTERPRET,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=FP8_BLOCK,
-        num_warps=4,
-        num_stages=3,
+        GROUP_M=cfg["GROUP_M"],
+        SPLIT_K=split,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
+    if split > 1:
+        block = 1024
+        _fp8_split_reduce[(triton.cdiv(m * n, block),)](
+            target,
+            bias if bias is not None else out,
+            out,
+            m * n,
+            n,
+            HAS_BIAS=bias is not None,
+            SPLIT_K=split,
+            BLOCK=block,
+            num_warps=4,
+        )
     return out
 
 
@@ -225,5 +365,5 @@ def fp8_linear(
     if not kernel:
         return fp8_linear_reference(x, w, bias)
     lead = x.shape[:-1]
-    xq, xs = quantize_fp8_tokens(x.reshape(-1, x.shape[-1]))
+    xq, xs = quantize_fp8_tokens(x.reshape(-1, x.shape[-1]), kernel=True)
     return fp8_gemm(xq.contiguous(), xs, w, x.dtype, bias).view(*lead, -1)

@@ -1,4 +1,5 @@
-"""Fused MoE for the routed experts in Triton: bf16 weights, or FP4 (e2m1) with block scales.
+"""Fused MoE for the routed experts in Triton: bf16 weights, FP4 (e2m1) with block scales, or
+FP8 (e4m3, DeepSeek's 128x128 block scales, :mod:`.fp8_gemm`) with FP8 activations.
 
 Pipeline (no host synchronisation anywhere, so it can be captured in a CUDA graph):
 
@@ -47,6 +48,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from .fp8_gemm import FP8_BLOCK, Fp8Weight, dequantize_fp8_blocks, quantize_fp8_tokens
 
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Midpoints between consecutive e2m1 magnitudes: bucketize gives the magnitude code directly.
@@ -119,29 +122,43 @@ def dequantize_fp4(q: Fp4Weight, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def _expert_weight(w: torch.Tensor | Fp4Weight, e: int) -> torch.Tensor:
-    """Expert ``e`` of ``w`` in fp32 (FP4 decoded)."""
+def _expert_weight(w: torch.Tensor | Fp4Weight | Fp8Weight, e: int) -> torch.Tensor:
+    """Expert ``e`` of ``w`` in fp32 (FP4/FP8 decoded)."""
     if isinstance(w, Fp4Weight):
         one = Fp4Weight(w.packed[e : e + 1], w.scales[e : e + 1])
         return dequantize_fp4(one, torch.float32)[0]
+    if isinstance(w, Fp8Weight):
+        return dequantize_fp8_blocks(Fp8Weight(w.q[e], w.scale[e]))
     return w[e].to(torch.float32)
+
+
+def _fp8_activations(a: torch.Tensor) -> torch.Tensor:
+    """``a`` as the FP8 kernels see it: quantized per row and 128 channels, back in fp32."""
+    q, scale = quantize_fp8_tokens(a, kernel=False)
+    return q.to(torch.float32) * scale.repeat_interleave(FP8_BLOCK, -1)[:, : a.shape[1]]
 
 
 def fused_moe_reference(
     x: torch.Tensor,
-    w13: torch.Tensor | Fp4Weight,
-    w2: torch.Tensor | Fp4Weight,
+    w13: torch.Tensor | Fp4Weight | Fp8Weight,
+    w2: torch.Tensor | Fp4Weight | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """Plain-PyTorch routed experts in fp32 (FP4 weights decoded one expert at a time)."""
+    """Plain-PyTorch routed experts in fp32 (FP4/FP8 weights decoded one expert at a time; with
+    FP8 the activations are quantized as :func:`fused_moe` does, ``silu(gate) * up`` after a
+    round trip through ``x.dtype``)."""
     t, k = topk_ids.shape
-    xf = x.to(torch.float32)
+    fp8 = isinstance(w13, Fp8Weight)
+    xf = _fp8_activations(x) if fp8 else x.to(torch.float32)
     out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids).tolist():
         tokens, slots = torch.nonzero(topk_ids == e, as_tuple=True)
         gate, up = F.linear(xf[tokens], _expert_weight(w13, e)).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, _expert_weight(w2, e))
+        h = F.silu(gate) * up
+        if fp8:
+            h = _fp8_activations(h.to(x.dtype))
+        y = F.linear(h, _expert_weight(w2, e))
         out.index_add_(0, tokens, y * topk_weights[tokens, slots].to(torch.float32)[:, None])
     return out.to(x.dtype)
 
@@ -154,7 +171,9 @@ def _pow2_at_least(v: float) -> int:
     return p
 
 
-def default_config(t: int, k: int, e: int, n: int, kdim: int, fp4: bool) -> dict[str, int]:
+def default_config(
+    t: int, k: int, e: int, n: int, kdim: int, fp4: bool, fp8: bool = False
+) -> dict[str, int]:
     """Launch config for ``T`` tokens, top-``k`` of ``E`` experts; ``n``/``kdim`` are w13's
     ``2I``/``H``. Decode (few rows per expert) uses an M-block covering an expert's rows with
     50% headroom for routing imbalance, so each hit expert's weights stream about once;
@@ -162,6 +181,27 @@ def default_config(t: int, k: int, e: int, n: int, kdim: int, fp4: bool) -> dict
     M-block's activation rows (``BLOCK_M * K * 2`` bytes, from L2) for only ``BLOCK_N * K / 2``
     weight bytes, so 64-wide tiles would move more activation than weight bytes."""
     rows_per_expert = t * k / e
+    if fp8:
+        # FP8 steps K by its 128-wide scale tiles; e4m3 tiles are half the bytes of bf16 ones,
+        # so prefill keeps 128x128 tiles with a deeper pipeline. Decode as for bf16.
+        if rows_per_expert >= 96:
+            return {
+                "BLOCK_M": 128,
+                "BLOCK_N": 128,
+                "BLOCK_K": FP8_BLOCK,
+                "GROUP_M": 8,
+                "num_warps": 8,
+                "num_stages": 4,
+            }
+        return {
+            "BLOCK_M": 16 if rows_per_expert <= 12 else 32,
+            "BLOCK_N": 64,
+            "BLOCK_K": FP8_BLOCK,
+            "GROUP_M": 1,
+            "num_warps": 4,
+            "num_stages": 4,
+            "SWAP_AB": True,
+        }
     if rows_per_expert >= 96:
         return {
             "BLOCK_M": 128,
@@ -246,15 +286,26 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):  # type: ign
 
 
 @triton.jit
+def _dot8(a, b, UPCAST: tl.constexpr):  # type: ignore[no-untyped-def]
+    """``a @ b`` of e4m3 tiles in fp32 (Hopper's FP8 tensor cores; the interpreter has no e4m3
+    dot, so there the operands are widened to fp32 first: exact products)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _matmul_rows(
     acc,
     a_rows,
+    as_rows,
     a_ok,
     w_rows,
     s_rows,
     n_ok,  # type: ignore[no-untyped-def]
     K: tl.constexpr,
     FP4: tl.constexpr,
+    FP8: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -263,9 +314,31 @@ def _matmul_rows(
     """``acc[BM, BN] += A[a_rows, :K] @ W[w_rows, :K]^T``.
 
     ``a_rows``/``w_rows`` are per-row base pointers (last dim contiguous); for FP4, ``w_rows``
-    points at packed bytes and ``s_rows`` at the rows' scales.
+    points at packed bytes and ``s_rows`` at the rows' scales. For FP8 (BLOCK_K == 128) both
+    operands are e4m3: ``as_rows`` points at each activation row's per-128-channel scales and
+    ``s_rows`` at each weight row's 128x128-tile scales (its tile row); every 128-wide K step is
+    one fresh e4m3 dot, scaled and added to ``acc`` in fp32.
     """
-    if FP4:
+    if FP8:
+        offs_k = tl.arange(0, BLOCK_K)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            kk = kb * BLOCK_K + offs_k
+            if EVEN_K:
+                a = tl.load(a_rows[:, None] + kk[None, :], mask=a_ok[:, None], other=0.0)
+                b = tl.load(w_rows[None, :] + kk[:, None], mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = kk < K
+                a = tl.load(
+                    a_rows[:, None] + kk[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0
+                )
+                b = tl.load(
+                    w_rows[None, :] + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
+                )
+            part = _dot8(a, b, UPCAST)
+            a_s = tl.load(as_rows + kb, mask=a_ok, other=0.0)
+            w_s = tl.load(s_rows + kb, mask=n_ok, other=0.0)
+            acc += part * (a_s[:, None] * w_s[None, :])
+    elif FP4:
         j = tl.arange(0, 32)
         # Step over packed bytes (32 per 64-wide group) so offsets keep their divisibility.
         for kp in range(0, K // 2, BLOCK_K // 2):
@@ -316,12 +389,14 @@ def _matmul_rows(
 def _matmul_rows_t(
     acc,
     a_rows,
+    as_rows,
     a_ok,
     w_rows,
     s_rows,
     n_ok,  # type: ignore[no-untyped-def]
     K: tl.constexpr,
     FP4: tl.constexpr,
+    FP8: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -332,7 +407,26 @@ def _matmul_rows_t(
     The (decoded) weight tile is the A operand of ``tl.dot`` (which Hopper's wgmma can take from
     registers) and the gathered activation rows, loaded K-major as ``[BK, BM]``, the B operand.
     """
-    if FP4:
+    if FP8:
+        offs_k = tl.arange(0, BLOCK_K)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            kk = kb * BLOCK_K + offs_k
+            if EVEN_K:
+                a = tl.load(a_rows[None, :] + kk[:, None], mask=a_ok[None, :], other=0.0)
+                w = tl.load(w_rows[:, None] + kk[None, :], mask=n_ok[:, None], other=0.0)
+            else:
+                k_ok = kk < K
+                a = tl.load(
+                    a_rows[None, :] + kk[:, None], mask=a_ok[None, :] & k_ok[:, None], other=0.0
+                )
+                w = tl.load(
+                    w_rows[:, None] + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
+                )
+            part = _dot8(w, a, UPCAST)
+            a_s = tl.load(as_rows + kb, mask=a_ok, other=0.0)
+            w_s = tl.load(s_rows + kb, mask=n_ok, other=0.0)
+            acc += part * (w_s[:, None] * a_s[None, :])
+    elif FP4:
         j = tl.arange(0, 32)
         for kp in range(0, K // 2, BLOCK_K // 2):
             for g in tl.static_range(BLOCK_K // 64):
@@ -381,6 +475,7 @@ def _matmul_rows_t(
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
 def _gate_up_kernel(
     x_ptr,
+    xs_ptr,
     w_ptr,
     s_ptr,
     inter_ptr,
@@ -392,6 +487,7 @@ def _gate_up_kernel(
     I,  # noqa: E741 - the intermediate size, as the other kernels name it
     num_pid_m,
     stride_xm,
+    stride_xsm,
     stride_we,
     stride_wn,
     stride_se,
@@ -399,6 +495,7 @@ def _gate_up_kernel(
     stride_im,
     K: tl.constexpr,
     FP4: tl.constexpr,
+    FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -423,18 +520,22 @@ def _gate_up_kernel(
     n = pid_n * HALF_N + (c % HALF_N)
     n_ok = n < I
     w_n = n + (c // HALF_N) * I
+    # A weight row's scales: per row (FP4) or per 128-row tile (FP8).
+    s_n = w_n // 128 if FP8 else w_n
     offs_n = pid_n * HALF_N + tl.arange(0, HALF_N)
     if SWAP_AB:  # acc^T: rows 0..HALF_N-1 gate rows n, the rest up rows I + n
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_t = _matmul_rows_t(
             acc_t,
             x_ptr + tokens * stride_xm,
+            xs_ptr + tokens * stride_xsm,
             row_ok,
             w_ptr + expert * stride_we + w_n.to(tl.int64) * stride_wn,
-            s_ptr + expert * stride_se + w_n.to(tl.int64) * stride_sn,
+            s_ptr + expert * stride_se + s_n.to(tl.int64) * stride_sn,
             n_ok,
             K,
             FP4,
+            FP8,
             BLOCK_K,
             EVEN_K,
             PRECISION,
@@ -449,12 +550,14 @@ def _gate_up_kernel(
         acc = _matmul_rows(
             acc,
             x_ptr + tokens * stride_xm,
+            xs_ptr + tokens * stride_xsm,
             row_ok,
             w_ptr + expert * stride_we + w_n.to(tl.int64) * stride_wn,
-            s_ptr + expert * stride_se + w_n.to(tl.int64) * stride_sn,
+            s_ptr + expert * stride_se + s_n.to(tl.int64) * stride_sn,
             n_ok,
             K,
             FP4,
+            FP8,
             BLOCK_K,
             EVEN_K,
             PRECISION,
@@ -469,6 +572,7 @@ def _gate_up_kernel(
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
 def _down_kernel(
     inter_ptr,
+    is_ptr,
     w_ptr,
     s_ptr,
     out_ptr,
@@ -480,6 +584,7 @@ def _down_kernel(
     H,
     num_pid_m,
     stride_im,
+    stride_ism,
     stride_we,
     stride_wn,
     stride_se,
@@ -487,6 +592,7 @@ def _down_kernel(
     stride_om,
     K: tl.constexpr,
     FP4: tl.constexpr,
+    FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -506,18 +612,21 @@ def _down_kernel(
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
+    s_n = offs_n // 128 if FP8 else offs_n
     weight = tl.load(topk_w_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)
     if SWAP_AB:  # acc^T [BLOCK_N, BLOCK_M]: weight rows x pair columns
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_t = _matmul_rows_t(
             acc_t,
             inter_ptr + offs_m.to(tl.int64) * stride_im,
+            is_ptr + offs_m.to(tl.int64) * stride_ism,
             row_ok,
             w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn,
-            s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn,
+            s_ptr + expert * stride_se + s_n.to(tl.int64) * stride_sn,
             n_ok,
             K,
             FP4,
+            FP8,
             BLOCK_K,
             EVEN_K,
             PRECISION,
@@ -531,12 +640,14 @@ def _down_kernel(
         acc = _matmul_rows(
             acc,
             inter_ptr + offs_m.to(tl.int64) * stride_im,
+            is_ptr + offs_m.to(tl.int64) * stride_ism,
             row_ok,
             w_ptr + expert * stride_we + offs_n.to(tl.int64) * stride_wn,
-            s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn,
+            s_ptr + expert * stride_se + s_n.to(tl.int64) * stride_sn,
             n_ok,
             K,
             FP4,
+            FP8,
             BLOCK_K,
             EVEN_K,
             PRECISION,
@@ -679,21 +790,25 @@ def _align(
     return sorted_ids, expert_ids, padded_end[-1:], num_blocks
 
 
-def _operands(w: torch.Tensor | Fp4Weight) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(weight or packed codes, scales or a dummy, is_fp4)."""
+def _operands(w: torch.Tensor | Fp4Weight | Fp8Weight) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(weight, FP4 codes or e4m3 values; scales or a dummy; "bf16" | "fp4" | "fp8")."""
     if isinstance(w, Fp4Weight):
         if w.packed.stride(-1) != 1 or w.scales.stride(-1) != 1:
             raise ValueError("Fp4Weight tensors must be contiguous along K")
-        return w.packed, w.scales, True
+        return w.packed, w.scales, "fp4"
+    if isinstance(w, Fp8Weight):
+        if w.q.stride(-1) != 1 or w.scale.stride(-1) != 1 or w.q.dim() != 3:
+            raise ValueError("Fp8Weight expert tensors must be [E, N, K], contiguous along K")
+        return w.q, w.scale, "fp8"
     if w.stride(-1) != 1:
         raise ValueError("expert weights must be contiguous along K")
-    return w, w, False
+    return w, w, "bf16"
 
 
 def fused_moe(
     x: torch.Tensor,
-    w13: torch.Tensor | Fp4Weight,
-    w2: torch.Tensor | Fp4Weight,
+    w13: torch.Tensor | Fp4Weight | Fp8Weight,
+    w2: torch.Tensor | Fp4Weight | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
@@ -702,17 +817,20 @@ def fused_moe(
 ) -> torch.Tensor:
     """Routed experts: ``sum_j w[t,j] * (silu(x Wg^T) * (x Wu^T)) W2^T`` of expert ``ids[t,j]``.
 
-    ``x [T, H]`` (bf16/fp32), ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` (tensors or :class:`Fp4Weight`),
-    ``topk_weights [T, k]`` fp32, ``topk_ids [T, k]`` int. Returns ``[T, H]`` in ``x.dtype``
-    (written into ``out`` when given). No host synchronisation.
+    ``x [T, H]`` (bf16/fp32), ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` (tensors, :class:`Fp4Weight`
+    or, both or neither, :class:`Fp8Weight`), ``topk_weights [T, k]`` fp32, ``topk_ids [T, k]``
+    int. Returns ``[T, H]`` in ``x.dtype`` (written into ``out`` when given). No host
+    synchronisation. With FP8 weights the activations are quantized as DeepSeek's FP8 inference
+    does (per token and 128 channels, :func:`quantize_fp8_tokens`): ``x`` before kernel 1, the
+    ``silu(gate) * up`` rows (kept in ``x.dtype``) before kernel 2.
 
     ``config`` (default :func:`default_config`) sets ``BLOCK_M`` (rows per M-block, also the
     alignment padding), ``BLOCK_N`` (GEMM tile width; in kernel 1 it holds ``BLOCK_N/2`` gate and
-    ``BLOCK_N/2`` up columns), ``BLOCK_K`` (a multiple of 64 for FP4), ``GROUP_M`` (M-blocks per
-    grouped sweep over N), ``num_warps``, ``num_stages``, and optionally ``SWAP_AB`` (default
-    False; needs ``BLOCK_M >= 16``): compute each tile transposed, ``W_tile @ X_tile^T``, so the
-    (decoded) weights are ``tl.dot``'s A operand, for decode where an expert has few rows;
-    both kernels use the same values.
+    ``BLOCK_N/2`` up columns), ``BLOCK_K`` (a multiple of 64 for FP4, 128 for FP8), ``GROUP_M``
+    (M-blocks per grouped sweep over N), ``num_warps``, ``num_stages``, and optionally
+    ``SWAP_AB`` (default False; needs ``BLOCK_M >= 16``): compute each tile transposed,
+    ``W_tile @ X_tile^T``, so the (decoded) weights are ``tl.dot``'s A operand, for decode where
+    an expert has few rows; both kernels use the same values.
     """
     t, hidden = x.shape
     k = topk_ids.shape[1]
@@ -735,12 +853,18 @@ def fused_moe(
         out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     if t == 0:
         return out
-    w13_t, s13, fp4_13 = _operands(w13)
-    w2_t, s2, fp4_2 = _operands(w2)
-    cfg = config or default_config(t, k, e, two_i, hidden, fp4_13 or fp4_2)
+    w13_t, s13, kind13 = _operands(w13)
+    w2_t, s2, kind2 = _operands(w2)
+    fp8 = kind13 == "fp8"
+    if fp8 != (kind2 == "fp8"):
+        raise ValueError("FP8 experts need both w13 and w2 as Fp8Weight")
+    fp4 = "fp4" in (kind13, kind2)
+    cfg = config or default_config(t, k, e, two_i, hidden, fp4, fp8)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    if (fp4_13 or fp4_2) and bk % _FP4_GROUP:
+    if fp4 and bk % _FP4_GROUP:
         raise ValueError(f"FP4 weights need BLOCK_K to be a multiple of {_FP4_GROUP}, got {bk}")
+    if fp8 and bk != FP8_BLOCK:
+        raise ValueError(f"FP8 weights need BLOCK_K == {FP8_BLOCK} (their scale tile), got {bk}")
     x = x.contiguous()
     sorted_ids, expert_ids, total, num_pid_m = _align(topk_ids, e, bm)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
@@ -754,10 +878,15 @@ def fused_moe(
         "UPCAST": _INTERPRET,
         "SWAP_AB": swap,
     }
+    if fp8:
+        xa, xs = quantize_fp8_tokens(x, kernel=True)
+    else:
+        xa, xs = x, x
     inter = torch.empty(num_pid_m * bm, inter_dim, dtype=x.dtype, device=x.device)
     grid1 = (num_pid_m * triton.cdiv(inter_dim, bn // 2),)
     _gate_up_kernel[grid1](
-        x,
+        xa,
+        xs,
         w13_t,
         s13,
         inter,
@@ -768,14 +897,16 @@ def fused_moe(
         k,
         inter_dim,
         num_pid_m,
-        x.stride(0),
+        xa.stride(0),
+        xs.stride(0),
         w13_t.stride(0),
         w13_t.stride(1),
         s13.stride(0),
         s13.stride(1),
         inter.stride(0),
         K=hidden,
-        FP4=fp4_13,
+        FP4=kind13 == "fp4",
+        FP8=fp8,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
@@ -783,10 +914,15 @@ def fused_moe(
         EVEN_K=hidden % bk == 0,
         **launch,
     )
+    if fp8:
+        ia, i_s = quantize_fp8_tokens(inter, kernel=True)
+    else:
+        ia, i_s = inter, inter
     pair_out = torch.empty(t * k, hidden, dtype=x.dtype, device=x.device)
     grid2 = (num_pid_m * triton.cdiv(hidden, bn),)
     _down_kernel[grid2](
-        inter,
+        ia,
+        i_s,
         w2_t,
         s2,
         pair_out,
@@ -797,14 +933,16 @@ def fused_moe(
         t * k,
         hidden,
         num_pid_m,
-        inter.stride(0),
+        ia.stride(0),
+        i_s.stride(0),
         w2_t.stride(0),
         w2_t.stride(1),
         s2.stride(0),
         s2.stride(1),
         pair_out.stride(0),
         K=inter_dim,
-        FP4=fp4_2,
+        FP4=kind2 == "fp4",
+        FP8=fp8,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,

@@ -326,14 +326,20 @@ class Experts(nn.Module):
         self.slots = slots
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        if self.fp8 is not None:
-            return self._grouped_fp8(x, weights, idx, self.fp8[0], self.fp8[1])
         if self.use_kernels:
             from ..kernels.fused_moe import fused_moe
 
-            w13, w2 = self.fp4 if self.fp4 is not None else (self.w13, self.w2)
+            w13, w2 = (
+                self.fp8
+                if self.fp8 is not None
+                else self.fp4
+                if self.fp4 is not None
+                else (self.w13, self.w2)
+            )
             out: torch.Tensor = fused_moe(x, w13, w2, weights, idx)
             return out
+        if self.fp8 is not None:
+            return self._grouped_fp8(x, weights, idx, self.fp8[0], self.fp8[1])
         if self.fp4 is not None:
             from ..kernels.fused_moe import dequantize_fp4
 
@@ -354,16 +360,14 @@ class Experts(nn.Module):
         w13: Fp8Weight,
         w2: Fp8Weight,
     ) -> torch.Tensor:
-        """The grouped path with one block-scaled FP8 GEMM pair per expert hit (the Triton
-        GEMM with kernels on CUDA). Reads the per-expert counts on the host: not graph-safe."""
+        """Reference FP8 experts (no kernels): one block-scaled FP8 linear pair per expert
+        hit in plain PyTorch, activations quantized as the fused kernels do."""
         from ..kernels.fp8_gemm import Fp8Weight, fp8_linear
-
-        kernel = self.use_kernels and x.is_cuda
 
         def ffn(xe: torch.Tensor, e: int) -> torch.Tensor:
             a = Fp8Weight(w13.q[e], w13.scale[e])
-            gate, up = fp8_linear(xe, a, kernel=kernel).chunk(2, dim=-1)
-            return fp8_linear(F.silu(gate) * up, Fp8Weight(w2.q[e], w2.scale[e]), kernel=kernel)
+            gate, up = fp8_linear(xe, a, kernel=False).chunk(2, dim=-1)
+            return fp8_linear(F.silu(gate) * up, Fp8Weight(w2.q[e], w2.scale[e]), kernel=False)
 
         return _route_grouped(x, weights, idx, w13.q.shape[0], ffn)
 

@@ -196,3 +196,94 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
 
 def config_json(path: Path) -> dict[str, Any]:
     return json.loads((path / "config.json").read_text())
+
+
+# -- DeepSeek-V4 (transformers' DeepseekV4ForCausalLM) --------------------------------------------
+
+V4_BASE: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    head_dim=32,
+    q_lora_rank=48,
+    num_experts_per_tok=2,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    qk_rope_head_dim=8,
+    sliding_window=8,
+    o_groups=2,
+    o_lora_rank=16,
+    index_n_heads=8,
+    index_head_dim=16,
+    index_topk=3,
+    hc_mult=2,
+    hc_sinkhorn_iters=5,
+    compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+    max_position_embeddings=512,
+    initializer_range=0.1,
+    eos_token_id=1,
+    bos_token_id=0,
+)
+_S, _C, _H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+# Layer schedules, windows, compression rates and routing differ from the defaults and each other.
+V4_CONFIGS: dict[str, dict[str, Any]] = {
+    "v4-mixed": dict(
+        num_hidden_layers=4,
+        layer_types=[_S, _C, _H, _C],
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+    ),
+    "v4-default-schedule-yarn": dict(
+        num_hidden_layers=4,  # transformers' default schedule: HCA, HCA, then CSA/HCA
+        sliding_window=16,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        index_topk=4,
+        scoring_func="sigmoid",
+        rope_parameters=dict(
+            rope_type="yarn",
+            factor=4.0,
+            original_max_position_embeddings=64,
+            beta_fast=32,
+            beta_slow=1,
+        ),
+    ),
+    "v4-wide-streams": dict(
+        num_hidden_layers=3,
+        layer_types=[_C, _S, _H],
+        mlp_layer_types=["hash_moe", "hash_moe", "moe"],
+        hc_mult=3,
+        o_groups=4,
+        sliding_window=5,
+        compress_rates={"compressed_sparse_attention": 3, "heavily_compressed_attention": 6},
+        index_topk=2,
+    ),
+}
+
+
+def build_hf_v4(name: str, seed: int = 0) -> torch.nn.Module:
+    """A transformers DeepSeek-V4 model of the named config, seeded random weights (fp32,
+    eager), with the parameters transformers initializes to constants (sinks, pooling position
+    biases, hyper-connection biases, norms) and the buffers a checkpoint supplies (hash
+    routing table, score correction bias) randomized too, so a swapped one must show."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    kwargs = {**V4_BASE, **V4_CONFIGS[name]}
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(DeepseekV4Config(**kwargs, attn_implementation="eager"))
+    gen = torch.Generator().manual_seed(seed + 1)
+    e, k = model.config.n_routed_experts, model.config.num_experts_per_tok
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith(("sinks", "position_bias", ".base", "hc_base")):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif pname.endswith(("scale", "hc_scale")):
+                p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+            elif "norm" in pname:
+                p.copy_(1.0 + 0.2 * torch.rand(p.shape, generator=gen) - 0.1)
+        for bname, b in model.named_buffers():
+            if bname.endswith("tid2eid"):
+                rows = [torch.randperm(e, generator=gen)[:k] for _ in range(b.shape[0])]
+                b.copy_(torch.stack(rows))
+            elif bname.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=gen))
+    return model.eval()

@@ -1,0 +1,275 @@
+"""DeepSeek-V4 models by name: presets with seeded random weights, or a checkpoint directory in
+transformers' layout (``config.json`` with ``model_type: deepseek_v4``, safetensors); and
+one-prompt generation through :class:`V4State` (``deepserve generate --model v4-tiny``).
+
+Presets (the bundled DeepSeek tokenizer's 129,280 ids):
+
+* ``v4-tiny``: every V4 block at toy widths (CPU tests): sliding, CSA and HCA layers, hash and
+  top-k routing, two hyper-connection streams, windows of 16, compression every 4 / 16 tokens;
+* ``v4-flash-slice``: V4-Flash's widths (hidden 4096, 64 heads of 512, 256 experts of 2048,
+  indexer 64 x 128 picking 512, window 128, 4 streams) and transformers' default layer
+  schedule, 4 layers: for a single H200.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..presets import _name_key, init_random_weights
+from .config import V4Config
+from .model import V4ForCausalLM, V4State
+
+_VOCAB = 129280
+_COMMON: dict[str, Any] = dict(vocab_size=_VOCAB, bos_token_id=0, eos_token_id=1)
+V4_PRESETS: dict[str, dict[str, Any]] = {
+    "v4-tiny": dict(
+        _COMMON,
+        hidden_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        head_dim=64,
+        q_lora_rank=64,
+        qk_rope_head_dim=16,
+        num_experts_per_tok=2,
+        n_routed_experts=8,
+        layer_types=[
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+        ],
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        sliding_window=16,
+        o_groups=2,
+        o_lora_rank=32,
+        index_n_heads=4,
+        index_head_dim=32,
+        index_topk=8,
+        hc_mult=2,
+        hc_sinkhorn_iters=5,
+        max_position_embeddings=65536,
+    ),
+    "v4-flash-slice": dict(
+        _COMMON,
+        hidden_size=4096,
+        moe_intermediate_size=2048,
+        num_hidden_layers=4,
+        num_attention_heads=64,
+        head_dim=512,
+        q_lora_rank=1024,
+        qk_rope_head_dim=64,
+        num_experts_per_tok=6,
+        n_routed_experts=256,
+        sliding_window=128,
+        o_groups=8,
+        o_lora_rank=1024,
+        index_n_heads=64,
+        index_head_dim=128,
+        index_topk=512,
+        hc_mult=4,
+        hc_sinkhorn_iters=20,
+    ),
+}
+
+
+def is_v4(model: str) -> bool:
+    """Whether ``model`` (a preset name or a checkpoint directory) is a DeepSeek-V4 model."""
+    if model in V4_PRESETS:
+        return True
+    cfg = Path(model) / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        return bool(json.loads(cfg.read_text()).get("model_type") == "deepseek_v4")
+    except (OSError, ValueError):
+        return False
+
+
+def load_v4(
+    model: str,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> V4ForCausalLM:
+    """A preset with seeded random weights, or a transformers-layout checkpoint directory
+    (its FP8 tensors, ``weight`` plus ``weight_scale_inv`` per 128x128 tile, dequantized)."""
+    device = torch.device(device)
+    if model in V4_PRESETS:
+        cfg = V4Config.from_hf(V4_PRESETS[model])
+        with torch.device(device):
+            net = V4ForCausalLM(cfg)
+        _init_preset(net, seed)
+        return net.to(dtype).eval()
+    path = Path(model)
+    if not is_v4(model):
+        raise ValueError(
+            f"{model!r} is neither a V4 preset ({', '.join(V4_PRESETS)}) nor a V4 checkpoint"
+        )
+    cfg = V4Config.from_hf(json.loads((path / "config.json").read_text()))
+    with torch.device(device):
+        net = V4ForCausalLM(cfg)
+    net.load_hf_state(_read_state(path, device))
+    return net.to(dtype).eval()
+
+
+def _init_preset(net: V4ForCausalLM, seed: int) -> None:
+    """Seeded values for every parameter (norms near 1), hyper-connection scales near 1, and a
+    hash-routing table of distinct experts per token id."""
+    init_random_weights(net, seed)
+    cfg = net.cfg
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if name.endswith(("attn_hc.scale", "ffn_hc.scale", "hc_head.hc_scale")):
+                p.fill_(1.0)
+        for name, b in net.named_buffers():
+            if name.endswith("tid2eid"):
+                g = torch.Generator().manual_seed(_name_key(seed, name))
+                scores = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=g)
+                b.copy_(scores.topk(cfg.num_experts_per_tok, dim=-1).indices)
+
+
+# DeepSeek's release names (what transformers also writes back on save) -> ours (transformers'
+# module names). Top-level tensors by exact name; inside a layer, substring renames in order.
+_TOP = {
+    "embed.weight": "model.embed_tokens.weight",
+    "head.weight": "lm_head.weight",
+    "norm.weight": "model.norm.weight",
+    "hc_head_fn": "model.hc_head.hc_fn",
+    "hc_head_base": "model.hc_head.hc_base",
+    "hc_head_scale": "model.hc_head.hc_scale",
+}
+_IN_LAYER = (
+    (".attn.", ".self_attn."),
+    (".ffn.", ".mlp."),
+    (".indexer.compressor.", ".compressor.indexer."),
+    (".attn_norm.", ".input_layernorm."),
+    (".ffn_norm.", ".post_attention_layernorm."),
+    (".hc_attn_fn", ".attn_hc.fn"),
+    (".hc_attn_base", ".attn_hc.base"),
+    (".hc_attn_scale", ".attn_hc.scale"),
+    (".hc_ffn_fn", ".ffn_hc.fn"),
+    (".hc_ffn_base", ".ffn_hc.base"),
+    (".hc_ffn_scale", ".ffn_hc.scale"),
+    (".attn_sink", ".sinks"),
+    (".indexer.weights_proj.", ".compressor.indexer.scorer.weights_proj."),
+    (".indexer.wq_b.", ".compressor.indexer.q_b_proj."),
+    (".norm.", ".kv_norm."),
+    (".ape", ".position_bias"),
+    (".wq_a.", ".q_a_proj."),
+    (".self_attn.wq_b.", ".self_attn.q_b_proj."),
+    (".wkv.", ".kv_proj."),
+    (".wgate.", ".gate_proj."),
+    (".wo_a.", ".o_a_proj."),
+    (".wo_b.", ".o_b_proj."),
+    (".q_norm.", ".q_a_norm."),
+    (".gate.bias", ".gate.e_score_correction_bias"),
+    (".shared_experts.w1.", ".shared_experts.gate_proj."),
+    (".shared_experts.w2.", ".shared_experts.down_proj."),
+    (".shared_experts.w3.", ".shared_experts.up_proj."),
+)
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w[123])\.weight$")
+_LAYER = re.compile(r"^(?:model\.)?layers\.\d+\.")
+
+
+def canonical_name(name: str) -> str:
+    """Our (transformers') name for a checkpoint tensor in DeepSeek's release naming, with or
+    without the ``model.`` prefix; names already ours pass through."""
+    bare = name[6:] if name.startswith("model.") else name
+    if bare in _TOP:
+        return _TOP[bare]
+    if not _LAYER.match(name):
+        return name
+    out = "model." + bare
+    for old, new in _IN_LAYER:
+        if old in out and new not in out:
+            out = out.replace(old, new)
+    return out
+
+
+def _read_state(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor under our names; per-expert ``w1``/``w3``/``w2`` stacked into
+    ``gate_up_proj`` (gate rows, then up rows) and ``down_proj``."""
+    from safetensors import safe_open
+
+    from ..loader import _dequant_fp8, _weight_files
+
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for f in _weight_files(path):
+        with safe_open(str(f), framework="pt", device=str(device)) as st:
+            keys = list(st.keys())
+            for k in keys:
+                if k.endswith("_scale_inv"):
+                    continue
+                t = st.get_tensor(k)
+                scale = f"{k}_scale_inv" if f"{k}_scale_inv" in keys else None
+                if scale and t.dim() != 2:
+                    raise ValueError(f"{f.name}: {k} is a {t.dim()}-D FP8 tensor; only 2-D load")
+                t = _dequant_fp8(t, st.get_tensor(scale)) if scale else t
+                name = canonical_name(k)
+                m = _EXPERT.match(name)
+                if m:
+                    experts.setdefault(m.group(1), {}).setdefault(m.group(3), {})[
+                        int(m.group(2))
+                    ] = t
+                else:
+                    out[name] = t
+    for prefix, parts in experts.items():
+        try:
+            n = len(parts["w1"])
+            w1, w2, w3 = ([parts[w][e] for e in range(n)] for w in ("w1", "w2", "w3"))
+        except KeyError as exc:
+            raise ValueError(f"{prefix}: expert tensor {exc} missing from the checkpoint") from None
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([a, b]) for a, b in zip(w1, w3)])
+        out[f"{prefix}.down_proj"] = torch.stack(w2)
+    return out
+
+
+@dataclass(frozen=True)
+class V4Output:
+    token_ids: tuple[int, ...]
+    finish_reason: str
+
+
+def generate_v4(
+    net: V4ForCausalLM,
+    prompt: Sequence[int],
+    max_tokens: int,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    ignore_eos: bool = False,
+) -> V4Output:
+    """One prompt to the end: the prompt in one pass, then a token at a time through its
+    :class:`V4State`. Greedy at temperature 0, else sampled (``seed`` makes it repeatable)."""
+    if not prompt:
+        raise ValueError("the prompt must hold at least one token")
+    if max(prompt) >= net.cfg.vocab_size or min(prompt) < 0:
+        raise ValueError(f"prompt token ids must be in [0, {net.cfg.vocab_size})")
+    device = next(net.parameters()).device
+    gen = torch.Generator(device=device)
+    if seed is not None:
+        gen.manual_seed(seed)
+    st = V4State.empty(net.cfg)
+    logits = net(torch.tensor(list(prompt), device=device), st)[-1]
+    out: list[int] = []
+    while len(out) < max_tokens:
+        if temperature > 0:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            tok = int(torch.multinomial(probs, 1, generator=gen))
+        else:
+            tok = int(logits.argmax())
+        out.append(tok)
+        if not ignore_eos and tok in net.cfg.eos_token_ids:
+            return V4Output(tuple(out), "stop")
+        if len(out) < max_tokens:
+            logits = net(torch.tensor([tok], device=device), st)[-1]
+    return V4Output(tuple(out), "length")

@@ -1,0 +1,537 @@
+"""DeepSeek-V4 in plain PyTorch, one sequence at a time, its per-request state as data.
+
+This is the family's reference: parameter names are the Hugging Face checkpoint's (a
+``DeepseekV4ForCausalLM`` state dict loads as it is), and :class:`V4State` holds everything a
+request carries between forward calls, per layer:
+
+* ``window``: the last ``sliding_window - 1`` key/value rows (K = V: one shared head, RoPE'd);
+* per compressor (``"compressor"``, and for CSA layers the indexer's ``"indexer"``): the tokens
+  of the window not yet closed (``buf_kv``/``buf_gate``), the entries emitted so far
+  (``entries``; one per ``rate`` tokens), and for CSA the previous window's first-half series
+  (``overlap_kv``/``overlap_gate``: an entry pools ``2 * rate`` tokens at stride ``rate``).
+
+A chunk of ``S`` tokens at positions ``p0 .. p0+S-1`` (:meth:`V4ForCausalLM.forward`) attends,
+per query at ``t``, to the window rows at positions ``t-W < k <= t``, plus compressed entries
+whose windows closed by ``t`` (HCA: all of them; CSA: the indexer's top ``index_topk`` of
+them), plus a per-head sink that takes probability mass and gives no value. Chunking a prompt
+differently, or decoding token by token, gives what one pass gives: exactly tied indexer scores
+go to the lower entry (transformers' ``torch.topk`` breaks such ties by the row's length, so
+there, and only there, the two can pick differently).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..model.rope import inv_freq_and_attention_factor
+from .config import CSA, HCA, SLIDING, V4Config, V4Rope
+
+
+class RMSNorm(nn.Module):
+    """RMS norm in fp32, fp32 weight, one cast at the end (V4 keeps norm weights in fp32)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf).to(x.dtype)
+
+
+def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def _linear(out_f: int, in_f: int) -> nn.Linear:
+    layer = nn.Linear(in_f, out_f, bias=False)
+    layer.weight.requires_grad_(False)
+    return layer
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(*shape), requires_grad=False)
+
+
+class V4Rotary:
+    """Interleaved RoPE (pairs of adjacent channels) on the trailing ``rope_dim`` channels."""
+
+    def __init__(self, spec: V4Rope, rope_dim: int) -> None:
+        inv_freq, factor = inv_freq_and_attention_factor(spec.rope, rope_dim)
+        self.inv_freq = inv_freq
+        self.scale = factor if spec.attention_factor is None else spec.attention_factor
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        cos = (freqs.cos() * self.scale).to(dtype).repeat_interleave(2, dim=-1)
+        sin = (freqs.sin() * self.scale).to(dtype).repeat_interleave(2, dim=-1)
+        return cos, sin
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x [S, ..., D]`` rotated on its last ``cos.shape[-1]`` channels; cos/sin ``[S, r]``."""
+        r = cos.shape[-1]
+        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (r,)
+        c, s = cos.view(shape), sin.view(shape)
+        rope = x[..., -r:]
+        pairs = rope.reshape(*rope.shape[:-1], r // 2, 2)
+        swapped = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+        rotated = (rope.float() * c + swapped.float() * s).to(x.dtype)
+        return torch.cat([x[..., :-r], rotated], dim=-1)
+
+
+@dataclass
+class CompressorState:
+    buf_kv: torch.Tensor | None = None
+    buf_gate: torch.Tensor | None = None
+    entries: torch.Tensor | None = None
+    overlap_kv: torch.Tensor | None = None
+    overlap_gate: torch.Tensor | None = None
+
+    @property
+    def count(self) -> int:
+        return 0 if self.entries is None else int(self.entries.shape[0])
+
+
+@dataclass
+class LayerState:
+    window: torch.Tensor | None = None
+    compressors: dict[str, CompressorState] = field(default_factory=dict)
+
+
+@dataclass
+class V4State:
+    """A request's state between forward calls (module doc); ``seen`` tokens so far."""
+
+    layers: list[LayerState]
+    seen: int = 0
+
+    @classmethod
+    def empty(cls, cfg: V4Config) -> V4State:
+        return cls([LayerState() for _ in range(cfg.num_hidden_layers)])
+
+
+class Compressor(nn.Module):
+    """Gated pooling of every ``rate`` tokens into one entry (HCA: ``dim``-wide windows; CSA:
+    two series per token, an entry pooling the previous window's first series with this
+    window's second), normed and RoPE'd at the window's first position."""
+
+    def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        width = 2 * dim if overlap else dim
+        self.dim, self.rate, self.overlap = dim, rate, overlap
+        self.kv_proj = _linear(width, hidden)
+        self.gate_proj = _linear(width, hidden)
+        self.position_bias = _param(rate, width)
+        self.kv_norm = RMSNorm(dim, eps)
+
+    def step(self, x: torch.Tensor, st: CompressorState, rotary: V4Rotary) -> torch.Tensor:
+        """Feed ``x [S, hidden]``; returns every entry so far ``[T, dim]``."""
+        kv, gate = self.kv_proj(x), self.gate_proj(x)
+        first = st.count * self.rate
+        if st.buf_kv is not None and st.buf_kv.shape[0]:
+            assert st.buf_gate is not None
+            kv, gate = torch.cat([st.buf_kv, kv]), torch.cat([st.buf_gate, gate])
+        usable = kv.shape[0] // self.rate * self.rate
+        st.buf_kv, st.buf_gate = kv[usable:], gate[usable:]
+        n = usable // self.rate
+        if n == 0:
+            if st.entries is None:
+                st.entries = x.new_zeros(0, self.dim)
+            return st.entries
+        ckv = kv[:usable].view(n, self.rate, -1)
+        cgate = gate[:usable].view(n, self.rate, -1) + self.position_bias
+        if self.overlap:
+            d, r = self.dim, self.rate
+            pkv = ckv.new_zeros(n, 2 * r, d)
+            pgate = cgate.new_full((n, 2 * r, d), float("-inf"))
+            pkv[:, r:], pgate[:, r:] = ckv[..., d:], cgate[..., d:]
+            pkv[1:, :r], pgate[1:, :r] = ckv[:-1, :, :d], cgate[:-1, :, :d]
+            if st.overlap_kv is not None and st.overlap_gate is not None:
+                pkv[0, :r], pgate[0, :r] = st.overlap_kv, st.overlap_gate
+            st.overlap_kv, st.overlap_gate = ckv[-1, :, :d].clone(), cgate[-1, :, :d].clone()
+            ckv, cgate = pkv, pgate
+        weights = cgate.softmax(dim=1, dtype=torch.float32).to(ckv.dtype)
+        pooled = self.kv_norm((ckv * weights).sum(dim=1))
+        pos = torch.arange(n, device=x.device) * self.rate + first
+        cos, sin = rotary.cos_sin(pos, pooled.dtype)
+        pooled = V4Rotary.apply(pooled, cos, sin)
+        st.entries = pooled if st.entries is None else torch.cat([st.entries, pooled])
+        return st.entries
+
+
+class Scorer(nn.Module):
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__()
+        self.weights_proj = _linear(cfg.index_n_heads, cfg.hidden_size)
+
+
+class Indexer(Compressor):
+    """CSA's lightning indexer: its own compressor at ``index_head_dim``, queries from the
+    attention's q residual; per query the top ``index_topk`` closed entries by
+    ``sum_h w_h * relu(q_h . k)``."""
+
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__(cfg.hidden_size, cfg.index_head_dim, cfg.csa_rate, True, cfg.rms_norm_eps)
+        self.heads, self.topk = cfg.index_n_heads, cfg.index_topk
+        self.q_b_proj = _linear(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
+        self.scorer = Scorer(cfg)
+
+    def select(
+        self,
+        x: torch.Tensor,
+        q_res: torch.Tensor,
+        positions: torch.Tensor,
+        st: CompressorState,
+        rotary: V4Rotary,
+    ) -> torch.Tensor:
+        """The chosen entries per query ``[S, k]`` (``-1``: none; not yet closed)."""
+        keys = self.step(x, st, rotary)
+        s = x.shape[0]
+        cos, sin = rotary.cos_sin(positions, x.dtype)
+        q = V4Rotary.apply(self.q_b_proj(q_res).view(s, self.heads, self.dim), cos, sin)
+        scores = F.relu(torch.einsum("shd,td->sht", q.float(), keys.float())) * self.dim**-0.5
+        w = self.scorer.weights_proj(x).float() * self.heads**-0.5
+        scores = (scores * w[..., None]).sum(dim=1)  # [S, T]
+        t = keys.shape[0]
+        k = min(self.topk, t)
+        if t == 0:
+            return torch.full((s, 0), -1, dtype=torch.long, device=x.device)
+        closed = (positions + 1) // self.rate  # entries a query may see
+        future = torch.arange(t, device=x.device)[None, :] >= closed[:, None]
+        # Stable sort, not topk: exactly tied scores (ReLU zeros) go to the lower entry, so the
+        # pick does not depend on how many entries the row holds (chunking, replay).
+        masked = scores.masked_fill(future, float("-inf"))
+        picked = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]
+        return torch.where(picked >= closed[:, None], torch.full_like(picked, -1), picked)
+
+
+class CSACompressor(Compressor):
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__(cfg.hidden_size, cfg.head_dim, cfg.csa_rate, True, cfg.rms_norm_eps)
+        self.indexer = Indexer(cfg)
+
+
+class HCACompressor(Compressor):
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__(cfg.hidden_size, cfg.head_dim, cfg.hca_rate, False, cfg.rms_norm_eps)
+
+
+class GroupedLinear(nn.Module):
+    """Block-diagonal projection: each of ``groups`` slices of the input to its own output."""
+
+    def __init__(self, in_per_group: int, out_f: int, groups: int) -> None:
+        super().__init__()
+        self.weight = _param(out_f, in_per_group)
+        self.groups = groups
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [S, G, in]`` to ``[S, G, out/G]``."""
+        w = self.weight.view(self.groups, -1, self.weight.shape[-1])  # [G, out/G, in]
+        return torch.einsum("sgi,goi->sgo", x, w)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: V4Config, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.kind = cfg, cfg.layer_types[layer]
+        h, d = cfg.num_attention_heads, cfg.head_dim
+        self.q_a_proj = _linear(cfg.q_lora_rank, cfg.hidden_size)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = _linear(h * d, cfg.q_lora_rank)
+        self.kv_proj = _linear(d, cfg.hidden_size)
+        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.o_a_proj = GroupedLinear(
+            h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups
+        )
+        self.o_b_proj = _linear(cfg.hidden_size, cfg.o_groups * cfg.o_lora_rank)
+        self.sinks = _param(h)
+        self.compressor: Compressor | None = (
+            CSACompressor(cfg)
+            if self.kind == CSA
+            else HCACompressor(cfg)
+            if self.kind == HCA
+            else None
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        st: LayerState,
+        rotary: dict[str, V4Rotary],
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        s, h, d, w = x.shape[0], cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+        rot = rotary["main" if self.kind == SLIDING else "compress"]
+        cos, sin = rot.cos_sin(positions, x.dtype)
+        q_res = self.q_a_norm(self.q_a_proj(x))
+        q = _unweighted_rms(self.q_b_proj(q_res).view(s, h, d), cfg.rms_norm_eps)
+        q = V4Rotary.apply(q, cos, sin)
+        kv = V4Rotary.apply(self.kv_norm(self.kv_proj(x)), cos, sin)  # [S, D]
+        past = st.window if st.window is not None else kv.new_zeros(0, d)
+        keys = torch.cat([past, kv])
+        st.window = keys[-(w - 1) :] if w > 1 else keys[:0]
+        key_pos = torch.arange(keys.shape[0], device=x.device) + positions[0] - past.shape[0]
+        rel = positions[:, None] - key_pos[None, :]
+        bias = torch.zeros(s, keys.shape[0], dtype=torch.float32, device=x.device)
+        bias = bias.masked_fill((rel < 0) | (rel >= w), float("-inf"))
+        if self.compressor is not None:
+            comp = self.compressor
+            cst = st.compressors.setdefault("compressor", CompressorState())
+            entries = comp.step(x, cst, rot)
+            t = entries.shape[0]
+            if isinstance(comp, CSACompressor):
+                ist = st.compressors.setdefault("indexer", CompressorState())
+                picked = comp.indexer.select(x, q_res, positions, ist, rot)
+                eb = torch.full((s, t + 1), float("-inf"), device=x.device)
+                eb.scatter_(1, torch.where(picked >= 0, picked, t), 0.0)
+                eb = eb[:, :t]
+            else:
+                closed = (positions + 1) // comp.rate
+                future = torch.arange(t, device=x.device)[None, :] >= closed[:, None]
+                eb = torch.zeros(s, t, device=x.device).masked_fill(future, float("-inf"))
+            keys = torch.cat([keys, entries])
+            bias = torch.cat([bias, eb], dim=1)
+        logits = torch.einsum("shd,kd->hsk", q, keys) * d**-0.5 + bias.to(q.dtype)
+        sink = self.sinks.to(logits.dtype).view(h, 1, 1).expand(h, s, 1)
+        both = torch.cat([logits, sink], dim=-1)
+        both = both - both.max(dim=-1, keepdim=True).values
+        probs = F.softmax(both, dim=-1)[..., :-1].to(keys.dtype)
+        ctx = torch.einsum("hsk,kd->shd", probs, keys)
+        ctx = V4Rotary.apply(ctx, cos, -sin)  # K = V carried RoPE: undo it at the query
+        grouped = self.o_a_proj(ctx.reshape(s, cfg.o_groups, -1)).flatten(1)
+        out: torch.Tensor = self.o_b_proj(grouped)
+        return out
+
+
+class HyperConnection(nn.Module):
+    """Mixing weights of the ``hc_mult`` residual streams: ``pre`` collapses them into the
+    block's input, ``post`` spreads the block's output, ``comb`` (made doubly stochastic by
+    Sinkhorn iterations) mixes the streams into the next residual."""
+
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__()
+        n = cfg.hc_mult
+        self.n, self.iters, self.eps, self.norm_eps = (
+            n,
+            cfg.hc_sinkhorn_iters,
+            cfg.hc_eps,
+            cfg.rms_norm_eps,
+        )
+        self.fn = _param((2 + n) * n, n * cfg.hidden_size)
+        self.base = _param((2 + n) * n)
+        self.scale = nn.Parameter(torch.ones(3), requires_grad=False)
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = self.n
+        flat = _unweighted_rms(streams.flatten(1).float(), self.norm_eps)
+        mixed = F.linear(flat, self.fn.float())
+        pre_w, post_w, comb_w = torch.split(mixed, [n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = torch.split(self.base, [n, n, n * n])
+        s_pre, s_post, s_comb = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post_w * s_post + post_b)
+        comb = torch.softmax(comb_w.view(-1, n, n) * s_comb + comb_b.view(n, n), dim=-1) + self.eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
+
+
+class HyperHead(nn.Module):
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__()
+        n = cfg.hc_mult
+        self.eps, self.norm_eps = cfg.hc_eps, cfg.rms_norm_eps
+        self.hc_fn = _param(n, n * cfg.hidden_size)
+        self.hc_base = _param(n)
+        self.hc_scale = nn.Parameter(torch.ones(1), requires_grad=False)
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        flat = _unweighted_rms(streams.flatten(1).float(), self.norm_eps)
+        pre = torch.sigmoid(
+            F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float()
+        )
+        return ((pre + self.eps).unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class SharedMLP(nn.Module):
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__()
+        inter = cfg.moe_intermediate_size
+        self.gate_proj = _linear(inter, cfg.hidden_size)
+        self.up_proj = _linear(inter, cfg.hidden_size)
+        self.down_proj = _linear(cfg.hidden_size, inter)
+        self.limit = cfg.swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down_proj(
+            _clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit)
+        )
+        return out
+
+
+class Router(nn.Module):
+    """Scores (sqrt-softplus or sigmoid) of every expert; the top-k by score plus the
+    correction bias, or (hash layers) the token's fixed ``tid2eid`` row; weights normalized
+    and scaled by ``routed_scaling_factor``."""
+
+    def __init__(self, cfg: V4Config, hashed: bool) -> None:
+        super().__init__()
+        self.cfg, self.hashed = cfg, hashed
+        self.weight = _param(cfg.n_routed_experts, cfg.hidden_size)
+        if hashed:
+            self.register_buffer(
+                "tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.long)
+            )
+        else:
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)
+        f = self.cfg.scoring_func
+        scores = torch.sqrt(F.softplus(logits)) if f == "sqrtsoftplus" else torch.sigmoid(logits)
+        if self.hashed:
+            table = self.get_buffer("tid2eid")
+            idx = table[ids].long()
+        else:
+            k = self.cfg.num_experts_per_tok
+            bias = self.get_buffer("e_score_correction_bias")
+            idx = torch.topk(scores + bias, k, dim=-1, sorted=False).indices
+        w = scores.gather(1, idx)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * self.cfg.routed_scaling_factor, idx
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__()
+        e, i, h = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_up_proj = _param(e, 2 * i, h)
+        self.down_proj = _param(e, h, i)
+        self.limit = cfg.swiglu_limit
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in torch.unique(idx).tolist():
+            tok, slot = torch.nonzero(idx == e, as_tuple=True)
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(_clamped_swiglu(gate, up, self.limit), self.down_proj[e])
+            out.index_add_(0, tok, (y * w[tok, slot, None]).to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: V4Config, layer: int) -> None:
+        super().__init__()
+        self.gate = Router(cfg, cfg.mlp_layer_types[layer] == "hash_moe")
+        self.experts = Experts(cfg)
+        self.shared_experts = SharedMLP(cfg)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        w, idx = self.gate(x, ids)
+        out: torch.Tensor = self.experts(x, w, idx) + self.shared_experts(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: V4Config, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MoE(cfg, layer)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_hc = HyperConnection(cfg)
+        self.ffn_hc = HyperConnection(cfg)
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        st: LayerState,
+        rotary: dict[str, V4Rotary],
+    ) -> torch.Tensor:
+        dt = streams.dtype
+        post, comb, x = self.attn_hc(streams)
+        y = self.self_attn(self.input_layernorm(x), positions, st, rotary)
+        streams = (
+            post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + comb.to(dt).transpose(-1, -2) @ streams
+        )
+        post, comb, x = self.ffn_hc(streams)
+        y = self.mlp(self.post_attention_layernorm(x), ids)
+        out: torch.Tensor = (
+            post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + comb.to(dt).transpose(-1, -2) @ streams
+        )
+        return out
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_head = HyperHead(cfg)
+
+
+class V4ForCausalLM(nn.Module):
+    """The model (module doc). ``forward(ids, state)`` runs the next chunk of one sequence."""
+
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = _linear(cfg.vocab_size, cfg.hidden_size)
+        r = cfg.qk_rope_head_dim
+        self.rotary = {
+            "main": V4Rotary(cfg.rope_main, r),
+            "compress": V4Rotary(cfg.rope_compress, r),
+        }
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, state: V4State) -> torch.Tensor:
+        """Logits ``[S, vocab]`` (fp32) of the chunk ``ids [S]`` that follows ``state.seen``
+        tokens; ``state`` is advanced past it."""
+        s = ids.shape[0]
+        positions = torch.arange(state.seen, state.seen + s, device=ids.device)
+        x = self.model.embed_tokens(ids)
+        streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for layer, st in zip(self.model.layers, state.layers, strict=True):
+            streams = layer(streams, ids, positions, st, self.rotary)
+        state.seen += s
+        hidden = self.model.norm(self.model.hc_head(streams))
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits.float()
+
+    def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
+        """A transformers ``DeepseekV4ForCausalLM`` state dict (rotary tables, which are
+        computed here, and the MTP layers, not run here yet, are skipped)."""
+        keep = {
+            k: v
+            for k, v in state.items()
+            if "rotary_emb" not in k and not k.startswith(("mtp.", "model.mtp."))
+        }
+        try:
+            missing, unexpected = self.load_state_dict(keep, strict=False)
+        except RuntimeError as exc:  # shapes: the checkpoint is another config's
+            raise ValueError(f"V4 checkpoint does not match the config: {exc}") from None
+        if missing or unexpected:
+            raise ValueError(
+                f"V4 checkpoint does not match the config: missing {sorted(missing)[:8]}, "
+                f"unexpected {sorted(unexpected)[:8]}"
+            )

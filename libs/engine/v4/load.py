@@ -104,21 +104,33 @@ def load_v4(
     (its FP8 tensors, ``weight`` plus ``weight_scale_inv`` per 128x128 tile, dequantized)."""
     device = torch.device(device)
     if model in V4_PRESETS:
-        cfg = V4Config.from_hf(V4_PRESETS[model])
-        with torch.device(device):
-            net = V4ForCausalLM(cfg)
+        net = _build(V4Config.from_hf(V4_PRESETS[model]), device, dtype)
         _init_preset(net, seed)
-        return net.to(dtype).eval()
+        return net.eval()
     path = Path(model)
     if not is_v4(model):
         raise ValueError(
             f"{model!r} is neither a V4 preset ({', '.join(V4_PRESETS)}) nor a V4 checkpoint"
         )
-    cfg = V4Config.from_hf(json.loads((path / "config.json").read_text()))
-    with torch.device(device):
-        net = V4ForCausalLM(cfg)
+    net = _build(V4Config.from_hf(json.loads((path / "config.json").read_text())), device, dtype)
     net.load_hf_state(_read_state(path, device))
-    return net.to(dtype).eval()
+    return net.eval()
+
+
+def _build(cfg: V4Config, device: torch.device, dtype: torch.dtype) -> V4ForCausalLM:
+    """Parameters allocated in ``dtype`` on ``device`` (V4-Flash's widths would not fit twice)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            net = V4ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        for name, t in [*net.named_parameters(), *net.named_buffers()]:
+            if t.is_floating_point() and _FP32.search(name):
+                t.data = t.data.float()
+    return net
 
 
 def _init_preset(net: V4ForCausalLM, seed: int) -> None:
@@ -178,6 +190,12 @@ _IN_LAYER = (
 )
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w[123])\.weight$")
 _LAYER = re.compile(r"^(?:model\.)?layers\.\d+\.")
+# Kept in fp32 whatever the model dtype, as DeepSeek runs them: the hyper-connection mixers,
+# sinks, pooling biases, routing bias and the norms.
+_FP32 = re.compile(
+    r"(attn_hc|ffn_hc|hc_head|sinks|position_bias|e_score_correction_bias"
+    r"|(q_a_norm|kv_norm|input_layernorm|post_attention_layernorm|model\.norm)\.weight)"
+)
 
 
 def canonical_name(name: str) -> str:

@@ -30,8 +30,9 @@ from typing import Any, Protocol, TypeVar
 from nats.aio.client import Client
 
 from .config import ServiceConfig
+from .logs import setup_logging
 from .natsutil import close_nats, connect_nats
-from .redact import install_log_redaction, redact_text
+from .redact import redact_text
 from .telemetry import HealthFn, OpsServer
 
 
@@ -110,7 +111,7 @@ def run_service(
     except ValueError as exc:
         print(f"{parser.prog}: error: {redact_text(str(exc))}", file=sys.stderr)
         return 2
-    log = setup_logging(cfg.service.log_level, name)
+    log = setup_logging(cfg.service.log_level, name, cfg.service.log_format)
     return asyncio.run(_serve(name, cfg, serve, log))
 
 
@@ -138,11 +139,4 @@ def install_stop_handlers(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
-def setup_logging(level: str, service: str) -> logging.Logger:
-    """Log lines on stderr; no line shows a URL's credentials (``redact.py``)."""
-    install_log_redaction()
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
-    )
-    return logging.getLogger(service)
+__all__ = ["ServiceContext", "cancel_task", "run_service", "setup_logging"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from collections.abc import Callable, Sequence
 
@@ -26,6 +27,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, Sp
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 HealthFn = Callable[[], tuple[bool, str]]
+
+log = logging.getLogger(__name__)
 
 
 class OpsServer:
@@ -108,7 +111,13 @@ def tracer(service: str) -> trace.Tracer:
                 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
                 from opentelemetry.sdk.trace.export import BatchSpanProcessor
             except ImportError:
-                pass  # the exporter package is optional
+                # Optional package; a configured endpoint that gets nothing must be said.
+                log.warning(
+                    "OTEL_EXPORTER_OTLP_ENDPOINT is set but the opentelemetry-exporter-otlp "
+                    "package is not installed: %s spans are NOT exported over OTLP "
+                    "(pip install opentelemetry-exporter-otlp)",
+                    service,
+                )
             else:
                 provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         _PROVIDERS[service] = provider

@@ -260,6 +260,14 @@ class Engine:
         self.last_step_seconds = 0.0  # of the step that finished last
         self.last_step_tokens = 0  # of the step launched last
         self.last_finished_tokens = 0
+        self.last_finished_seqs = 0  # requests in the step that finished last (its batch)
+        self.finished_steps = 0  # steps whose results came back, since start
+        # Prefix cache, in prompt tokens, counted once per request when its prompt is first
+        # looked up in this engine's own cache (first admission, or a KV import's local
+        # hits); what was imported from elsewhere is not a hit. Read by the metrics.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self._unqueried: set[str] = set()  # added without KV, not yet admitted
 
     # -- the model behind a real runner (a fake one has none: AttributeError) ------------------
     @property
@@ -311,18 +319,23 @@ class Engine:
             )
         req = Request(request_id, tokens, len(tokens), params, cache_salt, hold_kv)
         req.num_prior_outputs = prior_outputs
-        done = None
+        done, local_hits = None, 0
         if kv is not None:
             if not isinstance(kv, (PreparedKV, PeerKV)):
                 kv = self.prepare_kv(
                     [kv] if isinstance(kv, (bytes, bytearray, memoryview)) else list(kv)
                 )
-            done = self._import(req, kv)
+            done, local_hits = self._import(req, kv)
         try:
             self.scheduler.add(req)
         except ValueError as exc:
             self.blocks.release(req.blocks)
             raise InvalidRequest(str(exc)) from None
+        if kv is None:
+            self._unqueried.add(request_id)  # looked up when first scheduled (step)
+        else:
+            self.prefix_cache_queries += req.num_prompt_tokens
+            self.prefix_cache_hits += min(local_hits, req.num_prompt_tokens)
         return done
 
     def _validate(self, request_id: str, tokens: list[int], params: SamplingParams) -> None:
@@ -345,6 +358,7 @@ class Engine:
             raise InvalidRequest(f"stop_token_ids must lie in [0, {vocab})")
 
     def abort(self, request_id: str) -> TokenEvent | None:
+        self._unqueried.discard(request_id)
         return self.scheduler.abort(request_id)
 
     def release(self, request_id: str) -> None:
@@ -546,7 +560,9 @@ class Engine:
             self.cache.stage(payloads),
         )
 
-    def _import(self, req: Request, src: PreparedKV | PeerKV) -> Any:
+    def _import(self, req: Request, src: PreparedKV | PeerKV) -> tuple[Any, int]:
+        """Import ``src`` for ``req``: (what :meth:`add_request` returns, tokens of it this
+        engine's own cache already held)."""
         bs = self.spec.block_size
         covered = src.num_tokens
         if covered > len(req.token_ids):
@@ -593,7 +609,7 @@ class Engine:
             self.blocks.release(hits + fresh)
             raise
         self.scheduler.admit_imported(req, hits + fresh, names, len(hits), usable)
-        return done
+        return done, len(hits) * bs
 
     def _peer_pool(self, handle: bytes) -> Any:
         pool = self._peer_pools.get(handle)
@@ -625,6 +641,7 @@ class Engine:
                 self.add_request(f"__warmup-{i}", p, params, cache_salt=b"__warmup")
             while self.group_has_unfinished():
                 self.step()
+        self.prefix_cache_queries = self.prefix_cache_hits = 0  # served nobody
         return time.perf_counter() - t0
 
     # -- stepping -----------------------------------------------------------------------------
@@ -632,6 +649,8 @@ class Engine:
         """Schedule and launch one step; return the events of the step that finished.
         With EP, always one forward: an empty one when nothing is scheduled here."""
         plan = self.scheduler.schedule()
+        if self._unqueried:
+            self._count_prefix_lookups(plan)
         launched = None
         if not plan.empty:
             launched = self._launch(plan)
@@ -649,6 +668,16 @@ class Engine:
             events += self._finish(launched)
         self._inflight = None
         return events
+
+    def _count_prefix_lookups(self, plan: StepPlan) -> None:
+        """Requests admitted for the first time in ``plan`` had their prompt looked up in the
+        prefix cache (:meth:`Scheduler._admit_prefix` set ``num_cached_tokens``)."""
+        for seq in plan.seqs:
+            if seq.request_id in self._unqueried:
+                self._unqueried.discard(seq.request_id)
+                req = self.scheduler.requests[seq.request_id]
+                self.prefix_cache_queries += req.num_prompt_tokens
+                self.prefix_cache_hits += req.num_cached_tokens
 
     def _launch(self, plan: StepPlan) -> Launched:
         reqs = [(s, self.scheduler.requests[s.request_id]) for s in plan.seqs if s.sample]
@@ -668,6 +697,8 @@ class Engine:
         sampled, seconds = self.runner.collect(launched)
         self.last_step_seconds = seconds
         self.last_finished_tokens = launched.plan.num_tokens  # the step those seconds timed
+        self.last_finished_seqs = len(launched.plan.seqs)
+        self.finished_steps += 1
         return self.scheduler.commit(launched.plan, sampled, seconds)
 
 

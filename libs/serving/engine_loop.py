@@ -47,6 +47,8 @@ from libs.engine.scheduler import TokenEvent
 if TYPE_CHECKING:
     from libs.engine.ep.lockstep import Lockstep
 
+    from .engine_metrics import EngineMetrics
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -79,6 +81,19 @@ class EngineStats:
     # With EP and EPLB: the experts' balance over the ranks (Engine.ep_balance; the engine
     # recomputes it once per count sync, every 25 steps by default). None: no EPLB here.
     ep_balance: Balance | None = None
+    # Since start (the engine's own counters): requests preempted, and prompt tokens looked up
+    # in / found in this engine's prefix cache (Engine.prefix_cache_queries / _hits).
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks not free (held by requests; cached free ones count as
+        free, they are reused on demand): vLLM's ``kv_cache_usage_perc``, in [0, 1]."""
+        if not self.total_kv_blocks:
+            return 0.0
+        return (self.total_kv_blocks - self.free_kv_blocks) / self.total_kv_blocks
 
 
 # An idle EP group asks every 10 ms whether any rank has work (one all-reduce of 2 integers,
@@ -122,6 +137,9 @@ def engine_stats(
         resident_summary(engine) if resident is None else resident,
         tokens_per_s,
         engine.ep_balance(),
+        sched.num_preemptions,
+        engine.prefix_cache_queries,
+        engine.prefix_cache_hits,
     )
 
 
@@ -190,8 +208,10 @@ class EngineLoop:
         name: str = "engine",
         poll_s: float = LOCKSTEP_POLL_S,
         on_group_failed: Callable[[BaseException], None] | None = None,
+        metrics: EngineMetrics | None = None,
     ) -> None:
         self.engine = engine
+        self.metrics = metrics  # fed from both threads (engine_metrics.py says which part)
         self.name = name
         self._lockstep: Lockstep | None = None
         if engine.ep is not None:
@@ -210,6 +230,8 @@ class EngineLoop:
         self._steps = 0
         self._rate = 0.0
         self._resident_at = 0.0  # monotonic time the resident summary was last built
+        if metrics is not None:
+            metrics.attach(lambda: self.stats)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -264,8 +286,12 @@ class EngineLoop:
         kv: KVInput | None = None,
         hold_kv: bool = False,
         prior_outputs: int = 0,
+        arrival: float | None = None,
     ) -> RequestStream:
         """Queue a request; returns its event stream once the engine accepted it.
+
+        ``arrival``: ``time.monotonic()`` when the request reached this instance (default:
+        now); the latency metrics (time to first token, end to end) count from it.
 
         Raises what :meth:`Engine.add_request` raises (InvalidRequest, KVFormatError,
         NoFreeBlocks), unchanged.
@@ -275,6 +301,8 @@ class EngineLoop:
         stream = RequestStream(request_id)
         self._streams[request_id] = stream  # before the command: its events may follow at once
         tokens = list(prompt_token_ids)
+        if self.metrics is not None:
+            self.metrics.on_add(request_id, len(tokens), arrival)
         try:
             stream.imported = await self.call(
                 lambda e: e.add_request(
@@ -290,6 +318,8 @@ class EngineLoop:
         except BaseException as exc:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
+                if self.metrics is not None:
+                    self.metrics.on_drop(request_id)
             if isinstance(exc, asyncio.CancelledError) and not self._stopping:
                 # The command may already have run: nobody will read this request, so drop it.
                 with contextlib.suppress(BaseException):
@@ -417,6 +447,10 @@ class EngineLoop:
     def _count_step(self) -> None:
         self._steps += 1
         e = self.engine
+        if self.metrics is not None:
+            self.metrics.on_step(
+                e.finished_steps, e.last_step_seconds, e.last_finished_seqs, e.last_finished_tokens
+            )
         if e.last_finished_tokens >= RATE_MIN_TOKENS and e.last_step_seconds > 0:
             rate = e.last_finished_tokens / e.last_step_seconds
             self._rate = rate if not self._rate else 0.8 * self._rate + 0.2 * rate
@@ -460,6 +494,8 @@ class EngineLoop:
             stream._put(ev)
             if ev.finished:
                 del self._streams[ev.request_id]
+        if self.metrics is not None:
+            self.metrics.on_events(events)
 
     def _fail_open_streams(self, err: EngineFailed) -> None:
         self._fail_streams(list(self._streams), err)
@@ -469,3 +505,5 @@ class EngineLoop:
             stream = self._streams.pop(rid, None)
             if stream is not None:
                 stream._put(err)
+            if self.metrics is not None:
+                self.metrics.on_drop(rid)

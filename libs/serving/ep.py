@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from libs.common.config import flag, parse_gpu_indices
+from libs.common.logs import tag_rank
 
 if TYPE_CHECKING:
     from libs.engine.engine import Engine, EngineConfig
@@ -213,9 +214,7 @@ def tag_rank_logs(service: str, rank: int) -> None:
     """Rank ``rank``'s log lines read ``... decode r1 INFO ...``: the N ranks write into their
     supervisor's log, and a line must say which rank wrote it. (Redaction is a record
     factory, untouched by a new formatter.)"""
-    fmt = logging.Formatter(f"%(asctime)s {service} r{rank} %(levelname)s %(name)s: %(message)s")
-    for handler in logging.getLogger().handlers:
-        handler.setFormatter(fmt)
+    tag_rank(service, rank)
 
 
 def check_ep_model(ep: EPFlags, model: ModelFlags) -> None:

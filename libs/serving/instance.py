@@ -22,12 +22,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from nats.aio.client import Client
+from prometheus_client import CollectorRegistry
 
 from libs.common import subjects
 from libs.common.service import ServiceContext
 from libs.proto.deepserve.v1 import control_pb2
 
 from .engine_loop import EngineLoop, EngineStats
+from .engine_metrics import EngineMetrics, log_stats
 from .ep import EXIT_GROUP_FAILED, EPFlags, tag_rank_logs
 from .model_flags import ModelFlags
 from .runtime import heartbeat_loop, publish_status
@@ -48,7 +50,10 @@ class InstanceRuntime:
     """``ep``: this instance is one rank of an EP group (``--ep-rank``): its engine joins the
     group and steps in lockstep; when the group fails the service stops with
     :data:`~.ep.EXIT_GROUP_FAILED` (:attr:`exit_code`), and when its supervisor is gone it
-    stops too."""
+    stops too.
+
+    The engine's metrics (:mod:`.engine_metrics`) go on the service's ops port; every
+    ``stats_interval`` seconds (0: never) one stats line is logged."""
 
     def __init__(
         self,
@@ -56,8 +61,10 @@ class InstanceRuntime:
         model: ModelFlags,
         heartbeat_interval: float,
         ep: EPFlags | None = None,
+        stats_interval: float = 10.0,
     ) -> None:
         self.ctx, self.model, self.heartbeat_interval = ctx, model, heartbeat_interval
+        self.stats_interval = stats_interval
         self.ep = ep if ep is not None and ep.is_rank else None
         if self.ep is not None and self.ep.rank is not None:
             tag_rank_logs(ctx.name, self.ep.rank)
@@ -101,10 +108,22 @@ class InstanceRuntime:
         if engine is None:
             self.log.info("stopped while the model was loading")
             return 0
-        loop = EngineLoop(engine, name=self.service, on_group_failed=self._group_failed)
+        try:
+            metrics = EngineMetrics(self.model.model_name, self.service)  # the ops port's
+        except ValueError as exc:  # another engine of this process exports them already
+            self.log.warning("engine metrics not exported on /metrics: %s", exc)
+            metrics = EngineMetrics(self.model.model_name, self.service, CollectorRegistry())
+        self.ctx.stack.callback(metrics.unregister)
+        loop = EngineLoop(
+            engine, name=self.service, on_group_failed=self._group_failed, metrics=metrics
+        )
         loop.start()
         self.ctx.stack.push_async_callback(loop.close)
         self.loop = loop
+        if self.stats_interval > 0:
+            self.ctx.background(
+                log_stats(metrics, self.stats_interval, self.log, self.ctx.stop), "engine-stats"
+            )
         if engine.eplb is not None:  # an EP rank running EPLB: export its balance
             self._export_balance(loop)
         self.log.info(

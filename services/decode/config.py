@@ -22,6 +22,7 @@ class DecodeConfig:
     model: ModelFlags
     grpc_port: int = 0
     heartbeat_interval: float = 1.0
+    stats_interval: float = 10.0  # seconds between engine stats log lines (0: none)
     ep: EPFlags = field(default_factory=EPFlags)  # --ep N: this instance is N rank processes
     kvstore_address: str = ""  # host:port; empty: generated blocks are not written back
     service_token: str = field(default="", repr=False)  # the internal APIs' credential
@@ -33,6 +34,8 @@ class DecodeConfig:
             raise ValueError(
                 f"--heartbeat-interval must be positive, got {self.heartbeat_interval}"
             )
+        if not self.stats_interval >= 0:
+            raise ValueError(f"--stats-interval must be >= 0, got {self.stats_interval}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_ep_flags(parser, SERVICE)
     flag(parser, "--grpc-port", type=int, default=0, help="KVTransfer gRPC port (0: any free)")
     flag(parser, "--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
+    flag(
+        parser,
+        "--stats-interval",
+        type=float,
+        default=10.0,
+        help="seconds between engine stats log lines (0: none)",
+    )
     flag(
         parser,
         "--kvstore-address",
@@ -61,6 +71,7 @@ def config_from(args: argparse.Namespace) -> DecodeConfig:
         model=model_flags_from(args),
         grpc_port=args.grpc_port,
         heartbeat_interval=args.heartbeat_interval,
+        stats_interval=args.stats_interval,
         ep=ep_flags_from(args),
         kvstore_address=args.kvstore_address,
     )

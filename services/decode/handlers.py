@@ -183,6 +183,7 @@ class DecodeHandler:
         """Queue the request with its KV in the engine (frames are parsed and uploaded off
         the engine thread first); returns once the KV is in this engine's pages."""
         rid = task.request_id
+        arrived = time.monotonic()  # the engine metrics' end-to-end latency counts the upload
         try:
             # Prefill produced the first token: one fewer to generate, and to hold stops back for.
             sampling = common_pb2.SamplingParams()
@@ -203,6 +204,7 @@ class DecodeHandler:
                 cache_salt=task.cache_salt,
                 hold_kv=self.kvstore is not None,
                 prior_outputs=len(task.token_ids) - task.num_prompt_tokens,
+                arrival=arrived,
             )
             if stream.imported is not None:  # a pool copy: done before the owner reuses it
                 await asyncio.to_thread(stream.imported.synchronize)

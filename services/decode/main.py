@@ -45,7 +45,7 @@ async def serve(cfg: DecodeConfig, ctx: ServiceContext, argv: Sequence[str] = ()
             ctx, SERVICE, argv, cfg.ep, own_grpc_port=True, device=cfg.model.device
         )
     log, host, instance_id = ctx.log, cfg.service.host, cfg.service.instance_id
-    rt = InstanceRuntime(ctx, cfg.model, cfg.heartbeat_interval, cfg.ep)
+    rt = InstanceRuntime(ctx, cfg.model, cfg.heartbeat_interval, cfg.ep, cfg.stats_interval)
     rc = await rt.start()
     if rc is not None:
         return rc

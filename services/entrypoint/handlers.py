@@ -72,6 +72,7 @@ from libs.routing.policy import resident_run
 
 from .admission import AdmissionMetrics, load_from_status
 from .delivery import TaskSender, deliver
+from .request_log import RequestRecord, log_request
 
 log = logging.getLogger("entrypoint")
 TRACER = tracer("entrypoint")
@@ -372,9 +373,12 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         started = time.monotonic()
         INFLIGHT.inc()
         outcome = "cancelled"  # stays so only if the client goes away (CancelledError)
+        record = RequestRecord()
         try:
             request = self._authenticate(request, context)
             valid, rid = self._admit(request)
+            record.request_id, record.tenant = rid, valid.tenant
+            record.prompt_tokens = len(valid.prompt_token_ids)
             try:
                 self.admission.refuse_if_full(
                     self._need(valid.prompt_token_ids, [], 0, valid.sampling.max_tokens),
@@ -383,7 +387,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                 metadata = dict(context.invocation_metadata() or ())
                 parent = extract_context(str(metadata.get("traceparent", "")))
                 async with contextlib.aclosing(
-                    self._generate(valid, rid, parent, started)
+                    self._generate(valid, rid, parent, started, record)
                 ) as events:
                     async for event in events:
                         yield event
@@ -405,6 +409,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             INFLIGHT.dec()
             REQUESTS.labels(outcome).inc()
             REQUEST_SECONDS.observe(time.monotonic() - started)
+            log_request(log, record, outcome, time.monotonic() - started)
 
     def _authenticate(
         self, request: generate_pb2.GenerateRequest, context: Any
@@ -443,7 +448,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         return valid, rid
 
     async def _generate(
-        self, valid: ValidRequest, rid: str, parent: Any, started: float
+        self, valid: ValidRequest, rid: str, parent: Any, started: float, record: RequestRecord
     ) -> AsyncGenerator[generate_pb2.GenerateEvent, None]:
         span = TRACER.start_span(
             "entrypoint.generate",
@@ -453,16 +458,21 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                 "deepserve.prompt_tokens": len(valid.prompt_token_ids),
             },
         )
+        trace_id = span.get_span_context().trace_id
+        record.trace_id = f"{trace_id:032x}" if trace_id else ""
         progress = Progress(valid.prompt_token_ids, valid.sampling.max_tokens)
         exact = exact_continuation(valid.sampling.temperature, valid.sampling.seed)
         admitted = _Admitted()
         try:
             for attempt in itertools.count(1):
+                record.attempts = attempt
                 try:
                     async with contextlib.aclosing(
                         self._attempt(valid, rid, span, progress, started, admitted)
                     ) as outputs:
                         async for out in outputs:
+                            if isinstance(out, Tokens) and record.ttft_s is None:
+                                record.ttft_s = time.monotonic() - started
                             yield to_proto(out, rid)
                     return
                 except AttemptFailed as exc:
@@ -491,6 +501,10 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                         ", ".join(progress.excluded) or "none",
                     )
         finally:
+            record.cached_tokens, record.completion_tokens = (
+                progress.cached_tokens,
+                len(progress.sent),
+            )
             if admitted.grant is not None:
                 self.admission.release(admitted.grant)
             span.end()

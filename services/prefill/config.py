@@ -27,6 +27,7 @@ class PrefillConfig:
     service_token: str = field(default="", repr=False)  # the internal APIs' credential
     push_timeout_s: float = PUSH_TIMEOUT_S
     heartbeat_interval: float = 1.0
+    stats_interval: float = 10.0  # seconds between engine stats log lines (0: none)
     ep: EPFlags = field(default_factory=EPFlags)  # --ep N: this instance is N rank processes
 
     def __post_init__(self) -> None:
@@ -39,6 +40,8 @@ class PrefillConfig:
             raise ValueError(
                 f"--heartbeat-interval must be positive, got {self.heartbeat_interval}"
             )
+        if not self.stats_interval >= 0:
+            raise ValueError(f"--stats-interval must be >= 0, got {self.stats_interval}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds for one KV push to decode",
     )
     flag(parser, "--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
+    flag(
+        parser,
+        "--stats-interval",
+        type=float,
+        default=10.0,
+        help="seconds between engine stats log lines (0: none)",
+    )
     return parser
 
 
@@ -68,5 +78,6 @@ def config_from(args: argparse.Namespace) -> PrefillConfig:
         kvstore_address=args.kvstore_address,
         push_timeout_s=args.push_timeout,
         heartbeat_interval=args.heartbeat_interval,
+        stats_interval=args.stats_interval,
         ep=ep_flags_from(args),
     )

@@ -258,6 +258,7 @@ class PrefillHandler:
     async def _serve(self, task: control_pb2.PrefillTask, subject: str) -> None:
         rid, prompt = task.request_id, list(task.prompt_token_ids)
         t0 = time.perf_counter()
+        arrived = time.monotonic()  # the engine metrics' TTFT counts kvstore loads too
         try:
             self._check(task)
             params = SamplingParams.from_proto(task.sampling)
@@ -267,7 +268,7 @@ class PrefillHandler:
             return
         # Only the first token here; min_tokens >= 1 keeps it from being EOS (decode does the rest).
         first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-        stream, in_store = await self._add(task, prompt, first_only)
+        stream, in_store = await self._add(task, prompt, first_only, arrived)
         if stream is None:
             return
         ev = await stream.next()
@@ -338,7 +339,11 @@ class PrefillHandler:
         return None
 
     async def _add(
-        self, task: control_pb2.PrefillTask, prompt: list[int], params: SamplingParams
+        self,
+        task: control_pb2.PrefillTask,
+        prompt: list[int],
+        params: SamplingParams,
+        arrived: float | None = None,
     ) -> tuple[RequestStream | None, int]:
         """Queue the prompt (with cached KV if any); returns its stream and how many leading
         blocks the kvstore holds already (new blocks from there on are worth storing)."""
@@ -349,13 +354,21 @@ class PrefillHandler:
             if cached is not None:
                 try:
                     stream = await self.loop.add(
-                        rid, prompt, params, cache_salt=salt, kv=cached, hold_kv=True
+                        rid,
+                        prompt,
+                        params,
+                        cache_salt=salt,
+                        kv=cached,
+                        hold_kv=True,
+                        arrival=arrived,
                     )
                     return stream, task.cached_blocks
                 except (KVFormatError, NoFreeBlocks) as exc:
                     ERRORS.labels("kv_import").inc()
                     log.warning("request %s: cached KV not usable (%s); computing it", rid, exc)
-            stream = await self.loop.add(rid, prompt, params, cache_salt=salt, hold_kv=True)
+            stream = await self.loop.add(
+                rid, prompt, params, cache_salt=salt, hold_kv=True, arrival=arrived
+            )
             return stream, max(task.cached_blocks, 0)
         except InvalidRequest as exc:
             REQUESTS.labels("invalid").inc()

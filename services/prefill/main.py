@@ -42,7 +42,7 @@ async def serve(cfg: PrefillConfig, ctx: ServiceContext, argv: Sequence[str] = (
             ctx, SERVICE, argv, cfg.ep, own_grpc_port=False, device=cfg.model.device
         )
     log, instance_id = ctx.log, cfg.service.instance_id
-    rt = InstanceRuntime(ctx, cfg.model, cfg.heartbeat_interval, cfg.ep)
+    rt = InstanceRuntime(ctx, cfg.model, cfg.heartbeat_interval, cfg.ep, cfg.stats_interval)
     rc = await rt.start()
     if rc is not None:
         return rc

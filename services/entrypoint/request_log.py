@@ -1,0 +1,71 @@
+"""One log line per Generate call when it ends: what an operator greps for a request.
+
+``request req-1 ok: tenant=3f2a9c1b prompt=812 cached=768 completion=64 ttft=0.094s
+duration=1.210s attempts=1 trace=4bf92f3577b34da6a3ce929d0e0e4736``; with ``--log-format
+json`` the same values are fields of the line's JSON object. The tenant appears only as the
+first 8 hex digits of its SHA-256 (as the recipe's metric labels), never its name or key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from libs.common.logs import FIELDS_ATTR
+
+
+def tenant_hash(tenant: str) -> str:
+    """First 8 hex digits of the tenant's SHA-256; "-" for a request without a tenant."""
+    return hashlib.sha256(tenant.encode()).hexdigest()[:8] if tenant else "-"
+
+
+@dataclass
+class RequestRecord:
+    """Filled in as a call goes; logged once by :func:`log_request` when it ends."""
+
+    request_id: str = "-"  # "-": refused before it had one
+    tenant: str = ""  # the verified tenant; only its hash is ever logged
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float | None = None  # call started -> first token sent to the client
+    attempts: int = 0
+    trace_id: str = ""
+
+    def fields(self, outcome: str, duration_s: float) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "tenant_hash": tenant_hash(self.tenant),
+            "outcome": outcome,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "completion_tokens": self.completion_tokens,
+            "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 6),
+            "duration_s": round(duration_s, 6),
+            "attempts": self.attempts,
+            "trace_id": self.trace_id,
+        }
+
+
+def log_request(
+    log: logging.Logger, record: RequestRecord, outcome: str, duration_s: float
+) -> None:
+    f = record.fields(outcome, duration_s)
+    ttft = "-" if f["ttft_s"] is None else f"{f['ttft_s']:.3f}s"
+    log.info(
+        "request %s %s: tenant=%s prompt=%d cached=%d completion=%d ttft=%s duration=%.3fs "
+        "attempts=%d trace=%s",
+        f["request_id"],
+        outcome,
+        f["tenant_hash"],
+        f["prompt_tokens"],
+        f["cached_tokens"],
+        f["completion_tokens"],
+        ttft,
+        duration_s,
+        f["attempts"],
+        f["trace_id"] or "-",
+        extra={FIELDS_ATTR: f},
+    )

@@ -16,6 +16,7 @@ from libs.common.errors import InvalidArgument
 from libs.proto.deepserve.v1 import common_pb2
 
 MAX_SEED = 2**63  # the sampler keys draws by a signed 64-bit seed
+MAX_LOGPROBS = 20  # most likely tokens returned per position (OpenAI's top_logprobs limit)
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,10 @@ class SamplingParams:
     position ``n`` depends only on (seed, n) and the logits: the same seed gives the same
     tokens whatever requests share the batch, and after a KV handoff or a preemption.
 
+    ``logprobs`` (None: off; N in [0, 20]) asks for each generated token's log probability and
+    the N most likely tokens', under the distribution the token was drawn from (after the
+    penalties, the masking, the temperature and the cuts; a greedy row's at temperature 1).
+
     A bad value raises :class:`~libs.common.errors.InvalidArgument` (a ``ValueError``) whose
     ``field`` names the proto field, e.g. ``sampling.top_p``. Checks that need context (the
     context limit, the vocabulary) belong to whoever knows it: the entrypoint and the engine.
@@ -51,6 +56,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -68,6 +74,8 @@ class SamplingParams:
         for i, tok in enumerate(self.stop_token_ids):
             if tok < 0:
                 _bad(f"stop_token_ids[{i}]", f"token id {tok} is negative; token ids are >= 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            _bad("logprobs", f"must lie in [0, {MAX_LOGPROBS}] (absent = off), got {self.logprobs}")
         self._check_penalties()
 
     def _check_penalties(self) -> None:
@@ -121,6 +129,7 @@ class SamplingParams:
             repetition_penalty=msg.repetition_penalty if msg.repetition_penalty != 0 else 1.0,
             presence_penalty=msg.presence_penalty,
             frequency_penalty=msg.frequency_penalty,
+            logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         )
 
     def to_proto(self) -> common_pb2.SamplingParams:
@@ -139,7 +148,28 @@ class SamplingParams:
         )
         if self.seed is not None:
             msg.seed = self.seed
+        if self.logprobs is not None:
+            msg.logprobs = self.logprobs
         return msg
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability and the most likely tokens' (``logprobs`` above);
+    ``top_ids``/``top_logprobs`` most likely first."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+    def to_proto(self) -> common_pb2.TokenLogprobs:
+        return common_pb2.TokenLogprobs(
+            logprob=self.logprob, top_ids=list(self.top_ids), top_logprobs=list(self.top_logprobs)
+        )
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.TokenLogprobs) -> TokenLogprob:
+        return cls(msg.logprob, tuple(msg.top_ids), tuple(msg.top_logprobs))
 
 
 def _bad(name: str, message: str) -> NoReturn:

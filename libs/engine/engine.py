@@ -20,6 +20,7 @@ group load counts, live re-placement every ``rebalance_every`` steps, and the ba
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -699,7 +700,16 @@ class Engine:
         self.last_finished_tokens = launched.plan.num_tokens  # the step those seconds timed
         self.last_finished_seqs = len(launched.plan.seqs)
         self.finished_steps += 1
-        return self.scheduler.commit(launched.plan, sampled, seconds)
+        events = self.scheduler.commit(launched.plan, sampled, seconds)
+        if launched.logprobs is not None:
+            lps = self.runner.logprobs(launched)
+            events = [
+                dataclasses.replace(ev, logprobs=lps[ev.request_id])
+                if ev.token_id is not None and ev.request_id in lps
+                else ev
+                for ev in events
+            ]
+        return events
 
 
 def _eplb_start(

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from libs.common.sampling import SamplingParams
+from libs.common.sampling import SamplingParams, TokenLogprob
 
 from .config import ModelConfig
 from .cost_model import CostModel
@@ -99,6 +99,10 @@ class StepRunner(Protocol):
         ...
 
     def collect(self, launched: Launched) -> tuple[dict[str, int], float]: ...
+
+    def logprobs(self, launched: Launched) -> dict[str, TokenLogprob]:
+        """After ``collect``: the logprobs of the requests that asked, by request id."""
+        ...
 
 
 @dataclass(frozen=True)

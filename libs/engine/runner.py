@@ -24,12 +24,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from libs.common.sampling import SamplingParams
+from libs.common.sampling import SamplingParams, TokenLogprob
 
 from .kv.cache import PagedKVCache
 from .model.attention import AttentionMetadata, SeqAttention
 from .model.model import DeepseekForCausalLM
-from .sampler import Sampler, TokenHistory
+from .sampler import LogprobRows, Sampler, TokenHistory
 from .scheduler import PLACEHOLDER, ScheduledSeq, StepPlan
 
 GRAPH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -47,6 +47,9 @@ class Launched:
     started: torch.cuda.Event | None
     wall_s: float = 0.0
     index: dict[str, int] = field(default_factory=dict)  # request id -> row of ``tokens``
+    # Rows that asked for logprobs (Sampler.last_logprobs) and host copies of its tensors,
+    # valid once ``done`` has passed; read by :meth:`ModelRunner.logprobs`.
+    logprobs: tuple[LogprobRows, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -115,13 +118,22 @@ class ModelRunner:
         sampling = [s for s in plan.seqs if s.sample]
         logits = self._forward(plan, prev)
         tokens = host = done = None
+        logprobs = None
         if sampling:
             history = self._history(sampling, histories, prev) if histories else None
+            self.sampler.last_logprobs = None
             tokens = self.sampler.sample_device(
                 logits, params, [s.sample_position for s in sampling], num_generated, history
             )
             host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=cuda)
             host.copy_(tokens, non_blocking=cuda)
+            lp = self.sampler.last_logprobs
+            if lp is not None:
+                vals = torch.empty(lp.values.shape, dtype=torch.float32, pin_memory=cuda)
+                ids = torch.empty(lp.ids.shape, dtype=torch.int64, pin_memory=cuda)
+                vals.copy_(lp.values, non_blocking=cuda)
+                ids.copy_(lp.ids, non_blocking=cuda)
+                logprobs = (lp, vals, ids)
         if cuda:
             done = _timing_event()
             done.record()
@@ -134,6 +146,7 @@ class ModelRunner:
             started,
             time.perf_counter() - t0,
             {s.request_id: i for i, s in enumerate(sampling)},
+            logprobs,
         )
 
     @staticmethod
@@ -149,6 +162,15 @@ class ModelRunner:
             return {}, seconds
         ids: list[int] = launched.host.tolist()
         return {s.request_id: t for s, t in zip(launched.sampling, ids)}, seconds
+
+    @staticmethod
+    def logprobs(launched: Launched) -> dict[str, TokenLogprob]:
+        """After :meth:`collect`: the logprobs of the requests that asked, by request id."""
+        if launched.logprobs is None:
+            return {}
+        rows, vals, ids = launched.logprobs
+        out = rows.unpack(vals.tolist(), ids.tolist())
+        return {launched.sampling[r].request_id: lp for r, lp in zip(rows.rows, out, strict=True)}
 
     def _history(
         self,

@@ -8,6 +8,10 @@ nothing else in the batch and can be replayed anywhere (after preemption or KV i
 Before the draw (greedy rows too) the penalties change the logits and ``min_tokens`` masks
 the stop tokens; each step is skipped when no row of the batch uses it, so a batch without
 them runs exactly the plain argmax/race it always did.
+
+Rows that ask for ``logprobs`` get the log-softmax of the logits they were drawn from (a
+sampled row's after temperature and cuts, a greedy row's after penalties and masking): the
+drawn token's value and the top N, gathered on the device (:attr:`Sampler.last_logprobs`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from libs.common.sampling import SamplingParams
+from libs.common.sampling import SamplingParams, TokenLogprob
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -144,6 +148,23 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) 
     return logits
 
 
+@dataclass
+class LogprobRows:
+    """The logprobs of one sampling call (:attr:`Sampler.last_logprobs`)."""
+
+    rows: list[int]  # sampling rows that asked, ascending
+    counts: list[int]  # top-N per row
+    values: torch.Tensor  # fp32 [len(rows), 1 + max(counts)]: drawn token, then the top N
+    ids: torch.Tensor  # int64 [len(rows), max(counts)]
+
+    def unpack(self, values: list[list[float]], ids: list[list[int]]) -> list[TokenLogprob]:
+        """Host copies of :attr:`values` / :attr:`ids` to one TokenLogprob per row."""
+        return [
+            TokenLogprob(v[0], tuple(i[:n]), tuple(v[1 : 1 + n]))
+            for v, i, n in zip(values, ids, self.counts, strict=True)
+        ]
+
+
 class Sampler:
     def __init__(
         self,
@@ -159,6 +180,10 @@ class Sampler:
         else:
             self._rng.manual_seed(seed)
         self._seeded = torch.Generator(device=device)
+        # Set by sample_device for the rows that asked for logprobs (else None): the rows,
+        # their top-N counts, and on the device [rows, 1 + N_max] log probabilities (the drawn
+        # token's first) and [rows, N_max] token ids. Read right after the call.
+        self.last_logprobs: LogprobRows | None = None
 
     def sample(
         self,
@@ -195,10 +220,14 @@ class Sampler:
                 raise ValueError("a row sets min_tokens: pass num_generated")
             logits = mask_stops(logits, params, num_generated, self.eos_token_ids)
         out = logits.argmax(dim=-1)
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        dists: dict[int, torch.Tensor] = {}  # row -> the logits it was drawn from
         for i, p in enumerate(params):
             if p.greedy:
                 continue
             row = _filter(logits[i] / p.temperature, p.top_k, p.top_p, p.min_p)
+            if p.logprobs is not None:
+                dists[i] = row
             probs = row.softmax(-1)
             if p.seed is None:
                 gen = self._rng
@@ -207,4 +236,13 @@ class Sampler:
                 gen.manual_seed(position_seed(p.seed, positions[i]))
             e = torch.empty_like(probs).exponential_(generator=gen).clamp_min_(1e-30)
             out[i] = (probs / e).argmax()
+        self.last_logprobs = None
+        if wanted:
+            counts = [int(params[i].logprobs or 0) for i in wanted]
+            rows = torch.stack([dists.get(i, logits[i]) for i in wanted]).log_softmax(-1)
+            chosen = rows.gather(1, out[wanted].unsqueeze(1))
+            top = rows.topk(max(counts), dim=-1) if max(counts) else None
+            vals = chosen if top is None else torch.cat([chosen, top.values], dim=1)
+            ids = out.new_empty(len(wanted), 0) if top is None else top.indices
+            self.last_logprobs = LogprobRows(wanted, counts, vals, ids)
         return out

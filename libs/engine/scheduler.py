@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from libs.common.hashchain import chain_hashes
-from libs.common.sampling import SamplingParams
+from libs.common.sampling import SamplingParams, TokenLogprob
 
 from .cost_model import CostModel, StepShape
 from .kv.block_manager import BlockManager
@@ -143,6 +143,7 @@ class TokenEvent:
     finished: bool = False
     finish_reason: str | None = None  # "stop", "length" or "abort"
     num_cached_tokens: int = 0  # prompt tokens served from cache (prefix hit or KV import)
+    logprobs: TokenLogprob | None = None  # when the request asked (SamplingParams.logprobs)
 
 
 class Scheduler:

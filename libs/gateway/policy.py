@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from libs.common.errors import InvalidArgument, NotFound
-from libs.common.sampling import SamplingParams
+from libs.common.sampling import SamplingParams, TokenLogprob
 from libs.proto.deepserve.v1 import common_pb2, generate_pb2
 
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")  # becomes part of a NATS subject
@@ -128,6 +128,8 @@ class Chunk:
     finish_reason: str = ""
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # One per token when the request asked for logprobs (else empty); sliced with token_ids.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class ReorderOverflow(RuntimeError):
@@ -196,6 +198,7 @@ class TokenReorderBuffer:
             chunk.finish_reason,
             chunk.prompt_tokens,
             chunk.cached_tokens,
+            chunk.logprobs[skip:],
         )
         self.next_index += len(fresh)
         self.finished = chunk.finished
@@ -211,6 +214,7 @@ class Ready:
 @dataclass(frozen=True)
 class Tokens:
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when asked
 
 
 @dataclass(frozen=True)
@@ -256,7 +260,7 @@ class RequestStream:
             ids = c.token_ids[:room]
             if ids:
                 self.completion_tokens += len(ids)
-                out.append(Tokens(ids))
+                out.append(Tokens(ids, c.logprobs[:room]))
             reason = c.finish_reason or "stop"
             if len(c.token_ids) > room or (
                 self.completion_tokens >= self.max_tokens and not c.finished

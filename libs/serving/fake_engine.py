@@ -31,6 +31,7 @@ from libs.engine.kv.layout import CacheSpec, PagedEntry
 from libs.engine.kv.peer import PeerUnavailable
 from libs.engine.parts import EngineParts
 from libs.engine.runner import Launched, ModelRunner
+from libs.engine.sampler import LogprobRows
 from libs.engine.scheduler import StepPlan
 
 FAKE_MODEL = "fake"
@@ -156,7 +157,20 @@ class FakeRunner:
             for s, p in zip(sampling, params, strict=True)
         ]
         host = torch.tensor(sampled, dtype=torch.int64)
-        return Launched(plan, sampling, None, host, None, None, time.perf_counter() - t0)
+        # The fake model is a point mass on its token: log probability 0, the only candidate.
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        logprobs = None
+        if rows:
+            counts = [min(int(params[i].logprobs or 0), 1) for i in rows]
+            vals = torch.zeros(len(rows), 2)
+            ids = torch.tensor([[sampled[i]] for i in rows], dtype=torch.int64)
+            lp = LogprobRows(rows, counts, vals, ids)
+            logprobs = (lp, vals, ids)
+        return Launched(
+            plan, sampling, None, host, None, None, time.perf_counter() - t0, logprobs=logprobs
+        )
+
+    logprobs = staticmethod(ModelRunner.logprobs)
 
 
 def fake_parts(

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from libs.common.sampling import TokenLogprob
 from libs.proto.deepserve.v1 import control_pb2
 
 
@@ -32,6 +33,7 @@ class _Sent:
     finished: bool = False
     finish_reason: str = ""
     error: control_pb2.TokenEvent | None = None
+    logprobs: list[TokenLogprob | None] | None = None  # per position, when the request asked
 
 
 class EventLog:
@@ -47,16 +49,36 @@ class EventLog:
         self._live: dict[str, _Sent] = {}
         self._ended: OrderedDict[str, tuple[float, _Sent]] = OrderedDict()  # by end time
 
-    def start(self, rid: str, first_token: int, prompt_tokens: int, cached_tokens: int) -> None:
-        """Decoding begins; prefill already published ``first_token`` as position 0."""
+    def start(
+        self,
+        rid: str,
+        first_token: int,
+        prompt_tokens: int,
+        cached_tokens: int,
+        first_logprobs: TokenLogprob | None = None,
+        with_logprobs: bool = False,
+    ) -> None:
+        """Decoding begins; prefill already published ``first_token`` as position 0.
+        ``with_logprobs``: the request asked for them (kept per position from here)."""
         sent = _Sent(prompt_tokens, cached_tokens)
         sent.tokens.append(first_token)
+        if with_logprobs:
+            sent.logprobs = [first_logprobs]
         self._live[rid] = sent
 
-    def token(self, rid: str, token_id: int, finished: bool, finish_reason: str) -> None:
+    def token(
+        self,
+        rid: str,
+        token_id: int,
+        finished: bool,
+        finish_reason: str,
+        logprobs: TokenLogprob | None = None,
+    ) -> None:
         """The next position was published (1, 2, ... in order)."""
         sent = self._live[rid]
         sent.tokens.append(token_id)
+        if sent.logprobs is not None:
+            sent.logprobs.append(logprobs)
         sent.finished, sent.finish_reason = finished, finish_reason
 
     def error(self, rid: str, event: control_pb2.TokenEvent) -> None:
@@ -94,17 +116,19 @@ class EventLog:
         out: list[control_pb2.TokenEvent] = []
         if start < len(sent.tokens) or sent.finished:
             start = min(start, len(sent.tokens))
-            out.append(
-                control_pb2.TokenEvent(
-                    request_id=rid,
-                    index=start,
-                    token_ids=sent.tokens[start:].tolist(),
-                    finished=sent.finished,
-                    finish_reason=sent.finish_reason,
-                    prompt_tokens=sent.prompt_tokens,
-                    cached_tokens=sent.cached_tokens,
-                )
+            ev = control_pb2.TokenEvent(
+                request_id=rid,
+                index=start,
+                token_ids=sent.tokens[start:].tolist(),
+                finished=sent.finished,
+                finish_reason=sent.finish_reason,
+                prompt_tokens=sent.prompt_tokens,
+                cached_tokens=sent.cached_tokens,
             )
+            lps = sent.logprobs[start:] if sent.logprobs is not None else []
+            if lps and all(lp is not None for lp in lps):  # one per token, or none at all
+                ev.logprobs.extend(lp.to_proto() for lp in lps if lp is not None)
+            out.append(ev)
         if sent.error is not None:
             out.append(sent.error)
         return out

@@ -35,7 +35,7 @@ from libs.common.errors import (
     NotFound,
     Unavailable,
 )
-from libs.common.sampling import SamplingParams
+from libs.common.sampling import SamplingParams, TokenLogprob
 from libs.common.telemetry import extract_context
 from libs.engine.engine import (
     InvalidRequest,
@@ -237,7 +237,16 @@ class DecodeHandler:
         subject = task.events_subject or subjects.token_events(rid)
         t0 = time.perf_counter()
         index = 1
-        self.sent.start(rid, task.token_ids[-1], task.num_prompt_tokens, task.cached_tokens)
+        self.sent.start(
+            rid,
+            task.token_ids[-1],
+            task.num_prompt_tokens,
+            task.cached_tokens,
+            TokenLogprob.from_proto(task.first_logprobs)
+            if task.HasField("first_logprobs")
+            else None,
+            task.sampling.HasField("logprobs"),
+        )
         with self.tracer.start_as_current_span(
             "decode", context=extract_context(traceparent)
         ) as span:
@@ -256,7 +265,9 @@ class DecodeHandler:
                         prompt_tokens=task.num_prompt_tokens,
                         cached_tokens=task.cached_tokens,
                     )
-                    self.sent.token(rid, ev.token_id, ev.finished, msg.finish_reason)
+                    if ev.logprobs is not None:
+                        msg.logprobs.append(ev.logprobs.to_proto())
+                    self.sent.token(rid, ev.token_id, ev.finished, msg.finish_reason, ev.logprobs)
                     await self._send(subject, msg)
                     TOKENS.inc()
                     index += 1

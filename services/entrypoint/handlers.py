@@ -37,6 +37,7 @@ from libs.common.errors import (
 )
 from libs.common.grpc_auth import bearer, same_token
 from libs.common.hashchain import chain_hashes, tenant_salt
+from libs.common.sampling import TokenLogprob
 from libs.common.telemetry import extract_context, inject_traceparent, tracer
 from libs.gateway.admission import Admission, Grant
 from libs.gateway.capacity import PREFILL, Capacity, CapacityConfig, Need
@@ -287,7 +288,11 @@ def to_proto(out: Output, request_id: str) -> generate_pb2.GenerateEvent:
             )
         )
     if isinstance(out, Tokens):
-        return generate_pb2.GenerateEvent(tokens=generate_pb2.Tokens(token_ids=out.token_ids))
+        return generate_pb2.GenerateEvent(
+            tokens=generate_pb2.Tokens(
+                token_ids=out.token_ids, logprobs=[lp.to_proto() for lp in out.logprobs]
+            )
+        )
     assert isinstance(out, Finish)
     usage = common_pb2.Usage(
         prompt_tokens=out.prompt_tokens,
@@ -792,6 +797,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             ev.finish_reason,
             ev.prompt_tokens,
             ev.cached_tokens,
+            tuple(TokenLogprob.from_proto(lp) for lp in ev.logprobs),
         )
 
     def _refill_due(self, refill: _Refill, stream: RequestStream) -> bool:

@@ -286,6 +286,7 @@ class PrefillHandler:
                 finish_reason=reason or "",
                 prompt_tokens=len(prompt),
                 cached_tokens=ev.num_cached_tokens,
+                logprobs=[ev.logprobs.to_proto()] if ev.logprobs is not None else [],
             ),
         )
         if self.kvstore is not None:
@@ -304,6 +305,8 @@ class PrefillHandler:
             traceparent=inject_traceparent(),
             traffic_class=task.traffic_class,
         )
+        if ev.logprobs is not None:
+            decode_task.first_logprobs.CopyFrom(ev.logprobs.to_proto())
         try:
             with self.tracer.start_as_current_span("prefill.handoff"):
                 await self._hand_over(task, decode_task, prompt)

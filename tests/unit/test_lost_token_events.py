@@ -185,3 +185,25 @@ async def test_unknown_at_decode_keeps_waiting_for_the_bus() -> None:
     with pytest.raises(Exception, match="no token for"):
         await tokens_of(handler(bus, resender, request_timeout=0.3))
     assert resender.asked  # asked (and told it is not there), then the usual deadline
+
+
+def test_resent_events_keep_their_logprobs_aligned_or_carry_none() -> None:
+    from libs.common.sampling import TokenLogprob
+
+    log = EventLog()
+    first, second = TokenLogprob(-0.5, (7,), (-0.5,)), TokenLogprob(-0.25, (8,), (-0.25,))
+    log.start("r", 7, 3, 0, first, with_logprobs=True)
+    log.token("r", 8, False, "", second)
+    (ev,) = log.since("r", 0) or []
+    assert list(ev.token_ids) == [7, 8]
+    assert [TokenLogprob.from_proto(lp) for lp in ev.logprobs] == [first, second]
+    (ev,) = log.since("r", 1) or []
+    assert [TokenLogprob.from_proto(lp) for lp in ev.logprobs] == [second]
+    # Prefill's first logprob unknown (an older prefill): none rather than misaligned ones.
+    log.start("s", 7, 3, 0, None, with_logprobs=True)
+    log.token("s", 8, True, "stop", second)
+    assert not log.since("s", 0)[0].logprobs  # type: ignore[index]
+    assert len(log.since("s", 1)[0].logprobs) == 1  # type: ignore[index]
+    log.start("t", 7, 3, 0)  # did not ask
+    log.token("t", 8, True, "stop")
+    assert not log.since("t", 0)[0].logprobs  # type: ignore[index]

@@ -337,3 +337,35 @@ async def test_sampling_extras_survive_the_prefill_decode_handoff(
     ref = engine_reference(tiny_loaded, call.request)
     assert len(ref) == 8 and call.token_ids == ref
     assert resp.json()["usage"]["completion_tokens"] == 8
+
+
+async def test_logprobs_cross_the_handoff_as_one_engine_gives_them(
+    pipeline: tuple[Any, EntrypointBackend], tiny_loaded: Any
+) -> None:
+    """Generate with sampling.logprobs: every token event carries one TokenLogprobs per token
+    (prefill's first one travels in the DecodeTask), equal to a single engine's."""
+    _, backend = pipeline
+    request = generate_pb2.GenerateRequest(
+        model=MODEL,
+        prompt_token_ids=[5, 77, 301, 4000, 12],
+        sampling=SamplingParams(max_tokens=6, logprobs=3).to_proto(),
+    )
+    got_ids: list[int] = []
+    got: list[Any] = []
+    async for ev in backend.generate(request):
+        if ev.WhichOneof("event") == "tokens":
+            assert len(ev.tokens.logprobs) == len(ev.tokens.token_ids)
+            got_ids += list(ev.tokens.token_ids)
+            got += list(ev.tokens.logprobs)
+    engine = make_engine(tiny_loaded)
+    engine.add_request(
+        "ref", list(request.prompt_token_ids), SamplingParams(max_tokens=6, logprobs=3)
+    )
+    ref = []
+    while engine.has_unfinished():
+        ref += [ev for ev in engine.step() if ev.token_id is not None]
+    assert got_ids == [ev.token_id for ev in ref]
+    for mine, want in zip(got, ref, strict=True):
+        assert list(mine.top_ids) == list(want.logprobs.top_ids)
+        assert mine.logprob == pytest.approx(want.logprobs.logprob, abs=1e-4)
+        assert list(mine.top_logprobs) == pytest.approx(list(want.logprobs.top_logprobs), abs=1e-4)

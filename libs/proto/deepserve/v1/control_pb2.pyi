@@ -102,7 +102,7 @@ class PrefillTask(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[bytes] = ..., traffic_class: _Optional[_Union[_common_pb2.TrafficClass, str]] = ..., cached_blocks: _Optional[int] = ..., decode_instance: _Optional[str] = ..., decode_address: _Optional[str] = ..., events_subject: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class DecodeTask(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "cache_salt", "events_subject", "cached_tokens", "traceparent", "traffic_class")
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "cache_salt", "events_subject", "cached_tokens", "traceparent", "traffic_class", "first_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class DecodeTask(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_CLASS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
@@ -121,10 +122,11 @@ class DecodeTask(_message.Message):
     cached_tokens: int
     traceparent: str
     traffic_class: _common_pb2.TrafficClass
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[bytes] = ..., events_subject: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ..., traffic_class: _Optional[_Union[_common_pb2.TrafficClass, str]] = ...) -> None: ...
+    first_logprobs: _common_pb2.TokenLogprobs
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[bytes] = ..., events_subject: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ..., traffic_class: _Optional[_Union[_common_pb2.TrafficClass, str]] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("request_id", "index", "token_ids", "finished", "finish_reason", "prompt_tokens", "cached_tokens", "error", "retryable")
+    __slots__ = ("request_id", "index", "token_ids", "finished", "finish_reason", "prompt_tokens", "cached_tokens", "error", "retryable", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +136,7 @@ class TokenEvent(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -143,7 +146,8 @@ class TokenEvent(_message.Message):
     cached_tokens: int
     error: str
     retryable: bool
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("request_id", "reason")

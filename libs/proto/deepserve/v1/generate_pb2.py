@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from libs.proto.deepserve.v1 import common_pb2 as deepserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64\x65\x65pserve/v1/generate.proto\x12\x0c\x64\x65\x65pserve.v1\x1a\x19\x64\x65\x65pserve/v1/common.proto\"\xc1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.deepserve.v1.SamplingParams\x12\r\n\x05model\x18\x04 \x01(\t\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x31\n\rtraffic_class\x18\x06 \x01(\x0e\x32\x1a.deepserve.v1.TrafficClass\"\x8e\x01\n\rGenerateEvent\x12$\n\x05ready\x18\x01 \x01(\x0b\x32\x13.deepserve.v1.ReadyH\x00\x12&\n\x06tokens\x18\x02 \x01(\x0b\x32\x14.deepserve.v1.TokensH\x00\x12&\n\x06\x66inish\x18\x03 \x01(\x0b\x32\x14.deepserve.v1.FinishH\x00\x42\x07\n\x05\x65vent\"I\n\x05Ready\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x1b\n\x06Tokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"<\n\x06\x46inish\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.deepserve.v1.Usage2T\n\x08Generate\x12H\n\x08Generate\x12\x1d.deepserve.v1.GenerateRequest\x1a\x1b.deepserve.v1.GenerateEvent0\x01\x42S\n\x0f\x61i.deepserve.v1P\x01Z>github.com/deepserve/deepserve/gen/go/deepserve/v1;deepservev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64\x65\x65pserve/v1/generate.proto\x12\x0c\x64\x65\x65pserve.v1\x1a\x19\x64\x65\x65pserve/v1/common.proto\"\xc1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.deepserve.v1.SamplingParams\x12\r\n\x05model\x18\x04 \x01(\t\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x31\n\rtraffic_class\x18\x06 \x01(\x0e\x32\x1a.deepserve.v1.TrafficClass\"\x8e\x01\n\rGenerateEvent\x12$\n\x05ready\x18\x01 \x01(\x0b\x32\x13.deepserve.v1.ReadyH\x00\x12&\n\x06tokens\x18\x02 \x01(\x0b\x32\x14.deepserve.v1.TokensH\x00\x12&\n\x06\x66inish\x18\x03 \x01(\x0b\x32\x14.deepserve.v1.FinishH\x00\x42\x07\n\x05\x65vent\"I\n\x05Ready\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"J\n\x06Tokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12-\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1b.deepserve.v1.TokenLogprobs\"<\n\x06\x46inish\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.deepserve.v1.Usage2T\n\x08Generate\x12H\n\x08Generate\x12\x1d.deepserve.v1.GenerateRequest\x1a\x1b.deepserve.v1.GenerateEvent0\x01\x42S\n\x0f\x61i.deepserve.v1P\x01Z>github.com/deepserve/deepserve/gen/go/deepserve/v1;deepservev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,9 +40,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_READY']._serialized_start=413
   _globals['_READY']._serialized_end=486
   _globals['_TOKENS']._serialized_start=488
-  _globals['_TOKENS']._serialized_end=515
-  _globals['_FINISH']._serialized_start=517
-  _globals['_FINISH']._serialized_end=577
-  _globals['_GENERATE']._serialized_start=579
-  _globals['_GENERATE']._serialized_end=663
+  _globals['_TOKENS']._serialized_end=562
+  _globals['_FINISH']._serialized_start=564
+  _globals['_FINISH']._serialized_end=624
+  _globals['_GENERATE']._serialized_start=626
+  _globals['_GENERATE']._serialized_end=710
 # @@protoc_insertion_point(module_scope)

@@ -19,8 +19,8 @@ from prometheus_client import Counter
 from libs.common.auth import KeyTable
 from libs.gateway.keylimits import KeyLimiter, KeyLimitPolicy, Refusal, Slot, key_id
 
+from .answer import Answer
 from .api import APIError
-from .events import Job
 from .usage import UsageRecord, UsageSink, tenant_hash
 
 
@@ -43,7 +43,7 @@ class RequestAccount:
         self.owner, self.route, self.rid, self.tenant = owner, route, rid, tenant
         self.kid, self.slot = kid, slot
         self.started_at = time.time()
-        self.job: Job | None = None  # set once the request is sent to the backend
+        self.job: Answer | None = None  # set once the request is sent to the backend
         self.ended = False
 
     def reserve(self, tokens: int) -> None:
@@ -61,7 +61,7 @@ class RequestAccount:
             return
         self.ended = True
         job = self.job
-        accepted = job is not None and job.response is not None  # the backend's Ready came
+        accepted = job is not None and job.accepted  # the backend's Ready came
         if self.slot is not None:
             used = job.prompt_tokens + job.answered_tokens if job and accepted else 0
             self.owner.limiter.leave(self.slot, used)

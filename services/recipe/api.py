@@ -74,9 +74,11 @@ _ANTHROPIC_TYPES = {
 class Protocol:
     """One HTTP protocol over the library's request, generator and response classes."""
 
-    name: str  # route label: chat_completions, responses, messages
-    request_cls: Any  # dr.ChatCompletionRequest | dr.ResponsesRequest | dr.MessagesRequest
-    response_cls: Any  # dr.ChatCompletionResponse | dr.ResponsesResponse | dr.MessagesResponse
+    name: str  # route label: chat_completions, completions, responses, messages
+    # dr.ChatCompletionRequest | dr.ResponsesRequest | dr.MessagesRequest; None for Completions,
+    # which deepseek-recipe does not have (completions.py)
+    request_cls: Any
+    response_cls: Any  # dr.ChatCompletionResponse | dr.ResponsesResponse | ...; likewise
     id_prefix: str
     anthropic: bool = False
 
@@ -99,7 +101,7 @@ class Protocol:
 
     def sse_error(self, err: APIError) -> bytes:
         """The error event that ends a stream that already started."""
-        if self.name == "chat_completions":
+        if self.name in ("chat_completions", "completions"):
             return self.sse(None, json.dumps(self.error_body(err), ensure_ascii=False))
         if self.anthropic:
             return self.sse("error", json.dumps(self.error_body(err), ensure_ascii=False))
@@ -112,6 +114,8 @@ class Protocol:
         return self.sse("error", json.dumps(body, ensure_ascii=False))
 
     def sse_done(self) -> bytes:
+        if self.response_cls is None:  # Completions ends as Chat Completions does
+            return self.sse(None, "[DONE]")
         done = self.response_cls.sse_done_data()
         return self.sse(None, done) if done is not None else b""
 
@@ -119,5 +123,6 @@ class Protocol:
 CHAT = Protocol(
     "chat_completions", dr.ChatCompletionRequest, dr.ChatCompletionResponse, "chatcmpl-"
 )
+COMPLETIONS = Protocol("completions", None, None, "cmpl-")
 RESPONSES = Protocol("responses", dr.ResponsesRequest, dr.ResponsesResponse, "resp_")
 MESSAGES = Protocol("messages", dr.MessagesRequest, dr.MessagesResponse, "msg_", anthropic=True)

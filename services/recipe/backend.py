@@ -11,12 +11,15 @@ Every wait on the entrypoint is bounded: the first event of a call must come wit
 :class:`~libs.common.errors.DeadlineExceeded` raised (504). The entrypoint aborts a request
 whose engines fall silent for its own ``--request-timeout`` (60 s) and sends that error, so the
 recipe's deadlines, longer, only fire when the entrypoint itself is frozen or unreachable.
+
+A request with several choices (``n``) is one call per choice: :class:`Calls` starts and
+cancels them together, :func:`merged` reads their events as they come.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Protocol
 
 import grpc
@@ -129,3 +132,56 @@ class GrpcGenerateBackend:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+class Calls:
+    """The backend calls of a request's choices, started by ``start(choice)`` and cancelled
+    together."""
+
+    def __init__(self, start: Callable[[int], GenerateCall]) -> None:
+        self._start = start
+        self.calls: list[GenerateCall] = []
+        self.events: list[AsyncIterator[generate_pb2.GenerateEvent]] = []
+
+    def start(self, index: int) -> AsyncIterator[generate_pb2.GenerateEvent]:
+        call = self._start(index)
+        self.calls.append(call)
+        self.events.append(aiter(call))
+        return self.events[-1]
+
+    def cancel(self) -> None:
+        for call in self.calls:
+            call.cancel()
+
+
+async def merged(
+    events: list[AsyncIterator[generate_pb2.GenerateEvent]], live: Callable[[int], bool]
+) -> AsyncGenerator[tuple[int, generate_pb2.GenerateEvent], None]:
+    """(choice, event) from every choice's call as they come, reading a choice only while
+    ``live(choice)``; one read in flight per call, so a finished choice is read no further."""
+    if len(events) == 1:  # the common case: no tasks
+        if live(0):
+            async for ev in events[0]:
+                yield 0, ev
+                if not live(0):
+                    return
+        return
+    reads: dict[asyncio.Future[generate_pb2.GenerateEvent], int] = {
+        asyncio.ensure_future(anext(e)): i for i, e in enumerate(events) if live(i)
+    }
+    try:
+        while reads:
+            done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+            for read in sorted(done, key=lambda r: reads[r]):
+                i = reads.pop(read)
+                try:
+                    ev = read.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, ev
+                if live(i):
+                    reads[asyncio.ensure_future(anext(events[i]))] = i
+    finally:
+        for read in reads:
+            read.cancel()
+        await asyncio.gather(*reads, return_exceptions=True)

@@ -102,6 +102,9 @@ class ChatTemplateEncoder:
         if served.encoding != CHAT_TEMPLATE or not served.chat_template:
             raise ValueError(f"{served.model} is not served with a chat template")
         self.full = Tokenizer.from_file(str(served.path))
+        self.vocab_size = self.full.get_vocab_size(with_added_tokens=True)
+        bos = self.full.token_to_id(served.bos_token) if served.bos_token else None
+        self.bos: int | None = None if bos is None else int(bos)
         self.chars_per_token = chars_per_token_bound(self.full)
         self.tokenizer = dr.Tokenizer.from_file(str(served.path))  # the StreamProcessor's
         # Thinking is off by default: the template renders no thinking mode (see encode).
@@ -204,3 +207,18 @@ class ChatTemplateEncoder:
         prompt = self.render(conversation)
         check_fits(len(prompt), self.chars_per_token, max_prompt_tokens)
         return list(self.full.encode(prompt, add_special_tokens=False).ids)
+
+    def encode_text(self, text: str, *, max_prompt_tokens: int | None = None) -> list[int]:
+        """A raw Completions prompt: the checkpoint's BOS token (if it names one), then the
+        text. Text that spells a special token is refused, as in messages (see the module
+        doc): token-id prompts are the way to send one."""
+        check_fits(len(text), self.chars_per_token, max_prompt_tokens, param="prompt")
+        found = self._special.search(text) if self._special else None
+        if found:
+            raise invalid(
+                f"the prompt contains {found.group()!r}, a special token of this model's "
+                "tokenizer; send the prompt as token ids to use it, or spell it differently",
+                "prompt",
+            )
+        head = [] if self.bos is None else [self.bos]
+        return head + list(self.full.encode(text, add_special_tokens=False).ids)

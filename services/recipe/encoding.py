@@ -50,6 +50,7 @@ from .chat_template import ChatTemplateEncoder
 from .limits import chars_per_token_bound, check_fits
 
 EOS = "<｜end▁of▁sentence｜>"
+BOS = "<｜begin▁of▁sentence｜>"
 # Below this many characters a prompt is encoded in one call: a thread hop costs more than it saves.
 PARALLEL_MIN_CHARS = 64_000
 
@@ -78,6 +79,18 @@ class Encoder(Protocol):
 
     def parsing_options(self, request: dr.ConversationRequest) -> dr.ParsingOptions:
         """How the StreamProcessor parses the output."""
+
+    @property
+    def full(self) -> Tokenizer:
+        """The served tokenizer with its added tokens: decodes Completions output and echoes."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may hold: 0..vocab_size-1."""
+
+    def encode_text(self, text: str, *, max_prompt_tokens: int | None = None) -> list[int]:
+        """A raw Completions prompt: the model's BOS (if it has one), then ``text`` as plain
+        text, no chat template; 400s as :meth:`encode`."""
 
 
 def build_encoder(
@@ -153,6 +166,8 @@ class PromptEncoder:
         assert eos is not None, "the bundled tokenizer has no EOS"
         self.eos = int(eos)
         self.eos_ids = frozenset({self.eos, *model_eos})
+        bos = self.full.token_to_id(BOS)
+        self.bos: int | None = None if bos is None else int(bos)
         self.structural = self._structural_tokens()
         self.chars_per_token = chars_per_token_bound(self.full)  # 128 for the bundled one
 
@@ -263,6 +278,13 @@ class PromptEncoder:
         rendered = self.render(conversation)
         check_fits(len(rendered.prompt), self.chars_per_token, max_prompt_tokens)
         return self.encode_rendered(rendered, parallel)
+
+    def encode_text(self, text: str, *, max_prompt_tokens: int | None = None) -> list[int]:
+        """BOS, then ``text`` as plain text: a control token's spelling stays text (a caller who
+        means the token sends token ids); long texts in parallel pieces, as :meth:`encode`."""
+        check_fits(len(text), self.chars_per_token, max_prompt_tokens, param="prompt")
+        head = [] if self.bos is None else [self.bos]
+        return head + self.encode_rendered(Rendered(text, []))
 
     def encode_reference(self, conversation: dr.Conversation) -> list[int]:
         """The library's own single-threaded ``DeepseekV4Encoding.encode``."""

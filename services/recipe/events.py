@@ -112,9 +112,18 @@ class Job:
     finished: bool = False
 
     @property
+    def accepted(self) -> bool:
+        """The backend's Ready came (the response accumulator exists)."""
+        return self.response is not None
+
+    @property
     def answered_tokens(self) -> int:
         """Completion tokens as the response's usage counts them (EOS not counted)."""
         return self.completion_tokens - self.eos_tokens
+
+    def close(self) -> None:
+        """Release the processor (also when it did not finish)."""
+        self.processor.close()
 
     def push(
         self, ev: generate_pb2.GenerateEvent, eos: Collection[int]

@@ -1,10 +1,13 @@
 """The recipe's HTTP app: OpenAI Chat Completions, OpenAI Responses and Anthropic Messages over
 the entrypoint's ``Generate`` stream, with ``deepseek-recipe`` doing conversion, rendering and
-output parsing.
+output parsing; OpenAI's legacy Completions with a raw prompt (``completions.py``).
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/responses``, ``POST /v1/messages`` (JSON or
-SSE), ``POST /v1/messages/count_tokens``, ``GET /v1/models``, ``GET /healthz``. ``/metrics`` is
-not on this public port: the metrics are in the process's registry, which the ops port
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``,
+``POST /v1/messages`` (JSON or SSE), ``POST /v1/messages/count_tokens``, ``GET /v1/models``,
+``GET /healthz``. A request body becomes a :class:`~.plan.Plan` (``plan.py``); ``n > 1``
+(Chat Completions, Completions) is one backend call per choice (``backend.py: Calls``), their
+output merged by :class:`~.answer.Answer` (``choices.py``). ``/metrics`` is not on this public
+port: the metrics are in the process's registry, which the ops port
 (``--http-port``) serves; their tenant label is a hash (:func:`tenant_label`), never the name.
 Errors are mapped once, in the caller's protocol: bad input 400 (the library's message; also
 JSON nested too deep and a prompt surely longer than the context), bad key 401, unknown model
@@ -30,8 +33,8 @@ render.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
-import json
 import logging
 import time
 import uuid
@@ -39,7 +42,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import deepseek_recipe as dr
 from opentelemetry import trace
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from starlette.applications import Starlette
@@ -53,15 +55,16 @@ from libs.common.auth import KeyTable
 from libs.common.errors import DeepserveError, Internal
 from libs.common.telemetry import extract_context, inject_traceparent, tracer
 from libs.gateway.keylimits import KeyLimitPolicy
-from libs.proto.deepserve.v1 import common_pb2, generate_pb2
+from libs.proto.deepserve.v1 import generate_pb2
 
 from .accounting import Accounting, RequestAccount
-from .api import CHAT, MESSAGES, RESPONSES, APIError, Protocol, conversion_error, invalid
-from .backend import GenerateBackend, GenerateCall
+from .answer import Answer
+from .api import CHAT, COMPLETIONS, MESSAGES, RESPONSES, APIError, Protocol
+from .backend import Calls, GenerateBackend, GenerateCall, merged
 from .encoding import Encoder
-from .events import Job, api_error
+from .events import api_error
+from .plan import Plan, Planner
 from .pool import EncodePool
-from .sampling import checked, extra_sampling
 from .usage import UsageSink
 
 log = logging.getLogger("recipe")
@@ -189,7 +192,7 @@ class _CancellingStream(StreamingResponse):
     def __init__(
         self,
         content: AsyncIterator[bytes],
-        call: GenerateCall,
+        call: Calls,
         headers: dict[str, str],
         on_end: Callable[[], None],
     ) -> None:
@@ -218,6 +221,7 @@ class Frontend:
     ) -> None:
         self.cfg, self.encoder, self.backend, self.metrics = cfg, encoder, backend, metrics
         self.pool = pool
+        self.planner = Planner(encoder, cfg.model_name, cfg.default_max_tokens, cfg.max_context)
         self.tracer = tracer("recipe")
         self.accounting = Accounting(cfg.key_limits, cfg.keys, usage, metrics.key_limited, clock)
 
@@ -266,92 +270,12 @@ class Frontend:
             ) from None
         return b"".join(chunks)
 
-    async def _prepare(
-        self, proto: Protocol, body: bytes, rid: str
-    ) -> tuple[str, dr.ConversationRequest, Any, dict[str, Any], list[int]]:
-        """(model, conversation request, chunk generator, extra sampling fields, prompt ids),
-        computed in the encode pool: parsing, conversion, rendering and tokenizing a large
-        body takes seconds."""
-
-        def work() -> tuple[str, dr.ConversationRequest, Any, dict[str, Any], list[int]]:
-            model, conv, gen, extra = self._convert(proto, body, rid)
-            prompt = self.encoder.encode(conv.conversation, max_prompt_tokens=self.cfg.max_context)
-            return model, conv, gen, extra, prompt
-
-        return await self.pool.run(work)
-
-    def _convert(
-        self, proto: Protocol, body: bytes, rid: str
-    ) -> tuple[str, dr.ConversationRequest, Any, dict[str, Any]]:
-        """(model, conversation request, chunk generator, extra sampling fields); APIError for
-        what the caller got wrong."""
-        try:
-            decoded = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise invalid(
-                f"could not parse the JSON body of your request: {exc}", code="invalid_json"
-            ) from None
-        except RecursionError:  # json's C scanner counts its depth and gives up (~1000 deep)
-            raise invalid(
-                "could not parse the JSON body of your request: it is nested too deeply",
-                code="invalid_json",
-            ) from None
-        if not isinstance(decoded, dict):
-            raise invalid("the request body must be a JSON object")
-        model = decoded.get("model")
-        if not isinstance(model, str) or not model:
-            raise invalid(
-                "model is required (a string naming the served model)",
-                "model",
-                "missing_required_parameter",
-            )
-        if model != self.cfg.model_name:
-            raise APIError(
-                404,
-                f"The model {model!r} does not exist; this server serves {self.cfg.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
-        try:
-            req = proto.request_cls(body)
-            extra = (
-                (req.namespace_tool_map(self.encoder.options), req.echo())
-                if proto is RESPONSES
-                else None
-            )
-            conv = req.convert(self.encoder.options)
-            gen = proto.request_cls.chunk_generator(conv, proto.id_prefix + rid, model)
-        except (dr.ConversionError, ValueError, TypeError, OverflowError) as exc:
-            raise conversion_error(exc) from None
-        except RecursionError:  # only a body that nests deeper than any request needs
-            raise invalid("the request is nested too deeply", code="invalid_json") from None
-        # Images: the V4 conversion itself replaces them with "[Unsupported Image]" text.
-        if conv.inference_options.logprobs:
-            raise invalid("logprobs are not supported yet", "logprobs", "unsupported_value")
-        # conv.inference_options.output_constraint (JSON schema, regex, tool calls) is not
-        # enforced by constrained decoding: the engine samples freely and the parser reads it.
-        if extra is not None:
-            gen = gen.with_namespace_tool_map(extra[0]).with_echo(extra[1])
-        return model, conv, gen, extra_sampling(decoded, proto.name)
-
-    def _sampling(
-        self, conv: dr.ConversationRequest, prompt_len: int, extra: dict[str, Any]
-    ) -> common_pb2.SamplingParams:
-        io = conv.inference_options
-        try:
-            max_tokens = conv.resolve_max_tokens(prompt_len, self.cfg.max_context)
-        except dr.ConversionError as exc:
-            raise conversion_error(exc) from None
-        if io.max_tokens is None:  # the library's default (8K..128K) is too much for a tiny model
-            max_tokens = min(max_tokens, self.cfg.default_max_tokens)
-        temperature = 1.0 if io.temperature is None else io.temperature
-        top_p = 1.0 if io.top_p is None else io.top_p
-        if top_p == 0.0:  # a nucleus of zero mass keeps only the most likely token: greedy
-            temperature, top_p = 0.0, 1.0
-        sp = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
-        if io.seed is not None:
-            sp.seed = io.seed
-        return checked(sp, extra)
+    async def _plan(self, proto: Protocol, body: bytes, rid: str, tenant: str) -> Plan:
+        """The request's :class:`~.plan.Plan`, computed in the encode pool: parsing,
+        conversion, rendering and tokenizing a large body takes seconds."""
+        if proto is COMPLETIONS:
+            return await self.pool.run(lambda: self.planner.completion(proto, body, rid))
+        return await self.pool.run(lambda: self.planner.chat(proto, body, rid, tenant))
 
     # -- the request ------------------------------------------------------------------------------
     async def handle(self, request: Request, proto: Protocol) -> Response:
@@ -388,8 +312,13 @@ class Frontend:
         rid, tenant = uuid.uuid4().hex, "-"
         try:
             tenant = self._tenant(request) or "-"
-            *_, ids = await self._prepare(MESSAGES, await self._body(request), rid)
-            response: Response = JSONResponse({"input_tokens": len(ids)})
+            body = await self._body(request)
+
+            def work() -> int:
+                _, conv, _, _ = self.planner.convert(MESSAGES, body, rid)
+                return len(self.planner.prompt_ids(conv))
+
+            response: Response = JSONResponse({"input_tokens": await self.pool.run(work)})
         except APIError as err:
             response = error_response(MESSAGES, err, rid)
         except DeepserveError as exc:  # the encode pool is full
@@ -408,68 +337,65 @@ class Frontend:
         t0: float,
         acct: RequestAccount,
     ) -> Response:
-        model, conv, gen, extra, prompt = await self._prepare(proto, await self._body(request), rid)
+        plan = await self._plan(proto, await self._body(request), rid, tenant)
         agent = (
-            bool(conv.conversation.tools)
-            or request.headers.get(TRAFFIC_CLASS_HEADER, "").strip().lower() == "agent"
+            plan.agent or request.headers.get(TRAFFIC_CLASS_HEADER, "").strip().lower() == "agent"
         )
-        sampling = self._sampling(conv, len(prompt), extra)
-        acct.reserve(len(prompt) + sampling.max_tokens)
-        gen_req = generate_pb2.GenerateRequest(
-            request_id=rid,
-            prompt_token_ids=prompt,
-            sampling=sampling,
-            model=self.cfg.model_name,
-            tenant="" if tenant == "-" else tenant,
-            traffic_class=common_pb2.TRAFFIC_CLASS_AGENT
-            if agent
-            else common_pb2.TRAFFIC_CLASS_CHAT,
-        )
-        job = Job(
+        # Every choice may run to max_tokens; the prompt is paid for once (the later choices
+        # find it in the prefix cache).
+        acct.reserve(len(plan.prompt) + plan.n * plan.sampling.max_tokens)
+        answer = Answer(
             proto,
             proto.id_prefix + rid,
-            model,
+            plan.model,
             tenant,
-            conv,
-            dr.StreamProcessor(gen, self.encoder.parsing_options(conv), self.encoder.tokenizer),
+            plan.choices(),
+            int(time.time()),
+            plan.include_usage,
         )
-        acct.job = job
+        acct.job = answer
         span = self.tracer.start_span(
             f"recipe.{proto.name}", context=extract_context(request.headers.get("traceparent", ""))
         )
         span.set_attribute("request.id", rid)
-        span.set_attribute("prompt.tokens", len(prompt))
+        span.set_attribute("prompt.tokens", len(plan.prompt))
+        span.set_attribute("choices", plan.n)
+        owner = "" if tenant == "-" else tenant
         with trace.use_span(span, end_on_exit=False):
-            call = self.backend.generate(gen_req, inject_traceparent())
-        events = aiter(call)
+            traceparent = inject_traceparent()
+        call = Calls(
+            lambda i: self.backend.generate(plan.request(rid, i, owner, agent), traceparent)
+        )
+        calls, events = call.calls, call.events
         handed_over = False
         try:
-            first = await self._unless_gone(request, self._next(events), call)
+            firsts = await self._unless_gone(request, self._firsts(call, plan.n), call)
             self.metrics.ttft.observe(time.perf_counter() - t0)
-            pending = self._push(job, first)
-            if conv.stream:
+            pending = [sse for i, ev in enumerate(firsts) for sse in self._push(answer, i, ev)]
+            self._end_finished(answer, calls)
+            if plan.stream:
                 handed_over = True
                 return _CancellingStream(
-                    self._stream(job, events, pending, call, span, t0, acct),
+                    self._stream(answer, events, pending, calls, span, t0, acct),
                     call,
                     {"X-Request-Id": rid, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                     lambda: acct.end("client_gone"),
                 )
-            await self._unless_gone(request, self._collect(job, events), call)
-            self._count(job)
+            await self._unless_gone(request, self._collect(answer, events, calls), call)
+            self._count(answer)
             self.metrics.latency.labels("false").observe(time.perf_counter() - t0)
             return Response(
-                job.response.to_json(), media_type="application/json", headers={"X-Request-Id": rid}
+                answer.body(), media_type="application/json", headers={"X-Request-Id": rid}
             )
         finally:
             if not handed_over:
-                job.processor.close()
+                answer.close()
                 call.cancel()
                 span.end()
 
-    def _push(self, job: Job, ev: generate_pb2.GenerateEvent) -> list[tuple[str | None, str]]:
+    def _push(self, answer: Answer, index: int, ev: generate_pb2.GenerateEvent) -> list[bytes]:
         try:
-            return job.push(ev, self.encoder.eos_ids)
+            return answer.push(index, ev, self.encoder.eos_ids)
         except RuntimeError as exc:  # the processor could not decode the backend's ids
             raise APIError(
                 502,
@@ -477,6 +403,13 @@ class Frontend:
                 "server_error",
                 code="upstream_error",
             ) from None
+
+    @staticmethod
+    def _end_finished(answer: Answer, calls: list[GenerateCall]) -> None:
+        """Cancel the calls of finished choices (a stop sequence may end one early)."""
+        for choice, call in zip(answer.choices, calls, strict=True):
+            if choice.finished:
+                call.cancel()
 
     async def _next(
         self, events: AsyncIterator[generate_pb2.GenerateEvent]
@@ -491,12 +424,35 @@ class Frontend:
                 code="upstream_error",
             ) from None
 
-    async def _collect(self, job: Job, events: AsyncIterator[generate_pb2.GenerateEvent]) -> None:
-        async for ev in events:
-            self._push(job, ev)
-            if job.finished:
-                break
-        if not job.finished:
+    async def _firsts(self, call: Calls, n: int) -> list[generate_pb2.GenerateEvent]:
+        """Start every choice's call; the first event of each (the first failure raises).
+
+        Choice 0 goes first and the others once its first event came -- its prefill done, so
+        they find the prompt's KV in the prefix cache instead of each computing it again (the
+        later choices' first token waits for that prefill; their own is then short)."""
+        firsts = [await self._next(call.start(0))]
+        if n == 1:
+            return firsts
+        tasks = [asyncio.ensure_future(self._next(call.start(i))) for i in range(1, n)]
+        try:
+            return firsts + list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _collect(
+        self,
+        answer: Answer,
+        events: list[AsyncIterator[generate_pb2.GenerateEvent]],
+        calls: list[GenerateCall],
+    ) -> None:
+        live = merged(events, lambda i: not answer.choices[i].finished)
+        async with contextlib.aclosing(live):  # its reads end with it, whatever ends it
+            async for i, ev in live:
+                self._push(answer, i, ev)
+                self._end_finished(answer, calls)
+        if not answer.finished:
             raise APIError(
                 502,
                 "the model backend ended the stream before finishing",
@@ -504,7 +460,7 @@ class Frontend:
                 code="upstream_error",
             )
 
-    async def _unless_gone(self, request: Request, work: Awaitable[T], call: GenerateCall) -> T:
+    async def _unless_gone(self, request: Request, work: Awaitable[T], call: Calls) -> T:
         """Await ``work``; if the client disconnects first, cancel the call and raise ClientGone."""
         task = asyncio.ensure_future(work)
         gone = asyncio.ensure_future(_wait_disconnect(request))
@@ -521,34 +477,36 @@ class Frontend:
 
     async def _stream(
         self,
-        job: Job,
-        events: AsyncIterator[generate_pb2.GenerateEvent],
-        pending: list[tuple[str | None, str]],
-        call: GenerateCall,
+        answer: Answer,
+        events: list[AsyncIterator[generate_pb2.GenerateEvent]],
+        pending: list[bytes],
+        calls: list[GenerateCall],
         span: trace.Span,
         t0: float,
         acct: RequestAccount,
     ) -> AsyncIterator[bytes]:
-        proto, ended, status = job.proto, False, "client_gone"
+        proto, ended, status = answer.proto, False, "client_gone"
         try:
-            for name, data in pending:
-                yield proto.sse(name, data)
-            if not job.finished:
-                async for ev in events:
-                    for name, data in self._push(job, ev):
-                        yield proto.sse(name, data)
-                    if job.finished:
-                        break
-            if not job.finished:
+            for sse in pending:
+                yield sse
+            live = merged(events, lambda i: not answer.choices[i].finished)
+            async with contextlib.aclosing(live):  # its reads end with it, whatever ends it
+                async for i, ev in live:
+                    for sse in self._push(answer, i, ev):
+                        yield sse
+                    self._end_finished(answer, calls)
+            if not answer.finished:
                 raise Internal("the stream ended before finishing")
-            call.cancel()  # done (a stop sequence may have ended it early)
-            self._count(job)
+            for call in calls:  # done (a stop sequence may have ended one early)
+                call.cancel()
+            self._count(answer)
             status = "ok"
-            yield proto.sse_done()
+            for sse in answer.tail():
+                yield sse
             ended = True
         except (DeepserveError, APIError) as exc:
             err = exc if isinstance(exc, APIError) else api_error(exc, self.cfg.retry_after_s)
-            log.warning("request %s failed mid-stream: %s", job.rid, exc)
+            log.warning("request %s failed mid-stream: %s", answer.rid, exc)
             status = "error"
             yield proto.sse_error(err)
             ended = True
@@ -556,15 +514,15 @@ class Frontend:
             if not ended:
                 self.metrics.disconnects.inc()
             acct.end(status)
-            job.processor.close()
+            answer.close()
             self.metrics.latency.labels("true").observe(time.perf_counter() - t0)
             span.end()
 
-    def _count(self, job: Job) -> None:
-        label = tenant_label(job.tenant)
-        self.metrics.tokens.labels("prompt", label).inc(job.prompt_tokens)
-        self.metrics.tokens.labels("cached", label).inc(job.cached_tokens)
-        self.metrics.tokens.labels("completion", label).inc(job.completion_tokens)
+    def _count(self, answer: Answer) -> None:
+        label = tenant_label(answer.tenant)
+        self.metrics.tokens.labels("prompt", label).inc(answer.prompt_tokens)
+        self.metrics.tokens.labels("cached", label).inc(answer.cached_tokens)
+        self.metrics.tokens.labels("completion", label).inc(answer.completion_tokens)
 
 
 def build_app(
@@ -660,6 +618,9 @@ def build_app(
     async def chat(request: Request) -> Response:
         return await front.handle(request, CHAT)
 
+    async def completions(request: Request) -> Response:
+        return await front.handle(request, COMPLETIONS)
+
     async def responses(request: Request) -> Response:
         return await front.handle(request, RESPONSES)
 
@@ -668,6 +629,7 @@ def build_app(
 
     routes = [
         Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", front.count_tokens, methods=["POST"]),

@@ -58,7 +58,9 @@ def chars_per_token_bound(tokenizer: Tokenizer) -> int | None:
     return max(1, longest) * factor
 
 
-def check_fits(chars: int, bound: int | None, max_context: int | None) -> None:
+def check_fits(
+    chars: int, bound: int | None, max_context: int | None, param: str = "messages"
+) -> None:
     """APIError 400 when a prompt of ``chars`` characters is surely more than ``max_context``
     tokens; silent when it might fit (the entrypoint and the library count exactly later)."""
     if bound is None or max_context is None:
@@ -70,6 +72,6 @@ def check_fits(chars: int, bound: int | None, max_context: int | None) -> None:
             f"the prompt is {chars} characters, so at least {at_least} tokens (a token of this "
             f"model spells at most {bound} characters); this server's context limit "
             f"(--max-context) is {max_context} tokens",
-            param="messages",
+            param=param,
             code="context_length_exceeded",
         )

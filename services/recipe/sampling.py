@@ -1,8 +1,8 @@
 """Sampling fields the conversion library does not carry, read from the request body.
 
 deepseek-recipe resolves ``temperature``, ``top_p``, ``seed`` and ``max_tokens``; the rest of a
-request's sampling settings come straight from the JSON body: for OpenAI Chat Completions the
-standard ``presence_penalty`` and ``frequency_penalty`` and, as vLLM accepts them in
+request's sampling settings come straight from the JSON body: for OpenAI Chat Completions and
+Completions the standard ``presence_penalty`` and ``frequency_penalty`` and, as vLLM accepts them in
 ``extra_body``, ``top_k``, ``min_p``, ``ignore_eos``, ``min_tokens``, ``repetition_penalty`` and
 ``stop_token_ids``; for Anthropic Messages ``top_k``. A field sent as ``null`` is not set. Types
 are checked here (a 400 naming the field); ranges by :class:`~libs.common.sampling.SamplingParams`
@@ -22,7 +22,11 @@ from .api import APIError, invalid
 _NUMBER = ("presence_penalty", "frequency_penalty", "min_p", "repetition_penalty")
 _INT = ("top_k", "min_tokens")
 _OPENAI = (*_NUMBER, *_INT, "ignore_eos", "stop_token_ids")
-FIELDS: dict[str, tuple[str, ...]] = {"chat_completions": _OPENAI, "messages": ("top_k",)}
+FIELDS: dict[str, tuple[str, ...]] = {
+    "chat_completions": _OPENAI,
+    "completions": _OPENAI,
+    "messages": ("top_k",),
+}
 
 
 def extra_sampling(body: dict[str, Any], protocol: str) -> dict[str, Any]:

@@ -66,7 +66,7 @@ class UsageRecord:
     tenant: str
     key_id: str
     model: str
-    route: str  # chat_completions, responses, messages
+    route: str  # chat_completions, completions, responses, messages
     status: str  # ok, error, client_gone
     prompt_tokens: int
     cached_tokens: int

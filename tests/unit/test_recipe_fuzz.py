@@ -18,13 +18,20 @@ from services.recipe.handlers import AppConfig, Metrics, build_app
 
 from .recipe_fakes import MODEL, FakeBackend
 
-ROUTES = ["/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"]
+ROUTES = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+]
 GOOD = {
     "/v1/chat/completions": {
         "model": MODEL,
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 4,
     },
+    "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 4},
     "/v1/responses": {"model": MODEL, "input": "hi", "max_output_tokens": 4},
     "/v1/messages": {
         "model": MODEL,
@@ -58,6 +65,11 @@ FIELDS = [
     "n",
     "logprobs",
     "top_logprobs",
+    "prompt",
+    "suffix",
+    "echo",
+    "best_of",
+    "logit_bias",
     "role",
     "content",
     "type",

@@ -8,6 +8,7 @@ request comes in, checked once on creation, and turned back into the proto
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import NoReturn
@@ -17,6 +18,50 @@ from libs.proto.deepserve.v1 import common_pb2
 
 MAX_SEED = 2**63  # the sampler keys draws by a signed 64-bit seed
 MAX_LOGPROBS = 20  # most likely tokens returned per position (OpenAI's top_logprobs limit)
+CONSTRAINT_KINDS = ("json_schema", "json", "regex", "ebnf", "tool_call")
+MAX_CONSTRAINT_BYTES = 256 * 1024  # a schema or grammar; compiled per distinct value (cached)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must be (``common.proto: OutputConstraint``); the engine compiles it
+    into token masks (``libs/engine/grammar.py``)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            _bad(
+                "constraint.kind",
+                f"must be one of {', '.join(CONSTRAINT_KINDS)}, got {self.kind!r}",
+            )
+        if len(self.spec.encode()) > MAX_CONSTRAINT_BYTES:
+            _bad("constraint.spec", f"is longer than {MAX_CONSTRAINT_BYTES} bytes")
+        if self.kind in ("json_schema", "tool_call"):
+            try:
+                value = json.loads(self.spec)
+            except ValueError as exc:
+                _bad("constraint.spec", f"must be JSON for kind {self.kind!r}: {exc}")
+            if self.kind == "tool_call" and not (
+                isinstance(value, dict)
+                and isinstance(value.get("tools"), list)
+                and value["tools"]
+                and all(
+                    isinstance(t, dict)
+                    and isinstance(t.get("begin", ""), str)
+                    and isinstance(t.get("end", ""), str)
+                    and isinstance(t.get("schema", {}), (dict, bool))
+                    for t in value["tools"]
+                )
+            ):
+                _bad(
+                    "constraint.spec",
+                    'for kind "tool_call" must be {"tools": [{"begin": str, "schema": object, '
+                    '"end": str}, ...]} with at least one tool',
+                )
+        elif self.kind in ("regex", "ebnf") and not self.spec:
+            _bad("constraint.spec", f"must hold the {self.kind} for kind {self.kind!r}")
 
 
 @dataclass(frozen=True)
@@ -57,6 +102,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -130,6 +176,9 @@ class SamplingParams:
             presence_penalty=msg.presence_penalty,
             frequency_penalty=msg.frequency_penalty,
             logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+            constraint=Constraint(msg.constraint.kind, msg.constraint.spec)
+            if msg.HasField("constraint")
+            else None,
         )
 
     def to_proto(self) -> common_pb2.SamplingParams:
@@ -150,6 +199,8 @@ class SamplingParams:
             msg.seed = self.seed
         if self.logprobs is not None:
             msg.logprobs = self.logprobs
+        if self.constraint is not None:
+            msg.constraint.kind, msg.constraint.spec = self.constraint.kind, self.constraint.spec
         return msg
 
 

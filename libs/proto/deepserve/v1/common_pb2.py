@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64\x65\x65pserve/v1/common.proto\x12\x0c\x64\x65\x65pserve.v1\"\xb7\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12\x12\n\nmin_tokens\x18\t \x01(\x05\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"G\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05*^\n\x0cTrafficClass\x12\x1d\n\x19TRAFFIC_CLASS_UNSPECIFIED\x10\x00\x12\x16\n\x12TRAFFIC_CLASS_CHAT\x10\x01\x12\x17\n\x13TRAFFIC_CLASS_AGENT\x10\x02\x42S\n\x0f\x61i.deepserve.v1P\x01Z>github.com/deepserve/deepserve/gen/go/deepserve/v1;deepservev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64\x65\x65pserve/v1/common.proto\x12\x0c\x64\x65\x65pserve.v1\"\xeb\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12\x12\n\nmin_tokens\x18\t \x01(\x05\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x01\x88\x01\x01\x12\x32\n\nconstraint\x18\x0e \x01(\x0b\x32\x1e.deepserve.v1.OutputConstraintB\x07\n\x05_seedB\x0b\n\t_logprobs\".\n\x10OutputConstraint\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"G\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05*^\n\x0cTrafficClass\x12\x1d\n\x19TRAFFIC_CLASS_UNSPECIFIED\x10\x00\x12\x16\n\x12TRAFFIC_CLASS_CHAT\x10\x01\x12\x17\n\x13TRAFFIC_CLASS_AGENT\x10\x02\x42S\n\x0f\x61i.deepserve.v1P\x01Z>github.com/deepserve/deepserve/gen/go/deepserve/v1;deepservev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,12 +32,14 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'deepserve.v1.common_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\017ai.deepserve.v1P\001Z>github.com/deepserve/deepserve/gen/go/deepserve/v1;deepservev1'
-  _globals['_TRAFFICCLASS']._serialized_start=512
-  _globals['_TRAFFICCLASS']._serialized_end=606
+  _globals['_TRAFFICCLASS']._serialized_start=612
+  _globals['_TRAFFICCLASS']._serialized_end=706
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=355
-  _globals['_TOKENLOGPROBS']._serialized_start=357
-  _globals['_TOKENLOGPROBS']._serialized_end=428
-  _globals['_USAGE']._serialized_start=430
-  _globals['_USAGE']._serialized_end=510
+  _globals['_SAMPLINGPARAMS']._serialized_end=407
+  _globals['_OUTPUTCONSTRAINT']._serialized_start=409
+  _globals['_OUTPUTCONSTRAINT']._serialized_end=455
+  _globals['_TOKENLOGPROBS']._serialized_start=457
+  _globals['_TOKENLOGPROBS']._serialized_end=528
+  _globals['_USAGE']._serialized_start=530
+  _globals['_USAGE']._serialized_end=610
 # @@protoc_insertion_point(module_scope)

@@ -33,6 +33,7 @@ from libs.common.hashchain import chain_hashes
 from libs.common.sampling import SamplingParams
 
 from .eplb import Balance, EplbConfig
+from .grammar import GrammarBackend, GrammarError
 from .kv.block_manager import BlockManager, NoFreeBlocks
 from .kv.cache import TORCH_DTYPES
 from .kv.transfer import (
@@ -269,6 +270,7 @@ class Engine:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self._unqueried: set[str] = set()  # added without KV, not yet admitted
+        self._grammar: GrammarBackend | None = None  # built for the first constrained request
 
     # -- the model behind a real runner (a fake one has none: AttributeError) ------------------
     @property
@@ -320,17 +322,29 @@ class Engine:
             )
         req = Request(request_id, tokens, len(tokens), params, cache_salt, hold_kv)
         req.num_prior_outputs = prior_outputs
+        if params.constraint is not None:
+            try:  # compiled (cached) and advanced past the outputs the request already has
+                self.grammar.start(
+                    request_id, params.constraint, tokens[len(tokens) - prior_outputs :]
+                )
+            except GrammarError as exc:
+                raise InvalidRequest(str(exc)) from None
         done, local_hits = None, 0
         if kv is not None:
             if not isinstance(kv, (PreparedKV, PeerKV)):
                 kv = self.prepare_kv(
                     [kv] if isinstance(kv, (bytes, bytearray, memoryview)) else list(kv)
                 )
-            done, local_hits = self._import(req, kv)
+            try:
+                done, local_hits = self._import(req, kv)
+            except BaseException:
+                self._forget_grammar(request_id)
+                raise
         try:
             self.scheduler.add(req)
         except ValueError as exc:
             self.blocks.release(req.blocks)
+            self._forget_grammar(request_id)
             raise InvalidRequest(str(exc)) from None
         if kv is None:
             self._unqueried.add(request_id)  # looked up when first scheduled (step)
@@ -360,7 +374,25 @@ class Engine:
 
     def abort(self, request_id: str) -> TokenEvent | None:
         self._unqueried.discard(request_id)
+        self._forget_grammar(request_id)
         return self.scheduler.abort(request_id)
+
+    @property
+    def grammar(self) -> GrammarBackend:
+        """The structured-output backend over this model's tokenizer (built on first use)."""
+        if self._grammar is None:
+            from .tokenizer import load_tokenizer
+
+            source = self.parts.loaded.source if self.parts.loaded is not None else None
+            cfg = self.model_config
+            self._grammar = GrammarBackend(
+                load_tokenizer(source).to_str(), cfg.vocab_size, cfg.eos_token_ids
+            )
+        return self._grammar
+
+    def _forget_grammar(self, request_id: str) -> None:
+        if self._grammar is not None:
+            self._grammar.drop(request_id)
 
     def release(self, request_id: str) -> None:
         """Free a finished request kept with ``hold_kv``."""
@@ -649,17 +681,23 @@ class Engine:
     def step(self) -> list[TokenEvent]:
         """Schedule and launch one step; return the events of the step that finished.
         With EP, always one forward: an empty one when nothing is scheduled here."""
+        early: list[TokenEvent] = []
+        if self._inflight is not None and self._constrained():
+            # A constrained row's mask needs the token in flight: finish that step before
+            # scheduling the next (batches without constrained requests keep the overlap).
+            early = self._finish(self._inflight)
+            self._inflight = None
         plan = self.scheduler.schedule()
         if self._unqueried:
             self._count_prefix_lookups(plan)
         launched = None
         if not plan.empty:
-            launched = self._launch(plan)
+            launched = self._launch(plan, self._inflight)
         elif self.ep is not None:
             self.ep.empty_step()
         if self.eplb is not None:  # the forward is queued: a re-placement serves the next one
             self.eplb.after_step()
-        events = self._finish(self._inflight) if self._inflight is not None else []
+        events = early + (self._finish(self._inflight) if self._inflight is not None else [])
         if launched is not None:
             self.scheduler.advance(plan)
             self.last_step_tokens = plan.num_tokens
@@ -680,9 +718,17 @@ class Engine:
                 self.prefix_cache_queries += req.num_prompt_tokens
                 self.prefix_cache_hits += req.num_cached_tokens
 
-    def _launch(self, plan: StepPlan) -> Launched:
+    def _constrained(self) -> bool:
+        """Whether a running request has a constraint (its next mask needs its last token)."""
+        g = self._grammar
+        return g is not None and any(g.has(r.request_id) for r in self.scheduler.running)
+
+    def _launch(self, plan: StepPlan, prev: Launched | None) -> Launched:
         reqs = [(s, self.scheduler.requests[s.request_id]) for s in plan.seqs if s.sample]
         params = [r.params for _, r in reqs]
+        masks = None
+        if self._grammar is not None:
+            masks = self._grammar.masks([s.request_id for s, _ in reqs])
         num_generated = None
         if any(p.min_tokens for p in params):
             num_generated = [s.sample_position - r.num_prompt_tokens for s, r in reqs]
@@ -692,7 +738,7 @@ class Engine:
             for i, (s, r) in enumerate(reqs)
             if r.params.uses_penalties
         ]
-        return self.runner.launch(plan, params, self._inflight, num_generated, histories or None)
+        return self.runner.launch(plan, params, prev, num_generated, histories or None, masks=masks)
 
     def _finish(self, launched: Launched) -> list[TokenEvent]:
         sampled, seconds = self.runner.collect(launched)
@@ -701,6 +747,13 @@ class Engine:
         self.last_finished_seqs = len(launched.plan.seqs)
         self.finished_steps += 1
         events = self.scheduler.commit(launched.plan, sampled, seconds)
+        g = self._grammar
+        if g is not None:
+            for ev in events:
+                if ev.token_id is not None:
+                    g.accept(ev.request_id, ev.token_id)
+                if ev.finished:
+                    g.drop(ev.request_id)
         if launched.logprobs is not None:
             lps = self.runner.logprobs(launched)
             events = [

@@ -92,6 +92,8 @@ class StepRunner(Protocol):
         prev: Launched | None,
         num_generated: Sequence[int] | None = None,
         histories: Sequence[tuple[int, list[int], int]] | None = None,
+        *,
+        masks: tuple[list[int], torch.Tensor] | None = None,
     ) -> Launched:
         """``params``: per sampling seq of ``plan``, in plan order; ``prev``: the step in flight;
         ``num_generated`` (when a seq sets min_tokens) and ``histories`` (when one uses a

@@ -105,8 +105,11 @@ class ModelRunner:
         prev: Launched | None,
         num_generated: Sequence[int] | None = None,
         histories: Sequence[tuple[int, list[int], int]] | None = None,
+        *,
+        masks: tuple[list[int], torch.Tensor] | None = None,
     ) -> Launched:
-        """Queue the step on the device. ``params``: per sampling seq, in plan order;
+        """Queue the step on the device. ``masks``: constrained sampling rows and their token
+        bitmask (:meth:`GrammarBackend.masks`). ``params``: per sampling seq, in plan order;
         ``num_generated``: output tokens so far, per sampling seq (for min_tokens);
         ``histories``: (sampling row, prompt + output token ids so far, prompt length) of the
         seqs that use a penalty; a :data:`PLACEHOLDER` among them is read from ``prev``."""
@@ -123,7 +126,12 @@ class ModelRunner:
             history = self._history(sampling, histories, prev) if histories else None
             self.sampler.last_logprobs = None
             tokens = self.sampler.sample_device(
-                logits, params, [s.sample_position for s in sampling], num_generated, history
+                logits,
+                params,
+                [s.sample_position for s in sampling],
+                num_generated,
+                history,
+                masks=masks,
             )
             host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=cuda)
             host.copy_(tokens, non_blocking=cuda)

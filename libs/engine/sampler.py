@@ -208,8 +208,12 @@ class Sampler:
         positions: Sequence[int],
         num_generated: Sequence[int] | None = None,
         history: TokenHistory | None = None,
+        *,
+        masks: tuple[list[int], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """As :meth:`sample`, as an int64 tensor on the logits' device, without waiting for it."""
+        """As :meth:`sample`, as an int64 tensor on the logits' device, without waiting for it.
+        ``masks``: rows whose tokens a constraint limits, and the bitmask that says which."""
+        raw = logits.data_ptr()  # the caller's tensor: masked in place only as a copy
         logits = logits.float()
         if any(p.uses_penalties for p in params):
             if history is None:
@@ -219,6 +223,11 @@ class Sampler:
             if num_generated is None:
                 raise ValueError("a row sets min_tokens: pass num_generated")
             logits = mask_stops(logits, params, num_generated, self.eos_token_ids)
+        if masks is not None:
+            from .grammar import apply_masks
+
+            logits = logits.clone() if logits.data_ptr() == raw else logits
+            apply_masks(logits, masks)
         out = logits.argmax(dim=-1)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         dists: dict[int, torch.Tensor] = {}  # row -> the logits it was drawn from

@@ -145,9 +145,11 @@ class FakeRunner:
         prev: Launched | None,
         num_generated: Sequence[int] | None = None,
         histories: Sequence[tuple[int, list[int], int]] | None = None,
+        *,
+        masks: tuple[list[int], torch.Tensor] | None = None,
     ) -> Launched:
-        """Penalties and min_tokens do not change a fake token (the scheduler still holds a
-        stop back until min_tokens)."""
+        """Penalties, min_tokens and constraints do not change a fake token (the scheduler
+        still holds a stop back until min_tokens)."""
         t0 = time.perf_counter()
         time.sleep(self.step_seconds + self.token_seconds * plan.num_tokens)
         sampling = [s for s in plan.seqs if s.sample]

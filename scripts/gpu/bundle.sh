@@ -24,6 +24,7 @@ names=(
   grpcio grpcio-health-checking grpcio-reflection protobuf  # the generated code needs the versions it was made with
   openai httpx2 httpcore2 truststore jiter sniffio pydantic pydantic-core annotated-types
   typing-inspection distro
+  xgrammar apache-tvm-ffi  # structured outputs (the engine's token masks)
 )
 specs=()
 for n in "${names[@]}"; do

@@ -47,6 +47,14 @@ that answered one request more differs until that work decays).
 
 Per decision the policy does O(candidates x leading resident blocks) work, as before, plus
 O(candidates) for the load figures (one decayed number per instance).
+
+Every decision says why its instances won (``Decision.reason``, ``Decision.decode_reason``),
+for the balancer's metrics; saying it changes no choice. Prefill: ``only_candidate`` (one
+instance serves the request's bucket), ``load_cap`` (without the cap an instance above it
+would have won), ``cache_hit`` (the winner holds the longest leading run of the prompt among
+the candidates, longer than another's: a prefix set it apart), ``least_load`` (otherwise: equal
+or no prefixes, or a shorter queue beat a longer prefix). Decode: ``only_candidate`` or
+``least_load``.
 """
 
 from __future__ import annotations
@@ -67,6 +75,14 @@ KV_STEPS = 32  # decode KV use is compared in 1/32 of the instance's blocks
 # A prefill's fixed cost, counted as tokens of work: ~20 ms of step overhead at ~20K tokens/s.
 # Without it a stream of fully cached turns would count as no work at all.
 REQUEST_WORK_TOKENS = 400
+# Why an instance was chosen (see the module docstring).
+ONLY_CANDIDATE = "only_candidate"
+LOAD_CAP = "load_cap"
+CACHE_HIT = "cache_hit"
+LEAST_LOAD = "least_load"
+PREFILL_REASONS = (ONLY_CANDIDATE, LOAD_CAP, CACHE_HIT, LEAST_LOAD)
+DECODE_REASONS = (ONLY_CANDIDATE, LEAST_LOAD)
+ANY_BUCKET = "any"  # bucket label of prefill instances no assignment has placed yet
 
 
 class NoInstance(Exception):
@@ -116,6 +132,18 @@ class Decision:
     decode: Instance
     bucket: int = 0
     resident_blocks: int = 0  # leading blocks resident on the chosen prefill instance
+    reason: str = LEAST_LOAD  # why the prefill instance won (PREFILL_REASONS)
+    decode_reason: str = LEAST_LOAD  # why the decode instance won (DECODE_REASONS)
+
+
+@dataclass(frozen=True)
+class BucketLoad:
+    """Live prefill instances serving one bucket and the work on them: the heartbeat's
+    figures plus what this policy routed there since that heartbeat."""
+
+    instances: int = 0
+    queued_tokens: int = 0
+    requests: int = 0  # running + waiting + routed since the heartbeat
 
 
 @dataclass
@@ -268,10 +296,11 @@ class RoutingPolicy:
         if not dec:
             raise NoInstance(self._why_none(DECODE, model, excluded))
         self._demand_of(model).add(bucket, prompt_tokens, self.clock())
-        p = self._pick_prefill(
+        p, reason = self._pick_prefill(
             self._of_bucket(pre, bucket, model), request_id, prompt_tokens, block_hashes
         )
         d = min(dec, key=lambda e: self._decode_key(e, request_id))
+        decode_reason = ONLY_CANDIDATE if len(dec) == 1 else LEAST_LOAD
         resident = p.instance.resident_run(block_hashes)
         to_compute = max(prompt_tokens - resident * self.block_size, 0)
         p.sent_requests += 1
@@ -279,7 +308,7 @@ class RoutingPolicy:
         d.sent_requests += 1
         work = self._work.setdefault(p.instance.instance_id, _Work())
         work.add(to_compute + REQUEST_WORK_TOKENS, self.clock(), self.load_half_life)
-        return Decision(p.instance, d.instance, bucket, resident)
+        return Decision(p.instance, d.instance, bucket, resident, reason, decode_reason)
 
     def _of_bucket(self, pre: list[_Entry], bucket: int, model: str) -> list[_Entry]:
         """Instances of ``bucket``, else of the nearest longer bucket that has any, else all."""
@@ -292,23 +321,37 @@ class RoutingPolicy:
 
     def _pick_prefill(
         self, cands: list[_Entry], request_id: str, prompt_tokens: int, hashes: Sequence[bytes]
-    ) -> _Entry:
+    ) -> tuple[_Entry, str]:
+        """The winner and why it won (the reason is read off the same keys and prefixes; it
+        never changes the choice)."""
         now = self.clock()
         recent = {e.instance.instance_id: self._recent(e.instance.instance_id, now) for e in cands}
         mean = sum(recent.values()) / len(cands)
+        pool = cands
         if mean > 0:
             under = [e for e in cands if recent[e.instance.instance_id] <= self.load_cap * mean]
-            cands = under or cands  # never empty: the least loaded is at most the mean
-        return min(
-            cands,
-            key=lambda e: self._prefill_key(
+            pool = under or cands  # never empty: the least loaded is at most the mean
+
+        runs = {id(e): e.instance.resident_run(hashes) for e in cands}  # once per candidate
+        keys = {
+            id(e): self._prefill_key(
                 e,
                 request_id,
                 prompt_tokens,
-                hashes,
+                runs[id(e)],
                 recent[e.instance.instance_id] / mean - 1.0 if mean > 0 else 0.0,
-            ),
-        )
+            )
+            for e in cands
+        }
+        best = min(pool, key=lambda e: keys[id(e)])
+        if len(cands) == 1:
+            return best, ONLY_CANDIDATE
+        if len(pool) < len(cands) and min(cands, key=lambda e: keys[id(e)]) is not best:
+            return best, LOAD_CAP
+        pool_runs = [runs[id(e)] for e in pool]
+        if runs[id(best)] == max(pool_runs) > min(pool_runs):
+            return best, CACHE_HIT
+        return best, LEAST_LOAD
 
     def _recent(self, instance_id: str, now: float) -> float:
         w = self._work.get(instance_id)
@@ -319,11 +362,11 @@ class RoutingPolicy:
         e: _Entry,
         request_id: str,
         prompt_tokens: int,
-        hashes: Sequence[bytes],
+        resident_blocks: int,
         over_mean: float,
     ) -> tuple[int, int, bytes]:
         inst = e.instance
-        to_compute = max(prompt_tokens - inst.resident_run(hashes) * self.block_size, 0)
+        to_compute = max(prompt_tokens - resident_blocks * self.block_size, 0)
         price = self.load_weight * prompt_tokens * max(over_mean, 0.0)
         cost = to_compute + inst.queued_tokens + e.sent_tokens + int(price)
         return (
@@ -351,6 +394,27 @@ class RoutingPolicy:
             if role == DECODE and not inst.address:
                 continue  # prefill could not push the KV anywhere
             out.append(e)
+        return out
+
+    def bucket_load(self) -> dict[str, BucketLoad]:
+        """Per bucket name (``ANY_BUCKET``: live prefill instances no assignment has placed
+        yet), its live prefill instances and the work on them. Reads the assignments routing
+        made last and computes none, so asking (a scrape) never moves a rebalance."""
+        placed: dict[str, int] = {}
+        for model in sorted(self._assigned):
+            for iid, index in self._assigned[model][2].items():
+                placed.setdefault(iid, index)
+        names = bk.bucket_names(self.bucket_bounds)
+        out = {name: BucketLoad() for name in [*names, ANY_BUCKET]}
+        for e in self._live_entries(PREFILL):
+            b = placed.get(e.instance.instance_id)
+            name = ANY_BUCKET if b is None else names[b]
+            cur, inst = out[name], e.instance
+            out[name] = BucketLoad(
+                cur.instances + 1,
+                cur.queued_tokens + inst.queued_tokens + e.sent_tokens,
+                cur.requests + inst.running + inst.waiting + e.sent_requests,
+            )
         return out
 
     def _why_none(self, role: str, model: str, excluded: frozenset[str]) -> str:

@@ -15,6 +15,8 @@ from prometheus_client import Counter, Gauge, Histogram
 from libs.proto.deepserve.v1 import control_pb2
 from libs.routing.policy import DECODE, DIGEST_BYTES, PREFILL, Instance, NoInstance, RoutingPolicy
 
+from .metrics import BalancerMetrics
+
 log = logging.getLogger("balancer")
 
 HEARTBEATS = Counter("deepserve_balancer_heartbeats_total", "Heartbeats received", ["role"])
@@ -62,8 +64,9 @@ def instance_from_status(status: control_pb2.InstanceStatus) -> Instance:
 
 
 class BalancerHandlers:
-    def __init__(self, policy: RoutingPolicy) -> None:
+    def __init__(self, policy: RoutingPolicy, metrics: BalancerMetrics | None = None) -> None:
         self.policy = policy
+        self.metrics = metrics or BalancerMetrics()  # ``deepserve:`` series (``metrics.py``)
 
     def on_heartbeat(self, data: bytes) -> None:
         try:
@@ -106,6 +109,7 @@ class BalancerHandlers:
                 log.warning("request %s: %s", req.request_id, exc)
                 return _reply(control_pb2.RouteDecision(error=str(exc)))
             ROUTES.labels("ok").inc()
+            self.metrics.on_decision(decision)
             RESIDENT_BLOCKS.observe(decision.resident_blocks)
             return _reply(
                 control_pb2.RouteDecision(

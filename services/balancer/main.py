@@ -12,6 +12,7 @@ import contextlib
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from prometheus_client import REGISTRY
 
 from libs.common import subjects
 from libs.common.service import ServiceContext, run_service
@@ -19,6 +20,7 @@ from libs.routing.policy import RoutingPolicy
 
 from .config import SERVICE, BalancerConfig, build_parser, config_from
 from .handlers import BalancerHandlers
+from .metrics import BalancerMetrics
 
 PRUNE_INTERVAL_S = 1.0  # one heartbeat interval: the table is never more than 1 s stale
 
@@ -34,17 +36,24 @@ async def _prune_loop(handlers: BalancerHandlers, stop: asyncio.Event) -> None:
             await asyncio.wait_for(stop.wait(), PRUNE_INTERVAL_S)
 
 
+def _unregister(metrics: BalancerMetrics) -> None:
+    REGISTRY.unregister(metrics.decisions)
+    if metrics.collector is not None:
+        REGISTRY.unregister(metrics.collector)
+
+
 async def serve(config: BalancerConfig, ctx: ServiceContext) -> int:
     svc, log, stop = config.service, ctx.log, ctx.stop
-    handlers = BalancerHandlers(
-        RoutingPolicy(
-            heartbeat_timeout=config.heartbeat_timeout,
-            bucket_bounds=config.prefill_buckets,
-            rebalance_interval=config.rebalance_interval,
-            load_cap=config.load_cap,
-            load_weight=config.load_weight,
-        )
+    policy = RoutingPolicy(
+        heartbeat_timeout=config.heartbeat_timeout,
+        bucket_bounds=config.prefill_buckets,
+        rebalance_interval=config.rebalance_interval,
+        load_cap=config.load_cap,
+        load_weight=config.load_weight,
     )
+    metrics = BalancerMetrics(REGISTRY, policy)
+    ctx.stack.callback(_unregister, metrics)
+    handlers = BalancerHandlers(policy, metrics)
     state: dict[str, object] = {"nc": None, "routing": False}
 
     def health() -> tuple[bool, str]:

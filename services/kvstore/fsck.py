@@ -73,7 +73,8 @@ async def fsck(store: BlockStore, repair: bool = False, grace_s: float = 600.0) 
                 _check_block, store, hx, placement, checksum.decode(), att, report
             )
     if repair and report.lost_blocks:
-        await store.delete([bytes.fromhex(hx) for hx in report.lost_blocks])
+        gone = await store.delete([bytes.fromhex(hx) for hx in report.lost_blocks])
+        store.metrics.lost_blocks.inc(gone)
     await _orphans(store, repair, grace_s, report)
     report.targets_down = sorted(set(report.targets_down))
     return report
@@ -113,7 +114,9 @@ def _check_block(
         report.healthy += 1
     elif report.repair:
         try:
-            report.repaired_shards += store.io.repair(hx, placement, data, scan.bad, attempt)
+            n = store.io.repair(hx, placement, data, scan.bad, attempt)
+            report.repaired_shards += n
+            store.metrics.repaired_shards.labels("fsck").inc(n)
         except OSError as exc:
             report.unfixed.append(f"{hx}: {exc}")
 

@@ -14,6 +14,7 @@ import logging
 import grpc
 import redis.asyncio as aioredis
 from grpc_health.v1.health import aio as health_aio
+from prometheus_client import REGISTRY
 
 from libs.common.grpc_auth import server_interceptors
 from libs.common.grpc_server import NOT_SERVING, add_health_and_reflection, new_health
@@ -31,6 +32,7 @@ from .handlers import (
     collect_orphans_forever,
     sweep_forever,
 )
+from .metrics import RedisStats, StoreCollector, StoreMetrics, TargetHealth
 from .store import BlockStore
 from .targets import open_targets
 
@@ -39,9 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     return run_service(SERVICE, argv, build_parser, config_from, serve)
 
 
-async def open_store(cfg: KVStoreConfig) -> tuple[aioredis.Redis, BlockStore]:
+async def open_store(
+    cfg: KVStoreConfig, metrics: StoreMetrics | None = None
+) -> tuple[aioredis.Redis, BlockStore]:
     """Redis client and store of a config, targets created where missing (also used by
-    ``deepserve kvstore fsck``); the caller closes both."""
+    ``deepserve kvstore fsck``); the caller closes both. ``metrics``: where the store counts
+    (None: a private registry)."""
     tune_allocator()
     redis = aioredis.from_url(cfg.redis_url, socket_timeout=5, socket_connect_timeout=2)
     store = BlockStore(
@@ -49,6 +54,7 @@ async def open_store(cfg: KVStoreConfig) -> tuple[aioredis.Redis, BlockStore]:
         open_targets(cfg.target_specs(), cfg.s3_endpoint),
         Codec(backend=cfg.ec_backend or None),
         cfg.retention(),
+        metrics=metrics,
     )
     await asyncio.to_thread(store.prepare)
     return redis, store
@@ -61,11 +67,12 @@ async def _close_store(redis: aioredis.Redis, store: BlockStore) -> None:
 
 async def serve(cfg: KVStoreConfig, ctx: ServiceContext) -> int:
     svc, log = cfg.service, ctx.log
-    redis, store = await open_store(cfg)
+    redis, store = await open_store(cfg, StoreMetrics(REGISTRY))
     ctx.stack.push_async_callback(_close_store, redis, store)
     health = await new_health([GRPC_SERVICE_NAME], NOT_SERVING)  # until Redis answers
     monitor = RedisMonitor(store, health, cfg.redis_url)
     await monitor.check()
+    await _register_state_metrics(cfg, ctx, store, monitor)
     http_port = await ctx.start_ops(monitor.status)
     ctx.background(monitor.run(), "redis-ping")
     ctx.background(sweep_forever(store, cfg.sweep_interval), "retention-sweep")
@@ -99,6 +106,23 @@ async def serve(cfg: KVStoreConfig, ctx: ServiceContext) -> int:
     )
     await ctx.stop.wait()
     return 0
+
+
+async def _register_state_metrics(
+    cfg: KVStoreConfig, ctx: ServiceContext, store: BlockStore, monitor: RedisMonitor
+) -> None:
+    """The scrape-time gauges (``metrics.py``): store size from Redis (skipped while the
+    monitor sees Redis down, so a scrape never waits on it), target health from a probe."""
+    targets = TargetHealth(store.targets)
+    await targets.check()
+    ctx.background(targets.run(), "target-probe")
+    stats = RedisStats(cfg.redis_url)
+    ctx.stack.callback(stats.close)
+    collector = StoreCollector(
+        lambda: stats() if monitor.ok else None, targets, store.retention.capacity_bytes
+    )
+    REGISTRY.register(collector)
+    ctx.stack.callback(REGISTRY.unregister, collector)
 
 
 async def _stop_grpc(

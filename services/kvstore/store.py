@@ -42,6 +42,7 @@ from libs.kvstore.policy import BlockInfo, Reclaim, Retention, place, plan_recla
 
 from . import index, scripts
 from .ec import Codec
+from .metrics import StoreMetrics
 from .scripts import ANY_ATTEMPT, CHILDREN_KEY, KEY_PREFIX, LRU_KEY, STATS_KEY
 from .shards import BlockUnreadable, ShardIO
 from .targets import Target, new_attempt, shard_key
@@ -162,8 +163,10 @@ class BlockStore:
         codec: Codec | None = None,
         retention: Retention | None = None,
         clock: Callable[[], float] = time.time,
+        metrics: StoreMetrics | None = None,
     ) -> None:
         self.redis = redis
+        self.metrics = metrics or StoreMetrics()  # counted where it happens (``metrics.py``)
         self.codec = codec or Codec()
         self.target_names = [t.name for t in targets]
         if len(set(self.target_names)) < self.codec.n:
@@ -388,22 +391,25 @@ class BlockStore:
                 if i + READ_AHEAD < len(blocks):
                     reads.append(self._read_task(*blocks[i + READ_AHEAD]))
                 try:
-                    data, bad = await task
+                    data, bad, degraded = await task
                 except BlockUnreadable as exc:
                     if not exc.damaged:
                         raise StoreUnavailable(str(exc)) from None
                     log.error("%s; dropping it", exc)
-                    await self._remove([h], [attempt])
+                    self.metrics.lost_blocks.inc(await self._remove([h], [attempt]))
                     return
                 if not _frame_named(data, h):
                     log.error("block %s decodes to a frame of another name; dropping it", h.hex())
-                    await self._remove([h], [attempt])
+                    self.metrics.lost_blocks.inc(await self._remove([h], [attempt]))
                     return
+                if degraded:
+                    self.metrics.degraded_reads.inc()
                 if bad:
                     try:
-                        await asyncio.to_thread(
+                        n = await asyncio.to_thread(
                             self.io.repair, h.hex(), placement, data, bad, attempt
                         )
+                        self.metrics.repaired_shards.labels("get").inc(n)
                     except (OSError, RuntimeError) as exc:
                         log.warning(
                             "block %s: repair failed (%s); fsck --repair retries", h.hex(), exc
@@ -415,10 +421,14 @@ class BlockStore:
 
     def _read_task(
         self, h: bytes, placement: list[str], checksum: str, attempt: str
-    ) -> asyncio.Future[tuple[bytes, list[int]]]:
-        def read() -> tuple[bytes, list[int]]:
+    ) -> asyncio.Future[tuple[bytes, list[int], bool]]:
+        """The block's bytes, its shards to rewrite, and whether it was degraded: served from
+        fewer than all of its data shards (one was down, damaged, or outvoted)."""
+
+        def read() -> tuple[bytes, list[int], bool]:
             data, scan = self.io.read(h.hex(), placement, checksum, attempt)
-            return data, scan.bad
+            # Every data shard not down and not bad was read and used: degraded is either.
+            return data, scan.bad, bool(scan.bad or scan.down)
 
         task = asyncio.ensure_future(asyncio.to_thread(read))
         task.add_done_callback(_retrieve)  # a read-ahead nobody awaits must not warn
@@ -469,6 +479,7 @@ class BlockStore:
             out = await self._redis(self._evict(keys=keys, args=[cap, EVICT_BATCH]))
             await self._remove_shards([(bytes(hx).decode(), t, a) for hx, t, a in out])
             n += len(out)
+            self.metrics.evictions.labels("capacity").inc(len(out))
             if len(out) < EVICT_BATCH:
                 break
         if n:
@@ -508,10 +519,16 @@ class BlockStore:
     async def sweep(self) -> Reclaim:
         """Apply retention now: remove expired, unreachable and (over capacity) LRU-tail blocks."""
         plan = plan_reclaim(await self.blocks(), self.retention, self.clock())
-        doomed = [bytes.fromhex(h) for h in plan.all]
-        for i in range(0, len(doomed), 1024):
-            await self.delete(doomed[i : i + 1024])
-        if doomed:
+        for reason, hexes in (
+            ("ttl", plan.expired),
+            ("unreachable", plan.unreachable),
+            ("capacity", plan.evicted),
+        ):
+            doomed = [bytes.fromhex(h) for h in hexes]
+            for i in range(0, len(doomed), 1024):  # counted as deleted here: exact, not planned
+                gone = await self.delete(doomed[i : i + 1024])
+                self.metrics.evictions.labels(reason).inc(gone)
+        if plan.all:
             log.info(
                 "retention: %d expired, %d unreachable, %d evicted",
                 len(plan.expired),

@@ -8,7 +8,9 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import nats
 import pytest
 
@@ -119,3 +121,30 @@ async def test_routes_spread_and_silent_instances_drop_out(
 
     balancer.terminate()  # SIGTERM: drains and exits cleanly
     assert balancer.wait(10) == 0
+
+
+async def test_the_ops_port_exports_routing_reasons_live_instances_and_bucket_work(
+    balancer: subprocess.Popen[bytes], client: nats.aio.client.Client
+) -> None:
+    args: Any = balancer.args
+    http_port = int(args[-1])  # svc.service appends its --http-port last
+    for name, role in (("p1", control_pb2.ROLE_PREFILL), ("d1", control_pb2.ROLE_DECODE)):
+        r = "prefill" if role == control_pb2.ROLE_PREFILL else "decode"
+        await client.publish(subjects.heartbeat(r, name), status(name, role))
+    await client.flush()
+    await asyncio.sleep(0.3)
+    got = [await route(client, i) for i in range(3)]
+    assert all(not d.error for d in got), [d.error for d in got]
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"http://127.0.0.1:{http_port}/metrics", timeout=5)).text
+    samples = dict(
+        line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("deepserve:")
+    )
+    decisions = "deepserve:balancer_routing_decisions_total"
+    assert float(samples[f'{decisions}{{reason="only_candidate",role="prefill"}}']) == 3
+    assert float(samples[f'{decisions}{{reason="only_candidate",role="decode"}}']) == 3
+    assert float(samples[f'{decisions}{{reason="cache_hit",role="prefill"}}']) == 0
+    assert float(samples['deepserve:balancer_live_instances{role="prefill"}']) == 1
+    assert float(samples['deepserve:balancer_live_instances{role="decode"}']) == 1
+    buckets = {k: float(v) for k, v in samples.items() if "balancer_bucket_instances" in k}
+    assert sum(buckets.values()) == 1 and len(buckets) == 5, buckets

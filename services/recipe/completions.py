@@ -8,9 +8,10 @@ token ids), tokenized with the served model's tokenizer and no chat template
 tool-call or JSON markup is parsed.
 
 Refused with a 400 naming the field: ``suffix`` (insertion needs a fill-in-the-middle prompt
-format the served model does not document), ``logprobs`` (not produced yet), a list of more than
-one prompt (send one request per prompt; ``n`` gives several completions of one), ``best_of``
-other than ``n``, a non-empty ``logit_bias``; and every malformed field.
+format the served model does not document), ``echo`` with ``logprobs`` (the prompt tokens' log
+probabilities are not computed), a list of more than one prompt (send one request per prompt;
+``n`` gives several completions of one), ``best_of`` other than ``n``, a non-empty
+``logit_bias``; and every malformed field. ``logprobs`` (0..5): ``logprobs.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from libs.proto.deepserve.v1 import generate_pb2
 
 from .api import invalid
 from .choices import read_n
+from .logprobs import CompletionLogprobs, chunk_logprobs, read_completion_logprobs
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 MAX_STOP = 16  # stop sequences per request
@@ -51,6 +53,7 @@ class CompletionRequest:
     include_usage: bool
     n: int
     extra: dict[str, Any] = field(default_factory=dict)  # sampling.extra_sampling's fields
+    logprobs: int | None = None  # alternatives per token (0..5); None: no logprobs
 
 
 def _is_int(v: object) -> bool:
@@ -142,12 +145,7 @@ def parse_completion(body: dict[str, Any], extra: dict[str, Any]) -> CompletionR
             "suffix",
             "unsupported_value",
         )
-    if body.get("logprobs") is not None:
-        raise invalid(
-            "logprobs are not supported yet; send the request without logprobs",
-            "logprobs",
-            "unsupported_value",
-        )
+    logprobs = read_completion_logprobs(body)
     if body.get("logit_bias"):
         raise invalid("logit_bias is not supported", "logit_bias", "unsupported_value")
     n = read_n(body)
@@ -192,6 +190,7 @@ def parse_completion(body: dict[str, Any], extra: dict[str, Any]) -> CompletionR
         include_usage=include_usage,
         n=n,
         extra=extra,
+        logprobs=logprobs,
     )
 
 
@@ -257,6 +256,7 @@ def completion_chunk(
     text: str,
     finish_reason: str | None,
     usage_field: bool,
+    logprobs: dict[str, Any] | None = None,
 ) -> str:
     """One ``text_completion`` stream chunk (``usage: null`` when the stream reports usage)."""
     body: dict[str, Any] = {
@@ -266,7 +266,7 @@ def completion_chunk(
         "model": model,
         "system_fingerprint": None,
         "choices": [
-            {"text": text, "index": index, "logprobs": None, "finish_reason": finish_reason}
+            {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}
         ],
     }
     if usage_field:
@@ -287,9 +287,11 @@ class CompletionJob:
         decoder: TextDecoder,
         echo: str | None,
         include_usage: bool,
+        logprobs: CompletionLogprobs | None = None,
     ) -> None:
         self.index, self.rid, self.model, self.created = index, rid, model, created
         self.decoder, self.echo, self.include_usage = decoder, echo, include_usage
+        self.logprobs = logprobs  # None: the request asked for none
         self.accepted = False  # the backend's Ready came
         self.prompt_tokens = self.cached_tokens = 0
         self.completion_tokens = 0  # every id the backend sent, EOS included
@@ -306,11 +308,38 @@ class CompletionJob:
     def text(self) -> str:
         return "".join(self.parts)
 
-    def _chunk(self, text: str, finish_reason: str | None = None) -> tuple[str | None, str]:
+    def _chunk(
+        self, text: str, finish_reason: str | None = None, logprobs: dict[str, Any] | None = None
+    ) -> tuple[str | None, str]:
         self.parts.append(text)
         return None, completion_chunk(
-            self.rid, self.created, self.model, self.index, text, finish_reason, self.include_usage
+            self.rid,
+            self.created,
+            self.model,
+            self.index,
+            text,
+            finish_reason,
+            self.include_usage,
+            logprobs,
         )
+
+    def _decode(self, tokens: generate_pb2.Tokens, eos: Collection[int]) -> str:
+        """The text newly final after ``tokens``; each token's logprobs noted with its place."""
+        kept = [t for t in tokens.token_ids if t not in eos]
+        pairs = None if self.logprobs is None else chunk_logprobs(tokens, eos)
+        if self.logprobs is None or pairs is None:
+            return self.decoder.push(kept)
+        text = ""
+        for t, pair in zip(kept, pairs):
+            start = len(self.decoder.text)
+            text += self.decoder.push([t])
+            self.logprobs.add(t, pair, start, len(self.decoder.text))
+        return text
+
+    def _released(self, final: bool) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        return self.logprobs.release(self.decoder.sent, final, self.decoder.stopped)
 
     def push(
         self, ev: generate_pb2.GenerateEvent, eos: Collection[int]
@@ -332,17 +361,19 @@ class CompletionJob:
             ids = list(ev.tokens.token_ids)
             self.completion_tokens += len(ids)
             self.eos_tokens += sum(1 for t in ids if t in eos)
-            text = self.decoder.push([t for t in ids if t not in eos])
-            if text:
-                out.append(self._chunk(text))
+            text = self._decode(ev.tokens, eos)
+            logprobs = self._released(final=self.decoder.stopped)
+            if text or logprobs:
+                out.append(self._chunk(text, logprobs=logprobs))
             if self.decoder.stopped:
                 out.append(self._finish("stop"))
             return out
         if ev.finish.reason == "abort":
             raise Unavailable("the backend aborted the request")
         text = self.decoder.flush()
-        if text:
-            out.append(self._chunk(text))
+        logprobs = self._released(final=True)
+        if text or logprobs:
+            out.append(self._chunk(text, logprobs=logprobs))
         stopped = self.decoder.stopped or ev.finish.reason != "length"
         out.append(self._finish("stop" if stopped else "length"))
         return out
@@ -358,7 +389,7 @@ class CompletionJob:
         return {
             "text": self.text,
             "index": self.index,
-            "logprobs": None,
+            "logprobs": None if self.logprobs is None else self.logprobs.body(),
             "finish_reason": self.finish_reason,
         }
 

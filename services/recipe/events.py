@@ -29,6 +29,7 @@ from libs.common.errors import (
 from libs.proto.deepserve.v1 import generate_pb2
 
 from .api import APIError, Protocol
+from .logprobs import chunk_logprobs
 
 # (HTTP status, OpenAI error type, OpenAI error code) by kind; the nearest base class decides.
 _STATUS_OF: dict[type[DeepserveError], tuple[int, str, str | None]] = {
@@ -81,7 +82,7 @@ def inference_chunks(
         ]
     if kind == "tokens":
         ids = [int(t) for t in ev.tokens.token_ids if t not in eos]
-        return [dr.InferenceChunk.tokens(ids)] if ids else []
+        return [dr.InferenceChunk.tokens(ids, chunk_logprobs(ev.tokens, eos))] if ids else []
     if kind == "finish":
         if ev.finish.reason == "abort":
             raise Unavailable("the backend aborted the request")

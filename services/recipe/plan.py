@@ -23,8 +23,10 @@ from .answer import Choice
 from .api import CHAT, RESPONSES, APIError, Protocol, conversion_error, invalid
 from .choices import choice_seed, read_n
 from .completions import CompletionJob, CompletionRequest, TextDecoder, parse_completion
+from .constraints import output_constraint
 from .encoding import Encoder
 from .events import Job
+from .logprobs import CompletionLogprobs, check_chat_logprobs
 from .sampling import checked, extra_sampling
 
 
@@ -120,6 +122,8 @@ class Planner:
             # deepseek-recipe refuses n != 1: the recipe makes the choices itself.
             n = read_n(decoded)
             body = json.dumps({k: v for k, v in decoded.items() if k != "n"}).encode()
+        if proto is CHAT:
+            check_chat_logprobs(decoded)
         model = str(decoded["model"])
         try:
             req = proto.request_cls(body)
@@ -138,10 +142,7 @@ class Planner:
         except RecursionError:  # only a body that nests deeper than any request needs
             raise invalid("the request is nested too deeply", code="invalid_json") from None
         # Images: the V4 conversion itself replaces them with "[Unsupported Image]" text.
-        if conv.inference_options.logprobs:
-            raise invalid("logprobs are not supported yet", "logprobs", "unsupported_value")
-        # conv.inference_options.output_constraint (JSON schema, regex, tool calls) is not
-        # enforced by constrained decoding: the engine samples freely and the parser reads it.
+        # conv.inference_options.output_constraint: the engine enforces what constraints.py maps.
         if extra is not None:
             gens = [g.with_namespace_tool_map(extra[0]).with_echo(extra[1]) for g in gens]
         return model, conv, gens, extra_sampling(decoded, proto.name)
@@ -196,6 +197,12 @@ class Planner:
         sp = common_pb2.SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens)
         if io.seed is not None:
             sp.seed = io.seed
+        if io.logprobs:  # the library builds the protocol's logprobs from the events' pairs
+            sp.logprobs = io.top_logprobs or 0
+        thinking = self.encoder.parsing_options(conv).thinking_initial_stage is not None
+        constraint = output_constraint(conv, thinking)
+        if constraint is not None:
+            sp.constraint.kind, sp.constraint.spec = constraint.kind, constraint.spec
         return checked(sp, extra)
 
     # -- Completions -----------------------------------------------------------------------------
@@ -216,6 +223,7 @@ class Planner:
                     TextDecoder(tokenizer, req.stop),
                     echo,
                     req.include_usage,
+                    None if req.logprobs is None else CompletionLogprobs(tokenizer),
                 )
                 for i in range(req.n)
             ]
@@ -263,4 +271,6 @@ class Planner:
         )
         if req.seed is not None:
             sp.seed = req.seed
+        if req.logprobs is not None:
+            sp.logprobs = req.logprobs
         return checked(sp, req.extra)

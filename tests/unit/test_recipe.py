@@ -388,9 +388,11 @@ def test_errors_openai_shape(oai: openai.OpenAI, backend: FakeBackend) -> None:
         oai.responses.create(model=MODEL, input=5)  # type: ignore[arg-type]
     with pytest.raises(openai.NotFoundError):
         oai.responses.create(model="nope", input="x")
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         oai.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x"}], logprobs=True
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            extra_body={"top_logprobs": 2},  # without logprobs: true
         )
     assert not backend.requests, "a refused request must not reach the backend"
 

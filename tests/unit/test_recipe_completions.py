@@ -193,8 +193,8 @@ def test_completion_stream(oai: openai.OpenAI, client: TestClient, encoder: Prom
     "body, param",
     [
         ({"suffix": "and then"}, "suffix"),
-        ({"logprobs": 2}, "logprobs"),
-        ({"logprobs": 0}, "logprobs"),
+        ({"logprobs": 6}, "logprobs"),
+        ({"logprobs": 2, "echo": True}, "echo"),
         ({"prompt": ["one", "two"]}, "prompt"),
         ({"prompt": [[1, 2], [3]]}, "prompt"),
         ({"prompt": None}, "prompt"),

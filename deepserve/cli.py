@@ -306,6 +306,13 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     from deepserve.bench import ep as bench_ep_mod
 
     bench_ep_mod.add_arguments(epb)
+    gr = bsub.add_parser(
+        "grammar",
+        help="decode step time with structured outputs (regex, JSON schema) against none",
+    )
+    from deepserve.bench import grammar as bench_grammar_mod
+
+    bench_grammar_mod.add_arguments(gr)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -333,6 +340,10 @@ def _bench(args: argparse.Namespace) -> int:
         from deepserve.bench.ep import main as bench_ep
 
         return bench_ep(args)
+    if args.what == "grammar":
+        from deepserve.bench.grammar import main as bench_grammar
+
+        return bench_grammar(args)
     if args.what == "serve" and args.url:
         return http_load.run(args)
     if args.what == "serve":

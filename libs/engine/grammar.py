@@ -43,8 +43,12 @@ class GrammarBackend:
 
         tok = Tokenizer.from_str(tokenizer_json)
         encoded = [""] * vocab_size
-        for text, i in tok.get_vocab(with_added_tokens=True).items():
-            if i < vocab_size:
+        # Added tokens (control and chat markup: BOS, placeholders, thinking and tool tags)
+        # stay empty, which xgrammar never matches: a constrained output holds plain text only
+        # (a JSON string could otherwise contain a control token); the stop tokens end it.
+        added = set(tok.get_added_tokens_decoder())
+        for text, i in tok.get_vocab(with_added_tokens=False).items():
+            if i < vocab_size and i not in added:
                 encoded[i] = text
         meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer_json)
         self._xgr = xgr

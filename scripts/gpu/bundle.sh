@@ -37,10 +37,13 @@ done
   --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 \
   --platform manylinux_2_24_x86_64 --platform manylinux1_x86_64 \
   -d "$out/wheels" "${specs[@]}"
-# A sampling profiler for the services under load (scripts/gpu/serve.sh PROFILE=1).
-"$venv/bin/python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-  --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d "$out/wheels" py-spy
+# A sampling profiler for the services under load (scripts/gpu/serve.sh PROFILE=1): only with
+# PROFILER=1, as the bundle must stay within the device tool's 64 MiB carry limit.
+if [ "${PROFILER:-0}" = 1 ]; then
+  "$venv/bin/python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d "$out/wheels" py-spy
+fi
 
 cp "$venv/bin/nats-server" "$out/bin/nats-server"
 redis=$(readlink -f "$(command -v redis-server)")

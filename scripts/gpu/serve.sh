@@ -6,9 +6,9 @@
 #
 # Each TRACE:SESSIONS argument is one `deepserve bench serve --url` run at that concurrency;
 # results land in $OUT/serve-TRACE-SESSIONS.json; the plots, the services' logs, a /metrics
-# snapshot of each service after each run and (PROFILE=1) py-spy dumps of every service
-# PROFILE_AFTER seconds into each run go into one $OUT/extra.tgz (the device tool brings back
-# few files).
+# snapshot of each service after each run and (PROFILE=1, with a bundle built by
+# PROFILER=1 bash scripts/gpu/bundle.sh) py-spy dumps of every service PROFILE_AFTER seconds
+# into each run go into one $OUT/extra.tgz (the device tool brings back few files).
 # Env: MODEL (v2-lite), PORT (8000), ENGINE_JSON (bench/results/engine-cuda-h200.json),
 #      UP_ARGS (extra `deepserve up` flags), BENCH_ARGS (extra bench flags),
 #      BENCH_TIMEOUT (seconds one bench run may take: 300).

@@ -39,7 +39,7 @@ def test_parity_with_transformers_on_device(name: str) -> None:
 
 
 @pytest.mark.xfail(
-    reason="H200, 50d768d: steps 0-2 within 2% of the full pass, step 3 (position 603, where a "
+    reason="H200, 25be9ab: steps 0-2 within 2% of the full pass, step 3 (position 603, where a "
     "CSA window closes during decode) 8.2%; on CPU (v4-tiny, bf16) the two agree exactly; "
     "cause not measured yet",
     strict=False,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -271,6 +272,7 @@ class Engine:
         self.prefix_cache_hits = 0
         self._unqueried: set[str] = set()  # added without KV, not yet admitted
         self._grammar: GrammarBackend | None = None  # built for the first constrained request
+        self._grammar_lock = threading.Lock()  # built by a service's worker thread or this one
 
     # -- the model behind a real runner (a fake one has none: AttributeError) ------------------
     @property
@@ -380,15 +382,16 @@ class Engine:
     @property
     def grammar(self) -> GrammarBackend:
         """The structured-output backend over this model's tokenizer (built on first use)."""
-        if self._grammar is None:
-            from .tokenizer import load_tokenizer
+        with self._grammar_lock:
+            if self._grammar is None:
+                from .tokenizer import load_tokenizer
 
-            source = self.parts.loaded.source if self.parts.loaded is not None else None
-            cfg = self.model_config
-            self._grammar = GrammarBackend(
-                load_tokenizer(source).to_str(), cfg.vocab_size, cfg.eos_token_ids
-            )
-        return self._grammar
+                source = self.parts.loaded.source if self.parts.loaded is not None else None
+                cfg = self.model_config
+                self._grammar = GrammarBackend(
+                    load_tokenizer(source).to_str(), cfg.vocab_size, cfg.eos_token_ids
+                )
+            return self._grammar
 
     def _forget_grammar(self, request_id: str) -> None:
         if self._grammar is not None:

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, InvalidRequest, KVInput, PreparedKV
 from libs.engine.eplb import Balance
+from libs.engine.grammar import GrammarError
 from libs.engine.scheduler import TokenEvent
 
 if TYPE_CHECKING:
@@ -298,6 +299,13 @@ class EngineLoop:
         """
         if request_id in self._streams:
             raise InvalidRequest(f"request_id {request_id!r} is already in use")
+        if params is not None and params.constraint is not None:
+            # Compile (or find cached) here, in a worker thread: a new schema takes milliseconds
+            # to seconds, which the engine thread -- every request's steps -- must not wait for.
+            try:
+                await asyncio.to_thread(self.engine.grammar.compile, params.constraint)
+            except GrammarError as exc:
+                raise InvalidRequest(str(exc)) from None
         stream = RequestStream(request_id)
         self._streams[request_id] = stream  # before the command: its events may follow at once
         tokens = list(prompt_token_ids)

@@ -166,3 +166,33 @@ def test_bad_constraints_are_refused_with_the_reason() -> None:
             prior_outputs=1,
         )
     assert not engine.has_unfinished()
+
+
+async def test_the_engine_loop_compiles_off_the_engine_thread_and_refuses_bad_ones() -> None:
+    """A constraint is compiled in a worker thread before the engine sees the request (the
+    engine thread then finds it cached); one that does not compile is an InvalidRequest."""
+    import threading
+
+    from libs.serving.engine_loop import EngineLoop
+
+    engine = _engine()
+    threads: list[str] = []
+    real = engine.grammar.compile
+
+    def spy(c: Constraint) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(c)
+
+    engine.grammar.compile = spy  # type: ignore[method-assign]
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        c = Constraint("regex", "[0-9]{4}")
+        stream = await loop.add("g", [5, 6, 7], SamplingParams(max_tokens=8, constraint=c))
+        toks = [ev.token_id async for ev in stream if ev.token_id is not None]
+        assert re.fullmatch(r"[0-9]{4}", _text(toks))
+        assert threads and all(t != "engine" and t != "MainThread" for t in threads[:1])
+        with pytest.raises(InvalidRequest, match="does not compile"):
+            await loop.add("b", [5, 6], SamplingParams(constraint=Constraint("regex", "([")))
+    finally:
+        await loop.close()

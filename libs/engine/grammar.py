@@ -42,25 +42,34 @@ class GrammarBackend:
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_str(tokenizer_json)
-        encoded = [""] * vocab_size
-        # Added tokens (control and chat markup: BOS, placeholders, thinking and tool tags)
-        # stay empty, which xgrammar never matches: a constrained output holds plain text only
-        # (a JSON string could otherwise contain a control token); the stop tokens end it.
-        added = set(tok.get_added_tokens_decoder())
-        for text, i in tok.get_vocab(with_added_tokens=False).items():
-            if i < vocab_size and i not in added:
-                encoded[i] = text
+        plain = [""] * vocab_size
+        markup = [""] * vocab_size
+        # Two views of the vocabulary. JSON, JSON-schema and regex constraints see added tokens
+        # (control and chat markup: BOS, placeholders, thinking and tool tags) as empty, which
+        # xgrammar never matches: such an output holds plain text only (a JSON string could
+        # otherwise contain a control token). EBNF and tool-call constraints see them by their
+        # text, so a grammar can require chat markup (a DSML tool call) as the single tokens
+        # the model emits; their literals decide where. The stop tokens end either.
+        added = tok.get_added_tokens_decoder()
+        for text, i in tok.get_vocab(with_added_tokens=True).items():
+            if i < vocab_size:
+                markup[i] = added[i].content if i in added else text
+                plain[i] = "" if i in added else text
         meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer_json)
         self._xgr = xgr
         self.vocab_size = vocab_size
-        self.info = xgr.TokenizerInfo(
-            encoded,
-            vocab_type=meta["vocab_type"],
-            vocab_size=vocab_size,
-            stop_token_ids=list(stop_token_ids),
-            add_prefix_space=meta["add_prefix_space"],
-        )
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
+
+        def info(encoded: list[str]) -> Any:
+            return xgr.TokenizerInfo(
+                encoded,
+                vocab_type=meta["vocab_type"],
+                vocab_size=vocab_size,
+                stop_token_ids=list(stop_token_ids),
+                add_prefix_space=meta["add_prefix_space"],
+            )
+
+        self.compiler = xgr.GrammarCompiler(info(plain), max_threads=threads)
+        self.markup_compiler = xgr.GrammarCompiler(info(markup), max_threads=threads)
         self._compiled: OrderedDict[Constraint, Any] = OrderedDict()
         self._lock = threading.Lock()  # compile() may run off the engine thread (validation)
         self._matchers: dict[str, Any] = {}
@@ -88,7 +97,8 @@ class GrammarBackend:
         return compiled
 
     def _compile(self, c: Constraint) -> Any:
-        xgr, comp = self._xgr, self.compiler
+        xgr = self._xgr
+        comp = self.markup_compiler if c.kind in ("ebnf", "tool_call") else self.compiler
         if c.kind == "json_schema":
             return comp.compile_json_schema(c.spec, any_whitespace=False)
         if c.kind == "json":

@@ -212,7 +212,9 @@ def capture_logits(
     """
     rows: dict[tuple[int, int], torch.Tensor] = {}
 
-    def sample(logits: torch.Tensor, params: Any, positions: Any, *_: Any) -> torch.Tensor:
+    def sample(
+        logits: torch.Tensor, params: Any, positions: Any, *_: Any, **__: Any
+    ) -> torch.Tensor:
         out = []
         for r, (p, pos) in enumerate(zip(params, positions)):
             i = int(p.seed) - _QUALITY_SEED

@@ -222,7 +222,7 @@ def capture_logits(
             out.append(forced[i][int(pos) - len(prompts[i])])
         return torch.tensor(out, dtype=torch.int64, device=logits.device)
 
-    engine.sampler.sample_device = sample  # type: ignore[method-assign,assignment]
+    engine.sampler.sample_device = sample  # type: ignore[method-assign]
     try:
         for i, p in enumerate(prompts):
             engine.add_request(

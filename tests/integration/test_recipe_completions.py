@@ -93,8 +93,11 @@ def test_completions_refusals(stack: Stack) -> None:
         c.completions.create(model=MODEL_NAME, prompt="def f(x):", suffix="    return y")
     assert e.value.body["param"] == "suffix"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as e:
-        c.completions.create(model=MODEL_NAME, prompt="x", logprobs=1)
+        c.completions.create(model=MODEL_NAME, prompt="x", logprobs=6)  # legacy limit: 5
     assert e.value.body["param"] == "logprobs"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as e:  # prompt logprobs are not computed
+        c.completions.create(model=MODEL_NAME, prompt="x", logprobs=1, echo=True)
+    assert e.value.body["param"] == "echo"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(
             model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], n=17

@@ -1,4 +1,4 @@
-"""Structured outputs: the constraint the engine enforces for a converted request (no I/O).
+r"""Structured outputs: the constraint the engine enforces for a converted request (no I/O).
 
 deepseek-recipe reads ``response_format`` / ``text.format`` / ``tool_choice`` into
 ``InferenceOptions.output_constraint`` (kind ``json``, ``regex``, ``tool_call`` or
@@ -10,23 +10,67 @@ deepseek-recipe reads ``response_format`` / ``text.format`` / ``tool_choice`` in
 * ``json`` with a schema (``{"type": "json_schema", ...}``; the library has already closed a
   ``strict`` schema: ``additionalProperties: false``, every property required) ->
   ``Constraint("json_schema", schema)``;
-* ``regex`` -> ``Constraint("regex", pattern)``.
+* ``regex`` -> ``Constraint("regex", pattern)``;
+* ``tool_call_required`` (OpenAI ``tool_choice`` "required" or a named function, Responses
+  likewise, Anthropic ``{"type": "tool"}``) -> ``Constraint("ebnf", grammar)`` from
+  :func:`tool_call_grammar`: the DSML tool calls the DeepSeek V4 encoding writes, after the
+  ``<｜DSML｜tool_calls>\n`` the prompt already opened (the library prefills it and its parser
+  starts inside the block). For ``get_weather(city: string, required; days: integer)``::
+
+      root ::= call ("\n" call)* "\n</" Token(128825) "tool_calls>"
+      call ::= t0
+      t0 ::= "<" Token(128825) "invoke name=\"get_weather\">\n" t0p0 t0p1?
+             "</" Token(128825) "invoke>"
+      t0p0 ::= "<" Token(128825) "parameter name=\"city\" string=\""
+               ("true\">" text) "</" Token(128825) "parameter>\n"
+      t0p1 ::= "<" Token(128825) "parameter name=\"days\" string=\""
+               ("false\">" json_int) "</" Token(128825) "parameter>\n"
+
+  (one line per rule in the real grammar) plus the shared ``text``, ``json_*`` and
+  ``any_param`` rules. ``Token(128825)`` is xgrammar's syntax for that one token id, the
+  ``｜DSML｜`` added token: the library's parser reads markup only where the special token
+  stands (the same characters in plain pieces are argument text), and a text literal would let
+  the model spell it in plain pieces -- a random-weight model does. The engine allows EOS only
+  once the grammar is complete, so ``</｜DSML｜tool_calls>`` then EOS ends the output.
+
+What the tool-call grammar enforces, and what it decides (the library's parser accepts more):
+
+* one or more calls, each to a listed tool (a named tool: the library lists only that one, so
+  every call is to it; it cannot tell "required" with one tool from a named one, so a named
+  tool may be called more than once too), separated and closed as the encoding renders them;
+* a tool's parameters in the order of its schema's ``properties``; those in ``required``
+  must be there, the others may (no ``required``: all optional, as in JSON Schema; the
+  library makes every property of a ``strict`` tool required); no undeclared names. A schema
+  without ``properties``: any number of parameters with any name, either form of value;
+* ``type: string`` -> ``string="true"`` and free text without ``<`` (except ``<`` before a
+  space, ``=`` or a digit, as in ``a < b``) or ``｜``: every added token (chat markup,
+  ``｜DSML｜``, EOS) begins with ``<`` followed by another character or contains ``｜``, so the
+  text cannot spell markup nor run into the closing ``</｜DSML｜parameter>``; ``enum`` /
+  ``const`` -> those values (strings as ``string="true"`` text, others as JSON, as the
+  library renders them); ``integer``, ``number``, ``boolean``, ``null`` by JSON pattern;
+  ``object``, ``array`` -> any JSON object / array (nested schemas are not followed); no or
+  another type (``anyOf`` ...) -> either text or any JSON value. The parser splices a
+  ``string="false"`` value verbatim into the arguments, so only JSON may stand there. JSON is
+  written compactly, a space allowed after ``,`` and ``:`` (the library's rendering); JSON
+  strings exclude ``<`` and ``｜`` as text does (``\u003c`` spells ``<``);
+* :data:`TEXT_LIMIT`: at most that many characters per text or JSON string (None: no limit;
+  the tests set one so that a random-weight model finishes its strings).
 
 Not enforced (the engine samples freely and the library's parser reads the output, as before):
 
 * anything in thinking mode: the output is the reasoning, ``</think>``, then the answer, and a
-  constraint covers the whole output, so it would forbid the reasoning;
-* ``tool_call`` (``tool_choice`` auto, Anthropic ``any``: the model may answer in text);
-* ``tool_call_required`` (OpenAI ``tool_choice`` "required" or a named function, Anthropic
-  ``{"type": "tool"}``): the engine's ``tool_call`` kind is "begin text, JSON arguments, end
-  text", but the DeepSeek V4 encoding writes a call's arguments as one DSML element per
-  parameter (``<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>``), not as
-  a JSON object, and ``｜DSML｜`` is a special token that a text grammar does not match. The
-  library's own measure stays: the prompt opens the tool-call block
-  (``<｜DSML｜tool_calls>``) and its parser starts inside it.
+  constraint covers the whole output, so it would forbid the reasoning (a required or named
+  tool choice in thinking mode the library refuses anyway: a 400);
+* ``tool_call`` (``tool_choice`` auto, Anthropic ``any``, which the library treats as auto:
+  the model may answer in text);
+* a tool-call grammar over :data:`~libs.common.sampling.MAX_CONSTRAINT_BYTES` (hundreds of
+  tools): the request goes on unconstrained with the library's prefill, rather than failing.
 """
 
 from __future__ import annotations
+
+import json
+from typing import Any
 
 import deepseek_recipe as dr
 
@@ -34,6 +78,16 @@ from libs.common.errors import InvalidArgument
 from libs.common.sampling import MAX_CONSTRAINT_BYTES, Constraint
 
 from .api import invalid
+
+DSML = "｜DSML｜"
+# The DSML token's id in the DeepSeek V4 vocabulary (the only one this encoding serves: a
+# checkpoint with another tokenizer gets its own chat template, which refuses tools). The
+# grammar names it as ``Token(id)``: the library's parser reads markup only where the special
+# token stands, and a text literal would also let the model spell "｜DSML｜" in plain pieces.
+DSML_TOKEN_ID = 128825
+_CALLS_END = f"\n</{DSML}tool_calls>"  # after the last call; then the model's EOS
+_PARAM_END = f"</{DSML}parameter>\n"
+TEXT_LIMIT: int | None = None  # characters per free string; None: unbounded
 
 
 def output_constraint(conv: dr.ConversationRequest, thinking: bool) -> Constraint | None:
@@ -46,7 +100,12 @@ def output_constraint(conv: dr.ConversationRequest, thinking: bool) -> Constrain
         kind, spec = ("json_schema", oc.schema) if oc.schema else ("json", "")
     elif oc.kind == "regex":
         kind, spec = "regex", oc.schema
-    else:  # tool_call, tool_call_required: not expressible in the V4 encoding
+    elif oc.kind == "tool_call_required":
+        grammar = tool_call_grammar(json.loads(oc.schema), TEXT_LIMIT)
+        if not grammar or len(grammar.encode()) > MAX_CONSTRAINT_BYTES:
+            return None  # no tool, or too many to enforce: the library's prefill stands
+        return Constraint("ebnf", grammar)
+    else:  # tool_call: the model may answer in text
         return None
     if len(spec.encode()) > MAX_CONSTRAINT_BYTES:
         raise invalid(
@@ -60,3 +119,111 @@ def output_constraint(conv: dr.ConversationRequest, thinking: bool) -> Constrain
         raise invalid(
             f"the output constraint {str(exc).removeprefix('sampling.')}", "response_format"
         ) from None
+
+
+# -- the DSML tool-call grammar -------------------------------------------------------------------
+def tool_call_grammar(tools: list[Any], text_limit: int | None = None) -> str:
+    """An xgrammar EBNF grammar for what follows the prefilled ``<｜DSML｜tool_calls>\\n``:
+    one or more calls of ``tools`` (Chat Completions function tools, as the library lists them
+    in ``OutputConstraint.schema``), then the block's end; "" when no tool has a name.
+    ``text_limit``: at most that many characters per free string (None: unbounded)."""
+    rules: list[str] = []
+    calls: list[str] = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function", tool) if isinstance(tool, dict) else {}
+        name = fn.get("name")
+        if not isinstance(name, str):
+            continue
+        calls.append(f"t{i}")
+        rules.extend(_invoke_rules(f"t{i}", name, fn.get("parameters")))
+    if not calls:
+        return ""
+    rep = "*" if text_limit is None else f"{{0,{text_limit}}}"
+    head = [
+        f'root ::= call ("\\n" call)* {_lit(_CALLS_END)}',
+        f"call ::= {' | '.join(calls)}",
+    ]
+    return "\n".join(head + rules + _shared_rules(rep)) + "\n"
+
+
+def _lit(text: str) -> str:
+    """An EBNF sequence for ``text``: string literals (JSON escapes, which xgrammar reads),
+    with every ``｜DSML｜`` as the single special token."""
+    pieces: list[str] = []
+    for i, part in enumerate(text.split(DSML)):
+        pieces += [f"Token({DSML_TOKEN_ID})"] if i else []
+        pieces += [json.dumps(part, ensure_ascii=False)] if part else []
+    return " ".join(pieces) or '""'
+
+
+def _invoke_rules(rule: str, name: str, schema: Any) -> list[str]:
+    begin, end = _lit(f'<{DSML}invoke name="{name}">\n'), _lit(f"</{DSML}invoke>")
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    if not isinstance(props, dict):  # nothing declared: any parameters
+        return [f"{rule} ::= {begin} any_param* {end}"]
+    required = schema.get("required")
+    required = set(required) if isinstance(required, list) else set()
+    body, rules = [], []
+    for j, (pname, pschema) in enumerate(props.items()):
+        head = _lit(f'<{DSML}parameter name="{pname}" string="')
+        tail = _lit(_PARAM_END)
+        rules.append(f"{rule}p{j} ::= {head} {_value(pschema)} {tail}")
+        body.append(f"{rule}p{j}" + ("" if pname in required else "?"))
+    return [f"{rule} ::= {' '.join([begin, *body, end])}", *rules]
+
+
+_TEXT, _JSON = '"true\\">" text', '"false\\">" '
+_ANY = f"({_TEXT} | {_JSON}json_value)"
+_BY_TYPE = {
+    "string": _TEXT,
+    "integer": _JSON + "json_int",
+    "number": _JSON + "json_number",
+    "boolean": _JSON + '("true" | "false")',
+    "null": _JSON + '"null"',
+    "object": _JSON + "json_object",
+    "array": _JSON + "json_array",
+}
+
+
+def _value(schema: Any) -> str:
+    """The rest of a parameter's opening tag (``true">`` or ``false">``) and its value."""
+    if not isinstance(schema, dict):
+        return _ANY
+    values = schema.get("enum")
+    if "const" in schema:
+        values = [schema["const"]]
+    if isinstance(values, list) and values:
+        alts = [
+            f'"true\\">" {_lit(v)}'
+            if isinstance(v, str)
+            else _JSON + _lit(json.dumps(v, ensure_ascii=False))
+            for v in values
+        ]
+        return f"({' | '.join(dict.fromkeys(alts))})"
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else types
+    if not isinstance(types, list) or not types or any(t not in _BY_TYPE for t in types):
+        return _ANY
+    return f"({' | '.join(_BY_TYPE[t] for t in dict.fromkeys(types))})"
+
+
+def _shared_rules(rep: str) -> list[str]:
+    """Free text, JSON values and undeclared parameters; ``rep`` bounds a string's length."""
+    return [
+        f"text ::= text_char{rep}",
+        # "<" only before a space, "=" or a digit, and no "｜": see the module docstring
+        'text_char ::= [^<｜] | "<" [ =0-9]',
+        f'any_param ::= {_lit(f"<{DSML}parameter name=")} "\\"" param_name "\\" string=\\"" '
+        f"{_ANY} {_lit(_PARAM_END)}",
+        'param_name ::= [^"<｜\\n]{1,64}',
+        "json_value ::= json_object | json_array | json_string | json_number"
+        ' | "true" | "false" | "null"',
+        'json_object ::= "{" (json_member ("," " "? json_member)*)? "}"',
+        'json_member ::= json_string ":" " "? json_value',
+        'json_array ::= "[" (json_value ("," " "? json_value)*)? "]"',
+        f'json_string ::= "\\"" json_char{rep} "\\""',
+        'json_char ::= [^"\\\\<｜\\u0000-\\u001f] | "<" [ =0-9]'
+        ' | "\\\\" (["\\\\/bfnrt] | "u" [0-9a-fA-F]{4})',
+        'json_int ::= "-"? ("0" | [1-9] [0-9]*)',
+        'json_number ::= json_int ("." [0-9]+)? ([eE] [+-]? [0-9]+)?',
+    ]

@@ -16,9 +16,13 @@ from openai.types.chat import ChatCompletionMessageFunctionToolCall
 from prometheus_client import CollectorRegistry
 from starlette.testclient import TestClient
 
-from libs.common.sampling import SamplingParams
+from libs.common.sampling import Constraint, SamplingParams
 from libs.engine.tokenizer import served_tokenizer
+from libs.proto.deepserve.v1 import generate_pb2
+from services.recipe import constraints
 from services.recipe.chat_template import ChatTemplateEncoder
+from services.recipe.constraints import DSML_TOKEN_ID as DSML_ID
+from services.recipe.constraints import output_constraint, tool_call_grammar
 from services.recipe.encoding import PromptEncoder, build_encoder
 from services.recipe.handlers import AppConfig, Metrics, build_app
 
@@ -40,6 +44,9 @@ OTHER: Any = {
     "function": {"name": "get_time", "description": "the time", "parameters": {"type": "object"}},
 }
 ANTHROPIC_TOOL: Any = {"name": "get_weather", "description": "the weather", "input_schema": PARAMS}
+RESPONSES_TOOL: Any = {"type": "function", "name": "get_weather", "parameters": PARAMS}
+NAMED: Any = {"type": "function", "function": {"name": "get_weather"}}
+ANTHROPIC_NAMED: Any = {"type": "tool", "name": "get_weather"}
 # What the model writes after a prompt that opened the tool-call block (tool_choice required).
 INVOKE = (
     '<｜DSML｜invoke name="get_weather">\n'
@@ -153,54 +160,55 @@ def test_free_generation_sends_no_constraint(
 
 
 @pytest.mark.parametrize(
-    "tool_choice",
-    ["required", {"type": "function", "function": {"name": "get_weather"}}],
+    ("path", "fields", "kind"),
+    [
+        ("/v1/chat/completions", {"tools": [TOOL, OTHER], "tool_choice": "required"}, "ebnf"),
+        ("/v1/chat/completions", {"tools": [TOOL, OTHER], "tool_choice": NAMED}, "ebnf"),
+        ("/v1/chat/completions", {"tools": [TOOL, OTHER]}, None),  # auto
+        ("/v1/responses", {"tools": [RESPONSES_TOOL], "tool_choice": "required"}, "ebnf"),
+        (
+            "/v1/responses",
+            {"tools": [RESPONSES_TOOL], "tool_choice": {"type": "function", "name": "get_weather"}},
+            "ebnf",
+        ),
+        ("/v1/messages", {"tools": [ANTHROPIC_TOOL], "tool_choice": ANTHROPIC_NAMED}, "ebnf"),
+        # the library reads Anthropic "any" as auto (kind tool_call): the model may answer in text
+        ("/v1/messages", {"tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "any"}}, None),
+        ("/v1/messages", {"tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "auto"}}, None),
+    ],
 )
-def test_required_tool_choice_is_not_a_grammar(
-    client: TestClient, backend: FakeBackend, encoder: PromptEncoder, tool_choice: Any
+def test_tool_choice_sends_a_grammar_only_when_a_call_is_required(
+    client: TestClient,
+    backend: FakeBackend,
+    encoder: PromptEncoder,
+    path: str,
+    fields: dict[str, Any],
+    kind: str | None,
 ) -> None:
-    """Kept as before: the prompt opens the tool-call block, no constraint is sent. Why: the V4
-    encoding writes arguments as DSML parameters, not the JSON the engine's tool_call kind
-    matches -- rendering a call through the library shows it."""
-    chat(client, tools=[TOOL, OTHER], tool_choice=tool_choice)
+    base: dict[str, Any] = {"model": MODEL, "max_tokens": 64}
+    base["input" if path == "/v1/responses" else "messages"] = (
+        "give me JSON" if path == "/v1/responses" else USER
+    )
+    r = client.post(path, json={**base, **fields})
+    assert r.status_code == 200, r.text
     request = backend.requests[0]
-    assert not request.sampling.HasField("constraint")
+    c = sent(backend).constraint
+    assert (c.kind if c is not None else None) == kind
+    if kind is None:
+        return
+    assert c is not None
+    # the grammar starts after the block the prompt opened and names only the allowed tools
     tail = encoder.full.decode(list(request.prompt_token_ids[-8:]), skip_special_tokens=False)
     assert tail.endswith("<｜DSML｜tool_calls>\n")
-    arguments = json.dumps({"city": "Paris"})
-    call = {
-        "id": "c",
-        "type": "function",
-        "function": {"name": "get_weather", "arguments": arguments},
-    }
-    body = {
-        "model": MODEL,
-        "messages": [
-            *USER,
-            {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "c", "content": "sunny"},
-        ],
-        "tools": [TOOL],
-    }
-    conv = dr.ChatCompletionRequest(json.dumps(body).encode()).convert(encoder.options)
-    rendered = encoder.render(conv.conversation).prompt
-    assert '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>' in rendered
-    assert rendered.count("Paris") == 1  # no JSON arguments for a begin/JSON/end grammar
+    # the DSML markup as the special token itself, the allowed tools by name
+    assert f'"<" Token({DSML_ID}) "invoke name=\\"get_weather\\">\\n"' in c.spec
+    assert ("get_time" in c.spec) == (
+        fields.get("tool_choice") == "required" and OTHER in fields["tools"]
+    )
 
 
-@pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
-def test_anthropic_tool_choice_sends_no_constraint(
-    client: TestClient, backend: FakeBackend, tool_choice: dict[str, Any]
-) -> None:
-    body = {
-        "model": MODEL,
-        "max_tokens": 64,
-        "messages": USER,
-        "tools": [ANTHROPIC_TOOL],
-        "tool_choice": tool_choice,
-    }
-    assert client.post("/v1/messages", json=body).status_code == 200
-    assert not backend.requests[0].sampling.HasField("constraint")
+def test_dsml_token_id_is_the_vocabularys(encoder: PromptEncoder) -> None:
+    assert encoder.full.token_to_id("｜DSML｜") == DSML_ID
 
 
 def test_oversized_schema_is_refused(client: TestClient, backend: FakeBackend) -> None:
@@ -287,3 +295,329 @@ def test_checkpoints_own_template_is_constrained_too(tmp_path: Path) -> None:
     c = sent(backend).constraint
     assert c is not None and c.kind == "json_schema" and json.loads(c.spec) == SCHEMA
     assert json.loads(r.json()["choices"][0]["message"]["content"]) == {"a": 1, "b": "x"}
+
+
+# -- the tool-call grammar ------------------------------------------------------------------------
+# Every kind of parameter the grammar distinguishes; "city" is the only required one.
+ALL_TYPES: Any = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "days": {"type": "integer"},
+        "ratio": {"type": "number"},
+        "metric": {"type": "boolean"},
+        "unit": {"enum": ["c", "f"]},
+        "level": {"enum": [1, 2, None]},
+        "extra": {"type": "object"},
+        "tags": {"type": "array"},
+        "note": {"type": ["string", "null"]},
+        "any": {},
+    },
+    "required": ["city"],
+}
+TYPED: Any = {"type": "function", "function": {"name": "get_weather", "parameters": ALL_TYPES}}
+ARGS = {
+    "city": "Paris, 1 < 2",
+    "days": -3,
+    "ratio": 1.5e3,
+    "metric": True,
+    "unit": "f",
+    "level": None,
+    "extra": {"k": [1, "x", None, {}], "e": []},
+    "tags": ["a", 2],
+    "note": None,
+    "any": "free text",
+}
+
+
+@pytest.fixture(scope="module")
+def grammars() -> Any:
+    """The engine's grammar backend over the bundled vocabulary (imports torch: tests only)."""
+    from libs.engine.grammar import GrammarBackend
+    from libs.engine.tokenizer import load_tokenizer
+
+    return GrammarBackend(load_tokenizer(None).to_str(), 129280, [1])
+
+
+def required_constraint(encoder: PromptEncoder, tools: list[Any], choice: Any) -> Constraint:
+    body = {"model": MODEL, "messages": USER, "tools": tools, "tool_choice": choice}
+    conv = dr.ChatCompletionRequest(json.dumps(body).encode()).convert(encoder.options)
+    c = output_constraint(conv, thinking=False)
+    assert c is not None and c.kind == "ebnf"
+    return c
+
+
+def rendered_calls(encoder: PromptEncoder, calls: list[tuple[str, dict[str, Any]]]) -> str:
+    """What the library renders for an assistant turn with these calls, after the opening
+    ``<｜DSML｜tool_calls>\\n`` (which a required tool choice prefills) up to the block's end."""
+    tool_calls = [
+        {"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+        for i, (n, a) in enumerate(calls)
+    ]
+    results = [
+        {"role": "tool", "tool_call_id": f"c{i}", "content": "ok"} for i in range(len(calls))
+    ]
+    body = {
+        "model": MODEL,
+        "messages": [
+            *USER,
+            {"role": "assistant", "content": "", "tool_calls": tool_calls},
+            *results,
+        ],
+        "tools": [TYPED, OTHER],
+    }
+    conv = dr.ChatCompletionRequest(json.dumps(body).encode()).convert(encoder.options)
+    prompt = encoder.render(conv.conversation).prompt
+    opened = "<｜DSML｜tool_calls>\n"
+    start = prompt.index(opened, prompt.index("<｜Assistant｜>")) + len(opened)
+    end = prompt.index("</｜DSML｜tool_calls>", start) + len("</｜DSML｜tool_calls>")
+    return prompt[start:end]
+
+
+def follows(grammars: Any, encoder: PromptEncoder, c: Constraint, text: str | list[int]) -> bool:
+    """Whether the tokens of ``text`` then EOS complete the grammar (as the engine's matcher)."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(grammars.compile(c))
+    ids = encoder.full.encode(text, add_special_tokens=False).ids if isinstance(text, str) else text
+    return all(matcher.accept_token(t) for t in [*ids, encoder.eos]) and matcher.is_terminated()
+
+
+@pytest.mark.parametrize(
+    "tools",
+    [
+        [TYPED],
+        [TYPED, OTHER],  # OTHER declares no properties: any parameters
+        [{"type": "function", "function": {"name": "odd-1"}}],  # no parameters schema
+        [  # names that need escaping in the grammar; an empty enum; anyOf
+            {
+                "type": "function",
+                "function": {
+                    "name": "odd_2",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {'a "b" <\\c>\n': {"enum": []}, "u": {"anyOf": [{}]}},
+                    },
+                },
+            }
+        ],
+    ],
+)
+def test_tool_grammar_compiles_with_the_engine_backend(
+    grammars: Any, encoder: PromptEncoder, tools: list[Any]
+) -> None:
+    c = required_constraint(encoder, tools, "required")
+    assert grammars.compile(c) is not None
+
+
+def test_grammar_accepts_what_the_library_renders(grammars: Any, encoder: PromptEncoder) -> None:
+    c = required_constraint(encoder, [TYPED, OTHER], "required")
+    # every parameter kind, an undeclared-schema tool, several calls, only the required one
+    text = rendered_calls(
+        encoder,
+        [
+            ("get_weather", ARGS),
+            ("get_time", {"tz": "UTC", "n": [1]}),
+            ("get_weather", {"city": ""}),
+        ],
+    )
+    assert 'string="false">1500.0<' in text and 'string="true">f<' in text  # as rendered
+    assert follows(grammars, encoder, c, text)
+    assert not follows(grammars, encoder, c, text.removesuffix("</｜DSML｜tool_calls>"))
+    named = required_constraint(encoder, [TYPED, OTHER], NAMED)
+    assert follows(grammars, encoder, named, rendered_calls(encoder, [("get_weather", ARGS)]))
+    assert not follows(grammars, encoder, named, rendered_calls(encoder, [("get_time", {})]))
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ('name="get_weather"', 'name="get_wether"'),  # not a listed tool
+        ('<｜DSML｜parameter name="city" string="true">Paris, 1 < 2</｜DSML｜parameter>\n', ""),
+        ("Paris, 1 < 2", "Paris <b>"),  # "<" could begin markup
+        ("Paris, 1 < 2", "Paris ｜DSML｜"),  # the DSML token inside a value
+        ('name="days" string="false">-3', 'name="days" string="true">-3'),  # integer as text
+        ('name="days" string="false">-3', 'name="days" string="false">3.5'),
+        ('string="false">true', 'string="false">yes'),  # not JSON: spliced verbatim
+        ('string="true">f<', 'string="true">k<'),  # not in the enum
+        ('"e": []', '"e": [,]'),
+        ('string="false">{"k"', 'string="false">["k"'),  # object expected
+        ("</｜DSML｜invoke>\n</｜DSML｜tool_calls>", "</｜DSML｜invoke></｜DSML｜tool_calls>"),
+    ],
+)
+def test_grammar_refuses_what_breaks_the_call(
+    grammars: Any, encoder: PromptEncoder, old: str, new: str
+) -> None:
+    c = required_constraint(encoder, [TYPED, OTHER], "required")
+    text = rendered_calls(encoder, [("get_weather", ARGS)])
+    assert old in text and follows(grammars, encoder, c, text)
+    assert not follows(grammars, encoder, c, text.replace(old, new, 1))
+
+
+def test_markup_must_be_the_dsml_token(
+    grammars: Any, encoder: PromptEncoder, oai: openai.OpenAI, backend: FakeBackend
+) -> None:
+    """The library's parser reads markup only where the special token stands: the same
+    characters in plain pieces are argument text. So the grammar refuses them."""
+    c = required_constraint(encoder, [TYPED], "required")
+    ids = encoder.full.encode(
+        rendered_calls(encoder, [("get_weather", {"city": "Paris"})]), add_special_tokens=False
+    ).ids
+    assert DSML_ID in ids and follows(grammars, encoder, c, ids)
+    plain = [t for p in ("｜", "DSML", "｜") for t in encoder.full.encode(p).ids]
+    assert DSML_ID not in plain
+    spelled = [t for i in ids for t in (plain if i == DSML_ID else [i])]
+    assert encoder.full.decode(spelled) == encoder.full.decode(ids, skip_special_tokens=False)
+    assert not follows(grammars, encoder, c, spelled)
+    # what the parser makes of a call whose closing tag is spelled in plain pieces
+    close = [
+        t for p in ("</", "｜", "DSML", "｜", "parameter>\n") for t in encoder.full.encode(p).ids
+    ]
+    head = encoder.full.encode(
+        '<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">Paris'
+    ).ids
+    tail = encoder.full.encode("</｜DSML｜invoke>\n</｜DSML｜tool_calls>").ids
+    backend.answer_ids = lambda request: [*head, *close, *tail, encoder.eos]  # type: ignore[method-assign]
+    out = oai.chat.completions.create(
+        model=MODEL, messages=USER, tools=[TYPED], tool_choice="required"
+    )
+    (call,) = out.choices[0].message.tool_calls or []
+    assert isinstance(call, ChatCompletionMessageFunctionToolCall)
+    assert "DSML" in json.loads(call.function.arguments)["city"]  # not a closing tag
+
+
+def test_too_many_tools_to_enforce_go_unconstrained(encoder: PromptEncoder) -> None:
+    """Over 256 KiB of grammar: the request still runs, with the library's prefill only."""
+    props = {f"p{j}_{'x' * 40}": {"type": "string"} for j in range(20)}
+    params = {"type": "object", "properties": props}
+    tools = [
+        {"type": "function", "function": {"name": f"tool_{i}", "parameters": params}}
+        for i in range(300)
+    ]
+    body = {"model": MODEL, "messages": USER, "tools": tools, "tool_choice": "required"}
+    conv = dr.ChatCompletionRequest(json.dumps(body).encode()).convert(encoder.options)
+    assert output_constraint(conv, thinking=False) is None
+    assert output_constraint(conv, thinking=True) is None
+    small = dr.ChatCompletionRequest(json.dumps({**body, "tools": tools[:1]}).encode()).convert(
+        encoder.options
+    )
+    assert output_constraint(small, thinking=True) is None  # thinking: never constrained
+    c = output_constraint(small, thinking=False)
+    assert c is not None and c.kind == "ebnf"
+    assert tool_call_grammar([]) == ""  # no tool: nothing to send
+
+
+# -- end to end through the tiny random-weight engine --------------------------------------------
+E2E_TOOL: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"enum": ["c", "f"]},
+                "metric": {"type": "boolean"},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+E2E_OTHER: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"tz": {"type": "string"}, "dst": {"type": "boolean"}},
+            "required": ["tz", "dst"],
+        },
+    },
+}
+
+
+class EngineBackend(FakeBackend):
+    """The recipe's backend answered by the real tiny engine: the prompt ids and sampling
+    settings (constraint included) exactly as the recipe sent them."""
+
+    def __init__(self, encoder: PromptEncoder, engine: Any) -> None:
+        super().__init__(encoder)
+        self.engine = engine
+
+    def answer_ids(self, request: generate_pb2.GenerateRequest) -> list[int]:
+        rid = f"r{len(self.requests)}"
+        self.engine.add_request(
+            rid, list(request.prompt_token_ids), SamplingParams.from_proto(request.sampling)
+        )
+        out: list[int] = []
+        while self.engine.has_unfinished():
+            out += [ev.token_id for ev in self.engine.step() if ev.token_id is not None]
+        return out
+
+
+@pytest.fixture(scope="module")
+def engine() -> Any:
+    import torch
+
+    from libs.engine.engine import Engine, EngineConfig
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny model decodes ~4x faster on one thread than on two
+    try:
+        yield Engine(EngineConfig(model="tiny", seed=0, num_kv_blocks=64))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    ("choice", "allowed"),
+    [("required", {"get_weather", "get_time"}), (NAMED, {"get_weather"})],
+)
+def test_random_model_makes_a_valid_required_call(
+    encoder: PromptEncoder,
+    engine: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    choice: Any,
+    allowed: set[str],
+) -> None:
+    """Random weights would never end a free string by chance (the closing tag is 2 of ~128K
+    tokens), so strings are capped at 16 characters here; the served grammar leaves them free."""
+    monkeypatch.setattr(constraints, "TEXT_LIMIT", 16)
+    backend = EngineBackend(encoder, engine)
+    client = TestClient(make_app(encoder, backend), raise_server_exceptions=False)
+    oai = openai.OpenAI(
+        base_url="http://testserver/v1", api_key="unused", max_retries=0, http_client=client
+    )
+    required = {"get_weather": {"city", "unit"}, "get_time": {"tz", "dst"}}
+    names = set()
+    for seed in range(2):
+        out = oai.chat.completions.create(
+            model=MODEL,
+            messages=USER,
+            tools=[E2E_TOOL, E2E_OTHER],
+            tool_choice=choice,
+            seed=seed,
+            max_tokens=1000,
+            temperature=1.0,
+        )
+        assert backend.requests[-1].sampling.constraint.kind == "ebnf"
+        choice0 = out.choices[0]
+        assert choice0.finish_reason == "tool_calls", choice0
+        assert not choice0.message.content
+        for call in choice0.message.tool_calls or []:
+            assert isinstance(call, ChatCompletionMessageFunctionToolCall)
+            assert call.function.name in allowed
+            args = json.loads(call.function.arguments)
+            assert required[call.function.name] <= set(args), args
+            assert set(args) <= set(E2E_TOOL["function"]["parameters"]["properties"]) | {
+                "tz",
+                "dst",
+            }
+            assert all(isinstance(args[k], bool) for k in ("metric", "dst") if k in args)
+            assert args.get("unit", "c") in ("c", "f")
+            assert all(
+                len(args[k]) <= 16 and "<" not in args[k] for k in ("city", "tz") if k in args
+            )
+            names.add(call.function.name)
+        assert choice0.message.tool_calls
+    assert names <= allowed

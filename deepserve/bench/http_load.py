@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deepserve.bench import engine_view
+
 OFF_PEAK_PRICE = (0.15, 0.003, 0.60)  # $/M tokens: uncached input, cached input, output
 RETRIES_429 = 5  # a turn refused with 429 is sent again this many times at most
 BLOCK = 128  # tokens per prefix block: what a prefix cache can reuse is counted in blocks
@@ -380,13 +382,18 @@ def run(args: argparse.Namespace) -> int:
         if args.rate < 0 or (args.rate == 0 and args.concurrency <= 0):
             raise ValueError("give --concurrency N (> 0) or --rate R (sessions per second)")
         engine = json.loads(Path(args.engine_json).read_text()) if args.engine_json else None
+        targets = engine_view.targets_from(args.metrics, args.stack_json)
     except (ValueError, OSError) as exc:
         print(f"deepserve bench serve: {exc}")
         return 2
     shape = TRACES[args.trace]
     sessions = make_sessions(shape, args.sessions, args.seed)
-    results, seconds = asyncio.run(
-        drive(
+
+    async def measured() -> tuple[list[Result], float, dict[str, Any] | None]:
+        view = engine_view.EngineView(targets) if targets else None
+        if view is not None:
+            await view.start()
+        results, seconds = await drive(
             args.url,
             args.model,
             sessions,
@@ -397,8 +404,12 @@ def run(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             seed=args.seed,
         )
-    )
+        return results, seconds, (await view.stop() if view is not None else None)
+
+    results, seconds, engines = asyncio.run(measured())
     summary = summarize(results, seconds, price=price, gpus=args.gpus, engine=engine)
+    if engines is not None:
+        summary["engines"] = engines
     report = {
         "bench": "serve-http",
         "url": args.url,
@@ -410,7 +421,13 @@ def run(args: argparse.Namespace) -> int:
         "rate": args.rate,
         **summary,
     }
-    print(json.dumps({k: v for k, v in report.items() if k != "trace_shape"}, indent=1))
+    print(
+        json.dumps(
+            {k: v for k, v in report.items() if k not in ("trace_shape", "engines")}, indent=1
+        )
+    )
+    if engines is not None:
+        print("\n".join(engine_view.summary_lines(engines)))
     ceiling = summary.get("engine_ceiling")
     if ceiling:
         print(
@@ -457,4 +474,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="--url: a `deepserve bench engine` result: print the engine-only ceiling",
     )
     p.add_argument("--seed", type=int, default=0, help="--url: trace seed")
+    p.add_argument(
+        "--metrics",
+        default="",
+        help="--url: the engines' /metrics, NAME=URL,... (or bare URLs): their own view of "
+        "the run (steps, batch, step time, TTFT/ITL, prefix hits, KV use) beside the client's",
+    )
+    p.add_argument(
+        "--stack-json",
+        default="",
+        help="--url: a `deepserve up` run's stack.json: read every prefill/decode /metrics",
+    )
     p.add_argument("--plot", default="", help="--url: also draw TTFT and ITL as this PNG")

@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import anthropic
 import openai
@@ -306,8 +307,20 @@ def test_bench_serve_url_drives_the_stack_over_http(keyed_stack: Stack) -> None:
         turns=3, system_words=200, context_words=200, user_words=20, max_tokens=4
     )
     sessions = http_load.make_sessions(shape, 2, seed=7)
-    results, seconds = asyncio.run(
-        http_load.drive(
+    from deepserve.bench.engine_view import EngineView
+
+    view = EngineView(
+        {
+            c.name: f"http://127.0.0.1:{c.ops_port}/metrics"
+            for c in keyed_stack.children
+            if c.service in ("prefill", "decode")
+        },
+        interval=0.2,
+    )
+
+    async def run() -> tuple[list[http_load.Result], float, dict[str, Any]]:
+        await view.start()
+        results, seconds = await http_load.drive(
             keyed_stack.api_url,
             MODEL_NAME,
             sessions,
@@ -318,7 +331,16 @@ def test_bench_serve_url_drives_the_stack_over_http(keyed_stack: Stack) -> None:
             api_key="sk-alpha",
             seed=7,
         )
-    )
+        return results, seconds, await view.stop()
+
+    results, seconds, engines = asyncio.run(run())
+    # The engines' own view of the same run (bench serve --metrics): what they did for it.
+    prefill, decode = engines["prefill-0"], engines["decode-0"]
+    assert "scrape_errors" not in engines, engines
+    assert prefill["prompt_tokens"] >= sum(r.prompt_tokens - r.cached_tokens for r in results)
+    assert prefill["ttft_ms"] > 0 and prefill["prefix_hit_rate"] > 0  # later turns hit
+    assert decode["steps"] > 0 and decode["batch"] >= 1 and decode["step_ms"] > 0
+    assert prefill["generation_tokens"] + decode["generation_tokens"] == 6 * 4
     summary = http_load.summarize(
         results, seconds, price=http_load.OFF_PEAK_PRICE, gpus=1, engine=None
     )

@@ -685,17 +685,12 @@ class Engine:
         """Schedule and launch one step; return the events of the step that finished.
         With EP, always one forward: an empty one when nothing is scheduled here."""
         early: list[TokenEvent] = []
-        if self._inflight is not None and self._constrained():
-            # A constrained row's mask needs the token in flight: finish that step before
-            # scheduling the next (batches without constrained requests keep the overlap).
-            early = self._finish(self._inflight)
-            self._inflight = None
         plan = self.scheduler.schedule()
         if self._unqueried:
             self._count_prefix_lookups(plan)
         launched = None
         if not plan.empty:
-            launched = self._launch(plan, self._inflight)
+            launched = self._launch(plan, self._inflight, early)
         elif self.ep is not None:
             self.ep.empty_step()
         if self.eplb is not None:  # the forward is queued: a re-placement serves the next one
@@ -726,12 +721,23 @@ class Engine:
         g = self._grammar
         return g is not None and any(g.has(r.request_id) for r in self.scheduler.running)
 
-    def _launch(self, plan: StepPlan, prev: Launched | None) -> Launched:
+    def _launch(self, plan: StepPlan, prev: Launched | None, early: list[TokenEvent]) -> Launched:
+        """Queue ``plan``. With a constrained request running, its mask needs the token of the
+        step in flight: once the forward is queued, that step is finished here (its events go
+        to ``early``) and the masks filled, while the device computes; then the sampling."""
         reqs = [(s, self.scheduler.requests[s.request_id]) for s in plan.seqs if s.sample]
         params = [r.params for _, r in reqs]
-        masks = None
-        if self._grammar is not None:
-            masks = self._grammar.masks([s.request_id for s, _ in reqs])
+        masks_fn = None
+        g = self._grammar
+        if g is not None and self._constrained():
+            rids = [s.request_id for s, _ in reqs]
+
+            def masks_fn() -> tuple[list[int], torch.Tensor] | None:
+                if self._inflight is not None:
+                    early.extend(self._finish(self._inflight))
+                    self._inflight = None
+                return g.masks(rids)
+
         num_generated = None
         if any(p.min_tokens for p in params):
             num_generated = [s.sample_position - r.num_prompt_tokens for s, r in reqs]
@@ -741,7 +747,9 @@ class Engine:
             for i, (s, r) in enumerate(reqs)
             if r.params.uses_penalties
         ]
-        return self.runner.launch(plan, params, prev, num_generated, histories or None, masks=masks)
+        return self.runner.launch(
+            plan, params, prev, num_generated, histories or None, masks_fn=masks_fn
+        )
 
     def _finish(self, launched: Launched) -> list[TokenEvent]:
         sampled, seconds = self.runner.collect(launched)

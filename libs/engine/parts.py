@@ -10,7 +10,7 @@ holds the KV of each block id. :func:`build_parts` loads a model and builds the 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -94,6 +94,7 @@ class StepRunner(Protocol):
         histories: Sequence[tuple[int, list[int], int]] | None = None,
         *,
         masks: tuple[list[int], torch.Tensor] | None = None,
+        masks_fn: Callable[[], tuple[list[int], torch.Tensor] | None] | None = None,
     ) -> Launched:
         """``params``: per sampling seq of ``plan``, in plan order; ``prev``: the step in flight;
         ``num_generated`` (when a seq sets min_tokens) and ``histories`` (when one uses a

@@ -17,7 +17,7 @@ slot, so they change nothing.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,9 +107,12 @@ class ModelRunner:
         histories: Sequence[tuple[int, list[int], int]] | None = None,
         *,
         masks: tuple[list[int], torch.Tensor] | None = None,
+        masks_fn: Callable[[], tuple[list[int], torch.Tensor] | None] | None = None,
     ) -> Launched:
         """Queue the step on the device. ``masks``: constrained sampling rows and their token
-        bitmask (:meth:`GrammarBackend.masks`). ``params``: per sampling seq, in plan order;
+        bitmask (:meth:`GrammarBackend.masks`); ``masks_fn``: called for them once the forward
+        is queued, so the host fills them while the device computes. ``params``: per sampling
+        seq, in plan order;
         ``num_generated``: output tokens so far, per sampling seq (for min_tokens);
         ``histories``: (sampling row, prompt + output token ids so far, prompt length) of the
         seqs that use a penalty; a :data:`PLACEHOLDER` among them is read from ``prev``."""
@@ -120,6 +123,8 @@ class ModelRunner:
             started.record()
         sampling = [s for s in plan.seqs if s.sample]
         logits = self._forward(plan, prev)
+        if masks_fn is not None:
+            masks = masks_fn()
         tokens = host = done = None
         logprobs = None
         if sampling:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 import torch
@@ -147,11 +147,14 @@ class FakeRunner:
         histories: Sequence[tuple[int, list[int], int]] | None = None,
         *,
         masks: tuple[list[int], torch.Tensor] | None = None,
+        masks_fn: Callable[[], tuple[list[int], torch.Tensor] | None] | None = None,
     ) -> Launched:
         """Penalties, min_tokens and constraints do not change a fake token (the scheduler
         still holds a stop back until min_tokens)."""
         t0 = time.perf_counter()
         time.sleep(self.step_seconds + self.token_seconds * plan.num_tokens)
+        if masks_fn is not None:  # what the engine does then (finish the step before) must run
+            masks_fn()
         sampling = [s for s in plan.seqs if s.sample]
         # s.token_ids are the tokens fed this step; the last one precedes the sampled token.
         sampled = [

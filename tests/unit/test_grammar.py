@@ -196,3 +196,27 @@ async def test_the_engine_loop_compiles_off_the_engine_thread_and_refuses_bad_on
             await loop.add("b", [5, 6], SamplingParams(constraint=Constraint("regex", "([")))
     finally:
         await loop.close()
+
+
+def test_masks_are_filled_while_the_next_forward_is_queued() -> None:
+    """With the overlap, a constrained batch queues step N+1's forward first, then finishes
+    step N and fills N+1's masks (the host works while the device computes), then samples."""
+    engine = _engine(overlap=True)
+    order: list[str] = []
+    forward, finish = engine.runner._forward, engine._finish  # type: ignore[attr-defined]
+
+    def spy_forward(*a: Any, **k: Any) -> Any:
+        order.append("forward")
+        return forward(*a, **k)
+
+    def spy_finish(launched: Any) -> Any:
+        order.append("finish")
+        return finish(launched)
+
+    engine.runner._forward = spy_forward  # type: ignore[attr-defined]
+    engine._finish = spy_finish  # type: ignore[method-assign]
+    c = Constraint("regex", "[a-z]{12}")
+    out = _run(engine, {"r": ([5, 6, 7], SamplingParams(max_tokens=12, constraint=c))})
+    assert re.fullmatch(r"[a-z]{12}", _text(out["r"][0]))
+    # Steady state: each forward is queued before the previous step is finished.
+    assert order[:4] == ["forward", "forward", "finish", "forward"], order[:8]

@@ -78,7 +78,12 @@ def _run(engine: Engine, c: Constraint | None, args: argparse.Namespace) -> dict
 
     grammar.masks = timed_masks  # type: ignore[method-assign,assignment]
     device, batch = [], []
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else lambda: None
+    cuda = engine.device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
     sync()
     t0 = time.perf_counter()
     for _ in range(args.steps):  # as the engine runs: no synchronize between steps (overlap)

@@ -102,6 +102,11 @@ def quantize_fp8_tokens(
     return q.view(m, kb * FP8_BLOCK)[:, :k], scale
 
 
+def dequantize_fp8_tokens(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """:func:`quantize_fp8_tokens`' output back in fp32 ``[M, K]``: each group times its scale."""
+    return q.to(torch.float32) * scale.repeat_interleave(FP8_BLOCK, -1)[:, : q.shape[1]]
+
+
 @triton.jit
 def _quantize_tokens_kernel(  # type: ignore[no-untyped-def]
     x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm
@@ -143,9 +148,7 @@ def fp8_linear_reference(
     to fp32, the product cast to ``x.dtype``. ``x [..., K]``."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    xq, xs = quantize_fp8_tokens(x2, kernel=False)
-    xd = xq.to(torch.float32) * xs.repeat_interleave(FP8_BLOCK, -1)[:, : xq.shape[1]]
-    out = xd @ dequantize_fp8_blocks(w).T
+    out = dequantize_fp8_tokens(*quantize_fp8_tokens(x2, kernel=False)) @ dequantize_fp8_blocks(w).T
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out.to(x.dtype).view(*lead, -1)

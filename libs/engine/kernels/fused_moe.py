@@ -49,7 +49,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .fp8_gemm import FP8_BLOCK, Fp8Weight, dequantize_fp8_blocks, quantize_fp8_tokens
+from .fp8_gemm import (
+    FP8_BLOCK,
+    Fp8Weight,
+    dequantize_fp8_blocks,
+    dequantize_fp8_tokens,
+    quantize_fp8_tokens,
+)
 
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Midpoints between consecutive e2m1 magnitudes: bucketize gives the magnitude code directly.
@@ -134,8 +140,7 @@ def _expert_weight(w: torch.Tensor | Fp4Weight | Fp8Weight, e: int) -> torch.Ten
 
 def _fp8_activations(a: torch.Tensor) -> torch.Tensor:
     """``a`` as the FP8 kernels see it: quantized per row and 128 channels, back in fp32."""
-    q, scale = quantize_fp8_tokens(a, kernel=False)
-    return q.to(torch.float32) * scale.repeat_interleave(FP8_BLOCK, -1)[:, : a.shape[1]]
+    return dequantize_fp8_tokens(*quantize_fp8_tokens(a, kernel=False))
 
 
 def fused_moe_reference(

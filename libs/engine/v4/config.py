@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import RopeConfig
+from ..config import RopeConfig, _rope_from_hf
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -179,17 +179,7 @@ class V4Config:
 
 
 def _rope(p: dict[str, Any]) -> V4Rope:
-    kind = p.get("rope_type", p.get("type", "default"))
-    rope = RopeConfig(
-        theta=float(p.get("rope_theta", 10000.0)),
-        type=kind,
-        factor=float(p.get("factor", 1.0)),
-        original_max_position_embeddings=int(p.get("original_max_position_embeddings", 4096)),
-        beta_fast=float(p.get("beta_fast", 32.0)),
-        beta_slow=float(p.get("beta_slow", 1.0)),
-        mscale=float(p.get("mscale") or 0.0),
-        mscale_all_dim=float(p.get("mscale_all_dim") or 0.0),
-        truncate=bool(p.get("truncate", True)),
-    )
+    """One of the two tables, read as V2/V3's ``rope_parameters`` are (``_rope_from_hf``)."""
+    rope = _rope_from_hf({"rope_parameters": p})
     af = p.get("attention_factor")
     return V4Rope(rope, None if af is None else float(af))

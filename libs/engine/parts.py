@@ -93,7 +93,6 @@ class StepRunner(Protocol):
         num_generated: Sequence[int] | None = None,
         histories: Sequence[tuple[int, list[int], int]] | None = None,
         *,
-        masks: tuple[list[int], torch.Tensor] | None = None,
         masks_fn: Callable[[], tuple[list[int], torch.Tensor] | None] | None = None,
     ) -> Launched:
         """``params``: per sampling seq of ``plan``, in plan order; ``prev``: the step in flight;

@@ -106,11 +106,10 @@ class ModelRunner:
         num_generated: Sequence[int] | None = None,
         histories: Sequence[tuple[int, list[int], int]] | None = None,
         *,
-        masks: tuple[list[int], torch.Tensor] | None = None,
         masks_fn: Callable[[], tuple[list[int], torch.Tensor] | None] | None = None,
     ) -> Launched:
-        """Queue the step on the device. ``masks``: constrained sampling rows and their token
-        bitmask (:meth:`GrammarBackend.masks`); ``masks_fn``: called for them once the forward
+        """Queue the step on the device. ``masks_fn``: gives the constrained sampling rows and
+        their token bitmask (:meth:`GrammarBackend.masks`), called once the forward
         is queued, so the host fills them while the device computes. ``params``: per sampling
         seq, in plan order;
         ``num_generated``: output tokens so far, per sampling seq (for min_tokens);
@@ -123,8 +122,7 @@ class ModelRunner:
             started.record()
         sampling = [s for s in plan.seqs if s.sample]
         logits = self._forward(plan, prev)
-        if masks_fn is not None:
-            masks = masks_fn()
+        masks = masks_fn() if masks_fn is not None else None
         tokens = host = done = None
         logprobs = None
         if sampling:

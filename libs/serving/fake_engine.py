@@ -146,7 +146,6 @@ class FakeRunner:
         num_generated: Sequence[int] | None = None,
         histories: Sequence[tuple[int, list[int], int]] | None = None,
         *,
-        masks: tuple[list[int], torch.Tensor] | None = None,
         masks_fn: Callable[[], tuple[list[int], torch.Tensor] | None] | None = None,
     ) -> Launched:
         """Penalties, min_tokens and constraints do not change a fake token (the scheduler

@@ -346,6 +346,18 @@ class HyperConnection(nn.Module):
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return post, comb, collapsed
 
+    @staticmethod
+    def expand(
+        post: torch.Tensor, comb: torch.Tensor, y: torch.Tensor, streams: torch.Tensor
+    ) -> torch.Tensor:
+        """The next residual: the block's output ``y`` spread over the streams by ``post``,
+        plus the streams mixed by ``comb`` (transposed: sum over the input stream axis)."""
+        dt = streams.dtype
+        out: torch.Tensor = (
+            post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + comb.to(dt).transpose(-1, -2) @ streams
+        )
+        return out
+
 
 class HyperHead(nn.Module):
     def __init__(self, cfg: V4Config) -> None:
@@ -465,18 +477,12 @@ class DecoderLayer(nn.Module):
         st: LayerState,
         rotary: dict[str, V4Rotary],
     ) -> torch.Tensor:
-        dt = streams.dtype
         post, comb, x = self.attn_hc(streams)
         y = self.self_attn(self.input_layernorm(x), positions, st, rotary)
-        streams = (
-            post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + comb.to(dt).transpose(-1, -2) @ streams
-        )
+        streams = HyperConnection.expand(post, comb, y, streams)
         post, comb, x = self.ffn_hc(streams)
         y = self.mlp(self.post_attention_layernorm(x), ids)
-        out: torch.Tensor = (
-            post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + comb.to(dt).transpose(-1, -2) @ streams
-        )
-        return out
+        return HyperConnection.expand(post, comb, y, streams)
 
 
 class Backbone(nn.Module):

@@ -26,3 +26,20 @@ def test_fp8_gemm_matches_reference_on_device(m: int, n: int, k: int, bias: bool
     torch.testing.assert_close(
         out.float(), ref.float(), rtol=1.6e-2, atol=1e-2 * ref.abs().max().item()
     )
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 576, 7168), (16, 3072, 2048), (256, 2048, 2816)])
+def test_activation_quantization_in_the_gemm_gives_the_two_launch_bytes(
+    m: int, n: int, k: int
+) -> None:
+    """QUANT_A quantizes each K step's activation tile in the GEMM: on real e4m3 (hardware
+    rounding) the output equals quantizer-then-GEMM bit for bit, tiles and split-K alike."""
+    from libs.engine.kernels.fp8_gemm import _gemm_config, fp8_gemm, quantize_fp8_tokens
+
+    g = torch.Generator(device="cuda").manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16)
+    w = quantize_fp8_blocks(0.02 * torch.randn(n, k, generator=g, device="cuda"))
+    xq, xs = quantize_fp8_tokens(x, kernel=True)
+    for cfg in (_gemm_config(m, n, k), _gemm_config(m, n, k) | {"SPLIT_K": 1}):
+        two = fp8_gemm(xq, xs, w, torch.bfloat16, config=cfg)
+        assert torch.equal(fp8_gemm(x, None, w, torch.bfloat16, config=cfg), two)

@@ -55,8 +55,8 @@ def test_activations_get_one_scale_per_token_and_group() -> None:
 def test_activation_quantization_kernel_matches_torch() -> None:
     """The one-launch Triton quantizer (the CUDA path) gives the torch ops' bytes, an all-zero
     group and a bf16 input included."""
-    x = torch.randn(6, 300, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    x[2, :128] = 0
+    x = torch.randn(37, 300, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    x[2, :128] = 0  # 37 rows: three 16-row programs, the last one partly outside
     want_q, want_s = quantize_fp8_tokens(x, kernel=False)
     got_q, got_s = quantize_fp8_tokens(x, kernel=True)
     assert got_q.dtype == FP8_DTYPE and torch.equal(got_s, want_s) and got_s[2, 0] == 1
@@ -102,10 +102,52 @@ def test_triton_fp8_gemm_tiles_and_split_k(m: int, k: int, config: dict[str, int
     torch.testing.assert_close(out, fp8_linear_reference(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+def _exact_activations(m: int, k: int, seed: int) -> torch.Tensor:
+    """Rows whose 128-channel groups are e4m3 values times a power of two, each group holding
+    a +-448: their quantization is exact, so a kernel quantizing them on Triton's interpreter
+    (whose e4m3 cast rounds wrongly) must give what the host quantizer gives."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (m, k), generator=g, dtype=torch.uint8).view(FP8_DTYPE).float()
+    q = torch.where(q.isfinite(), q, torch.zeros_like(q))
+    q[:, ::128] = 448.0 * torch.sign(torch.randn(m, q[:, ::128].shape[1], generator=g))
+    scale = 2.0 ** torch.randint(-12, -2, (m, -(-k // 128)), generator=g).float()
+    return q * scale.repeat_interleave(128, -1)[:, :k]
+
+
+@pytest.mark.parametrize(
+    "m,k,config",
+    [
+        (3, 300, None),  # decode tiles, split-K, a ragged K tail
+        (70, 384, {"SPLIT_K": 3}),
+        # two weight-scale columns a tile
+        (70, 300, {"BLOCK_M": 128, "BLOCK_N": 256, "GROUP_M": 8, "SPLIT_K": 1}),
+        (33, 256, {"BLOCK_N": 32}),
+    ],
+)
+def test_fp8_gemm_quantizes_activations_in_the_kernel(
+    m: int, k: int, config: dict[str, int] | None
+) -> None:
+    """QUANT_A (no separate quantizer launch; decode's path) gives the two-launch result."""
+    from libs.engine.kernels.fp8_gemm import _gemm_config, fp8_gemm
+
+    x = _exact_activations(m, k, m + k)
+    w = quantize_fp8_blocks(0.05 * torch.randn(200, k, generator=torch.Generator().manual_seed(k)))
+    b = torch.randn(200, generator=torch.Generator().manual_seed(m))
+    cfg = _gemm_config(m, 200, k) | (config or {})
+    xq, xs = quantize_fp8_tokens(x, kernel=False)
+    assert torch.equal(xq.float() * xs.repeat_interleave(128, -1)[:, :k], x)  # exact by design
+    fused = fp8_gemm(x, None, w, torch.float32, b, config=cfg)
+    torch.testing.assert_close(fused, fp8_gemm(xq, xs, w, torch.float32, b, config=cfg))
+    torch.testing.assert_close(fused, fp8_linear_reference(x, w, b), rtol=1e-5, atol=1e-5)
+
+
 def test_gemm_config_splits_k_for_decode_only() -> None:
     from libs.engine.kernels.fp8_gemm import _gemm_config
 
     assert _gemm_config(256, 3072, 2048)["SPLIT_K"] == 1
+    assert _gemm_config(256, 3072, 2048)["BLOCK_M"] == 64  # 48 tiles of 128x128: under a wave
+    assert _gemm_config(256, 576, 2048)["SPLIT_K"] == 4  # kv_a_proj at batch 256: 36 tiles
+    assert _gemm_config(16384, 3072, 2048)["BLOCK_M"] == 128  # prefill
     small = _gemm_config(1, 576, 2048)  # kv_a_proj at batch 1: 9 tiles of 64 columns
     assert small["SPLIT_K"] == 16 and 9 * 16 <= 264
     assert _gemm_config(1, 1408 * 2, 128)["SPLIT_K"] == 1  # one K block: nothing to split

@@ -109,22 +109,25 @@ def dequantize_fp8_tokens(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _quantize_tokens_kernel(  # type: ignore[no-untyped-def]
-    x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm
+    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, BLOCK_R: tl.constexpr
 ):
-    """Program (row, group): one 128-channel group of one row to e4m3 and its scale. The
-    division and the round-to-nearest-even cast (the hardware's) match
+    """Program (row block, group): one 128-channel group of ``BLOCK_R`` rows to e4m3 and their
+    scales. The division and the round-to-nearest-even cast (the hardware's) match
     :func:`quantize_fp8_tokens`' torch ops. ``q_ptr`` may be fp32: the values before the cast
     (the interpreter's own e4m3 cast rounds wrongly, so there the host casts)."""
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     kb = tl.program_id(1)
     offs = kb * 128 + tl.arange(0, 128)
-    ok = offs < K
-    x = tl.load(x_ptr + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
+    ok = (rows[:, None] < M) & (offs[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + offs[None, :], mask=ok, other=0.0)
+    x = x.to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
     scale = tl.where(amax > 0, amax / 448.0, 1.0)
-    q = tl.clamp(x / scale, -448.0, 448.0)
-    tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + row * stride_sm + kb, scale)
+    q = tl.clamp(x / scale[:, None], -448.0, 448.0)
+    tl.store(
+        q_ptr + rows[:, None] * stride_qm + offs[None, :], q.to(q_ptr.dtype.element_ty), mask=ok
+    )
+    tl.store(s_ptr + rows * stride_sm + kb, scale, mask=rows < M)
 
 
 def _quantize_tokens_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,8 +138,11 @@ def _quantize_tokens_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     q = torch.empty(m, k, dtype=torch.float32 if _INTERPRET else FP8_DTYPE, device=x.device)
     scale = torch.empty(m, kb, dtype=torch.float32, device=x.device)
     if m:
-        _quantize_tokens_kernel[(m, kb)](
-            x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0), num_warps=1
+        # 16 rows x 128 channels a program (4 warps): the one-row programs this replaced spent
+        # 214 us on a 16K x 2048 bf16 input on the H200, about 8x its bytes' time.
+        rows = 16
+        _quantize_tokens_kernel[(triton.cdiv(m, rows), kb)](
+            x, q, scale, m, k, x.stride(0), q.stride(0), scale.stride(0), BLOCK_R=rows, num_warps=4
         )
     return (q.to(FP8_DTYPE) if _INTERPRET else q), scale
 
@@ -156,8 +162,8 @@ def fp8_linear_reference(
 
 @triton.jit
 def _fp8_gemm_kernel(  # type: ignore[no-untyped-def]
-    a_ptr,  # e4m3 [M, K]
-    as_ptr,  # fp32 [M, KB]
+    a_ptr,  # e4m3 [M, K]; with QUANT_A the unquantized activations (bf16/fp32)
+    as_ptr,  # fp32 [M, KB] (unused with QUANT_A)
     b_ptr,  # e4m3 [N, K]
     bs_ptr,  # fp32 [NB, KB]
     c_ptr,  # out [M, N], or fp32 partial sums [SPLIT_K, M, N]
@@ -173,6 +179,7 @@ def _fp8_gemm_kernel(  # type: ignore[no-untyped-def]
     stride_cs,
     HAS_BIAS: tl.constexpr,
     UPCAST: tl.constexpr,
+    QUANT_A: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -180,9 +187,12 @@ def _fp8_gemm_kernel(  # type: ignore[no-untyped-def]
     SPLIT_K: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of ``C`` over one of ``SPLIT_K`` runs of K blocks;
-    BLOCK_K == 128 and BLOCK_N divides 128, so each K step meets one weight scale (a scalar)
-    and one activation scale per row. Tiles go in GROUP_M-row sweeps (L2 reuse of B). With
-    SPLIT_K > 1 each split stores its fp32 partial sum (:func:`_fp8_split_reduce` adds them)."""
+    BLOCK_K == 128, so each K step meets one activation scale per row and one weight scale per
+    128 columns. ``QUANT_A``: the activations arrive unquantized and each K step quantizes its
+    [BLOCK_M, 128] tile exactly as :func:`quantize_fp8_tokens` does (same numbers, no separate
+    launch; it pays only for a few rows, see :data:`FUSE_QUANT_MAX_M`).
+    Tiles go in GROUP_M-row sweeps (L2 reuse of B). With SPLIT_K > 1 each split stores its
+    fp32 partial sum (:func:`_fp8_split_reduce` adds them)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -197,7 +207,7 @@ def _fp8_gemm_kernel(  # type: ignore[no-untyped-def]
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
-    nb = (pid_n * BLOCK_N) // 128
+    nb = rn // 128
     KB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     PER_SPLIT: tl.constexpr = (KB + SPLIT_K - 1) // SPLIT_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -210,6 +220,14 @@ def _fp8_gemm_kernel(  # type: ignore[no-untyped-def]
             mask=m_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
+        in_k = kb < KB
+        if QUANT_A:
+            af = a.to(tl.float32)
+            amax = tl.max(tl.abs(af), axis=1)
+            a_s = tl.where(amax > 0, amax / 448.0, 1.0)
+            a = tl.clamp(af / a_s[:, None], -448.0, 448.0).to(b_ptr.dtype.element_ty)
+        else:
+            a_s = tl.load(as_ptr + rm * stride_asm + kb, mask=m_ok & in_k, other=0.0)
         b = tl.load(
             b_ptr + rn[None, :] * stride_bn + k[:, None],
             mask=n_ok[None, :] & k_ok[:, None],
@@ -219,10 +237,14 @@ def _fp8_gemm_kernel(  # type: ignore[no-untyped-def]
             part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
             part = tl.dot(a, b)
-        in_k = kb < KB
-        a_s = tl.load(as_ptr + rm * stride_asm + kb, mask=m_ok & in_k, other=0.0)
-        b_s = tl.load(bs_ptr + nb * stride_bsn + kb, mask=in_k, other=0.0)
-        acc += part * (a_s[:, None] * b_s)
+        if BLOCK_N <= 128:  # one weight scale for the tile (a vector here costs the prefill 25%)
+            b_s1 = tl.load(
+                bs_ptr + (pid_n * BLOCK_N // 128) * stride_bsn + kb, mask=in_k, other=0.0
+            )
+            acc += part * (a_s[:, None] * b_s1)
+        else:
+            b_s = tl.load(bs_ptr + nb * stride_bsn + kb, mask=n_ok & in_k, other=0.0)
+            acc += part * (a_s[:, None] * b_s[None, :])
     c = c_ptr + split * stride_cs + rm[:, None] * stride_cm + rn[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -256,13 +278,21 @@ def _fp8_split_reduce(  # type: ignore[no-untyped-def]
 
 # Programs that keep every SM of an H200 (132) streaming weights for small-M (decode) GEMMs.
 _TARGET_PROGRAMS = 264
+_NUM_SMS = 132
+# Up to this many rows fp8_linear quantizes the activations inside the GEMM (QUANT_A); above
+# it one quantizer launch first. Measured in CUDA graphs on the H200 (scripts/gpu/
+# bench_fp8_gemm.py, V2-Lite's dense shapes): fused wins 0.2-0.6 us at 1 row, loses at 64 rows
+# (o_proj 8.7 vs 6.9 us) and at 256 by 2-3x (q_proj 32 vs 10 us), as every tile column
+# re-quantizes its rows.
+FUSE_QUANT_MAX_M = 16
 
 
 def _gemm_config(m: int, n: int, k: int) -> dict[str, int]:
     """Tiles for ``[m, k] @ [n, k]^T``. Prefill-sized M: 128x128 tiles, 8 warps, 4 stages (e4m3
-    tiles are 16 KB), grouped sweeps. Decode-sized M is bound by weight bandwidth: 16-64-row
-    tiles, and K split (in whole 128-blocks) until about two programs per SM stream weights."""
-    if m > 64:
+    tiles are 16 KB), grouped sweeps -- once they make at least one wave of programs. Smaller
+    problems are bound by weight bandwidth: 16-64-row tiles, and K split (in whole 128-blocks)
+    until about two programs per SM stream weights."""
+    if m > 64 and -(-m // 128) * -(-n // 128) >= _NUM_SMS:
         return {
             "BLOCK_M": 128,
             "BLOCK_N": 128,
@@ -283,7 +313,7 @@ def _gemm_config(m: int, n: int, k: int) -> dict[str, int]:
     return {
         "BLOCK_M": block_m,
         "BLOCK_N": 64,
-        "GROUP_M": 1,
+        "GROUP_M": 1 if m <= 64 else 8,
         "SPLIT_K": split,
         "num_warps": 4,
         "num_stages": 3,
@@ -291,33 +321,36 @@ def _gemm_config(m: int, n: int, k: int) -> dict[str, int]:
 
 
 def fp8_gemm(
-    xq: torch.Tensor,
-    xs: torch.Tensor,
+    x: torch.Tensor,
+    xs: torch.Tensor | None,
     w: Fp8Weight,
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
-    """Launcher: ``(xq * xs) @ (w.q * w.scale).T`` for quantized ``xq [M, K]``, ``xs [M, KB]``
-    and a 2-D ``w`` (``[N, K]``); fp32 accumulation, ``out_dtype`` result ``[M, N]``.
-    ``config``: :func:`_gemm_config`'s keys (tests force split-K and tile shapes)."""
-    m, k = xq.shape
+    """Launcher: ``(x * xs) @ (w.q * w.scale).T`` for quantized ``x [M, K]``, ``xs [M, KB]``
+    and a 2-D ``w`` (``[N, K]``); fp32 accumulation, ``out_dtype`` result ``[M, N]``. With
+    ``xs`` None, ``x`` is unquantized (bf16/fp32) and the kernel quantizes it per token group
+    as :func:`quantize_fp8_tokens` would (QUANT_A). ``config``: :func:`_gemm_config`'s keys
+    (tests force split-K and tile shapes)."""
+    m, k = x.shape
     n = w.q.shape[0]
-    if w.q.shape[1] != k or xq.stride(-1) != 1 or w.q.stride(-1) != 1:
-        raise ValueError(f"fp8_gemm: x {tuple(xq.shape)} vs w {tuple(w.q.shape)} (K-contiguous)")
-    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if w.q.shape[1] != k or x.stride(-1) != 1 or w.q.stride(-1) != 1:
+        raise ValueError(f"fp8_gemm: x {tuple(x.shape)} vs w {tuple(w.q.shape)} (K-contiguous)")
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0:
         return out
     cfg = config or _gemm_config(m, n, k)
     block_m, block_n, split = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["SPLIT_K"]
-    if FP8_BLOCK % block_n:
-        raise ValueError(f"fp8_gemm: BLOCK_N must divide {FP8_BLOCK}, got {block_n}")
+    if block_n < FP8_BLOCK and FP8_BLOCK % block_n:
+        raise ValueError(f"fp8_gemm: a BLOCK_N under {FP8_BLOCK} must divide it, got {block_n}")
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), split)
-    xs = xs.contiguous()
+    quant_a = xs is None
+    xs = x if xs is None else xs.contiguous()  # QUANT_A: a dummy pointer, never read
     scale = w.scale.contiguous()
-    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=xq.device)
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     _fp8_gemm_kernel[grid](
-        xq,
+        x,
         xs,
         w.q,
         scale,
@@ -326,7 +359,7 @@ def fp8_gemm(
         m,
         n,
         k,
-        xq.stride(0),
+        x.stride(0),
         xs.stride(0),
         w.q.stride(0),
         scale.stride(0),
@@ -334,6 +367,7 @@ def fp8_gemm(
         m * n,
         HAS_BIAS=bias is not None,
         UPCAST=_INTERPRET,
+        QUANT_A=quant_a,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=FP8_BLOCK,
@@ -359,14 +393,26 @@ def fp8_gemm(
 
 
 def fp8_linear(
-    x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, kernel: bool | None = None
+    x: torch.Tensor,
+    w: Fp8Weight,
+    bias: torch.Tensor | None = None,
+    kernel: bool | None = None,
+    fuse_quant: bool | None = None,
 ) -> torch.Tensor:
     """Wrapper: ``x [..., K] @ w.T (+ bias)`` in ``x.dtype``. ``kernel``: the Triton GEMM
-    (None: on CUDA), else :func:`fp8_linear_reference`."""
+    (None: on CUDA), else :func:`fp8_linear_reference`. ``fuse_quant``: quantize the
+    activations inside the GEMM (None: up to :data:`FUSE_QUANT_MAX_M` rows, except under
+    Triton's interpreter, whose e4m3 cast rounds wrongly); else one quantizer launch first.
+    Both give the same numbers."""
     if kernel is None:
         kernel = x.is_cuda
     if not kernel:
         return fp8_linear_reference(x, w, bias)
     lead = x.shape[:-1]
-    xq, xs = quantize_fp8_tokens(x.reshape(-1, x.shape[-1]), kernel=True)
+    x2 = x.reshape(-1, x.shape[-1])
+    if fuse_quant is None:
+        fuse_quant = not _INTERPRET and x2.shape[0] <= FUSE_QUANT_MAX_M
+    if fuse_quant:
+        return fp8_gemm(x2.contiguous(), None, w, x.dtype, bias).view(*lead, -1)
+    xq, xs = quantize_fp8_tokens(x2, kernel=True)
     return fp8_gemm(xq.contiguous(), xs, w, x.dtype, bias).view(*lead, -1)

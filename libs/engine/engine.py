@@ -31,7 +31,7 @@ import torch
 
 from libs.common.errors import InvalidArgument
 from libs.common.hashchain import chain_hashes
-from libs.common.sampling import SamplingParams
+from libs.common.sampling import SamplingParams, TokenLogprob
 
 from .eplb import Balance, EplbConfig
 from .grammar import GrammarBackend, GrammarError
@@ -52,7 +52,16 @@ from .model.model import DeepseekForCausalLM
 from .parts import EngineParts, build_parts, max_model_len
 from .runner import Launched, ModelRunner
 from .sampler import Sampler
-from .scheduler import Request, Scheduler, SchedulerConfig, Status, StepPlan, TokenEvent
+from .scheduler import (
+    Request,
+    ScheduledSeq,
+    Scheduler,
+    SchedulerConfig,
+    Status,
+    StepPlan,
+    TokenEvent,
+)
+from .speculative import SpecDecoder
 
 if TYPE_CHECKING:
     from .ep.group import EPGroup
@@ -135,6 +144,11 @@ class EngineConfig:
     # dequantized); "auto": fp8 for checkpoints whose config carries that quantization_config.
     weight_dtype: str = "auto"
     cuda_graphs: bool = True  # decode-only steps replay captured graphs (CUDA with kernels)
+    # Speculative decoding (libs/engine/speculative.py): drafts per request and step made by
+    # the model's MTP layer (loaded for it), 0 = off; which drafts a step verifies:
+    # "confidence" (expected tokens per second) or "all".
+    speculative_tokens: int = 0
+    speculative_schedule: str = "confidence"
     # Share of the device's total memory this engine may use for weights + KV + activations
     # (co-located engines split a GPU); sizes the KV cache after loading. None: see above.
     gpu_memory_fraction: float | None = None
@@ -170,6 +184,15 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_fraction must lie in (0, 1], got {self.gpu_memory_fraction}"
             )
+        if self.speculative_tokens < 0:
+            raise ValueError(f"speculative_tokens must be >= 0, got {self.speculative_tokens}")
+        if self.speculative_schedule not in ("confidence", "all"):
+            raise ValueError(
+                "speculative_schedule must be 'confidence' or 'all', "
+                f"got {self.speculative_schedule!r}"
+            )
+        if self.speculative_tokens and self.eplb is not None:
+            raise ValueError("speculative decoding does not run with expert parallelism yet")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if isinstance(self.eplb, str):
@@ -273,6 +296,15 @@ class Engine:
         self._unqueried: set[str] = set()  # added without KV, not yet admitted
         self._grammar: GrammarBackend | None = None  # built for the first constrained request
         self._grammar_lock = threading.Lock()  # built by a service's worker thread or this one
+        self.speculative: SpecDecoder | None = None
+        if config.speculative_tokens:
+            if self.ep is not None:
+                raise ValueError("speculative decoding does not run with expert parallelism yet")
+            if not isinstance(self.runner, ModelRunner):
+                raise ValueError("speculative decoding needs a model runner")
+            self.speculative = SpecDecoder(
+                self.runner, config.speculative_tokens, config.speculative_schedule
+            )
 
     # -- the model behind a real runner (a fake one has none: AttributeError) ------------------
     @property
@@ -377,6 +409,8 @@ class Engine:
     def abort(self, request_id: str) -> TokenEvent | None:
         self._unqueried.discard(request_id)
         self._forget_grammar(request_id)
+        if self.speculative is not None:
+            self.speculative.forget(request_id)
         return self.scheduler.abort(request_id)
 
     @property
@@ -684,6 +718,8 @@ class Engine:
     def step(self) -> list[TokenEvent]:
         """Schedule and launch one step; return the events of the step that finished.
         With EP, always one forward: an empty one when nothing is scheduled here."""
+        if self.speculative is not None:
+            return self._step_speculative(self.speculative)
         early: list[TokenEvent] = []
         plan = self.scheduler.schedule()
         if self._unqueried:
@@ -725,12 +761,12 @@ class Engine:
         """Queue ``plan``. With a constrained request running, its mask needs the token of the
         step in flight: once the forward is queued, that step is finished here (its events go
         to ``early``) and the masks filled, while the device computes; then the sampling."""
-        reqs = [(s, self.scheduler.requests[s.request_id]) for s in plan.seqs if s.sample]
-        params = [r.params for _, r in reqs]
+        sampling = [s for s in plan.seqs if s.sample]
+        params, num_generated, histories = self._sampling_inputs(sampling)
         masks_fn = None
         g = self._grammar
         if g is not None and self._constrained():
-            rids = [s.request_id for s, _ in reqs]
+            rids = [s.request_id for s in sampling]
 
             def masks_fn() -> tuple[list[int], torch.Tensor] | None:
                 if self._inflight is not None:
@@ -738,6 +774,15 @@ class Engine:
                     self._inflight = None
                 return g.masks(rids)
 
+        return self.runner.launch(plan, params, prev, num_generated, histories, masks_fn=masks_fn)
+
+    def _sampling_inputs(
+        self, sampling: Sequence[ScheduledSeq]
+    ) -> tuple[list[SamplingParams], list[int] | None, list[tuple[int, list[int], int]] | None]:
+        """For the sampler, per sampling seq: params; output tokens so far (when one sets
+        min_tokens); (row, prompt + output tokens, prompt length) of those using penalties."""
+        reqs = [(s, self.scheduler.requests[s.request_id]) for s in sampling]
+        params = [r.params for _, r in reqs]
         num_generated = None
         if any(p.min_tokens for p in params):
             num_generated = [s.sample_position - r.num_prompt_tokens for s, r in reqs]
@@ -747,9 +792,61 @@ class Engine:
             for i, (s, r) in enumerate(reqs)
             if r.params.uses_penalties
         ]
-        return self.runner.launch(
-            plan, params, prev, num_generated, histories or None, masks_fn=masks_fn
-        )
+        return params, num_generated, histories or None
+
+    def _step_speculative(self, spec: SpecDecoder) -> list[TokenEvent]:
+        """One synchronous step with speculative decoding (see libs/engine/speculative.py):
+        verify the drafts chosen for this step beside the rest of the batch, commit, then let
+        the MTP layer catch up and draft for the next step."""
+        plan = self.scheduler.schedule()
+        if self._unqueried:
+            self._count_prefix_lookups(plan)
+        if plan.empty:
+            return []
+        plan = spec.add_drafts(plan, self.scheduler)
+        reqs = self.scheduler.requests
+        lps: dict[str, TokenLogprob] = {}
+
+        def sample_plain(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[int]:
+            params, num_generated, histories = self._sampling_inputs(seqs)
+            runner = self.runner
+            assert isinstance(runner, ModelRunner)
+            history = runner._history(seqs, histories, None) if histories else None
+            masks = None
+            g = self._grammar
+            if g is not None and any(g.has(s.request_id) for s in seqs):
+                masks = g.masks([s.request_id for s in seqs])
+            sampler = self.sampler
+            sampler.last_logprobs = None
+            out = sampler.sample_device(
+                logits,
+                params,
+                [s.sample_position for s in seqs],
+                num_generated,
+                history,
+                masks=masks,
+            )
+            rows = sampler.last_logprobs
+            if rows is not None:
+                unpacked = rows.unpack(rows.values.tolist(), rows.ids.tolist())
+                lps.update({seqs[r].request_id: lp for r, lp in zip(rows.rows, unpacked)})
+            tokens: list[int] = out.tolist()
+            return tokens
+
+        params = {s.request_id: reqs[s.request_id].params for s in plan.seqs}
+        step = spec.run(plan, params, sample_plain)
+        self.scheduler.advance(plan)
+        events = self.scheduler.commit(plan, step.sampled, step.seconds)
+        self.last_step_seconds = step.seconds
+        self.last_step_tokens = self.last_finished_tokens = plan.num_tokens
+        self.last_finished_seqs = len(plan.seqs)
+        self.finished_steps += 1
+        events = self._after_commit(events, lps)
+        for ev in events:
+            if ev.finished:
+                spec.forget(ev.request_id)
+        spec.draft(plan, step, self.scheduler)
+        return events
 
     def _finish(self, launched: Launched) -> list[TokenEvent]:
         sampled, seconds = self.runner.collect(launched)
@@ -758,6 +855,13 @@ class Engine:
         self.last_finished_seqs = len(launched.plan.seqs)
         self.finished_steps += 1
         events = self.scheduler.commit(launched.plan, sampled, seconds)
+        lps = self.runner.logprobs(launched) if launched.logprobs is not None else {}
+        return self._after_commit(events, lps)
+
+    def _after_commit(
+        self, events: list[TokenEvent], lps: dict[str, TokenLogprob]
+    ) -> list[TokenEvent]:
+        """Constraints advance over the committed tokens; logprobs join their events."""
         g = self._grammar
         if g is not None:
             for ev in events:
@@ -765,8 +869,7 @@ class Engine:
                     g.accept(ev.request_id, ev.token_id)
                 if ev.finished:
                     g.drop(ev.request_id)
-        if launched.logprobs is not None:
-            lps = self.runner.logprobs(launched)
+        if lps:
             events = [
                 dataclasses.replace(ev, logprobs=lps[ev.request_id])
                 if ev.token_id is not None and ev.request_id in lps

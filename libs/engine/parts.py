@@ -153,7 +153,7 @@ def build_parts(
         device,
         dtype,
         config.seed,
-        config.with_mtp,
+        config.with_mtp or config.speculative_tokens > 0,
         expert_slots=keep,
         weight_dtype=config.weight_dtype,
     )

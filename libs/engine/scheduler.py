@@ -30,6 +30,7 @@ import enum
 import itertools
 import math
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from libs.common.hashchain import chain_hashes
@@ -119,6 +120,9 @@ class ScheduledSeq:
     block_table: tuple[int, ...]
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
     sample_position: int  # position of the token to be sampled (keys seeded sampling)
+    # Speculative decoding: the last ``num_drafts`` of ``token_ids`` are drafted tokens that
+    # this step verifies (a decode of 1 + num_drafts tokens; see libs/engine/speculative.py).
+    num_drafts: int = 0
 
 
 @dataclass(frozen=True)
@@ -375,7 +379,8 @@ class Scheduler:
             req = self.requests.get(seq.request_id)
             if req is None or req.status is not Status.RUNNING:
                 continue  # aborted or finished while the step ran
-            req.num_computed = seq.start + seq.num_tokens
+            # Drafts count as computed only once verified (commit); the last token always is.
+            req.num_computed = seq.start + seq.num_tokens - seq.num_drafts
             self._register_full_blocks(req)
             if seq.sample:
                 req.token_ids.append(PLACEHOLDER)
@@ -384,9 +389,14 @@ class Scheduler:
                     self.running.remove(req)  # nothing more to schedule; finishes on commit
 
     def commit(
-        self, plan: StepPlan, sampled: dict[str, int], step_seconds: float | None = None
+        self,
+        plan: StepPlan,
+        sampled: Mapping[str, int | Sequence[int]],
+        step_seconds: float | None = None,
     ) -> list[TokenEvent]:
-        """The step's tokens are known: fill placeholders, finish requests, return events."""
+        """The step's tokens are known: fill placeholders, finish requests, return events.
+        A seq that verified drafts gets a sequence: its accepted drafts, then the token
+        sampled after them (one event each, up to the first that finishes the request)."""
         if step_seconds is not None and not plan.empty:
             self.cost.observe(plan.shape, step_seconds)
         events: list[TokenEvent] = []
@@ -400,8 +410,37 @@ class Scheduler:
                 or req.token_ids[seq.sample_position] != PLACEHOLDER
             ):
                 continue  # aborted, finished, or advanced past by a preemption
-            req.token_ids[seq.sample_position] = sampled[seq.request_id]
-            events.append(self._finish_check(req, sampled[seq.request_id]))
+            got = sampled[seq.request_id]
+            if isinstance(got, int):
+                req.token_ids[seq.sample_position] = got
+                events.append(self._finish_check(req, got))
+                continue
+            events.extend(self._commit_verified(seq, req, list(got)))
+        return events
+
+    def _commit_verified(
+        self, seq: ScheduledSeq, req: Request, tokens: list[int]
+    ) -> list[TokenEvent]:
+        """Tokens of a step that verified drafts: ``tokens[:-1]`` are the accepted drafts (their
+        KV was computed by the step), ``tokens[-1]`` the token sampled after them."""
+        if not 1 <= len(tokens) <= seq.num_drafts + 1:
+            raise ValueError(f"{len(tokens)} tokens for a step verifying {seq.num_drafts} drafts")
+        events: list[TokenEvent] = []
+        for i, token in enumerate(tokens):
+            if i == 0:
+                req.token_ids[seq.sample_position] = token
+            else:
+                req.token_ids.append(token)
+                if req.pending_finish is None and self._out_of_length(req):
+                    req.pending_finish = "length"
+            # Valid KV: the step's first token and the drafts accepted so far.
+            req.num_computed = seq.start + 1 + i
+            ev = self._finish_check(req, token)
+            events.append(ev)
+            if ev.finished:
+                break
+        if req.status is not Status.FINISHED or req.hold_kv:
+            self._register_full_blocks(req)
         return events
 
     def _out_of_length(self, req: Request) -> bool:

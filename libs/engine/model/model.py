@@ -92,12 +92,29 @@ class MTPLayer(DecoderLayer):
         cache: LayerCache,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this depth's hidden states, fp32 logits for the token after ``next_ids``)."""
+        x = self.block(hidden, next_ids, positions, meta, cache)
+        return x, self.head(x)
+
+    def block(
+        self,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: LayerCache,
+    ) -> torch.Tensor:
+        """This depth's hidden states (its KV written to ``cache``), without the head: a
+        caller that needs logits for a few rows only projects those (:meth:`head`)."""
         emb = self.embed_tokens(next_ids)
         x = self.eh_proj(torch.cat((self.enorm(emb), self.hnorm(hidden)), dim=-1))
         cos, sin = self.self_attn.rotary.cos_sin(positions)
-        x = super().forward(x, cos, sin, meta, cache)
-        logits = self.shared_head.head(self.shared_head.norm(x)).float()
-        return x, logits
+        out: torch.Tensor = super().forward(x, cos, sin, meta, cache)
+        return out
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the shared head for hidden states ``x``."""
+        out: torch.Tensor = self.shared_head.head(self.shared_head.norm(x)).float()
+        return out
 
 
 class Backbone(nn.Module):

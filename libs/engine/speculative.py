@@ -1,0 +1,531 @@
+"""Speculative decoding with the model's MTP head, lossless, drafts verified by confidence.
+
+One engine step with ``speculative_tokens = K``:
+
+1. **Verify.** A running request that holds drafts from the previous step is scheduled as
+   ``1 + j`` tokens (its last token and ``j <= K`` drafts) in the same batch as everything
+   else; the main model computes them like a prompt chunk (causal inside the chunk). Row ``i``
+   gives the target distribution for draft ``i + 1``.
+2. **Accept** (:func:`verify_row`). Greedy: drafts are kept while they equal the target's
+   argmax, then the target's token at the first mismatch (or after the last draft) is the
+   bonus token. Sampling: a draft ``d`` (the MTP head's argmax, a deterministic proposal) is
+   kept with probability ``p(d)`` under the request's processed target distribution; at the
+   first rejection the token is drawn from ``p`` with ``d`` removed, renormalised; so each
+   emitted token is distributed exactly as the target's (rejection sampling). Rejected
+   drafts' KV is left behind the request's computed length and overwritten later: rolling
+   back is not advancing.
+3. **Catch up and draft** (:class:`Drafter`). The MTP layer (its own KV pages in the same
+   blocks) runs over every position the main model just made final, fed the main model's
+   hidden state there and the token after it (DeepSeek-V3's MTP: ``eh_proj([enorm(emb);
+   hnorm(h)])``, one decoder layer, the shared head). Its output at the last position is
+   draft 1; drafts 2..K chain the MTP layer on its own hidden state and previous draft. A
+   prompt chunk fills the MTP KV of its positions the same way, so prefix hits and KV
+   exported to another engine carry it; an engine that imports KV starts drafting after its
+   first step.
+4. **Choose what to verify** (:func:`choose_drafts`). Each draft's confidence is the MTP
+   head's probability for it; :class:`AcceptanceModel` maps confidence to the probability of
+   acceptance given its predecessors were accepted, learnt online from what verification
+   observed. The number of drafts verified per request maximises the step's expected
+   emitted tokens per second under the engine's measured step-time model (the
+   :class:`~.cost_model.CostModel` the scheduler calibrates every step); ``"all"`` verifies
+   every draft, for comparison.
+
+Requests that use penalties, ``min_tokens``, a constraint or logprobs are decoded one token
+a step (never drafted for); everything else about them is unchanged.
+
+:func:`make_mtp_test_model` turns a model into one whose MTP head reproduces the main model's
+next-token function exactly (then perturbed to a chosen acceptance), so acceptance and
+speed-up can be measured without trained weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from libs.common.sampling import SamplingParams
+
+from .cost_model import StepShape
+from .model.model import DeepseekForCausalLM, MTPLayer
+from .sampler import _filter, position_seed
+from .scheduler import ScheduledSeq, Scheduler, Status, StepPlan
+
+if TYPE_CHECKING:
+    from .runner import ModelRunner
+
+SCHEDULES = ("confidence", "all")
+
+
+class AcceptanceModel:
+    """P(a draft is accepted | the drafts before it were), by the draft's confidence.
+
+    Ten confidence bins, each a Beta posterior over its acceptance rate, whose prior (two
+    pseudo-observations) is centred on the bin's own confidence: trust the head until
+    verification says otherwise."""
+
+    BINS = 10
+    PRIOR = 2.0
+
+    def __init__(self) -> None:
+        self.accepted = [self.PRIOR * (b + 0.5) / self.BINS for b in range(self.BINS)]
+        self.seen = [self.PRIOR] * self.BINS
+
+    def _bin(self, confidence: float) -> int:
+        return min(max(int(confidence * self.BINS), 0), self.BINS - 1)
+
+    def rate(self, confidence: float) -> float:
+        b = self._bin(confidence)
+        return self.accepted[b] / self.seen[b]
+
+    def observe(self, confidences: Sequence[float], num_accepted: int) -> None:
+        """A verification of these drafts (in order) accepted the first ``num_accepted``."""
+        for i, c in enumerate(confidences):
+            b = self._bin(c)
+            self.seen[b] += 1
+            if i < num_accepted:
+                self.accepted[b] += 1
+            else:
+                break  # the drafts after a rejection say nothing: they were not reached
+
+
+def choose_drafts(
+    confidences: Sequence[Sequence[float]],
+    limits: Sequence[int],
+    model: AcceptanceModel,
+    step_seconds: Callable[[int], float],
+    schedule: str = "confidence",
+) -> list[int]:
+    """How many leading drafts of each request to verify this step.
+
+    ``confidences[r]``: request r's drafts' confidences; ``limits[r]``: at most that many;
+    ``step_seconds(m)``: the step's estimated time with ``m`` draft tokens added to it.
+    ``"confidence"``: the ``m`` most valuable drafts over the whole batch (a draft's value is
+    the probability that it and its predecessors are accepted), for the ``m`` that maximises
+    (requests + expected accepted drafts) / step time. ``"all"``: every draft up to the
+    limit."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    caps = [min(len(c), max(lim, 0)) for c, lim in zip(confidences, limits, strict=True)]
+    if schedule == "all":
+        return caps
+    gains: list[tuple[float, int, int]] = []  # (value, draft index, request)
+    for r, confs in enumerate(confidences):
+        value = 1.0
+        for i, c in enumerate(confs[: caps[r]]):
+            value *= model.rate(c)
+            gains.append((value, i, r))
+    gains.sort(key=lambda g: (-g[0], g[1]))  # a request's values never grow: prefixes stay
+    base = len(confidences)
+    best_m, best = 0, base / max(step_seconds(0), 1e-9)
+    expected = 0.0
+    for m, (value, _, _) in enumerate(gains, 1):
+        expected += value
+        rate = (base + expected) / max(step_seconds(m), 1e-9)
+        if rate > best:
+            best_m, best = m, rate
+    out = [0] * len(confidences)
+    for _, _, r in gains[:best_m]:
+        out[r] += 1
+    return out
+
+
+def can_draft(params: SamplingParams) -> bool:
+    """Whether a request's tokens may be drafted for (see the module doc)."""
+    return not (
+        params.uses_penalties
+        or params.min_tokens
+        or params.constraint is not None
+        or params.logprobs is not None
+    )
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy request samples from: temperature, then top-k, min-p and
+    top-p, as :class:`~.sampler.Sampler` does. ``logits [V]`` fp32."""
+    return _filter(logits / params.temperature, params.top_k, params.top_p, params.min_p).softmax(
+        -1
+    )
+
+
+def verify_row(
+    probs: torch.Tensor,
+    drafts: Sequence[int],
+    generator: Callable[[int], torch.Generator | None],
+    first_position: int,
+) -> list[int]:
+    """Rejection sampling of deterministic drafts. ``probs [j + 1, V]``: the target's
+    distributions at the drafts' positions and after the last one; ``generator(position)``
+    the generator for the token at that position (seeded requests: their own). Returns the
+    accepted drafts and the token after them."""
+    out: list[int] = []
+    for i, d in enumerate(drafts):
+        gen = generator(first_position + i)
+        p = probs[i]
+        u = torch.rand((), generator=gen, device=p.device)
+        if bool(u < p[d]):
+            out.append(int(d))
+            continue
+        residual = p.clone()
+        residual[d] = 0.0
+        total = residual.sum()
+        if not bool(total > 0):  # p was all on d and u == 1: cannot happen but for rounding
+            out.append(int(d))
+            continue
+        out.append(int(torch.multinomial(residual / total, 1, generator=gen)))
+        return out
+    gen = generator(first_position + len(drafts))
+    out.append(int(torch.multinomial(probs[len(drafts)], 1, generator=gen)))
+    return out
+
+
+def greedy_accept(target: Sequence[int], drafts: Sequence[int]) -> list[int]:
+    """Greedy verification: drafts while they equal the target's argmax, then its token."""
+    out: list[int] = []
+    for i, d in enumerate(drafts):
+        if target[i] != d:
+            break
+        out.append(int(d))
+    out.append(int(target[len(out)]))
+    return out
+
+
+@dataclass
+class SpecStats:
+    """Counters since start (the engine's metrics read them): steps that verified drafts,
+    drafts made, drafts verified, drafts accepted, tokens emitted by verifying steps."""
+
+    steps: int = 0
+    drafted: int = 0
+    verified: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+
+def seeded_generator(
+    params: SamplingParams, shared: torch.Generator, scratch: torch.Generator
+) -> Callable[[int], torch.Generator]:
+    """The generator for the token at a position: the request's own stream when it has a seed
+    (keyed by position, as the sampler does), else the engine's."""
+    if params.seed is None:
+        return lambda _pos: shared
+    seed = params.seed
+
+    def gen(position: int) -> torch.Generator:
+        scratch.manual_seed(position_seed(seed, position))
+        return scratch
+
+    return gen
+
+
+@torch.inference_mode()
+def make_mtp_test_model(
+    model: DeepseekForCausalLM, layer_scale: float = 0.0, wrong_fraction: float = 0.0, seed: int = 0
+) -> None:
+    """Rewrite ``model`` (a :class:`~.model.model.DeepseekForCausalLM` with an MTP layer,
+    unquantized weights) in place so that its MTP head predicts what the main model will:
+
+    * every main decoder layer's output projections (attention ``o_proj``, the MLP's or the
+      experts' down projections) are scaled by ``layer_scale``: at 0 the main model's next
+      token depends only on the current one (``lm_head(norm(emb(t)))``); above 0 attention
+      and context matter again and acceptance falls;
+    * the MTP layer passes the next token's embedding through (``eh_proj = [I 0]``, its own
+      block's output projections zeroed) into the main model's norm and head, so it computes
+      that same function of the token: with ``layer_scale`` 0 every greedy draft is accepted
+      (up to float rounding, a positive rescaling of the logits);
+    * ``wrong_fraction`` of the vocabulary is then given another token's embedding in the MTP
+      layer (a random cycle over that subset): drafts made from those tokens are wrong, so
+      acceptance per draft is about ``1 - wrong_fraction``."""
+    from .model.layers import Experts, Fp8Linear
+
+    mtp = [cast(MTPLayer, m) for m in model.mtp]
+    if not mtp:
+        raise ValueError("the model has no MTP layer (load it with with_mtp=True)")
+    if any(isinstance(m, Fp8Linear) for m in model.modules()) or any(
+        isinstance(m, Experts) and (m.fp8 is not None or m.fp4 is not None) for m in model.modules()
+    ):
+        raise ValueError("make_mtp_test_model needs unquantized weights")
+    if not 0.0 <= wrong_fraction <= 1.0:
+        raise ValueError(f"wrong_fraction must lie in [0, 1], got {wrong_fraction}")
+
+    def scale_outputs(layer: torch.nn.Module, factor: float) -> None:
+        for name, p in layer.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.w2")):
+                p.mul_(factor)
+
+    for layer in model.model.layers:
+        scale_outputs(layer, layer_scale)
+    embed = model.model.embed_tokens.weight
+    vocab, hidden = embed.shape
+    for m in mtp:
+        scale_outputs(m, 0.0)
+        table = embed.clone()
+        n_wrong = int(round(wrong_fraction * vocab))
+        if n_wrong >= 2:
+            g = torch.Generator().manual_seed(seed)
+            subset = torch.randperm(vocab, generator=g)[:n_wrong].to(embed.device)
+            table[subset] = embed[subset.roll(1)]  # each takes the next one's: no fixed point
+        m.embed_tokens.weight.copy_(table)
+        m.enorm.weight.fill_(1.0)
+        m.hnorm.weight.fill_(1.0)
+        m.eh_proj.weight.zero_()
+        m.eh_proj.weight[:, :hidden].copy_(torch.eye(hidden, dtype=embed.dtype))
+        m.shared_head.norm.weight.copy_(model.model.norm.weight)
+        m.shared_head.head.weight.copy_(model.lm_head.weight)
+
+
+@dataclass
+class SpecStep:
+    """What :meth:`SpecDecoder.run` leaves for :meth:`SpecDecoder.draft`."""
+
+    sampled: dict[str, int | list[int]]
+    seconds: float
+    hidden: torch.Tensor  # the main model's final hidden states, one row per step token
+    rows: dict[str, int] = field(default_factory=dict)  # request -> its first row in hidden
+
+
+class SpecDecoder:
+    """The engine's speculative half: drafts per request, verification, the MTP passes.
+
+    ``num_tokens``: drafts made per request and step (K); ``schedule``: :func:`choose_drafts`'
+    policy. Drafts live here, by request id, until the request's next step."""
+
+    def __init__(self, runner: ModelRunner, num_tokens: int, schedule: str = "confidence") -> None:
+        model = runner.model
+        if not model.mtp:
+            raise ValueError(
+                "speculative decoding drafts with the model's MTP layers; this model has none"
+            )
+        if schedule not in SCHEDULES:
+            raise ValueError(f"speculative schedule must be one of {SCHEDULES}, got {schedule!r}")
+        self.runner = runner
+        self.model = model
+        self.mtp = cast(MTPLayer, model.mtp[0])
+        self.num_tokens = num_tokens
+        self.schedule = schedule
+        self.mtp_cache = runner.cache.layers[model.cfg.num_hidden_layers]
+        self.acceptance = AcceptanceModel()
+        self.stats = SpecStats()
+        self.drafts: dict[str, tuple[list[int], list[float]]] = {}
+        self._shared = torch.Generator(device=runner.device)
+        self._shared.seed()
+        self._scratch = torch.Generator(device=runner.device)
+
+    def forget(self, request_id: str) -> None:
+        self.drafts.pop(request_id, None)
+
+    # -- 1. what to verify ----------------------------------------------------------------------
+    def add_drafts(self, plan: StepPlan, scheduler: Scheduler) -> StepPlan:
+        """``plan`` with each running decode that holds drafts extended by those
+        :func:`choose_drafts` picks (blocks reserved for them; fewer when the cache is full)."""
+        cands: list[tuple[int, ScheduledSeq, list[int], list[float], int]] = []
+        max_len = scheduler.config.max_model_len
+        for i, seq in enumerate(plan.seqs):
+            held = self.drafts.pop(seq.request_id, None)
+            req = scheduler.requests[seq.request_id]
+            if held is None or seq.num_tokens != 1 or not seq.sample:
+                continue
+            if seq.start + 1 != len(req.token_ids) or not can_draft(req.params):
+                continue
+            limit = min(
+                req.params.max_tokens - req.num_output_tokens - 1,  # the bonus token too
+                max_len - len(req.token_ids) - 1,
+            )
+            cands.append((i, seq, held[0], held[1], limit))
+        if not cands:
+            return plan
+        base = plan.shape
+
+        def seconds(extra: int) -> float:
+            ctx = max(c[1].start for c in cands) + 1
+            return scheduler.cost.seconds(base.add(extra, ctx) if extra else base)
+
+        counts = choose_drafts(
+            [c[3] for c in cands], [c[4] for c in cands], self.acceptance, seconds, self.schedule
+        )
+        seqs = list(plan.seqs)
+        for (i, seq, drafts, confs, _), j in zip(cands, counts, strict=True):
+            req = scheduler.requests[seq.request_id]
+            while j and not scheduler._try_allocate(req, 1 + j):
+                j -= 1
+            self.stats.drafted += len(drafts)
+            if not j:
+                continue
+            self.drafts[seq.request_id] = (drafts[:j], confs[:j])  # kept for run()'s accounting
+            seqs[i] = dataclasses.replace(
+                seq,
+                num_tokens=1 + j,
+                token_ids=seq.token_ids + tuple(drafts[:j]),
+                block_table=tuple(req.blocks),
+                num_drafts=j,
+            )
+        shape = StepShape()
+        for s in seqs:
+            shape = shape.add(s.num_tokens, s.start + s.num_tokens)
+        return StepPlan(tuple(seqs), plan.preempted, shape)
+
+    # -- 2. verify --------------------------------------------------------------------------------
+    def run(
+        self,
+        plan: StepPlan,
+        params: dict[str, SamplingParams],
+        sample_plain: Callable[[torch.Tensor, list[ScheduledSeq]], list[int]],
+    ) -> SpecStep:
+        """Run the main model over ``plan``; the sampled tokens: for a seq that verified drafts
+        the accepted ones and the next (a list), for any other sampling seq one token, drawn by
+        ``sample_plain(logits, seqs)`` (the engine's sampler with penalties, masks...)."""
+        t0 = time.perf_counter()
+        runner, model = self.runner, self.model
+        ids, positions, meta, ordered, _ = runner.prepare(plan)
+        hidden = model(ids, positions, meta, runner.cache.layers)
+        rows: dict[str, int] = {}
+        r = 0
+        for s in ordered:
+            rows[s.request_id] = r
+            r += s.num_tokens
+        plain = [s for s in plan.seqs if s.sample and not s.num_drafts]
+        verify = [s for s in plan.seqs if s.num_drafts]
+        pick = [rows[s.request_id] + s.num_tokens - 1 for s in plain]
+        for s in verify:
+            pick.extend(range(rows[s.request_id], rows[s.request_id] + s.num_tokens))
+        sampled: dict[str, int | list[int]] = {}
+        if pick:
+            index = torch.tensor(pick, dtype=torch.int64).to(hidden.device, non_blocking=True)
+            logits = model.logits(hidden[index])
+            if plain:
+                tokens = sample_plain(logits[: len(plain)], plain)
+                sampled.update({s.request_id: t for s, t in zip(plain, tokens, strict=True)})
+            off = len(plain)
+            greedy_rows = [
+                (s, off0) for s, off0 in self._offsets(verify, off) if params[s.request_id].greedy
+            ]
+            if greedy_rows:
+                best = logits.argmax(-1).tolist()
+                for s, o in greedy_rows:
+                    sampled[s.request_id] = greedy_accept(
+                        best[o : o + s.num_tokens], s.token_ids[1:]
+                    )
+            for s, o in self._offsets(verify, off):
+                p = params[s.request_id]
+                if p.greedy:
+                    continue
+                probs = torch.stack([target_probs(logits[o + i], p) for i in range(s.num_tokens)])
+                gen = seeded_generator(p, self._shared, self._scratch)
+                sampled[s.request_id] = verify_row(probs, s.token_ids[1:], gen, s.sample_position)
+        for s in verify:
+            got = sampled[s.request_id]
+            assert isinstance(got, list)
+            _, confs = self.drafts.pop(s.request_id)
+            self.acceptance.observe(confs, len(got) - 1)
+            self.stats.verified += s.num_drafts
+            self.stats.accepted += len(got) - 1
+            self.stats.emitted += len(got)
+        if verify:
+            self.stats.steps += 1
+        if hidden.is_cuda:
+            torch.cuda.synchronize(hidden.device)
+        return SpecStep(sampled, time.perf_counter() - t0, hidden, rows)
+
+    @staticmethod
+    def _offsets(seqs: list[ScheduledSeq], first: int) -> list[tuple[ScheduledSeq, int]]:
+        out, o = [], first
+        for s in seqs:
+            out.append((s, o))
+            o += s.num_tokens
+        return out
+
+    # -- 3. catch up and draft ------------------------------------------------------------------
+    def draft(self, plan: StepPlan, step: SpecStep, scheduler: Scheduler) -> None:
+        """After the scheduler committed ``step``: the MTP layer over every position that became
+        final (its KV), then K drafts for each running request that may be drafted for."""
+        runner, mtp = self.runner, self.mtp
+        catch: list[ScheduledSeq] = []
+        for seq in plan.seqs:
+            req = scheduler.requests.get(seq.request_id)
+            if req is None or req.status is not Status.RUNNING or not req.blocks:
+                continue
+            c = req.num_computed - seq.start  # positions made final this step
+            if c <= 0 or len(req.token_ids) < seq.start + c + 1:
+                continue
+            catch.append(
+                ScheduledSeq(
+                    seq.request_id,
+                    seq.start,
+                    c,
+                    tuple(req.token_ids[seq.start + 1 : seq.start + c + 1]),
+                    tuple(req.blocks),
+                    sample=False,
+                    sample_position=seq.start + c + 1,
+                )
+            )
+        if not catch:
+            return
+        if runner.use_kernels:
+            catch.sort(key=lambda s: s.num_tokens == 1)  # decodes last, as the kernels read them
+        h_index = torch.cat(
+            [
+                torch.arange(step.rows[s.request_id], step.rows[s.request_id] + s.num_tokens)
+                for s in catch
+            ]
+        ).to(step.hidden.device)
+        ids, pos, meta, _ = runner._prepare(catch, None)
+        x = mtp.block(step.hidden[h_index], ids, pos, meta, self.mtp_cache)
+        want = [
+            s
+            for s in catch
+            if self.num_tokens and can_draft(scheduler.requests[s.request_id].params)
+        ]
+        if not want:
+            return
+        last: dict[str, int] = {}
+        r = 0
+        for s in catch:
+            last[s.request_id] = r + s.num_tokens - 1
+            r += s.num_tokens
+        index = torch.tensor([last[s.request_id] for s in want], device=x.device)
+        state = x[index]
+        drafts: list[list[int]] = [[] for _ in want]
+        confs: list[list[float]] = [[] for _ in want]
+        live = list(range(len(want)))
+        max_len = scheduler.config.max_model_len
+        for depth in range(self.num_tokens):
+            probs = mtp.head(state).softmax(-1)
+            conf, tok = probs.max(-1)
+            tok_l, conf_l = tok.tolist(), conf.tolist()
+            for j, w in enumerate(live):
+                drafts[w].append(int(tok_l[j]))
+                confs[w].append(float(conf_l[j]))
+            if depth + 1 == self.num_tokens:
+                break
+            # Next depth: the MTP layer at the draft's position, fed its own hidden state.
+            nxt: list[ScheduledSeq] = []
+            keep: list[int] = []
+            for j, w in enumerate(live):
+                req = scheduler.requests[want[w].request_id]
+                p = req.num_computed + depth  # the position whose next token is drafted
+                if p + 1 >= max_len or not scheduler._try_allocate(req, depth + 1):
+                    continue
+                nxt.append(
+                    ScheduledSeq(
+                        req.request_id,
+                        p,
+                        1,
+                        (drafts[w][-1],),
+                        tuple(req.blocks),
+                        sample=False,
+                        sample_position=p + 1,
+                    )
+                )
+                keep.append(j)
+            if not nxt:
+                break
+            ids, pos, meta, _ = runner._prepare(nxt, None)
+            sel = torch.tensor(keep, device=state.device)
+            state = mtp.block(state[sel], ids, pos, meta, self.mtp_cache)
+            live = [live[j] for j in keep]
+        for w, s in enumerate(want):
+            self.drafts[s.request_id] = (drafts[w], confs[w])

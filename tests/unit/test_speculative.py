@@ -1,0 +1,335 @@
+"""Speculative decoding with the MTP head: what a caller gets must not change, only how fast.
+
+Greedy output is compared token for token with the engine decoding one token a step, on the
+tiny preset's random MTP head (drafts nearly always rejected), on the test model whose MTP head
+predicts exactly (all accepted) or is perturbed (some accepted, attention still mattering), and
+on random configs beyond the presets; through chunked prefill, prefix hits, preemption, KV
+export/import, stop tokens and length limits. Sampling is checked statistically.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from libs.common.sampling import SamplingParams
+from libs.engine.engine import Engine, EngineConfig
+from libs.engine.loader import LoadedModel, load
+from libs.engine.model.model import DeepseekForCausalLM
+from libs.engine.presets import PRESETS, init_random_weights
+from libs.engine.speculative import (
+    AcceptanceModel,
+    choose_drafts,
+    greedy_accept,
+    make_mtp_test_model,
+    verify_row,
+)
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_mtp() -> LoadedModel:
+    return load("tiny", "cpu", torch.float32, 0, with_mtp=True)
+
+
+def variant(loaded: LoadedModel, layer_scale: float | None, wrong: float = 0.0) -> LoadedModel:
+    """The preset itself (None) or its MTP test model (a copy)."""
+    if layer_scale is None:
+        return loaded
+    model = copy.deepcopy(loaded.model)
+    make_mtp_test_model(model, layer_scale, wrong, seed=1)
+    return LoadedModel(model, f"{loaded.model_id}-mtp{layer_scale}-{wrong}", loaded.source)
+
+
+def make(loaded: LoadedModel, k: int, **kw: object) -> Engine:
+    base: dict[str, object] = dict(
+        model="tiny", block_size=16, num_kv_blocks=256, time_budget_s=None, with_mtp=True
+    )
+    base.update(kw)
+    return Engine(EngineConfig(speculative_tokens=k, **base), loaded=loaded)  # type: ignore[arg-type]
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [(i * 7919 + salt * 104729) % 120000 + 3 for i in range(n)]
+
+
+def run(engine: Engine, reqs: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
+    for rid, (p, sp) in reqs.items():
+        engine.add_request(rid, p, sp)
+    out: dict[str, list[int]] = {rid: [] for rid in reqs}
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.token_id is not None:
+                out[ev.request_id].append(ev.token_id)
+    return out
+
+
+REQS = {
+    "a": (prompt(5, 1), GREEDY),
+    "b": (prompt(40, 2), SamplingParams(max_tokens=17, ignore_eos=True)),
+    "c": (prompt(77, 3), SamplingParams(max_tokens=1, ignore_eos=True)),
+    "d": (prompt(16, 4), SamplingParams(max_tokens=2, ignore_eos=True)),
+}
+
+
+@pytest.mark.parametrize("layer_scale,wrong", [(None, 0.0), (0.0, 0.0), (0.0, 0.4), (0.3, 0.0)])
+@pytest.mark.parametrize("schedule", ["confidence", "all"])
+def test_greedy_output_is_the_one_token_engines(tiny_mtp, layer_scale, wrong, schedule) -> None:
+    loaded = variant(tiny_mtp, layer_scale, wrong)
+    want = run(make(loaded, 0), REQS)
+    eng = make(loaded, 4, speculative_schedule=schedule)
+    assert run(eng, REQS) == want
+    stats = eng.speculative.stats
+    assert stats.verified > 0 and stats.accepted <= stats.verified <= stats.drafted
+    if layer_scale == 0.0 and wrong == 0.0:
+        assert stats.accepted == stats.verified  # the exact head: every draft is right
+    if layer_scale == 0.0 and wrong:
+        assert 0 < stats.accepted < stats.verified
+    assert eng.blocks.num_free == 256 or eng.blocks.num_cached > 0
+    eng.blocks.check()
+
+
+def test_fewer_steps_when_drafts_are_right(tiny_mtp) -> None:
+    """The exact head emits up to K + 1 tokens a step: 24 tokens in a handful of steps."""
+    eng = make(variant(tiny_mtp, 0.0), 4)
+    eng.add_request("x", prompt(9), GREEDY)
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+    assert steps <= 1 + math.ceil(23 / 5) + 1  # prefill, then 5 tokens a step
+    stats = eng.speculative.stats
+    assert stats.accepted == stats.verified and stats.emitted >= 20
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(max_tokens_per_step=24),  # long prompts prefilled in chunks
+        dict(num_kv_blocks=14),  # preemption by recompute
+    ],
+    ids=["chunked", "preempt"],
+)
+def test_greedy_equal_through_chunks_and_preemption(tiny_mtp, kw) -> None:
+    loaded = variant(tiny_mtp, 0.0, 0.3)
+    reqs = {
+        f"r{i}": (prompt(30 + 9 * i, 20 + i), SamplingParams(max_tokens=40, ignore_eos=True))
+        for i in range(4)
+    }
+    want = run(make(loaded, 0, num_kv_blocks=256), reqs)
+    eng = make(loaded, 3, **kw)
+    assert run(eng, reqs) == want
+    if "num_kv_blocks" in kw:
+        assert eng.scheduler.num_preemptions > 0, "the test must actually preempt"
+        assert eng.blocks.num_free == 14
+    eng.blocks.check()
+
+
+def test_prefix_hits_carry_the_mtp_cache(tiny_mtp) -> None:
+    """A second request on a cached prefix drafts as well as the first (the MTP layer's KV
+    lives in the same blocks) and decodes the same tokens."""
+    loaded = variant(tiny_mtp, 0.0)
+    p = prompt(64, 7)
+    eng = make(loaded, 3)
+    first = run(eng, {"a": (p, GREEDY)})["a"]
+    before = dataclasses.replace(eng.speculative.stats)
+    second = run(eng, {"b": (p, GREEDY)})["b"]
+    assert eng.prefix_cache_hits >= 48
+    assert first == second == run(make(loaded, 0), {"c": (p, GREEDY)})["c"]
+    after = eng.speculative.stats
+    assert after.verified > before.verified
+    assert after.accepted - before.accepted == after.verified - before.verified  # all right
+
+
+def test_stop_tokens_end_verified_runs(tiny_mtp) -> None:
+    """A stop token inside the accepted drafts ends the request there; nothing after it."""
+    loaded = variant(tiny_mtp, 0.0)
+    p = prompt(12, 5)
+    free = run(make(loaded, 0), {"x": (p, GREEDY)})["x"]
+    stop = free[6]
+    sp = SamplingParams(max_tokens=24, stop_token_ids=(stop,))
+    want = run(make(loaded, 0), {"x": (p, sp)})["x"]
+    assert want[-1] == stop and len(want) <= 7
+    eng = make(loaded, 4)
+    assert run(eng, {"x": (p, sp)})["x"] == want
+    assert not eng.speculative.drafts and eng.blocks.num_used == 0
+
+
+def test_kv_export_import_then_drafting(tiny_mtp) -> None:
+    """Prefill in one engine, decode in another: the hand-off carries the MTP layer's KV, the
+    decode engine drafts from its second step on and the tokens are the uninterrupted ones."""
+    loaded = variant(tiny_mtp, 0.0)
+    p = prompt(45, 8)
+    full = run(make(loaded, 0), {"r": (p, GREEDY)})["r"]
+    pre = make(loaded, 3)
+    pre.add_request("r", p, SamplingParams(max_tokens=1, ignore_eos=True), hold_kv=True)
+    while pre.has_unfinished():
+        pre.step()
+    first = pre.info("r").token_ids[-1]
+    frame = pre.export_kv("r", include_partial=True, release=True)
+    dec = make(loaded, 3)
+    dec.add_request(
+        "r", p + [first], SamplingParams(max_tokens=23, ignore_eos=True), kv=frame, prior_outputs=1
+    )
+    out = [first]
+    while dec.has_unfinished():
+        out += [ev.token_id for ev in dec.step() if ev.token_id is not None]
+    assert out == full
+    assert dec.speculative.stats.accepted == dec.speculative.stats.verified > 0
+
+
+def _random_config(i: int):
+    tiny = PRESETS["tiny"]
+    variants = [
+        dict(
+            q_lora_rank=None,
+            scoring_func="softmax",
+            topk_method="greedy",
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+        ),
+        dict(
+            num_hidden_layers=4,
+            first_k_dense_replace=2,
+            num_attention_heads=8,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=24,
+        ),
+        dict(
+            hidden_size=96,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=2,
+        ),
+    ]
+    return dataclasses.replace(tiny, **variants[i])
+
+
+@pytest.mark.parametrize("i", [0, 1, 2])
+def test_greedy_equal_on_random_configs(i: int) -> None:
+    cfg = _random_config(i)
+    model = DeepseekForCausalLM(cfg, torch.float32, "cpu", with_mtp=True)
+    init_random_weights(model, 100 + i)
+    make_mtp_test_model(model, 0.2, 0.0)
+    loaded = LoadedModel(model, f"random{i}", "tiny")
+    reqs = {"a": (prompt(21, i), GREEDY), "b": (prompt(50, i + 9), GREEDY)}
+    eng = make(loaded, 3)
+    assert run(eng, reqs) == run(make(loaded, 0), reqs)
+    assert eng.speculative.stats.verified > 0
+
+
+# -- the parts ------------------------------------------------------------------------------
+def test_greedy_accept() -> None:
+    assert greedy_accept([5, 6, 7, 8], [5, 6, 9]) == [5, 6, 7]
+    assert greedy_accept([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]  # all right: a bonus token
+    assert greedy_accept([1], []) == [1]
+    assert greedy_accept([4, 6], [5]) == [4]
+
+
+def test_choose_drafts_spends_step_time_on_likely_drafts() -> None:
+    model = AcceptanceModel()
+    confs = [[0.95, 0.9, 0.85], [0.15, 0.1, 0.1], [0.9, 0.2, 0.9]]
+    limits = [3, 3, 1]
+    flat = choose_drafts(confs, limits, model, lambda m: 1.0)  # extra tokens cost nothing
+    assert flat == [3, 3, 1]
+    assert choose_drafts(confs, limits, model, lambda m: 1.0, "all") == [3, 3, 1]
+    # each draft token adds 10% to the step: the likely drafts pay, the unlikely ones do not
+    assert choose_drafts(confs, limits, model, lambda m: 1.0 + 0.1 * m) == [3, 0, 1]
+    assert choose_drafts(confs, limits, model, lambda m: 1.0 + 0.3 * m) == [1, 0, 1]
+    # observed rejections at high confidence: the model stops trusting those drafts
+    for _ in range(200):
+        model.observe([0.95], 0)
+    assert model.rate(0.95) < 0.1
+    assert choose_drafts([[0.95, 0.95]], [2], model, lambda m: 1.0 + 0.1 * m) == [0]
+
+
+CHI2_CRIT_DF5_P001 = 20.515  # chi-square critical value, 5 degrees of freedom, alpha = 0.001
+
+
+def _chi2(counts: Counter, probs: torch.Tensor, n: int) -> float:
+    return sum((counts.get(i, 0) - n * float(p)) ** 2 / (n * float(p)) for i, p in enumerate(probs))
+
+
+@pytest.mark.parametrize("draft", [0, 2, 5])
+def test_rejection_sampling_gives_the_targets_distribution(draft: int) -> None:
+    """First and second emitted tokens over 20,000 runs against the target (chi-square, 5
+    degrees of freedom, alpha = 0.001). Power: a verifier off by 2 points of probability in
+    one cell (compensated in another) gives a noncentrality of at least 20000 * 0.02**2 *
+    (1/0.30 + 1/0.25) = 58.7, which the test detects with probability above 0.999; the
+    negative control below shows a real mistake caught."""
+    p0 = torch.tensor([0.30, 0.25, 0.20, 0.12, 0.08, 0.05])
+    p1 = torch.tensor([0.05, 0.10, 0.15, 0.20, 0.22, 0.28])
+    probs = torch.stack([p0, p1, p0.flip(0)])
+    gen = torch.Generator().manual_seed(draft)
+    n = 20000
+    first: Counter = Counter()
+    second: Counter = Counter()
+    for _ in range(n):
+        out = verify_row(probs, [draft, 4], lambda _pos: gen, 10)
+        first[out[0]] += 1
+        if out[0] == draft and len(out) > 1:
+            second[out[1]] += 1
+    assert _chi2(first, p0, n) < CHI2_CRIT_DF5_P001
+    m = sum(second.values())
+    assert m > 500 and _chi2(second, p1, m) < CHI2_CRIT_DF5_P001
+
+
+def test_the_distribution_test_catches_a_biased_verifier() -> None:
+    """Negative control: accepting the draft with p(d) + 0.02 fails the same test."""
+    p0 = torch.tensor([0.30, 0.25, 0.20, 0.12, 0.08, 0.05])
+    gen = torch.Generator().manual_seed(0)
+    n = 20000
+    counts: Counter = Counter()
+    for _ in range(n):
+        u = float(torch.rand((), generator=gen))
+        if u < float(p0[0]) + 0.02:
+            counts[0] += 1
+            continue
+        rest = p0.clone()
+        rest[0] = 0
+        counts[int(torch.multinomial(rest / rest.sum(), 1, generator=gen))] += 1
+    assert _chi2(counts, p0, n) > CHI2_CRIT_DF5_P001
+
+
+def test_sampled_engine_output_has_the_targets_distribution(tiny_mtp) -> None:
+    """Engine level: the first two output tokens of 400 sampled requests (top-k 3, so few
+    outcomes; 3 tokens each, so the second is a verified draft), speculative against one
+    token a step; the two samples' joint histograms agree (chi-square two-sample test,
+    alpha = 0.001)."""
+    loaded = variant(tiny_mtp, 0.0)
+    p = prompt(10, 3)
+    n = 400
+
+    def histogram(k: int) -> Counter:
+        eng = make(loaded, k, num_kv_blocks=2048, max_running=512)
+        reqs = {
+            f"s{i}": (
+                p,
+                SamplingParams(temperature=1.0, top_k=3, seed=i, max_tokens=3, ignore_eos=True),
+            )
+            for i in range(n)
+        }
+        out = run(eng, reqs)
+        if k:
+            assert eng.speculative.stats.verified > 0.9 * n
+        return Counter(tuple(v[:2]) for v in out.values())
+
+    a, b = histogram(0), histogram(3)
+    cells = sorted(set(a) | set(b))
+    stat = sum((a[c] - b[c]) ** 2 / (a[c] + b[c]) for c in cells)
+    df = len(cells) - 1
+    # Wilson-Hilferty approximation of the chi-square quantile at 1 - 0.001 (z = 3.09)
+    crit = df * (1 - 2 / (9 * df) + 3.09 * math.sqrt(2 / (9 * df))) ** 3
+    assert stat < crit, (stat, crit, a, b)

@@ -508,17 +508,14 @@ class Stack:
         self._write_state()
         # kvstore and balancer need only NATS/Redis; the balancer must listen to heartbeats
         # before any engine starts, and the engines must be routable before the entrypoint.
-        stages = [
-            [
-                self._plan(
-                    "kvstore",
-                    "kvstore",
-                    grpc_port=kv_port,
-                    args=["--data-dir", str(self.run_dir / "kvstore")],
-                ),
-                self._plan("balancer", "balancer"),
-            ]
-        ]
+        kvstore = self._plan(
+            "kvstore",
+            "kvstore",
+            grpc_port=kv_port,
+            args=["--data-dir", str(self.run_dir / "kvstore")],
+        )
+        balancer = self._plan("balancer", "balancer")
+        stages = [[kvstore, balancer]]
         kv_addr = self.kvstore_address = f"{HOST}:{kv_port}"
         model_args = ["--model", self.model, "--model-name", self.model_name]
         placed = {p.name: p.flags() for p in self.placements}  # --device [--gpu-memory-...]
@@ -535,26 +532,23 @@ class Stack:
         stages.append(engines)
         ep_port = procs.free_port()
         self.grpc_address = f"{HOST}:{ep_port}"
-        stages.append(
-            [
-                self._plan(
-                    "entrypoint",
-                    "entrypoint",
-                    grpc_port=ep_port,
-                    args=[
-                        "--kvstore-address",
-                        kv_addr,
-                        "--model-name",
-                        self.model_name,
-                        "--vocab-size",
-                        str(self.vocab_size),
-                    ],
-                )
-            ]
+        entrypoint = self._plan(
+            "entrypoint",
+            "entrypoint",
+            grpc_port=ep_port,
+            args=[
+                "--kvstore-address",
+                kv_addr,
+                "--model-name",
+                self.model_name,
+                "--vocab-size",
+                str(self.vocab_size),
+            ],
         )
+        stages.append([entrypoint])
         recipe_port = self.recipe_port or procs.free_port()
         self.api_base = f"http://{HOST}:{recipe_port}"
-        stages.append([self._plan_recipe(recipe_port)])
+        stages.append([self._plan_recipe(recipe_port, kvstore, balancer, entrypoint)])
         for stage in stages:
             for c in stage:
                 self._spawn(c)
@@ -626,8 +620,9 @@ class Stack:
         c.ep = ep
         return c
 
-    def _plan_recipe(self, port: int) -> Child:
-        # The recipe's health is on its main HTTP port.
+    def _plan_recipe(self, port: int, kvstore: Child, balancer: Child, entrypoint: Child) -> Child:
+        # The recipe's health is on its main HTTP port; its ops port's /status page reads the
+        # other services' ops ports.
         c = self._plan(
             "recipe",
             "recipe",
@@ -640,6 +635,12 @@ class Stack:
                 self.model_name,
                 "--model",
                 self.model,
+                "--kvstore-ops-address",
+                f"{HOST}:{kvstore.ops_port}",
+                "--balancer-ops-address",
+                f"{HOST}:{balancer.ops_port}",
+                "--entrypoint-ops-address",
+                f"{HOST}:{entrypoint.ops_port}",
             ],
         )
         c.health_port = port
@@ -1005,6 +1006,8 @@ def run_up(
             f"Redis: {redact(stack.redis_url)}",
             flush=True,
         )
+        recipe = next(c for c in stack.children if c.service == "recipe")
+        print(f"  status page: http://{HOST}:{recipe.ops_port}/status", flush=True)
         print(f"  where each service listens: {stack.run_dir / 'stack.json'}", flush=True)
         problem = _serve(stack, stop_requested)
         if problem:

@@ -35,6 +35,12 @@ if ! command -v redis-server >/dev/null 2>&1; then
   apt_install redis-server
 fi
 
+# The recipe's /status page is checked in headless Chromium through Debian's chromedriver
+# (tests/integration/test_status_page.py; selenium is pointed at it and downloads nothing).
+if ! command -v chromium >/dev/null 2>&1; then
+  apt_install chromium chromium-driver
+fi
+
 ec_probe='from pyeclib.ec_iface import ECDriver; ECDriver(k=10, m=2, ec_type="isa_l_rs_vand").encode(b"x")'
 if ! "$venv/bin/python" -c "$ec_probe" >/dev/null 2>&1; then
   apt_install liberasurecode1 libisal2

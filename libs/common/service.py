@@ -22,7 +22,7 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -33,7 +33,7 @@ from .config import ServiceConfig
 from .logs import setup_logging
 from .natsutil import close_nats, connect_nats
 from .redact import redact_text
-from .telemetry import HealthFn, OpsServer
+from .telemetry import HealthFn, OpsRoute, OpsServer
 
 
 class HasService(Protocol):
@@ -57,16 +57,18 @@ class ServiceContext:
     stop: asyncio.Event
     log: logging.Logger
 
-    async def start_ops(self, health: HealthFn) -> int:
-        """Serve /livez, /readyz (= /healthz) and /metrics on the ops port until the stack
-        closes; the bound port.
+    async def start_ops(
+        self, health: HealthFn, routes: Mapping[str, OpsRoute] | None = None
+    ) -> int:
+        """Serve /livez, /readyz (= /healthz), /metrics and ``routes`` on the ops port until
+        the stack closes; the bound port.
         The /healthz detail is redacted: a URL in it shows no password or token."""
 
         def redacted_health() -> tuple[bool, str]:
             ok, why = health()
             return ok, redact_text(why)
 
-        ops = OpsServer(self.config.host, self.config.http_port, redacted_health)
+        ops = OpsServer(self.config.host, self.config.http_port, redacted_health, routes)
         port = await ops.start()
         self.stack.push_async_callback(ops.stop)
         return port

@@ -17,7 +17,7 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
@@ -27,13 +27,25 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, Sp
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 HealthFn = Callable[[], tuple[bool, str]]
+# An extra GET route of an ops port: () -> (content type, body, extra header lines "K: v\r\n").
+OpsRoute = Callable[[], tuple[str, bytes, str]]
 
 log = logging.getLogger(__name__)
 
 
 class OpsServer:
-    def __init__(self, host: str, port: int, health: HealthFn) -> None:
+    """``routes``: extra GET paths a service serves beside the probes and metrics (the
+    recipe's ``/status``), answered 200 with what the function returns."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        health: HealthFn,
+        routes: Mapping[str, OpsRoute] | None = None,
+    ) -> None:
         self.host, self.port, self.health = host, port, health
+        self.routes = dict(routes or {})
         self._server: asyncio.base_events.Server | None = None
 
     async def start(self) -> int:
@@ -54,7 +66,11 @@ class OpsServer:
             parts = line.decode("latin-1").split()
             path = parts[1] if len(parts) > 1 else "/"
             route = path.split("?", 1)[0]
-            if path.startswith("/metrics"):
+            extra = ""
+            if route in self.routes:
+                ctype, body, extra = self.routes[route]()
+                status = 200
+            elif path.startswith("/metrics"):
                 status, ctype, body = 200, CONTENT_TYPE_LATEST, generate_latest(REGISTRY)
             elif route == "/livez":
                 # Answered by this event loop, so a 200 proves the loop is not wedged; it
@@ -70,11 +86,11 @@ class OpsServer:
             reason = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}[status]
             writer.write(
                 f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                f"Content-Length: {len(body)}\r\n{extra}Connection: close\r\n\r\n".encode()
                 + body
             )
             await writer.drain()
-        except (TimeoutError, ConnectionError):
+        except (TimeoutError, ConnectionError, ValueError):  # ValueError: a line over 64 KiB
             pass
         finally:
             writer.close()

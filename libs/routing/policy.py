@@ -396,19 +396,30 @@ class RoutingPolicy:
             out.append(e)
         return out
 
-    def bucket_load(self) -> dict[str, BucketLoad]:
-        """Per bucket name (``ANY_BUCKET``: live prefill instances no assignment has placed
-        yet), its live prefill instances and the work on them. Reads the assignments routing
-        made last and computes none, so asking (a scrape) never moves a rebalance."""
+    def placed_buckets(self) -> dict[str, str]:
+        """The bucket name of each live prefill instance (``ANY_BUCKET``: no assignment has
+        placed it yet). Reads the assignments routing made last and computes none, so asking
+        (a scrape) never moves a rebalance."""
         placed: dict[str, int] = {}
         for model in sorted(self._assigned):
             for iid, index in self._assigned[model][2].items():
                 placed.setdefault(iid, index)
         names = bk.bucket_names(self.bucket_bounds)
+        return {
+            e.instance.instance_id: ANY_BUCKET
+            if (b := placed.get(e.instance.instance_id)) is None
+            else names[b]
+            for e in self._live_entries(PREFILL)
+        }
+
+    def bucket_load(self) -> dict[str, BucketLoad]:
+        """Per bucket name (``ANY_BUCKET``: live prefill instances no assignment has placed
+        yet), its live prefill instances and the work on them (:meth:`placed_buckets`)."""
+        placed = self.placed_buckets()
+        names = bk.bucket_names(self.bucket_bounds)
         out = {name: BucketLoad() for name in [*names, ANY_BUCKET]}
         for e in self._live_entries(PREFILL):
-            b = placed.get(e.instance.instance_id)
-            name = ANY_BUCKET if b is None else names[b]
+            name = placed[e.instance.instance_id]
             cur, inst = out[name], e.instance
             out[name] = BucketLoad(
                 cur.instances + 1,

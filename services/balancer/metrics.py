@@ -12,7 +12,10 @@
   (``<16K`` ... ``>=256K``; ``any``: instances no assignment has placed yet)
   ``deepserve:balancer_bucket_instances``, ``deepserve:balancer_bucket_queued_tokens`` (prompt
   tokens queued on the bucket's instances as of their last heartbeat plus those this replica
-  routed there since) and ``deepserve:balancer_bucket_requests`` (running + waiting, likewise).
+  routed there since) and ``deepserve:balancer_bucket_requests`` (running + waiting, likewise);
+  ``deepserve:balancer_prefill_bucket{instance, bucket}`` (1 per live prefill instance: the
+  bucket the latest assignment placed it in, ``any`` before one has; read by the recipe's
+  ``/status`` page, ``services/recipe/status.py``).
 """
 
 from __future__ import annotations
@@ -99,5 +102,14 @@ class PolicyCollector(Collector):
         for bucket, load in self.policy.bucket_load().items():
             for field, family in families.items():
                 family.add_metric([bucket], getattr(load, field))
+        placed = GaugeMetricFamily(
+            PREFIX + "balancer_prefill_bucket",
+            "1 per live prefill instance, labelled with the length bucket it serves (any: not "
+            "placed yet)",
+            labels=["instance", "bucket"],
+        )
+        for instance_id, bucket in self.policy.placed_buckets().items():
+            placed.add_metric([instance_id, bucket], 1.0)
         yield live
         yield from families.values()
+        yield placed

@@ -17,10 +17,40 @@ DESCRIPTION = """\
 recipe process: ``python -m services.recipe --port N --entrypoint-address host:port``.
 
 Serves OpenAI Chat Completions / Responses and Anthropic Messages and ``/healthz`` on ``--port``
-(public), ``/healthz`` and ``/metrics`` on the ops port ``--http-port`` (keep it private: the
-metrics carry hashed tenant labels, no key is asked). Ready (``/healthz`` 200) while the
-entrypoint answers.
+(public), ``/healthz``, ``/metrics`` and the ``/status`` page on the ops port ``--http-port``
+(keep it private: the metrics carry hashed tenant labels, no key is asked). Ready
+(``/healthz`` 200) while the entrypoint answers.
 """
+
+
+@dataclass(frozen=True)
+class StatusSources:
+    """The ops ports (``host:port``, where their ``/metrics`` is) that ``/status`` reads, each
+    list possibly empty (its panel then says "not configured"), and its tick in seconds."""
+
+    kvstores: tuple[str, ...] = ()
+    balancers: tuple[str, ...] = ()
+    entrypoints: tuple[str, ...] = ()
+    interval: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 0.1 <= self.interval <= 60:
+            raise ValueError(
+                f"--status-interval must lie in [0.1, 60] seconds, got {self.interval}"
+            )
+
+
+def parse_addresses(flag_name: str, value: str) -> tuple[str, ...]:
+    """``host:port,host:port`` → the addresses; ValueError naming the flag for a bad one."""
+    out = []
+    for item in (x.strip() for x in value.split(",")):
+        if not item:
+            continue
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{flag_name} takes host:port entries, comma-separated; got {item!r}")
+        out.append(item)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -44,6 +74,8 @@ class RecipeConfig:
     usage_queue: int = 10000
     # The credential it presents to the entrypoint (the internal APIs' service token).
     service_token: str = field(default="", repr=False)
+    # /status on the ops port (status.py): what it scrapes (ops ports, host:port) and how often.
+    status: StatusSources = StatusSources()
 
     def __post_init__(self) -> None:
         check_port("--port", self.port)
@@ -182,6 +214,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=10000,
         help="usage records waiting to be published before new ones are dropped (counted)",
     )
+    for name, what in (
+        ("kvstore", "capacity, stored bytes, target health, degraded reads"),
+        ("balancer", "which length bucket each prefill instance serves"),
+        ("entrypoint", "retries"),
+    ):
+        flag(
+            p,
+            f"--{name}-ops-address",
+            default="",
+            help=f"/status: ops ports (host:port, comma-separated) of the {name} processes, "
+            f"whose /metrics give {what} ('': not shown)",
+        )
+    flag(
+        p,
+        "--status-interval",
+        type=float,
+        default=2.0,
+        help="/status: seconds between two reads of the counters and the ops ports",
+    )
     common_flags(p, SERVICE)
     add_service_token_flag(p)
     return p
@@ -220,6 +271,12 @@ def config_from(args: argparse.Namespace) -> RecipeConfig:
         event_timeout=args.event_timeout,
         usage_stream=args.usage_stream,
         usage_queue=args.usage_queue,
+        status=StatusSources(
+            kvstores=parse_addresses("--kvstore-ops-address", args.kvstore_ops_address),
+            balancers=parse_addresses("--balancer-ops-address", args.balancer_ops_address),
+            entrypoints=parse_addresses("--entrypoint-ops-address", args.entrypoint_ops_address),
+            interval=args.status_interval,
+        ),
     )
 
 

@@ -2,9 +2,11 @@
 
 Serves OpenAI Chat Completions / Responses and Anthropic Messages and ``/healthz`` on ``--port``
 (public); ``/healthz`` and ``/metrics`` on the ops port ``--http-port``, as every service does
-(``ServiceContext.start_ops``): the public port serves no metrics. Ready (``/healthz`` 200)
-while the entrypoint answers; the ops port's health is the entrypoint check of at most
-``HEALTH_POLL_S`` ago.
+(``ServiceContext.start_ops``), plus the ``/status`` page and ``/status.json``
+(``status_http.py``; fed in the background by ``status_collect.py`` from heartbeats, its own
+counters and the ``--*-ops-address`` ports): the public port serves no metrics. Ready
+(``/healthz`` 200) while the entrypoint answers; the ops port's health is the entrypoint check
+of at most ``HEALTH_POLL_S`` ago.
 
 ``--model`` (what the engines serve) decides the tokenizer and chat encoding; a tokenizer that
 can emit ids beyond the model's vocabulary is refused before any port opens: one line in the
@@ -31,6 +33,9 @@ from .encoding import load_encoder
 from .handlers import Metrics, build_app
 from .pool import EncodePool
 from .server import build_server, run_server, stop_server
+from .status import StatusBoard
+from .status_collect import StatusCollector
+from .status_http import status_routes
 from .usage import UsagePublisher
 
 HEALTH_POLL_S = 1.0
@@ -76,12 +81,25 @@ async def serve(cfg: RecipeConfig, ctx: ServiceContext) -> int:
         service_token=cfg.service_token,
     )
     health = _Health(backend)
-    ops_port = await ctx.start_ops(health)
+    board = StatusBoard(cfg.status.interval)
+    ops_port = await ctx.start_ops(health, status_routes(board))
     ctx.stack.push_async_callback(backend.close)
     ctx.background(health.poll(), "health")
     pool = EncodePool(cfg.app.encode_threads, cfg.app.encode_queue, cfg.app.retry_after_s * 1000)
     ctx.stack.callback(pool.close)
     metrics = Metrics()  # the ops port's registry
+    collector = StatusCollector(
+        board,
+        metrics,
+        svc.nats_url,
+        f"{svc.instance_id}-status",
+        cfg.status.kvstores,
+        cfg.status.balancers,
+        cfg.status.entrypoints,
+        ctx.stop,
+        log,
+    )
+    ctx.background(collector.run(), "status")
     usage = None
     if cfg.usage_stream:
         usage = UsagePublisher(
@@ -110,7 +128,8 @@ async def serve(cfg: RecipeConfig, ctx: ServiceContext) -> int:
     task = asyncio.create_task(run_server(server), name="uvicorn")
     ctx.stack.push_async_callback(stop_server, server, task, svc.drain_seconds, log)
     log.info(
-        "%s serving the OpenAI and Anthropic APIs on %s:%d (ops: /healthz, /metrics on port %d) "
+        "%s serving the OpenAI and Anthropic APIs on %s:%d (ops: /healthz, /metrics, /status "
+        "on port %d) "
         "for model %s via entrypoint %s",
         svc.instance_id,
         svc.host,

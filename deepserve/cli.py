@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -65,6 +66,13 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of a preset's random weights")
+    p.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=int(os.environ.get("DEEPSERVE_SPECULATIVE_TOKENS", "0")),
+        help="the MTP layer drafts up to this many tokens a step, verified losslessly (0: off; "
+        "env DEEPSERVE_SPECULATIVE_TOKENS)",
+    )
     p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
     p.add_argument(
         "--ep",
@@ -98,7 +106,15 @@ def _generate(args: argparse.Namespace) -> int:
         if args.ep > 1 or args.ep_redundant:
             out = _generate_ep(args, prompt, params)
         else:
-            llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.weights_seed)
+            if args.speculative_tokens and (args.ep > 1 or args.ep_redundant):
+                raise ValueError("--speculative-tokens does not run with --ep yet")
+            llm = LLM(
+                args.model,
+                device=args.device,
+                dtype=args.dtype,
+                seed=args.weights_seed,
+                speculative_tokens=args.speculative_tokens,
+            )
             out = llm.generate([prompt], params)[0]
     except (ValueError, InvalidRequest) as exc:
         print(f"deepserve generate: {exc}", file=sys.stderr)
@@ -463,6 +479,13 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--run-dir", default=".run", help="logs, NATS/Redis/kvstore data")
     p.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=int(os.environ.get("DEEPSERVE_SPECULATIVE_TOKENS", "0")),
+        help="speculative decoding on prefill and decode: the MTP layer drafts up to this many "
+        "tokens a step (0: off; the model needs MTP layers, e.g. tiny, v3-slice)",
+    )
+    p.add_argument(
         "--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness"
     )
     p.add_argument(
@@ -506,6 +529,7 @@ def _up(args: argparse.Namespace) -> int:
         restart=not args.no_restart,
         ep=args.ep,
         ep_timeout=args.ep_timeout,
+        speculative_tokens=args.speculative_tokens,
     )
 
 

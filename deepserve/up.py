@@ -933,6 +933,7 @@ def run_up(
     restart: bool = True,
     ep: int = 1,
     ep_timeout: float | None = None,
+    speculative_tokens: int = 0,
 ) -> int:
     """``deepserve up``: start the stack, print its URL, serve until SIGINT/SIGTERM, stop it.
 
@@ -956,6 +957,12 @@ def run_up(
             restart=restart,
             ep=ep,
             ep_timeout=ep_timeout,
+            # Prefill fills the MTP layer's KV that decode drafts from: both get the flag.
+            extra_args={
+                s: ["--speculative-tokens", str(speculative_tokens)] for s in ("prefill", "decode")
+            }
+            if speculative_tokens
+            else None,
         )
     except ValueError as exc:
         print(f"deepserve up: {exc}", file=sys.stderr)

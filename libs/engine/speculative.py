@@ -197,9 +197,11 @@ def greedy_accept(target: Sequence[int], drafts: Sequence[int]) -> list[int]:
 @dataclass
 class SpecStats:
     """Counters since start (the engine's metrics read them): steps that verified drafts,
-    drafts made, drafts verified, drafts accepted, tokens emitted by verifying steps."""
+    requests whose drafts a step verified (one per request and step), drafts made, drafts
+    verified, drafts accepted, tokens emitted by those verifications."""
 
     steps: int = 0
+    verifications: int = 0
     drafted: int = 0
     verified: int = 0
     accepted: int = 0
@@ -311,12 +313,16 @@ class SpecDecoder:
         self.acceptance = AcceptanceModel()
         self.stats = SpecStats()
         self.drafts: dict[str, tuple[list[int], list[float]]] = {}
+        # Per request while it runs (drafted, verified, accepted...; dropped when it ends).
+        self.per_request: dict[str, SpecStats] = {}
         self._shared = torch.Generator(device=runner.device)
         self._shared.seed()
         self._scratch = torch.Generator(device=runner.device)
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str) -> SpecStats | None:
+        """Drop a request's drafts; its counters, if it had any."""
         self.drafts.pop(request_id, None)
+        return self.per_request.pop(request_id, None)
 
     # -- 1. what to verify ----------------------------------------------------------------------
     def add_drafts(self, plan: StepPlan, scheduler: Scheduler) -> StepPlan:
@@ -353,6 +359,7 @@ class SpecDecoder:
             while j and not scheduler._try_allocate(req, 1 + j):
                 j -= 1
             self.stats.drafted += len(drafts)
+            self.per_request.setdefault(seq.request_id, SpecStats()).drafted += len(drafts)
             if not j:
                 continue
             self.drafts[seq.request_id] = (drafts[:j], confs[:j])  # kept for run()'s accounting
@@ -421,7 +428,13 @@ class SpecDecoder:
             assert isinstance(got, list)
             _, confs = self.drafts.pop(s.request_id)
             self.acceptance.observe(confs, len(got) - 1)
+            self.stats.verifications += 1
             self.stats.verified += s.num_drafts
+            mine = self.per_request.setdefault(s.request_id, SpecStats())
+            mine.verifications += 1
+            mine.verified += s.num_drafts
+            mine.accepted += len(got) - 1
+            mine.emitted += len(got)
             self.stats.accepted += len(got) - 1
             self.stats.emitted += len(got)
         if verify:
@@ -446,7 +459,12 @@ class SpecDecoder:
         catch: list[ScheduledSeq] = []
         for seq in plan.seqs:
             req = scheduler.requests.get(seq.request_id)
-            if req is None or req.status is not Status.RUNNING or not req.blocks:
+            # A finished request kept for export (prefill's hand-off) gets its MTP KV too.
+            if (
+                req is None
+                or not req.blocks
+                or (req.status is not Status.RUNNING and not req.hold_kv)
+            ):
                 continue
             c = req.num_computed - seq.start  # positions made final this step
             if c <= 0 or len(req.token_ids) < seq.start + c + 1:
@@ -477,7 +495,9 @@ class SpecDecoder:
         want = [
             s
             for s in catch
-            if self.num_tokens and can_draft(scheduler.requests[s.request_id].params)
+            if self.num_tokens
+            and scheduler.requests[s.request_id].status is Status.RUNNING
+            and can_draft(scheduler.requests[s.request_id].params)
         ]
         if not want:
             return

@@ -44,6 +44,7 @@ from libs.engine.engine import Engine, InvalidRequest, KVInput, PreparedKV
 from libs.engine.eplb import Balance
 from libs.engine.grammar import GrammarError
 from libs.engine.scheduler import TokenEvent
+from libs.engine.speculative import SpecStats
 
 if TYPE_CHECKING:
     from libs.engine.ep.lockstep import Lockstep
@@ -87,6 +88,12 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Speculative decoding (libs/engine/speculative.py SpecStats), since start: requests whose
+    # drafts a step verified (one per request and step), drafts made, verified, accepted.
+    spec_verifications: int = 0
+    spec_drafted: int = 0
+    spec_verified: int = 0
+    spec_accepted: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -128,6 +135,7 @@ def engine_stats(
     """Snapshot of ``engine``'s load; call on the engine thread only."""
     sched = engine.scheduler
     queued = sum(len(r.token_ids) - r.num_computed for r in sched.waiting)
+    spec = engine.speculative.stats if engine.speculative is not None else SpecStats()
     return EngineStats(
         len(sched.running),
         len(sched.waiting),
@@ -141,6 +149,10 @@ def engine_stats(
         sched.num_preemptions,
         engine.prefix_cache_queries,
         engine.prefix_cache_hits,
+        spec.verifications,
+        spec.drafted,
+        spec.verified,
+        spec.accepted,
     )
 
 

@@ -6,9 +6,12 @@ Where each value comes from -- the engine's own state, never an estimate:
 * gauges ``deepserve:num_requests_running`` / ``_waiting`` (the scheduler's queues) and
   ``deepserve:kv_cache_usage_perc`` (blocks not free / all blocks, 0..1), and counters
   ``deepserve:num_preemptions_total``, ``deepserve:prefix_cache_queries_total`` /
-  ``_hits_total`` (prompt tokens looked up in / found in this engine's own prefix cache):
-  read at scrape time from the engine thread's latest :class:`~.engine_loop.EngineStats`
-  snapshot (replaced after every engine iteration);
+  ``_hits_total`` (prompt tokens looked up in / found in this engine's own prefix cache), and
+  with speculative decoding ``deepserve:spec_decode_num_drafts_total`` (requests whose drafts a
+  step verified), ``_num_draft_tokens_total`` (drafts verified), ``_num_accepted_tokens_total``
+  and ``_num_drafted_tokens_total`` (drafts made, verified or not; the confidence schedule
+  skips some): read at scrape time from the engine thread's latest
+  :class:`~.engine_loop.EngineStats` snapshot (replaced after every engine iteration);
 * histograms ``deepserve:engine_step_duration_seconds``, ``deepserve:engine_step_batch_size``
   (requests in the step) and ``deepserve:iteration_tokens_total`` (tokens in the step):
   observed on the engine thread once per step whose results came back (the engine's own
@@ -269,6 +272,30 @@ class _StateCollector(Collector):
                 "prefix_cache_hits",
                 "Prompt tokens found in the engine's prefix cache",
                 s.prefix_cache_hits,
+            ),
+            (
+                CounterMetricFamily,
+                "spec_decode_num_drafts",
+                "Speculative decoding: requests whose drafts a step verified (per request, step)",
+                s.spec_verifications,
+            ),
+            (
+                CounterMetricFamily,
+                "spec_decode_num_draft_tokens",
+                "Speculative decoding: draft tokens verified",
+                s.spec_verified,
+            ),
+            (
+                CounterMetricFamily,
+                "spec_decode_num_accepted_tokens",
+                "Speculative decoding: draft tokens accepted",
+                s.spec_accepted,
+            ),
+            (
+                CounterMetricFamily,
+                "spec_decode_num_drafted_tokens",
+                "Speculative decoding: draft tokens the MTP head made (verified or not)",
+                s.spec_drafted,
             ),
         ):
             m = family(PREFIX + metric, help_, labels=LABELS)

@@ -32,6 +32,11 @@ class ModelFlags:
     # Share of the CUDA device's total memory for weights + KV cache + activations; sets the
     # number of KV blocks (overriding num_kv_blocks). None: num_kv_blocks as given.
     gpu_memory_fraction: float | None = None
+    # Speculative decoding with the model's MTP layer: drafts per request and step (0: off) and
+    # which of them a step verifies. Prefill and decode must agree on whether it is on (the
+    # MTP layer's KV travels in the same blocks).
+    speculative_tokens: int = 0
+    speculative_schedule: str = "confidence"
 
     def __post_init__(self) -> None:
         if self.fake_step_ms < 0 or self.fake_token_us < 0:
@@ -46,6 +51,13 @@ class ModelFlags:
             raise ValueError(f"--experts must be bf16 or fp4, got {self.experts!r}")
         if self.weights not in ("auto", "bf16", "fp8"):
             raise ValueError(f"--weights must be auto, bf16 or fp8, got {self.weights!r}")
+        if self.speculative_tokens < 0:
+            raise ValueError(f"--speculative-tokens must be >= 0, got {self.speculative_tokens}")
+        if self.speculative_schedule not in ("confidence", "all"):
+            raise ValueError(
+                "--speculative-schedule must be confidence or all, "
+                f"got {self.speculative_schedule!r}"
+            )
         if self.gpu_memory_fraction is not None:
             if not 0 < self.gpu_memory_fraction <= 1:
                 raise ValueError(
@@ -80,6 +92,8 @@ class ModelFlags:
             weight_dtype=self.weights,
             gpu_memory_fraction=fraction,
             kv_mac_key=self.kv_mac_key.encode() or None,
+            speculative_tokens=self.speculative_tokens,
+            speculative_schedule=self.speculative_schedule,
         )
         return config
 
@@ -135,6 +149,21 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
     flag(
         parser,
+        "--speculative-tokens",
+        type=int,
+        default=0,
+        help="speculative decoding: the model's MTP layer drafts up to this many tokens per "
+        "request and step, verified losslessly (0: off); prefill and decode must agree on on/off",
+    )
+    flag(
+        parser,
+        "--speculative-schedule",
+        default="confidence",
+        help="which drafts a step verifies: confidence (expected tokens per second of step "
+        "time, calibrated online) or all",
+    )
+    flag(
+        parser,
         "--kv-mac-key",
         default="",
         help="secret that signs the KV frames this engine exports and must sign those it "
@@ -175,4 +204,6 @@ def model_flags_from(args: argparse.Namespace) -> ModelFlags:
         weights=args.weights,
         gpu_memory_fraction=args.gpu_memory_fraction,
         kv_mac_key=args.kv_mac_key,
+        speculative_tokens=args.speculative_tokens,
+        speculative_schedule=args.speculative_schedule,
     )

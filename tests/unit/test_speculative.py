@@ -19,6 +19,7 @@ import torch
 
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig
+from libs.engine.kv.transfer import decode_frame
 from libs.engine.loader import LoadedModel, load
 from libs.engine.model.model import DeepseekForCausalLM
 from libs.engine.presets import PRESETS, init_random_weights
@@ -182,6 +183,27 @@ def test_kv_export_import_then_drafting(tiny_mtp) -> None:
         out += [ev.token_id for ev in dec.step() if ev.token_id is not None]
     assert out == full
     assert dec.speculative.stats.accepted == dec.speculative.stats.verified > 0
+
+
+def test_prefill_hands_over_the_mtp_layers_kv(tiny_mtp) -> None:
+    """The blocks a speculative prefill exports hold the MTP layer's KV of every prompt
+    position, the same bytes an engine that went on decoding computed there; an engine that
+    does not speculate leaves that layer's pages unwritten. (The preset's own MTP head, whose
+    attention reads that KV.)"""
+    p = prompt(48, 11)
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def blocks(eng: Engine, sp: SamplingParams) -> bytes:
+        eng.add_request("r", p, sp, hold_kv=True)
+        while eng.has_unfinished():
+            eng.step()
+        frame = eng.export_kv("r")
+        header, payload = decode_frame(frame)
+        return bytes(payload)[: 3 * header.bytes_per_block]
+
+    handed = blocks(make(tiny_mtp, 3), one)
+    assert handed == blocks(make(tiny_mtp, 3), SamplingParams(max_tokens=6, ignore_eos=True))
+    assert handed != blocks(make(tiny_mtp, 0), one)
 
 
 def _random_config(i: int):

@@ -1,0 +1,98 @@
+"""Speculative decoding through the real prefill -> decode hand-off: both processes run with
+``--speculative-tokens`` (prefill fills the MTP layer's KV it hands over, decode drafts and
+verifies every draft); a client gets the tokens of one engine decoding one token a step, and
+decode's ``/metrics`` count the drafts it verified."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import nats
+import pytest
+
+from deepserve import procs
+from libs.common.sampling import SamplingParams
+from libs.engine.engine import Engine, EngineConfig
+from libs.engine.llm import LLM
+from tests.integration.test_prefill_decode import (
+    DECODE_ID,
+    NUM_KV_BLOCKS,
+    PREFILL_ID,
+    PROMPT,
+    READY_TIMEOUT,
+    Proc,
+    Stack,
+    check_matches,
+    generate,
+    spawn,
+    wait_healthy,
+)
+
+SPEC = ["--speculative-tokens", "3", "--speculative-schedule", "all"]
+
+
+@pytest.fixture(scope="module")
+def spec_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    run_dir = tmp_path_factory.mktemp("speculative")
+    nats_port = procs.free_port()
+    nats_proc = procs.start_nats(nats_port, run_dir / "nats", run_dir / "nats.log")
+    nats_url = f"nats://127.0.0.1:{nats_port}"
+    grpc_port = procs.free_port()
+    started: list[Proc] = []
+    try:
+        decode = spawn(
+            DECODE_ID, "decode", run_dir, nats_url, ["--grpc-port", str(grpc_port), *SPEC]
+        )
+        started.append(decode)
+        prefill = spawn(PREFILL_ID, "prefill", run_dir, nats_url, ["--kvstore-address", "", *SPEC])
+        started.append(prefill)
+        deadline = time.monotonic() + READY_TIMEOUT
+        wait_healthy(decode, deadline)
+        wait_healthy(prefill, deadline)
+        yield Stack(nats_url, f"127.0.0.1:{grpc_port}", prefill, decode)
+    finally:
+        for p in started:
+            procs.stop(p.popen, timeout=30)
+        procs.stop(nats_proc)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_loaded) -> LLM:
+    """One engine in this process, one token a step: what the client must get."""
+    engine = Engine(
+        EngineConfig(model="tiny", block_size=128, num_kv_blocks=NUM_KV_BLOCKS), loaded=tiny_loaded
+    )
+    return LLM("tiny", engine=engine)
+
+
+def _metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
+async def test_speculative_prefill_and_decode_give_the_plain_tokens(
+    spec_stack: Stack, llm: LLM
+) -> None:
+    nc = await nats.connect(spec_stack.nats_url)
+    try:
+        for i, sp in enumerate(
+            [
+                SamplingParams(max_tokens=24),
+                SamplingParams(max_tokens=9, temperature=0.0, stop_token_ids=(1,)),
+            ]
+        ):
+            events = await generate(nc, spec_stack, f"spec-{i}", PROMPT, sp)
+            check_matches(events, llm, PROMPT, sp, spec_stack)
+    finally:
+        await nc.close()
+    port = spec_stack.decode.http_port
+    verified = _metric(port, "deepserve:spec_decode_num_draft_tokens_total")
+    assert verified > 0, spec_stack.logs()
+    assert _metric(port, "deepserve:spec_decode_num_accepted_tokens_total") <= verified

@@ -329,6 +329,14 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     from deepserve.bench import grammar as bench_grammar_mod
 
     bench_grammar_mod.add_arguments(gr)
+    spb = bsub.add_parser(
+        "spec",
+        help="speculative decoding (MTP drafts; verify-all and by confidence) against one token "
+        "a step, per batch size and acceptance level",
+    )
+    from deepserve.bench import spec as bench_spec_mod
+
+    bench_spec_mod.add_arguments(spb)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -360,6 +368,10 @@ def _bench(args: argparse.Namespace) -> int:
         from deepserve.bench.grammar import main as bench_grammar
 
         return bench_grammar(args)
+    if args.what == "spec":
+        from deepserve.bench.spec import main as bench_spec
+
+        return bench_spec(args)
     if args.what == "serve" and args.url:
         return http_load.run(args)
     if args.what == "serve":

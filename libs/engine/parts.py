@@ -189,6 +189,8 @@ def build_parts(
         kv_token_layer_bytes=per_layer,
     )
     graphs = config.cuda_graphs
+    if config.speculative_tokens:
+        graphs = False  # speculative steps run eagerly (libs/engine/speculative.py)
     if runtime is not None and graphs and use_kernels and device.type == "cuda":
         log.info("engine: CUDA graphs off with expert parallelism (exchange sizes vary per step)")
         graphs = False

@@ -313,6 +313,11 @@ class SpecDecoder:
         self.acceptance = AcceptanceModel()
         self.stats = SpecStats()
         self.drafts: dict[str, tuple[list[int], list[float]]] = {}
+        # Drafts made per request and step: K, or with the confidence schedule one more than
+        # the most it verified for a request last time (each draft past the first costs an
+        # MTP pass and a vocabulary projection; a schedule that declines them all then pays
+        # for one draft, not K).
+        self.depth = num_tokens
         # Per request while it runs (drafted, verified, accepted...; dropped when it ends).
         self.per_request: dict[str, SpecStats] = {}
         self._shared = torch.Generator(device=runner.device)
@@ -353,6 +358,8 @@ class SpecDecoder:
         counts = choose_drafts(
             [c[3] for c in cands], [c[4] for c in cands], self.acceptance, seconds, self.schedule
         )
+        if self.schedule == "confidence":
+            self.depth = min(self.num_tokens, max(counts) + 1)
         seqs = list(plan.seqs)
         for (i, seq, drafts, confs, _), j in zip(cands, counts, strict=True):
             req = scheduler.requests[seq.request_id]
@@ -512,14 +519,15 @@ class SpecDecoder:
         confs: list[list[float]] = [[] for _ in want]
         live = list(range(len(want)))
         max_len = scheduler.config.max_model_len
-        for depth in range(self.num_tokens):
-            probs = mtp.head(state).softmax(-1)
-            conf, tok = probs.max(-1)
+        for depth in range(self.depth):
+            logits = mtp.head(state)
+            top, tok = logits.max(-1)
+            conf = (top - logits.logsumexp(-1)).exp()  # the draft's probability
             tok_l, conf_l = tok.tolist(), conf.tolist()
             for j, w in enumerate(live):
                 drafts[w].append(int(tok_l[j]))
                 confs[w].append(float(conf_l[j]))
-            if depth + 1 == self.num_tokens:
+            if depth + 1 == self.depth:
                 break
             # Next depth: the MTP layer at the draft's position, fed its own hidden state.
             nxt: list[ScheduledSeq] = []

@@ -41,6 +41,7 @@ speed-up can be measured without trained weights.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -66,10 +67,14 @@ class AcceptanceModel:
 
     Ten confidence bins, each a Beta posterior over its acceptance rate, whose prior (two
     pseudo-observations) is centred on the bin's own confidence: trust the head until
-    verification says otherwise."""
+    verification says otherwise. :meth:`rate` adds an exploration bonus that shrinks as a bin
+    is observed (``EXPLORE / sqrt(observations)``): without it a bin whose prior is low (a head
+    that is right while unsure of itself, as the test model's nearly flat one) would never be
+    verified, so never learnt."""
 
     BINS = 10
     PRIOR = 2.0
+    EXPLORE = 0.5
 
     def __init__(self) -> None:
         self.accepted = [self.PRIOR * (b + 0.5) / self.BINS for b in range(self.BINS)]
@@ -80,7 +85,7 @@ class AcceptanceModel:
 
     def rate(self, confidence: float) -> float:
         b = self._bin(confidence)
-        return self.accepted[b] / self.seen[b]
+        return min(1.0, self.accepted[b] / self.seen[b] + self.EXPLORE / math.sqrt(self.seen[b]))
 
     def observe(self, confidences: Sequence[float], num_accepted: int) -> None:
         """A verification of these drafts (in order) accepted the first ``num_accepted``."""
@@ -394,12 +399,31 @@ class SpecDecoder:
         ``sample_plain(logits, seqs)`` (the engine's sampler with penalties, masks...)."""
         t0 = time.perf_counter()
         runner, model = self.runner, self.model
-        ids, positions, meta, ordered, _ = runner.prepare(plan)
+        # A verified seq runs as 1 + j decode rows (row i at its own position, attending to the
+        # context up to itself), not as a prompt chunk: the batched decode attention serves
+        # them all in one call, where the prompt path would make one call per sequence.
+        rows_plan: list[ScheduledSeq] = []
+        for s in plan.seqs:
+            if not s.num_drafts:
+                rows_plan.append(s)
+                continue
+            for i in range(s.num_tokens):
+                rows_plan.append(
+                    dataclasses.replace(
+                        s,
+                        start=s.start + i,
+                        num_tokens=1,
+                        token_ids=(s.token_ids[i],),
+                        sample_position=s.start + i + 1,
+                        num_drafts=0,
+                    )
+                )
+        ids, positions, meta, ordered, _ = runner.prepare(StepPlan(tuple(rows_plan)))
         hidden = model(ids, positions, meta, runner.cache.layers)
-        rows: dict[str, int] = {}
+        rows: dict[str, int] = {}  # a request's first row (its rows are contiguous)
         r = 0
         for s in ordered:
-            rows[s.request_id] = r
+            rows.setdefault(s.request_id, r)
             r += s.num_tokens
         plain = [s for s in plan.seqs if s.sample and not s.num_drafts]
         verify = [s for s in plan.seqs if s.num_drafts]

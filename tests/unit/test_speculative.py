@@ -262,19 +262,36 @@ def test_greedy_accept() -> None:
 
 def test_choose_drafts_spends_step_time_on_likely_drafts() -> None:
     model = AcceptanceModel()
+    for _ in range(400):  # verification has seen these bins: their rates are what was observed
+        model.observe([0.95] * 10, 9)  # 9 of 10 accepted
+        model.observe([0.15, 0.15], 1)  # 1 of 2
+        model.observe([0.85] * 7, 6)  # 6 of 7
+    assert 0.9 < model.rate(0.95) < 0.92 and 0.5 < model.rate(0.15) < 0.53
     confs = [[0.95, 0.9, 0.85], [0.15, 0.1, 0.1], [0.9, 0.2, 0.9]]
     limits = [3, 3, 1]
     flat = choose_drafts(confs, limits, model, lambda m: 1.0)  # extra tokens cost nothing
     assert flat == [3, 3, 1]
     assert choose_drafts(confs, limits, model, lambda m: 1.0, "all") == [3, 3, 1]
-    # each draft token adds 10% to the step: the likely drafts pay, the unlikely ones do not
-    assert choose_drafts(confs, limits, model, lambda m: 1.0 + 0.1 * m) == [3, 0, 1]
+    # each draft token adds 20% / 30% to the step: the likely drafts pay, the unlikely do not
+    assert choose_drafts(confs, limits, model, lambda m: 1.0 + 0.2 * m) == [3, 0, 1]
     assert choose_drafts(confs, limits, model, lambda m: 1.0 + 0.3 * m) == [1, 0, 1]
     # observed rejections at high confidence: the model stops trusting those drafts
-    for _ in range(200):
+    for _ in range(4000):
         model.observe([0.95], 0)
-    assert model.rate(0.95) < 0.1
-    assert choose_drafts([[0.95, 0.95]], [2], model, lambda m: 1.0 + 0.1 * m) == [0]
+    assert model.rate(0.95) < 0.5
+    assert choose_drafts([[0.95, 0.95]], [2], model, lambda m: 1.0 + 0.6 * m) == [0]
+
+
+def test_unobserved_confidence_is_explored() -> None:
+    """A head that is right while unsure (confidence 0.01) still gets its drafts verified at
+    first, and once verification has seen them accepted they keep being verified."""
+    model = AcceptanceModel()
+    cost = lambda m: 1.0 + 0.2 * m  # noqa: E731
+    assert choose_drafts([[0.01, 0.01]], [2], model, cost) != [0]
+    for _ in range(50):
+        model.observe([0.01, 0.01], 2)
+    assert model.rate(0.01) > 0.9
+    assert choose_drafts([[0.01, 0.01]], [2], model, cost) == [2]
 
 
 CHI2_CRIT_DF5_P001 = 20.515  # chi-square critical value, 5 degrees of freedom, alpha = 0.001

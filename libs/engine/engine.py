@@ -842,9 +842,13 @@ class Engine:
         self.last_finished_seqs = len(plan.seqs)
         self.finished_steps += 1
         events = self._after_commit(events, lps)
-        for ev in events:
+        for i, ev in enumerate(events):
             if ev.finished:
-                spec.forget(ev.request_id)
+                counts = spec.forget(ev.request_id)
+                if counts is not None:
+                    events[i] = dataclasses.replace(
+                        ev, speculative=(counts.drafted, counts.verified, counts.accepted)
+                    )
         spec.draft(plan, step, self.scheduler)
         return events
 

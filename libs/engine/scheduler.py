@@ -148,6 +148,8 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop", "length" or "abort"
     num_cached_tokens: int = 0  # prompt tokens served from cache (prefix hit or KV import)
     logprobs: TokenLogprob | None = None  # when the request asked (SamplingParams.logprobs)
+    # On a finishing event of a speculatively decoded request: (drafted, verified, accepted).
+    speculative: tuple[int, int, int] | None = None
 
 
 class Scheduler:

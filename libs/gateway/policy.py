@@ -130,6 +130,8 @@ class Chunk:
     cached_tokens: int = 0
     # One per token when the request asked for logprobs (else empty); sliced with token_ids.
     logprobs: tuple[TokenLogprob, ...] = ()
+    # A finishing event's speculative decoding counts (drafted, verified, accepted); () none.
+    speculative: tuple[int, ...] = ()
 
 
 class ReorderOverflow(RuntimeError):
@@ -199,6 +201,7 @@ class TokenReorderBuffer:
             chunk.prompt_tokens,
             chunk.cached_tokens,
             chunk.logprobs[skip:],
+            chunk.speculative,
         )
         self.next_index += len(fresh)
         self.finished = chunk.finished
@@ -223,6 +226,7 @@ class Finish:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    speculative: tuple[int, ...] = ()  # (drafted, verified, accepted) where decode speculated
 
 
 Output = Ready | Tokens | Finish
@@ -269,6 +273,12 @@ class RequestStream:
             if c.finished or self.truncated:
                 self.done = True
                 out.append(
-                    Finish(reason, self.prompt_tokens, self.cached_tokens, self.completion_tokens)
+                    Finish(
+                        reason,
+                        self.prompt_tokens,
+                        self.cached_tokens,
+                        self.completion_tokens,
+                        c.speculative,
+                    )
                 )
         return out

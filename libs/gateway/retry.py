@@ -87,7 +87,9 @@ class Progress:
         if isinstance(out, Tokens):
             self.sent.extend(out.token_ids)
             return out
-        return Finish(out.reason, len(self.prompt), self.cached_tokens, len(self.sent))
+        return Finish(
+            out.reason, len(self.prompt), self.cached_tokens, len(self.sent), out.speculative
+        )
 
 
 class AttemptFailed(InstanceFailed):

@@ -267,6 +267,11 @@ class DecodeHandler:
                     )
                     if ev.logprobs is not None:
                         msg.logprobs.append(ev.logprobs.to_proto())
+                    if ev.speculative is not None:
+                        d, v, a = ev.speculative
+                        msg.speculative.CopyFrom(
+                            control_pb2.SpecCounts(drafted=d, verified=v, accepted=a)
+                        )
                     self.sent.token(rid, ev.token_id, ev.finished, msg.finish_reason, ev.logprobs)
                     await self._send(subject, msg)
                     TOKENS.inc()

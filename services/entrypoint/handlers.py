@@ -478,6 +478,8 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                         async for out in outputs:
                             if isinstance(out, Tokens) and record.ttft_s is None:
                                 record.ttft_s = time.monotonic() - started
+                            if isinstance(out, Finish):
+                                record.speculative = out.speculative
                             yield to_proto(out, rid)
                     return
                 except AttemptFailed as exc:
@@ -798,6 +800,9 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             ev.prompt_tokens,
             ev.cached_tokens,
             tuple(TokenLogprob.from_proto(lp) for lp in ev.logprobs),
+            (ev.speculative.drafted, ev.speculative.verified, ev.speculative.accepted)
+            if ev.HasField("speculative")
+            else (),
         )
 
     def _refill_due(self, refill: _Refill, stream: RequestStream) -> bool:

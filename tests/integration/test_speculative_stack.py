@@ -90,6 +90,10 @@ async def test_speculative_prefill_and_decode_give_the_plain_tokens(
         ):
             events = await generate(nc, spec_stack, f"spec-{i}", PROMPT, sp)
             check_matches(events, llm, PROMPT, sp, spec_stack)
+            # decode's per-request counts ride on the finishing event (the entrypoint logs them)
+            assert events[-1].HasField("speculative")
+            counts = events[-1].speculative
+            assert counts.drafted >= counts.verified >= counts.accepted >= 0
     finally:
         await nc.close()
     port = spec_stack.decode.http_port

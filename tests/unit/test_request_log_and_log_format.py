@@ -14,7 +14,8 @@ import pytest
 
 from libs.common.config import ServiceConfig, common_flags, service_config_from
 from libs.common.logs import JsonFormatter
-from tests.unit.test_entrypoint_handlers import FakeBus, FakeContext, make, req
+from libs.proto.deepserve.v1 import control_pb2
+from tests.unit.test_entrypoint_handlers import FakeBus, FakeContext, greedy_events, make, req
 from tests.unit.test_entrypoint_retry import FULL, FlakyBus
 
 ACME_HASH = hashlib.sha256(b"acme").hexdigest()[:8]
@@ -147,3 +148,23 @@ def test_otlp_endpoint_without_exporter_package_warns(
     (rec,) = [r for r in caplog.records if "OTLP" in r.getMessage()]
     assert rec.levelno == logging.WARNING and name in rec.getMessage()
     assert "opentelemetry-exporter-otlp" in rec.getMessage()
+
+
+async def test_request_line_carries_decodes_speculative_counts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The finishing event's draft counts (decode speculated) reach the request's line."""
+
+    def speculative(task: control_pb2.PrefillTask) -> list[control_pb2.TokenEvent]:
+        evs = greedy_events(task, [7, 8, 9])
+        evs[-1].speculative.CopyFrom(control_pb2.SpecCounts(drafted=9, verified=6, accepted=4))
+        return evs
+
+    with caplog.at_level(logging.INFO, logger="entrypoint"):
+        [ev async for ev in make(FakeBus(speculative)).Generate(req([1, 2]), FakeContext())]
+        [ev async for ev in make(FakeBus()).Generate(req([1, 2]), FakeContext())]
+    spec, plain = request_lines(caplog)
+    f = spec.fields  # type: ignore[attr-defined]
+    assert (f["spec_drafted"], f["spec_verified"], f["spec_accepted"]) == (9, 6, 4)
+    assert spec.getMessage().endswith(" drafted=9 verified=6 accepted=4")
+    assert "spec_verified" not in plain.fields and "drafted=" not in plain.getMessage()  # type: ignore[attr-defined]

@@ -101,9 +101,14 @@ def test_fewer_steps_when_drafts_are_right(tiny_mtp) -> None:
     eng = make(variant(tiny_mtp, 0.0), 4)
     eng.add_request("x", prompt(9), GREEDY)
     steps = 0
+    last = None
     while eng.has_unfinished():
-        eng.step()
+        for ev in eng.step():
+            last = ev
         steps += 1
+    assert last is not None and last.finished
+    stats = eng.speculative.stats
+    assert last.speculative == (stats.drafted, stats.verified, stats.accepted)  # its own counts
     assert steps <= 1 + math.ceil(23 / 5) + 1  # prefill, then 5 tokens a step
     stats = eng.speculative.stats
     assert stats.accepted == stats.verified and stats.emitted >= 20

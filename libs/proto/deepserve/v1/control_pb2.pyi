@@ -126,7 +126,7 @@ class DecodeTask(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[bytes] = ..., events_subject: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ..., traffic_class: _Optional[_Union[_common_pb2.TrafficClass, str]] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("request_id", "index", "token_ids", "finished", "finish_reason", "prompt_tokens", "cached_tokens", "error", "retryable", "logprobs")
+    __slots__ = ("request_id", "index", "token_ids", "finished", "finish_reason", "prompt_tokens", "cached_tokens", "error", "retryable", "logprobs", "speculative")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class TokenEvent(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -147,7 +148,18 @@ class TokenEvent(_message.Message):
     error: str
     retryable: bool
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    speculative: SpecCounts
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., speculative: _Optional[_Union[SpecCounts, _Mapping]] = ...) -> None: ...
+
+class SpecCounts(_message.Message):
+    __slots__ = ("drafted", "verified", "accepted")
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    drafted: int
+    verified: int
+    accepted: int
+    def __init__(self, drafted: _Optional[int] = ..., verified: _Optional[int] = ..., accepted: _Optional[int] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("request_id", "reason")

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..presets import _name_key, init_random_weights
+from .blocks import V4BlockCache, prefill_blocks, restore
 from .config import V4Config
 from .model import V4ForCausalLM, V4State
 
@@ -256,6 +257,7 @@ def _read_state(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
 class V4Output:
     token_ids: tuple[int, ...]
     finish_reason: str
+    cached_tokens: int = 0  # prompt tokens restored from ``cache`` blocks, not computed
 
 
 def generate_v4(
@@ -265,9 +267,13 @@ def generate_v4(
     temperature: float = 0.0,
     seed: int | None = None,
     ignore_eos: bool = False,
+    cache: V4BlockCache | None = None,
+    cache_salt: bytes = b"",
 ) -> V4Output:
     """One prompt to the end: the prompt in one pass, then a token at a time through its
-    :class:`V4State`. Greedy at temperature 0, else sampled (``seed`` makes it repeatable)."""
+    :class:`V4State`. Greedy at temperature 0, else sampled (``seed`` makes it repeatable).
+    With ``cache`` (:mod:`.blocks`): the state of the longest cached prefix is restored, the
+    rest of the prompt computed in block-aligned chunks and its full blocks cached."""
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
     if max(prompt) >= net.cfg.vocab_size or min(prompt) < 0:
@@ -276,8 +282,16 @@ def generate_v4(
     gen = torch.Generator(device=device)
     if seed is not None:
         gen.manual_seed(seed)
-    st = V4State.empty(net.cfg)
-    logits = net(torch.tensor(list(prompt), device=device), st)[-1]
+    cached = 0
+    if cache is None:
+        st = V4State.empty(net.cfg)
+        logits = net(torch.tensor(list(prompt), device=device), st)[-1]
+    else:
+        hits = cache.longest(prompt, cache_salt)
+        start = restore(hits, net) if hits else None
+        cached = start.seen if start is not None else 0
+        st, new, logits = prefill_blocks(net, prompt[cached:], start, cache.block_tokens)
+        cache.put(prompt, new, len(hits), cache_salt)
     out: list[int] = []
     while len(out) < max_tokens:
         if temperature > 0:
@@ -287,7 +301,7 @@ def generate_v4(
             tok = int(logits.argmax())
         out.append(tok)
         if not ignore_eos and tok in net.cfg.eos_token_ids:
-            return V4Output(tuple(out), "stop")
+            return V4Output(tuple(out), "stop", cached)
         if len(out) < max_tokens:
             logits = net(torch.tensor([tok], device=device), st)[-1]
-    return V4Output(tuple(out), "length")
+    return V4Output(tuple(out), "length", cached)

@@ -342,3 +342,30 @@ def test_redis_down_means_unavailable_then_recovers(tmp_path: Path) -> None:
         stop(k.proc)
         stop(redis_proc)
     assert k.proc.returncode == 0
+
+
+def test_v4_state_blocks_round_trip_through_the_kvstore(kv: KVStoreProc) -> None:
+    """DeepSeek-V4's state blocks (libs/engine/v4/blocks.py) as the kvstore's unit: a prompt's
+    blocks put as signed single-block frames, found by Lookup of the chain, got back, restored,
+    and the request continues as a full recompute."""
+    import torch
+
+    from libs.engine.v4.blocks import BLOCK_TOKENS, from_frames, prefill_blocks, restore, to_frames
+    from libs.engine.v4.load import load_v4
+    from libs.engine.v4.model import V4State
+
+    net = load_v4("v4-tiny")
+    key = b"k" * 32
+    ids = prompt(2 * BLOCK_TOKENS + 20, 77)
+    _, blocks, _ = prefill_blocks(net, ids[: 2 * BLOCK_TOKENS])
+    frames = to_frames(blocks, ids, "v4-tiny-seed0", net, key=key)
+    assert put(kv.stub, frames).stored == 2
+    names = [h for h, _, _ in frames]
+    assert lookup(kv.stub, names) == 2
+    got = {b.hash: b.data for b in get(kv.stub, names)}
+    restored = restore(
+        from_frames([got[h] for h in names], ids, "v4-tiny-seed0", net, key=key), net
+    )
+    full = net(torch.tensor(ids), V4State.empty(net.cfg))
+    rest = net(torch.tensor(ids[2 * BLOCK_TOKENS :]), restored)
+    torch.testing.assert_close(rest, full[2 * BLOCK_TOKENS :], rtol=1e-5, atol=1e-5)

@@ -91,3 +91,26 @@ def test_bad_blocks_are_refused_with_a_reason(net: V4ForCausalLM) -> None:
         decode_block(good[:12] + header + good[12 + hlen :], min(n, 9))
     with pytest.raises(V4BlockError, match="not after block"):
         restore([good, good], net)
+
+
+def test_frames_carry_blocks_signed_and_for_their_tokens_only(net: V4ForCausalLM) -> None:
+    from libs.engine.kv.transfer import KVFormatError, KVIntegrityError
+    from libs.engine.v4.blocks import from_frames, to_frames
+
+    ids = _ids(2 * BLOCK_TOKENS, seed=5)
+    _, blocks, _ = prefill_blocks(net, ids)
+    key = b"secret-key-0123456789abcdef"
+    frames = [f for _, _, f in to_frames(blocks, ids, "m", net, key=key)]
+    assert from_frames(frames, ids, "m", net, key=key) == blocks
+    with pytest.raises(KVIntegrityError):
+        from_frames(frames, ids, "m", net, key=b"another key")
+    with pytest.raises(KVIntegrityError):
+        from_frames(
+            frames[:1] + [frames[1][:-1] + bytes([frames[1][-1] ^ 1])], ids, "m", net, key=key
+        )
+    with pytest.raises(KVFormatError, match="chain digest"):
+        from_frames(frames, _ids(2 * BLOCK_TOKENS, seed=6), "m", net, key=key)
+    with pytest.raises(KVFormatError, match="chain digest"):
+        from_frames(frames, ids, "m", net, salt=b"other tenant", key=key)
+    with pytest.raises(KVFormatError, match="model"):
+        from_frames(frames, ids, "another-model", net, key=key)

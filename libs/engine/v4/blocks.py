@@ -20,23 +20,27 @@ against DeepSeek's 140-token replay, which recomputes what this stores).
 
 Blocks are named by the engine's hash chain over the tokens (:func:`chain_hashes`, with the
 request's cache salt), so a prefix cache keyed like the KV cache's finds them
-(:class:`V4BlockCache`). A block is bytes (``encode_block``: a JSON header naming each tensor,
-its dtype, shape and byte range, then the raw bytes; no pickle): whatever reads one checks every
-field (:class:`V4BlockError`).
+(:class:`V4BlockCache`), and travel as the engine's single-block KV frames (:func:`to_frames`,
+:func:`from_frames`: model id, a layout naming the V4 config, the chain digest, the MAC with the
+deployment's KV key), the kvstore's unit. A block is bytes (``encode_block``: a JSON header
+naming each tensor, its dtype, shape and byte range, then the raw bytes; no pickle): whatever
+reads one checks every field (:class:`V4BlockError`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from libs.common.hashchain import chain_hashes
 
+from ..kv.transfer import KVFormatError, KVHeader, decode_frame, encode_frame, verify
 from .model import CompressorState, V4ForCausalLM, V4State
 
 BLOCK_TOKENS = 128
@@ -210,3 +214,68 @@ class V4BlockCache:
                 break
             out.append(data)
         return out
+
+
+def layout_hash(net: V4ForCausalLM) -> str:
+    """Names the state layout (the config's every field): frames of another config are refused."""
+    blob = json.dumps(asdict(net.cfg), sort_keys=True, default=str).encode()
+    return "v4-state-" + hashlib.sha256(blob).hexdigest()[:16]
+
+
+def to_frames(
+    blocks: Sequence[bytes],
+    tokens: Sequence[int],
+    model_id: str,
+    net: V4ForCausalLM,
+    first: int = 0,
+    salt: bytes = b"",
+    key: bytes | None = None,
+    block_tokens: int = BLOCK_TOKENS,
+) -> list[tuple[bytes, bytes, bytes]]:
+    """Blocks ``first ..`` of ``tokens`` as (chain digest, parent digest or b"", single-block KV
+    frame) each: what the kvstore's Put takes, as the engine's ``export_blocks`` gives."""
+    names = chain_hashes(list(tokens[: (first + len(blocks)) * block_tokens]), block_tokens, salt)
+    layout = layout_hash(net)
+    out = []
+    for k, data in enumerate(blocks, start=first):
+        header = KVHeader(
+            model_id,
+            layout,
+            block_tokens,
+            "v4-state",
+            len(data),
+            (k + 1) * block_tokens,
+            k,
+            (names[k].hex(),),
+        )
+        out.append((names[k], names[k - 1] if k else b"", encode_frame(header, data, key)))
+    return out
+
+
+def from_frames(
+    frames: Sequence[bytes],
+    tokens: Sequence[int],
+    model_id: str,
+    net: V4ForCausalLM,
+    salt: bytes = b"",
+    key: bytes | None = None,
+    block_tokens: int = BLOCK_TOKENS,
+) -> list[bytes]:
+    """The blocks in ``frames`` (blocks ``0 ..`` of ``tokens``, in order), each checked: a
+    frame of this model and config, for these tokens (its chain digest), signed with ``key``
+    when one is set. :class:`KVFormatError` (or its ``KVIntegrityError``) says which is not."""
+    names = chain_hashes(list(tokens[: len(frames) * block_tokens]), block_tokens, salt)
+    layout = layout_hash(net)
+    out = []
+    for k, frame in enumerate(frames):
+        header, payload = decode_frame(frame)
+        verify(key, header, payload)
+        if header.model_id != model_id or header.layout_hash != layout:
+            raise KVFormatError(
+                f"V4 block {k} is of model {header.model_id!r} / layout {header.layout_hash}, "
+                f"not {model_id!r} / {layout}"
+            )
+        if k >= len(names) or header.first_block != k or header.chain_hash != names[k].hex():
+            raise KVFormatError(f"V4 block {k} does not belong to these tokens (chain digest)")
+        out.append(bytes(payload))
+    return out

@@ -66,13 +66,7 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of a preset's random weights")
-    p.add_argument(
-        "--speculative-tokens",
-        type=int,
-        default=int(os.environ.get("DEEPSERVE_SPECULATIVE_TOKENS", "0")),
-        help="the MTP layer drafts up to this many tokens a step, verified losslessly (0: off; "
-        "env DEEPSERVE_SPECULATIVE_TOKENS)",
-    )
+    _speculative_flag(p, "the MTP layer drafts up to this many tokens a step, verified losslessly")
     p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
     p.add_argument(
         "--ep",
@@ -82,6 +76,15 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "NCCL), routed experts sharded over them; greedy tokens equal --ep 1's",
     )
     p.add_argument("--ep-redundant", type=int, default=0, help="spare expert slots per EP rank")
+
+
+def _speculative_flag(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=int(os.environ.get("DEEPSERVE_SPECULATIVE_TOKENS", "0")),
+        help=f"{what} (0: off; env DEEPSERVE_SPECULATIVE_TOKENS)",
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -490,12 +493,10 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "on that GPU)",
     )
     p.add_argument("--run-dir", default=".run", help="logs, NATS/Redis/kvstore data")
-    p.add_argument(
-        "--speculative-tokens",
-        type=int,
-        default=int(os.environ.get("DEEPSERVE_SPECULATIVE_TOKENS", "0")),
-        help="speculative decoding on prefill and decode: the MTP layer drafts up to this many "
-        "tokens a step (0: off; the model needs MTP layers, e.g. tiny, v3-slice)",
+    _speculative_flag(
+        p,
+        "speculative decoding on prefill and decode: the MTP layer drafts up to this many "
+        "tokens a step (the model needs MTP layers, e.g. tiny, v3-slice)",
     )
     p.add_argument(
         "--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness"

@@ -9,6 +9,7 @@ The processes start once for the module (two CPU cores: loading the model is mos
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,21 +121,26 @@ def wait_healthy(p: Proc, deadline: float) -> None:
     raise TimeoutError(f"{p.name} not healthy after {READY_TIMEOUT:.0f}s\n{p.tail()}")
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    run_dir = tmp_path_factory.mktemp("prefill_decode")
+@contextlib.contextmanager
+def running_pair(
+    run_dir: Path, extra: Sequence[str] = (), user: str = "", password: str = ""
+) -> Iterator[Stack]:
+    """nats-server (a login when ``user`` is set), then decode and prefill with ``extra`` flags
+    each, until they answer /healthz; stopped when the block ends."""
     nats_port = procs.free_port()
-    # A NATS that wants a password: every service logs in, and none may show it (issue 13).
     nats_proc = procs.start_nats(
-        nats_port, run_dir / "nats", run_dir / "nats.log", user=NATS_USER, password=NATS_PASSWORD
+        nats_port, run_dir / "nats", run_dir / "nats.log", user=user, password=password
     )
-    nats_url = f"nats://{NATS_USER}:{NATS_PASSWORD}@127.0.0.1:{nats_port}"
+    login = f"{user}:{password}@" if user else ""
+    nats_url = f"nats://{login}127.0.0.1:{nats_port}"
     grpc_port = procs.free_port()
     started: list[Proc] = []
     try:
-        decode = spawn(DECODE_ID, "decode", run_dir, nats_url, ["--grpc-port", str(grpc_port)])
+        decode = spawn(
+            DECODE_ID, "decode", run_dir, nats_url, ["--grpc-port", str(grpc_port), *extra]
+        )
         started.append(decode)
-        prefill = spawn(PREFILL_ID, "prefill", run_dir, nats_url, ["--kvstore-address", ""])
+        prefill = spawn(PREFILL_ID, "prefill", run_dir, nats_url, ["--kvstore-address", "", *extra])
         started.append(prefill)
         deadline = time.monotonic() + READY_TIMEOUT
         wait_healthy(decode, deadline)
@@ -144,6 +150,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         for p in started:
             procs.stop(p.popen, timeout=30)
         procs.stop(nats_proc)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    # A NATS that wants a password: every service logs in, and none may show it (issue 13).
+    run_dir = tmp_path_factory.mktemp("prefill_decode")
+    with running_pair(run_dir, user=NATS_USER, password=NATS_PASSWORD) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -5,29 +5,22 @@ decode's ``/metrics`` count the drafts it verified."""
 
 from __future__ import annotations
 
-import time
 import urllib.request
 from collections.abc import Iterator
 
 import nats
 import pytest
 
-from deepserve import procs
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig
 from libs.engine.llm import LLM
 from tests.integration.test_prefill_decode import (
-    DECODE_ID,
     NUM_KV_BLOCKS,
-    PREFILL_ID,
     PROMPT,
-    READY_TIMEOUT,
-    Proc,
     Stack,
     check_matches,
     generate,
-    spawn,
-    wait_healthy,
+    running_pair,
 )
 
 SPEC = ["--speculative-tokens", "3", "--speculative-schedule", "all"]
@@ -35,27 +28,8 @@ SPEC = ["--speculative-tokens", "3", "--speculative-schedule", "all"]
 
 @pytest.fixture(scope="module")
 def spec_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    run_dir = tmp_path_factory.mktemp("speculative")
-    nats_port = procs.free_port()
-    nats_proc = procs.start_nats(nats_port, run_dir / "nats", run_dir / "nats.log")
-    nats_url = f"nats://127.0.0.1:{nats_port}"
-    grpc_port = procs.free_port()
-    started: list[Proc] = []
-    try:
-        decode = spawn(
-            DECODE_ID, "decode", run_dir, nats_url, ["--grpc-port", str(grpc_port), *SPEC]
-        )
-        started.append(decode)
-        prefill = spawn(PREFILL_ID, "prefill", run_dir, nats_url, ["--kvstore-address", "", *SPEC])
-        started.append(prefill)
-        deadline = time.monotonic() + READY_TIMEOUT
-        wait_healthy(decode, deadline)
-        wait_healthy(prefill, deadline)
-        yield Stack(nats_url, f"127.0.0.1:{grpc_port}", prefill, decode)
-    finally:
-        for p in started:
-            procs.stop(p.popen, timeout=30)
-        procs.stop(nats_proc)
+    with running_pair(tmp_path_factory.mktemp("speculative"), SPEC) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from libs.engine.speculative import (
     make_mtp_test_model,
     verify_row,
 )
+from tests.unit.test_engine import prompt, run
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
@@ -54,21 +55,6 @@ def make(loaded: LoadedModel, k: int, **kw: object) -> Engine:
     )
     base.update(kw)
     return Engine(EngineConfig(speculative_tokens=k, **base), loaded=loaded)  # type: ignore[arg-type]
-
-
-def prompt(n: int, salt: int = 0) -> list[int]:
-    return [(i * 7919 + salt * 104729) % 120000 + 3 for i in range(n)]
-
-
-def run(engine: Engine, reqs: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
-    for rid, (p, sp) in reqs.items():
-        engine.add_request(rid, p, sp)
-    out: dict[str, list[int]] = {rid: [] for rid in reqs}
-    while engine.has_unfinished():
-        for ev in engine.step():
-            if ev.token_id is not None:
-                out[ev.request_id].append(ev.token_id)
-    return out
 
 
 REQS = {

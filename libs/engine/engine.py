@@ -805,7 +805,7 @@ class Engine:
             return []
         plan = spec.add_drafts(plan, self.scheduler)
         reqs = self.scheduler.requests
-        lps: dict[str, TokenLogprob] = {}
+        lps: dict[str, list[TokenLogprob]] = {}
 
         def sample_plain(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[int]:
             params, num_generated, histories = self._sampling_inputs(seqs)
@@ -829,7 +829,7 @@ class Engine:
             rows = sampler.last_logprobs
             if rows is not None:
                 unpacked = rows.unpack(rows.values.tolist(), rows.ids.tolist())
-                lps.update({seqs[r].request_id: lp for r, lp in zip(rows.rows, unpacked)})
+                lps.update({seqs[r].request_id: [lp] for r, lp in zip(rows.rows, unpacked)})
             tokens: list[int] = out.tolist()
             return tokens
 
@@ -837,6 +837,7 @@ class Engine:
         step = spec.run(plan, params, sample_plain)
         self.scheduler.advance(plan)
         events = self.scheduler.commit(plan, step.sampled, step.seconds)
+        lps.update(step.logprobs)
         self.last_step_seconds = step.seconds
         self.last_step_tokens = self.last_finished_tokens = plan.num_tokens
         self.last_finished_seqs = len(plan.seqs)
@@ -860,12 +861,13 @@ class Engine:
         self.finished_steps += 1
         events = self.scheduler.commit(launched.plan, sampled, seconds)
         lps = self.runner.logprobs(launched) if launched.logprobs is not None else {}
-        return self._after_commit(events, lps)
+        return self._after_commit(events, {rid: [lp] for rid, lp in lps.items()})
 
     def _after_commit(
-        self, events: list[TokenEvent], lps: dict[str, TokenLogprob]
+        self, events: list[TokenEvent], lps: dict[str, list[TokenLogprob]]
     ) -> list[TokenEvent]:
-        """Constraints advance over the committed tokens; logprobs join their events."""
+        """Constraints advance over the committed tokens; logprobs join their events (a
+        request's in the order of its events: a verified run gives several)."""
         g = self._grammar
         if g is not None:
             for ev in events:
@@ -874,12 +876,15 @@ class Engine:
                 if ev.finished:
                     g.drop(ev.request_id)
         if lps:
-            events = [
-                dataclasses.replace(ev, logprobs=lps[ev.request_id])
-                if ev.token_id is not None and ev.request_id in lps
-                else ev
-                for ev in events
-            ]
+            taken: dict[str, int] = {}
+            for i, ev in enumerate(events):
+                mine = lps.get(ev.request_id)
+                if ev.token_id is None or mine is None:
+                    continue
+                k = taken.get(ev.request_id, 0)
+                taken[ev.request_id] = k + 1
+                if k < len(mine):
+                    events[i] = dataclasses.replace(ev, logprobs=mine[k])
         return events
 
 

@@ -30,8 +30,9 @@ One engine step with ``speculative_tokens = K``:
    :class:`~.cost_model.CostModel` the scheduler calibrates every step); ``"all"`` verifies
    every draft, for comparison.
 
-Requests that use penalties, ``min_tokens``, a constraint or logprobs are decoded one token
-a step (never drafted for); everything else about them is unchanged.
+Requests that use penalties, ``min_tokens`` or a constraint are decoded one token a step (never
+drafted for); everything else about them is unchanged. Logprobs of verified tokens come from
+the target's distribution at their rows, as the sampler reports them.
 
 :func:`make_mtp_test_model` turns a model into one whose MTP head reproduces the main model's
 next-token function exactly (then perturbed to a chosen acceptance), so acceptance and
@@ -49,7 +50,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from libs.common.sampling import SamplingParams
+from libs.common.sampling import SamplingParams, TokenLogprob
 
 from .cost_model import StepShape
 from .model.model import DeepseekForCausalLM, MTPLayer
@@ -141,12 +142,7 @@ def choose_drafts(
 
 def can_draft(params: SamplingParams) -> bool:
     """Whether a request's tokens may be drafted for (see the module doc)."""
-    return not (
-        params.uses_penalties
-        or params.min_tokens
-        or params.constraint is not None
-        or params.logprobs is not None
-    )
+    return not (params.uses_penalties or params.min_tokens or params.constraint is not None)
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -154,6 +150,25 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     top-p, as :class:`~.sampler.Sampler` does. ``logits [V]`` fp32."""
     return _filter(logits / params.temperature, params.top_k, params.top_p, params.min_p).softmax(
         -1
+    )
+
+
+def token_logprob(logits: torch.Tensor, params: SamplingParams, token: int) -> TokenLogprob:
+    """What the sampler reports for ``token`` drawn from this row: its log probability and the
+    top ``params.logprobs`` under the distribution drawn from (a greedy row's at temperature
+    1; else temperature, top-k, min-p and top-p applied)."""
+    row = (
+        logits
+        if params.greedy
+        else _filter(logits / params.temperature, params.top_k, params.top_p, params.min_p)
+    )
+    lp = row.log_softmax(-1)
+    n = int(params.logprobs or 0)
+    top = lp.topk(n) if n else None
+    return TokenLogprob(
+        float(lp[token]),
+        tuple(top.indices.tolist()) if top is not None else (),
+        tuple(top.values.tolist()) if top is not None else (),
     )
 
 
@@ -293,6 +308,8 @@ class SpecStep:
     seconds: float
     hidden: torch.Tensor  # the main model's final hidden states, one row per step token
     rows: dict[str, int] = field(default_factory=dict)  # request -> its first row in hidden
+    # Verified requests that asked for logprobs: one per token they were given, in order.
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 class SpecDecoder:
@@ -431,6 +448,7 @@ class SpecDecoder:
         for s in verify:
             pick.extend(range(rows[s.request_id], rows[s.request_id] + s.num_tokens))
         sampled: dict[str, int | list[int]] = {}
+        lps: dict[str, list[TokenLogprob]] = {}
         if pick:
             index = torch.tensor(pick, dtype=torch.int64).to(hidden.device, non_blocking=True)
             logits = model.logits(hidden[index])
@@ -454,6 +472,13 @@ class SpecDecoder:
                 probs = torch.stack([target_probs(logits[o + i], p) for i in range(s.num_tokens)])
                 gen = seeded_generator(p, self._shared, self._scratch)
                 sampled[s.request_id] = verify_row(probs, s.token_ids[1:], gen, s.sample_position)
+            for s, o in self._offsets(verify, off):
+                p = params[s.request_id]
+                got = sampled[s.request_id]
+                if p.logprobs is not None and isinstance(got, list):
+                    lps[s.request_id] = [
+                        token_logprob(logits[o + i], p, t) for i, t in enumerate(got)
+                    ]
         for s in verify:
             got = sampled[s.request_id]
             assert isinstance(got, list)
@@ -472,7 +497,7 @@ class SpecDecoder:
             self.stats.steps += 1
         if hidden.is_cuda:
             torch.cuda.synchronize(hidden.device)
-        return SpecStep(sampled, time.perf_counter() - t0, hidden, rows)
+        return SpecStep(sampled, time.perf_counter() - t0, hidden, rows, lps)
 
     @staticmethod
     def _offsets(seqs: list[ScheduledSeq], first: int) -> list[tuple[ScheduledSeq, int]]:

@@ -363,3 +363,28 @@ def test_sampled_engine_output_has_the_targets_distribution(tiny_mtp) -> None:
     # Wilson-Hilferty approximation of the chi-square quantile at 1 - 0.001 (z = 3.09)
     crit = df * (1 - 2 / (9 * df) + 3.09 * math.sqrt(2 / (9 * df))) ** 3
     assert stat < crit, (stat, crit, a, b)
+
+
+def test_logprobs_of_verified_tokens_are_the_plain_engines(tiny_mtp) -> None:
+    """A request asking for logprobs is drafted for too; each token's logprob and top-N are
+    what decoding one token a step reports."""
+    loaded = variant(tiny_mtp, 0.0, 0.3)
+    sp = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=3)
+
+    def events(k: int) -> list:
+        eng = make(loaded, k)
+        eng.add_request("x", prompt(30, 9), sp)
+        out = []
+        while eng.has_unfinished():
+            out += [ev for ev in eng.step() if ev.token_id is not None]
+        if k:
+            assert eng.speculative.stats.accepted > 0
+        return out
+
+    plain, spec = events(0), events(3)
+    assert [e.token_id for e in spec] == [e.token_id for e in plain]
+    for a, b in zip(spec, plain, strict=True):
+        assert a.logprobs is not None and b.logprobs is not None
+        assert a.logprobs.top_ids == b.logprobs.top_ids
+        assert a.logprobs.logprob == pytest.approx(b.logprobs.logprob, abs=1e-4)
+        assert a.logprobs.top_logprobs == pytest.approx(b.logprobs.top_logprobs, abs=1e-4)

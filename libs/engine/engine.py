@@ -834,7 +834,12 @@ class Engine:
             return tokens
 
         params = {s.request_id: reqs[s.request_id].params for s in plan.seqs}
-        step = spec.run(plan, params, sample_plain)
+        generated = {
+            s.request_id: s.sample_position - reqs[s.request_id].num_prompt_tokens
+            for s in plan.seqs
+            if s.num_drafts
+        }
+        step = spec.run(plan, params, sample_plain, generated)
         self.scheduler.advance(plan)
         events = self.scheduler.commit(plan, step.sampled, step.seconds)
         lps.update(step.logprobs)

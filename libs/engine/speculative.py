@@ -30,9 +30,11 @@ One engine step with ``speculative_tokens = K``:
    :class:`~.cost_model.CostModel` the scheduler calibrates every step); ``"all"`` verifies
    every draft, for comparison.
 
-Requests that use penalties, ``min_tokens`` or a constraint are decoded one token a step (never
-drafted for); everything else about them is unchanged. Logprobs of verified tokens come from
-the target's distribution at their rows, as the sampler reports them.
+Requests that use penalties or a constraint are decoded one token a step (never drafted for);
+everything else about them is unchanged. ``min_tokens`` holds row by row: a row before the
+request's ``min_tokens``-th output has its stop tokens masked, as the sampler masks them.
+Logprobs of verified tokens come from the target's distribution at their rows, as the sampler
+reports them.
 
 :func:`make_mtp_test_model` turns a model into one whose MTP head reproduces the main model's
 next-token function exactly (then perturbed to a chosen acceptance), so acceptance and
@@ -54,7 +56,7 @@ from libs.common.sampling import SamplingParams, TokenLogprob
 
 from .cost_model import StepShape
 from .model.model import DeepseekForCausalLM, MTPLayer
-from .sampler import _filter, position_seed
+from .sampler import _filter, mask_stops, position_seed
 from .scheduler import ScheduledSeq, Scheduler, Status, StepPlan
 
 if TYPE_CHECKING:
@@ -142,7 +144,7 @@ def choose_drafts(
 
 def can_draft(params: SamplingParams) -> bool:
     """Whether a request's tokens may be drafted for (see the module doc)."""
-    return not (params.uses_penalties or params.min_tokens or params.constraint is not None)
+    return not (params.uses_penalties or params.constraint is not None)
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -410,10 +412,12 @@ class SpecDecoder:
         plan: StepPlan,
         params: dict[str, SamplingParams],
         sample_plain: Callable[[torch.Tensor, list[ScheduledSeq]], list[int]],
+        generated: dict[str, int] | None = None,
     ) -> SpecStep:
         """Run the main model over ``plan``; the sampled tokens: for a seq that verified drafts
         the accepted ones and the next (a list), for any other sampling seq one token, drawn by
-        ``sample_plain(logits, seqs)`` (the engine's sampler with penalties, masks...)."""
+        ``sample_plain(logits, seqs)`` (the engine's sampler with penalties, masks...).
+        ``generated``: output tokens so far per request (needed when one sets min_tokens)."""
         t0 = time.perf_counter()
         runner, model = self.runner, self.model
         # A verified seq runs as 1 + j decode rows (row i at its own position, attending to the
@@ -456,6 +460,7 @@ class SpecDecoder:
                 tokens = sample_plain(logits[: len(plain)], plain)
                 sampled.update({s.request_id: t for s, t in zip(plain, tokens, strict=True)})
             off = len(plain)
+            logits = self._mask_min_tokens(logits, verify, off, params, generated or {})
             greedy_rows = [
                 (s, off0) for s, off0 in self._offsets(verify, off) if params[s.request_id].greedy
             ]
@@ -498,6 +503,32 @@ class SpecDecoder:
         if hidden.is_cuda:
             torch.cuda.synchronize(hidden.device)
         return SpecStep(sampled, time.perf_counter() - t0, hidden, rows, lps)
+
+    def _mask_min_tokens(
+        self,
+        logits: torch.Tensor,
+        verify: list[ScheduledSeq],
+        first: int,
+        params: dict[str, SamplingParams],
+        generated: dict[str, int],
+    ) -> torch.Tensor:
+        """Verification rows of requests short of ``min_tokens`` with their stop tokens masked,
+        row ``i`` counting ``i`` more outputs (the sampler's rule, row by row)."""
+        rows, ps, counts = [], [], []
+        for s, o in self._offsets(verify, first):
+            p = params[s.request_id]
+            if not p.min_tokens:
+                continue
+            base = generated[s.request_id]
+            for i in range(s.num_tokens):
+                rows.append(o + i)
+                ps.append(p)
+                counts.append(base + i)
+        if not rows:
+            return logits
+        index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+        masked = mask_stops(logits[index], ps, counts, self.runner.sampler.eos_token_ids)
+        return logits.index_copy(0, index, masked)
 
     @staticmethod
     def _offsets(seqs: list[ScheduledSeq], first: int) -> list[tuple[ScheduledSeq, int]]:

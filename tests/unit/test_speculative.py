@@ -388,3 +388,18 @@ def test_logprobs_of_verified_tokens_are_the_plain_engines(tiny_mtp) -> None:
         assert a.logprobs.top_ids == b.logprobs.top_ids
         assert a.logprobs.logprob == pytest.approx(b.logprobs.logprob, abs=1e-4)
         assert a.logprobs.top_logprobs == pytest.approx(b.logprobs.top_logprobs, abs=1e-4)
+
+
+def test_min_tokens_holds_in_verified_runs(tiny_mtp) -> None:
+    """A stop token the drafts propose before min_tokens is not taken: the rows short of it
+    have their stop tokens masked, as one token a step's sampler masks them."""
+    loaded = variant(tiny_mtp, 0.0)
+    p = prompt(12, 5)
+    free = run(make(loaded, 0), {"x": (p, GREEDY)})["x"]
+    stop = free[2]
+    sp = SamplingParams(max_tokens=24, stop_token_ids=(stop,), min_tokens=8)
+    want = run(make(loaded, 0), {"x": (p, sp)})["x"]
+    assert stop not in want[:8] and len(want) > 8  # the rule is in force here
+    eng = make(loaded, 4)
+    assert run(eng, {"x": (p, sp)})["x"] == want
+    assert eng.speculative.stats.verified > 0

@@ -839,7 +839,15 @@ class Engine:
             for s in plan.seqs
             if s.num_drafts
         }
-        step = spec.run(plan, params, sample_plain, generated)
+        histories = {
+            s.request_id: (
+                reqs[s.request_id].token_ids[: s.sample_position],
+                reqs[s.request_id].num_prompt_tokens - reqs[s.request_id].num_prior_outputs,
+            )
+            for s in plan.seqs
+            if s.num_drafts and reqs[s.request_id].params.uses_penalties
+        }
+        step = spec.run(plan, params, sample_plain, generated, histories)
         self.scheduler.advance(plan)
         events = self.scheduler.commit(plan, step.sampled, step.seconds)
         lps.update(step.logprobs)

@@ -30,9 +30,9 @@ One engine step with ``speculative_tokens = K``:
    :class:`~.cost_model.CostModel` the scheduler calibrates every step); ``"all"`` verifies
    every draft, for comparison.
 
-Requests that use penalties or a constraint are decoded one token a step (never drafted for);
-everything else about them is unchanged. ``min_tokens`` holds row by row: a row before the
-request's ``min_tokens``-th output has its stop tokens masked, as the sampler masks them.
+Requests under a constraint are decoded one token a step (never drafted for). The sampler's
+other rules hold row by row: a row's penalties count the drafts before it as output, and a row
+before the request's ``min_tokens``-th output has its stop tokens masked.
 Logprobs of verified tokens come from the target's distribution at their rows, as the sampler
 reports them.
 
@@ -56,7 +56,7 @@ from libs.common.sampling import SamplingParams, TokenLogprob
 
 from .cost_model import StepShape
 from .model.model import DeepseekForCausalLM, MTPLayer
-from .sampler import _filter, mask_stops, position_seed
+from .sampler import TokenHistory, _filter, apply_penalties, mask_stops, position_seed
 from .scheduler import ScheduledSeq, Scheduler, Status, StepPlan
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ def choose_drafts(
 
 def can_draft(params: SamplingParams) -> bool:
     """Whether a request's tokens may be drafted for (see the module doc)."""
-    return not (params.uses_penalties or params.constraint is not None)
+    return params.constraint is None
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -214,6 +214,72 @@ def greedy_accept(target: Sequence[int], drafts: Sequence[int]) -> list[int]:
         out.append(int(d))
     out.append(int(target[len(out)]))
     return out
+
+
+def _offsets(seqs: list[ScheduledSeq], first: int) -> list[tuple[ScheduledSeq, int]]:
+    out, o = [], first
+    for s in seqs:
+        out.append((s, o))
+        o += s.num_tokens
+    return out
+
+
+def penalize_rows(
+    logits: torch.Tensor,
+    verify: list[ScheduledSeq],
+    first: int,
+    params: dict[str, SamplingParams],
+    histories: dict[str, tuple[list[int], int]],
+) -> torch.Tensor:
+    """``logits`` (a step's sampled rows; ``verify``'s from row ``first`` on, 1 + drafts each)
+    with the verification rows of requests using a penalty penalized as the sampler does, row
+    ``i``'s history holding the ``i`` drafts before it as output. ``histories``: (prompt +
+    output tokens before the step, prompt length) per such request."""
+    rows: list[int] = []
+    tokens: list[list[int]] = []
+    prompts: list[int] = []
+    row_params = [SamplingParams()] * logits.shape[0]
+    for s, o in _offsets(verify, first):
+        p = params[s.request_id]
+        if not p.uses_penalties:
+            continue
+        base, num_prompt = histories[s.request_id]
+        for i in range(s.num_tokens):
+            rows.append(o + i)
+            tokens.append([*base, *s.token_ids[1 : 1 + i]])
+            prompts.append(num_prompt)
+            row_params[o + i] = p
+    if not rows:
+        return logits
+    history = TokenHistory.build(rows, tokens, prompts, logits.device)
+    return apply_penalties(logits, row_params, history)
+
+
+def mask_min_tokens_rows(
+    logits: torch.Tensor,
+    verify: list[ScheduledSeq],
+    first: int,
+    params: dict[str, SamplingParams],
+    generated: dict[str, int],
+    eos_token_ids: Sequence[int],
+) -> torch.Tensor:
+    """Verification rows of requests short of ``min_tokens`` with their stop tokens masked,
+    row ``i`` counting ``i`` more outputs (the sampler's rule, row by row)."""
+    rows, ps, counts = [], [], []
+    for s, o in _offsets(verify, first):
+        p = params[s.request_id]
+        if not p.min_tokens:
+            continue
+        base = generated[s.request_id]
+        for i in range(s.num_tokens):
+            rows.append(o + i)
+            ps.append(p)
+            counts.append(base + i)
+    if not rows:
+        return logits
+    index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+    masked = mask_stops(logits[index], ps, counts, eos_token_ids)
+    return logits.index_copy(0, index, masked)
 
 
 @dataclass
@@ -413,11 +479,13 @@ class SpecDecoder:
         params: dict[str, SamplingParams],
         sample_plain: Callable[[torch.Tensor, list[ScheduledSeq]], list[int]],
         generated: dict[str, int] | None = None,
+        histories: dict[str, tuple[list[int], int]] | None = None,
     ) -> SpecStep:
         """Run the main model over ``plan``; the sampled tokens: for a seq that verified drafts
         the accepted ones and the next (a list), for any other sampling seq one token, drawn by
         ``sample_plain(logits, seqs)`` (the engine's sampler with penalties, masks...).
-        ``generated``: output tokens so far per request (needed when one sets min_tokens)."""
+        ``generated``: output tokens so far per request (needed when one sets min_tokens);
+        ``histories``: (prompt + output tokens so far, prompt length) of those using a penalty."""
         t0 = time.perf_counter()
         runner, model = self.runner, self.model
         # A verified seq runs as 1 + j decode rows (row i at its own position, attending to the
@@ -460,9 +528,12 @@ class SpecDecoder:
                 tokens = sample_plain(logits[: len(plain)], plain)
                 sampled.update({s.request_id: t for s, t in zip(plain, tokens, strict=True)})
             off = len(plain)
-            logits = self._mask_min_tokens(logits, verify, off, params, generated or {})
+            logits = penalize_rows(logits, verify, off, params, histories or {})
+            logits = mask_min_tokens_rows(
+                logits, verify, off, params, generated or {}, self.runner.sampler.eos_token_ids
+            )
             greedy_rows = [
-                (s, off0) for s, off0 in self._offsets(verify, off) if params[s.request_id].greedy
+                (s, off0) for s, off0 in _offsets(verify, off) if params[s.request_id].greedy
             ]
             if greedy_rows:
                 best = logits.argmax(-1).tolist()
@@ -470,14 +541,14 @@ class SpecDecoder:
                     sampled[s.request_id] = greedy_accept(
                         best[o : o + s.num_tokens], s.token_ids[1:]
                     )
-            for s, o in self._offsets(verify, off):
+            for s, o in _offsets(verify, off):
                 p = params[s.request_id]
                 if p.greedy:
                     continue
                 probs = torch.stack([target_probs(logits[o + i], p) for i in range(s.num_tokens)])
                 gen = seeded_generator(p, self._shared, self._scratch)
                 sampled[s.request_id] = verify_row(probs, s.token_ids[1:], gen, s.sample_position)
-            for s, o in self._offsets(verify, off):
+            for s, o in _offsets(verify, off):
                 p = params[s.request_id]
                 got = sampled[s.request_id]
                 if p.logprobs is not None and isinstance(got, list):
@@ -503,40 +574,6 @@ class SpecDecoder:
         if hidden.is_cuda:
             torch.cuda.synchronize(hidden.device)
         return SpecStep(sampled, time.perf_counter() - t0, hidden, rows, lps)
-
-    def _mask_min_tokens(
-        self,
-        logits: torch.Tensor,
-        verify: list[ScheduledSeq],
-        first: int,
-        params: dict[str, SamplingParams],
-        generated: dict[str, int],
-    ) -> torch.Tensor:
-        """Verification rows of requests short of ``min_tokens`` with their stop tokens masked,
-        row ``i`` counting ``i`` more outputs (the sampler's rule, row by row)."""
-        rows, ps, counts = [], [], []
-        for s, o in self._offsets(verify, first):
-            p = params[s.request_id]
-            if not p.min_tokens:
-                continue
-            base = generated[s.request_id]
-            for i in range(s.num_tokens):
-                rows.append(o + i)
-                ps.append(p)
-                counts.append(base + i)
-        if not rows:
-            return logits
-        index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
-        masked = mask_stops(logits[index], ps, counts, self.runner.sampler.eos_token_ids)
-        return logits.index_copy(0, index, masked)
-
-    @staticmethod
-    def _offsets(seqs: list[ScheduledSeq], first: int) -> list[tuple[ScheduledSeq, int]]:
-        out, o = [], first
-        for s in seqs:
-            out.append((s, o))
-            o += s.num_tokens
-        return out
 
     # -- 3. catch up and draft ------------------------------------------------------------------
     def draft(self, plan: StepPlan, step: SpecStep, scheduler: Scheduler) -> None:

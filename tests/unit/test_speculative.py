@@ -403,3 +403,47 @@ def test_min_tokens_holds_in_verified_runs(tiny_mtp) -> None:
     eng = make(loaded, 4)
     assert run(eng, {"x": (p, sp)})["x"] == want
     assert eng.speculative.stats.verified > 0
+
+
+@pytest.mark.parametrize(
+    "layer_scale,pen",
+    [
+        (None, dict(repetition_penalty=1.3)),  # the preset: outputs repeat, penalties bite
+        (None, dict(frequency_penalty=2.0, presence_penalty=2.0)),
+        (0.0, dict(repetition_penalty=1.3)),  # drafts accepted; prompt tokens penalized
+    ],
+)
+def test_penalized_requests_are_drafted_for_and_decode_the_same(tiny_mtp, layer_scale, pen) -> None:
+    loaded = variant(tiny_mtp, layer_scale)
+    p = prompt(12, 1)
+    free = run(make(loaded, 0), {"x": (p, GREEDY)})["x"]
+    if layer_scale == 0.0:  # the head's next tokens are in the prompt: the penalty bites
+        p = free[3:15] + p
+        free = run(make(loaded, 0), {"x": (p, GREEDY)})["x"]
+    sp = SamplingParams(max_tokens=24, ignore_eos=True, **pen)
+    want = run(make(loaded, 0), {"x": (p, sp)})["x"]
+    assert want != free  # the penalties change the output
+    eng = make(loaded, 4)
+    assert run(eng, {"x": (p, sp)})["x"] == want
+    assert eng.speculative.stats.verified > 0
+
+
+def test_each_verification_row_counts_the_drafts_before_it() -> None:
+    """Row i of a verified run is penalized with the i drafts before it as output (a token
+    drafted at row 0 is repeated at row 1's candidates), as one token a step would have."""
+    from libs.engine.sampler import TokenHistory, apply_penalties
+    from libs.engine.scheduler import ScheduledSeq
+    from libs.engine.speculative import penalize_rows
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=g)
+    sp = SamplingParams(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.2)
+    seq = ScheduledSeq("r", 9, 3, (7, 11, 11), (0,), True, 10, num_drafts=2)
+    base = [1, 2, 3, 4, 5, 6, 7, 8, 9, 7]  # prompt of 6, then 4 outputs
+    got = penalize_rows(logits, [seq], 1, {"r": sp}, {"r": (base, 6)})
+    assert torch.equal(got[0], logits[0])  # row 0 is another request's
+    for i, hist in enumerate([base, base + [11], base + [11, 11]]):
+        one = apply_penalties(
+            logits[1 + i : 2 + i], [sp], TokenHistory.build([0], [hist], [6], "cpu")
+        )
+        assert torch.equal(got[1 + i], one[0]), i

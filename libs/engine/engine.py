@@ -61,7 +61,7 @@ from .scheduler import (
     StepPlan,
     TokenEvent,
 )
-from .speculative import SpecDecoder
+from .speculative import SCHEDULES, SpecDecoder
 
 if TYPE_CHECKING:
     from .ep.group import EPGroup
@@ -186,13 +186,11 @@ class EngineConfig:
             )
         if self.speculative_tokens < 0:
             raise ValueError(f"speculative_tokens must be >= 0, got {self.speculative_tokens}")
-        if self.speculative_schedule not in ("confidence", "all"):
+        if self.speculative_schedule not in SCHEDULES:
             raise ValueError(
-                "speculative_schedule must be 'confidence' or 'all', "
+                f"speculative_schedule must be one of {SCHEDULES}, "
                 f"got {self.speculative_schedule!r}"
             )
-        if self.speculative_tokens and self.eplb is not None:
-            raise ValueError("speculative decoding does not run with expert parallelism yet")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if isinstance(self.eplb, str):
@@ -834,19 +832,15 @@ class Engine:
             return tokens
 
         params = {s.request_id: reqs[s.request_id].params for s in plan.seqs}
-        generated = {
-            s.request_id: s.sample_position - reqs[s.request_id].num_prompt_tokens
-            for s in plan.seqs
-            if s.num_drafts
-        }
-        histories = {
-            s.request_id: (
-                reqs[s.request_id].token_ids[: s.sample_position],
-                reqs[s.request_id].num_prompt_tokens - reqs[s.request_id].num_prior_outputs,
-            )
-            for s in plan.seqs
-            if s.num_drafts and reqs[s.request_id].params.uses_penalties
-        }
+        # The verified seqs' min_tokens counts and penalty histories, by the sampler's rules.
+        verify = [s for s in plan.seqs if s.num_drafts]
+        _, outputs, penalized = self._sampling_inputs(verify)
+        generated = (
+            {}
+            if outputs is None
+            else dict(zip([s.request_id for s in verify], outputs, strict=True))
+        )
+        histories = {verify[r].request_id: (toks, n) for r, toks, n in penalized or []}
         step = spec.run(plan, params, sample_plain, generated, histories)
         self.scheduler.advance(plan)
         events = self.scheduler.commit(plan, step.sampled, step.seconds)

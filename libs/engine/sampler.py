@@ -148,6 +148,15 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) 
     return logits
 
 
+def drawn_logits(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The logits a row's token is drawn from, the ones its logprobs report: a greedy row's
+    as they are (temperature 1), else divided by the temperature and cut by top-k, min-p and
+    top-p (:func:`_filter`). ``row [V]`` fp32, after penalties and masks."""
+    if params.greedy:
+        return row
+    return _filter(row / params.temperature, params.top_k, params.top_p, params.min_p)
+
+
 @dataclass
 class LogprobRows:
     """The logprobs of one sampling call (:attr:`Sampler.last_logprobs`)."""
@@ -234,7 +243,7 @@ class Sampler:
         for i, p in enumerate(params):
             if p.greedy:
                 continue
-            row = _filter(logits[i] / p.temperature, p.top_k, p.top_p, p.min_p)
+            row = drawn_logits(logits[i], p)
             if p.logprobs is not None:
                 dists[i] = row
             probs = row.softmax(-1)

@@ -56,7 +56,7 @@ from libs.common.sampling import SamplingParams, TokenLogprob
 
 from .cost_model import StepShape
 from .model.model import DeepseekForCausalLM, MTPLayer
-from .sampler import TokenHistory, _filter, apply_penalties, mask_stops, position_seed
+from .sampler import TokenHistory, apply_penalties, drawn_logits, mask_stops, position_seed
 from .scheduler import ScheduledSeq, Scheduler, Status, StepPlan
 
 if TYPE_CHECKING:
@@ -147,24 +147,10 @@ def can_draft(params: SamplingParams) -> bool:
     return params.constraint is None
 
 
-def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a non-greedy request samples from: temperature, then top-k, min-p and
-    top-p, as :class:`~.sampler.Sampler` does. ``logits [V]`` fp32."""
-    return _filter(logits / params.temperature, params.top_k, params.top_p, params.min_p).softmax(
-        -1
-    )
-
-
 def token_logprob(logits: torch.Tensor, params: SamplingParams, token: int) -> TokenLogprob:
     """What the sampler reports for ``token`` drawn from this row: its log probability and the
-    top ``params.logprobs`` under the distribution drawn from (a greedy row's at temperature
-    1; else temperature, top-k, min-p and top-p applied)."""
-    row = (
-        logits
-        if params.greedy
-        else _filter(logits / params.temperature, params.top_k, params.top_p, params.min_p)
-    )
-    lp = row.log_softmax(-1)
+    top ``params.logprobs`` under the distribution drawn from (:func:`~.sampler.drawn_logits`)."""
+    lp = drawn_logits(logits, params).log_softmax(-1)
     n = int(params.logprobs or 0)
     top = lp.topk(n) if n else None
     return TokenLogprob(
@@ -294,6 +280,13 @@ class SpecStats:
     verified: int = 0
     accepted: int = 0
     emitted: int = 0
+
+    def count_verification(self, verified: int, emitted: int) -> None:
+        """One request's ``verified`` drafts gave ``emitted`` tokens (accepted ones + 1)."""
+        self.verifications += 1
+        self.verified += verified
+        self.accepted += emitted - 1
+        self.emitted += emitted
 
 
 def seeded_generator(
@@ -440,9 +433,9 @@ class SpecDecoder:
         if not cands:
             return plan
         base = plan.shape
+        ctx = max(c[1].start for c in cands) + 1  # the drafts' tokens, as one more sequence
 
         def seconds(extra: int) -> float:
-            ctx = max(c[1].start for c in cands) + 1
             return scheduler.cost.seconds(base.add(extra, ctx) if extra else base)
 
         counts = choose_drafts(
@@ -545,7 +538,9 @@ class SpecDecoder:
                 p = params[s.request_id]
                 if p.greedy:
                     continue
-                probs = torch.stack([target_probs(logits[o + i], p) for i in range(s.num_tokens)])
+                probs = torch.stack(
+                    [drawn_logits(logits[o + i], p).softmax(-1) for i in range(s.num_tokens)]
+                )
                 gen = seeded_generator(p, self._shared, self._scratch)
                 sampled[s.request_id] = verify_row(probs, s.token_ids[1:], gen, s.sample_position)
             for s, o in _offsets(verify, off):
@@ -560,15 +555,8 @@ class SpecDecoder:
             assert isinstance(got, list)
             _, confs = self.drafts.pop(s.request_id)
             self.acceptance.observe(confs, len(got) - 1)
-            self.stats.verifications += 1
-            self.stats.verified += s.num_drafts
-            mine = self.per_request.setdefault(s.request_id, SpecStats())
-            mine.verifications += 1
-            mine.verified += s.num_drafts
-            mine.accepted += len(got) - 1
-            mine.emitted += len(got)
-            self.stats.accepted += len(got) - 1
-            self.stats.emitted += len(got)
+            for counts in (self.stats, self.per_request.setdefault(s.request_id, SpecStats())):
+                counts.count_verification(s.num_drafts, len(got))
         if verify:
             self.stats.steps += 1
         if hidden.is_cuda:
@@ -625,11 +613,7 @@ class SpecDecoder:
         ]
         if not want:
             return
-        last: dict[str, int] = {}
-        r = 0
-        for s in catch:
-            last[s.request_id] = r + s.num_tokens - 1
-            r += s.num_tokens
+        last = {s.request_id: r + s.num_tokens - 1 for s, r in _offsets(catch, 0)}
         index = torch.tensor([last[s.request_id] for s in want], device=x.device)
         state = x[index]
         drafts: list[list[int]] = [[] for _ in want]

@@ -207,7 +207,6 @@ def _fp8_gemm_kernel(  # type: ignore[no-untyped-def]
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
-    nb = rn // 128
     KB: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     PER_SPLIT: tl.constexpr = (KB + SPLIT_K - 1) // SPLIT_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -243,7 +242,7 @@ def _fp8_gemm_kernel(  # type: ignore[no-untyped-def]
             )
             acc += part * (a_s[:, None] * b_s1)
         else:
-            b_s = tl.load(bs_ptr + nb * stride_bsn + kb, mask=n_ok & in_k, other=0.0)
+            b_s = tl.load(bs_ptr + (rn // 128) * stride_bsn + kb, mask=n_ok & in_k, other=0.0)
             acc += part * (a_s[:, None] * b_s[None, :])
     c = c_ptr + split * stride_cs + rm[:, None] * stride_cm + rn[None, :]
     if SPLIT_K == 1:
@@ -276,9 +275,9 @@ def _fp8_split_reduce(  # type: ignore[no-untyped-def]
     tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=ok)
 
 
-# Programs that keep every SM of an H200 (132) streaming weights for small-M (decode) GEMMs.
-_TARGET_PROGRAMS = 264
+# An H200's SMs; small-M (decode) GEMMs aim at two programs per SM streaming weights.
 _NUM_SMS = 132
+_TARGET_PROGRAMS = 2 * _NUM_SMS
 # Up to this many rows fp8_linear quantizes the activations inside the GEMM (QUANT_A); above
 # it one quantizer launch first. Measured in CUDA graphs on the H200 (scripts/gpu/
 # bench_fp8_gemm.py, V2-Lite's dense shapes): fused wins 0.2-0.6 us at 1 row, loses at 64 rows
@@ -412,7 +411,5 @@ def fp8_linear(
     x2 = x.reshape(-1, x.shape[-1])
     if fuse_quant is None:
         fuse_quant = not _INTERPRET and x2.shape[0] <= FUSE_QUANT_MAX_M
-    if fuse_quant:
-        return fp8_gemm(x2.contiguous(), None, w, x.dtype, bias).view(*lead, -1)
-    xq, xs = quantize_fp8_tokens(x2, kernel=True)
+    xq, xs = (x2, None) if fuse_quant else quantize_fp8_tokens(x2, kernel=True)
     return fp8_gemm(xq.contiguous(), xs, w, x.dtype, bias).view(*lead, -1)

@@ -26,6 +26,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from libs.proto.deepserve.v1 import control_pb2
+from libs.routing.policy import ANY_BUCKET
 
 # The balancer's default --heartbeat-timeout: an instance silent longer is not routed to.
 SILENT_AFTER_S = 3.0
@@ -200,10 +201,10 @@ def bucket_map(balancers: Iterable[Scrape]) -> dict[str, str]:
     for b in balancers:
         for labels, value in (b.samples or {}).get("deepserve:balancer_prefill_bucket", []):
             if value > 0 and labels.get("instance"):
-                seen.setdefault(labels["instance"], set()).add(labels.get("bucket", "any"))
+                seen.setdefault(labels["instance"], set()).add(labels.get("bucket", ANY_BUCKET))
     out = {}
     for iid, names in seen.items():
-        placed = names - {"any"} or names
+        placed = names - {ANY_BUCKET} or names
         out[iid] = "|".join(sorted(placed, key=bucket_sort_key))
     return out
 
@@ -371,7 +372,7 @@ class StatusBoard:
         for inst in self.instances.values():
             bucket = ""
             if inst.role == "prefill":
-                bucket = buckets.get(inst.instance_id, "any" if reached else UNKNOWN_BUCKET)
+                bucket = buckets.get(inst.instance_id, ANY_BUCKET if reached else UNKNOWN_BUCKET)
             age = now - inst.seen
             state = "silent" if age > SILENT_AFTER_S else "draining" if inst.draining else "live"
             kv_use = inst.kv_use

@@ -363,6 +363,7 @@ class EngineLoop:
         def _abort(engine: Engine) -> bool:
             ev = engine.abort(request_id)
             if ev is not None:
+                self.stats = self._snapshot()  # whoever sees the abort sees the load after it
                 self._emit([ev])
             return ev is not None
 
@@ -485,6 +486,7 @@ class EngineLoop:
     def _shutdown(self) -> None:
         sched = self.engine.scheduler
         events = [ev for rid in list(sched.requests) if (ev := self.engine.abort(rid)) is not None]
+        self.stats = engine_stats(self.engine, self._steps, self._rate)
         if events:
             self._emit(events)
         with self._cond:  # commands that raced with close(): refuse them
@@ -493,7 +495,6 @@ class EngineLoop:
         for _, fut in late:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(EngineLoopClosed(f"{self.name} loop stopped"))
-        self.stats = engine_stats(self.engine, self._steps, self._rate)
 
     def _emit(self, events: list[TokenEvent]) -> None:
         self._call_soon(self._deliver, events)

@@ -405,6 +405,7 @@ class Engine:
             raise InvalidRequest(f"stop_token_ids must lie in [0, {vocab})")
 
     def abort(self, request_id: str) -> TokenEvent | None:
+        self.runner.forget(request_id)
         self._unqueried.discard(request_id)
         self._forget_grammar(request_id)
         if self.speculative is not None:
@@ -875,6 +876,9 @@ class Engine:
     ) -> list[TokenEvent]:
         """Constraints advance over the committed tokens; logprobs join their events (a
         request's in the order of its events: a verified run gives several)."""
+        for ev in events:
+            if ev.finished:
+                self.runner.forget(ev.request_id)
         g = self._grammar
         if g is not None:
             for ev in events:

@@ -106,6 +106,10 @@ class StepRunner(Protocol):
         """After ``collect``: the logprobs of the requests that asked, by request id."""
         ...
 
+    def forget(self, request_id: str) -> None:
+        """The request finished or was aborted: drop what the runner keeps for it."""
+        ...
+
 
 @dataclass(frozen=True)
 class EngineParts:
@@ -139,6 +143,16 @@ def build_parts(
     place (a ``loaded`` model given here is this rank's own from then on). CUDA graphs are
     off then: every MoE layer's exchange sizes change from step to step.
     """
+    from .v4.load import is_v4
+
+    if is_v4(config.model):
+        if ep is not None:
+            raise ValueError("DeepSeek-V4 models do not run with expert parallelism yet")
+        if loaded is not None:
+            raise ValueError("a loaded V2/V3 model cannot serve a DeepSeek-V4 name")
+        from .v4.serving import v4_parts
+
+        return v4_parts(config)
     device = torch.device(config.device)
     dtype = config.torch_dtype
     runtime = None

@@ -183,6 +183,9 @@ class ModelRunner:
         out = rows.unpack(vals.tolist(), ids.tolist())
         return {launched.sampling[r].request_id: lp for r, lp in zip(rows.rows, out, strict=True)}
 
+    def forget(self, request_id: str) -> None:
+        """Nothing is kept per request here: its KV lives in the paged cache."""
+
     def _history(
         self,
         sampling: list[ScheduledSeq],

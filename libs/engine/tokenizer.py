@@ -4,10 +4,11 @@
 Torch-free: the recipe (which must not import torch) and the supervisor resolve a model here.
 ``model`` is what the engines get as ``--model``:
 
-* a preset (``tiny``, ``v2-lite``, ``v3-slice``) or ``fake``: random weights, no files; each names
-  the tokenizer it is served with in :data:`PRESET_TOKENIZERS` -- today all of them the bundled
-  DeepSeek tokenizer, rendered by deepseek-recipe's V4 encoding (a unit test holds the table
-  equal to ``PRESETS`` and the fake engine's config);
+* a preset (``tiny``, ``v2-lite``, ``v3-slice``, ``v4-tiny``, ``v4-flash-slice``) or ``fake``:
+  random weights, no files; each names the tokenizer it is served with in
+  :data:`PRESET_TOKENIZERS` -- today all of them the bundled DeepSeek tokenizer, rendered by
+  deepseek-recipe's V4 encoding (a unit test holds the table equal to ``PRESETS``,
+  ``V4_PRESETS`` and the fake engine's config);
 * a checkpoint directory (``config.json`` with ``vocab_size``): its own ``tokenizer.json`` if it
   has one, else the bundled tokenizer. A tokenizer with the bundled one's vocabulary (same
   tokens, same added tokens) is rendered by deepseek-recipe's V4 encoding; any other is served
@@ -66,6 +67,8 @@ PRESET_TOKENIZERS: dict[str, PresetTokenizer] = {
     "tiny": _BUNDLED,
     "v2-lite": _BUNDLED,  # V2-Lite's shapes over the bundled vocabulary (see presets.py)
     "v3-slice": _BUNDLED,
+    "v4-tiny": _BUNDLED,  # the DeepSeek-V4 presets (libs/engine/v4/load.py)
+    "v4-flash-slice": _BUNDLED,
     FAKE_MODEL: _BUNDLED,  # the fake engine hashes into the tiny preset's vocabulary
 }
 

@@ -19,7 +19,6 @@ import hashlib
 import struct
 import time
 from collections.abc import Callable, Sequence
-from typing import NoReturn
 
 import torch
 
@@ -27,8 +26,8 @@ from libs.common.sampling import SamplingParams
 from libs.engine.config import ModelConfig
 from libs.engine.cost_model import CostModel
 from libs.engine.engine import Engine, EngineConfig
+from libs.engine.kv.host import HostBlockStore
 from libs.engine.kv.layout import CacheSpec, PagedEntry
-from libs.engine.kv.peer import PeerUnavailable
 from libs.engine.parts import EngineParts
 from libs.engine.runner import Launched, ModelRunner
 from libs.engine.sampler import LogprobRows
@@ -56,54 +55,6 @@ def fake_completion(prompt: Sequence[int], max_tokens: int, seed: int = 0) -> li
         last = fake_next_token(seed, last, len(prompt) + i)
         out.append(last)
     return out
-
-
-class DictCache:
-    """Stands in for PagedKVCache: block id -> payload bytes (zeros until written)."""
-
-    def __init__(self, bytes_per_block: int) -> None:
-        self.bytes_per_block = bytes_per_block
-        self._blocks: dict[int, bytes] = {}
-
-    def read_blocks(self, blocks: Sequence[int]) -> bytes:
-        zero = bytes(self.bytes_per_block)
-        return b"".join(self._blocks.get(b, zero) for b in blocks)
-
-    def write_blocks(self, blocks: Sequence[int], payload: bytes | memoryview) -> None:
-        bpb = self.bytes_per_block
-        if len(payload) != len(blocks) * bpb:
-            raise ValueError(f"payload is {len(payload)} bytes, expected {len(blocks)} x {bpb}")
-        for i, b in enumerate(blocks):
-            self._blocks[b] = bytes(payload[i * bpb : (i + 1) * bpb])
-
-    # The engine's off-thread halves: here everything is host bytes already.
-    def stage(self, payloads: Sequence[bytes | memoryview]) -> bytes:
-        return b"".join(bytes(p) for p in payloads)
-
-    def write_staged(self, blocks: Sequence[int], staged: bytes, start: int = 0) -> None:
-        bpb = self.bytes_per_block
-        self.write_blocks(blocks, staged[start * bpb : (start + len(blocks)) * bpb])
-
-    def gather_async(self, blocks: Sequence[int]) -> _Ready:
-        return _Ready(self.read_blocks(blocks))
-
-    def share(self) -> None:
-        """A dict of bytes lives in this process only: peers get the KV as bytes."""
-        return None
-
-    def open_peer(self, handle: bytes) -> NoReturn:
-        raise PeerUnavailable("the fake engine cannot map another engine's pool")
-
-    def copy_from_peer(self, src: object, src_blocks: object, dst_blocks: object) -> NoReturn:
-        raise PeerUnavailable("the fake engine cannot map another engine's pool")
-
-
-class _Ready:
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def result(self) -> bytes:
-        return self.data
 
 
 FAKE_CONFIG = ModelConfig(
@@ -176,6 +127,9 @@ class FakeRunner:
 
     logprobs = staticmethod(ModelRunner.logprobs)
 
+    def forget(self, request_id: str) -> None:
+        """Nothing is kept per request."""
+
 
 def fake_parts(
     config: EngineConfig,
@@ -183,14 +137,14 @@ def fake_parts(
     step_seconds: float = STEP_SECONDS,
     token_seconds: float = TOKEN_SECONDS,
 ) -> EngineParts:
-    """A :class:`FakeRunner` and a :class:`DictCache` (4096 blocks unless configured)."""
+    """A :class:`FakeRunner` and a :class:`HostBlockStore` (4096 blocks unless configured)."""
     model_id = f"{FAKE_MODEL}-seed{config.seed}"
     spec = CacheSpec(model_id, config.block_size, (PagedEntry("tokens", 0, (1,), "float32"),))
     return EngineParts(
         model_id,
         FAKE_CONFIG,
         spec,
-        DictCache(spec.bytes_per_block),
+        HostBlockStore(spec.bytes_per_block),
         config.num_kv_blocks or 4096,
         CostModel.for_model(FAKE_CONFIG, 4, 4, 5e10, 1e10),
         FakeRunner(step_seconds, token_seconds),

@@ -120,13 +120,14 @@ def grpc_generate(
     seed: int | None = None,
     request_id: str = "",
     timeout: float = 120.0,
+    model: str = MODEL_NAME,
 ) -> Generation:
     """One ``Generate`` call, its events collected (Ready, then Tokens..., then Finish)."""
     req = generate_pb2.GenerateRequest(
         request_id=request_id,
         prompt_token_ids=list(prompt_ids),
         sampling=sampling(max_tokens, temperature, seed),
-        model=MODEL_NAME,
+        model=model,
     )
     out = Generation(None, [], None)
     for event in stub.Generate(req, timeout=timeout):

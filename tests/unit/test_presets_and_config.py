@@ -99,9 +99,13 @@ def test_tiny_preset_uses_the_bundled_tokenizer_vocabulary() -> None:
 def test_the_torch_free_tokenizer_table_agrees_with_the_presets_and_the_fake_engine() -> None:
     """The recipe and the supervisor read PRESET_TOKENIZERS (no torch); the engines PRESETS."""
     from libs.engine.tokenizer import PRESET_TOKENIZERS, load_tokenizer
+    from libs.engine.v4.config import V4Config
+    from libs.engine.v4.load import V4_PRESETS
+    from libs.engine.v4.serving import engine_view
     from libs.serving.fake_engine import FAKE_CONFIG, FAKE_MODEL
 
-    configs = {**PRESETS, FAKE_MODEL: FAKE_CONFIG}
+    v4 = {name: engine_view(V4Config.from_hf(raw)) for name, raw in V4_PRESETS.items()}
+    configs = {**PRESETS, **v4, FAKE_MODEL: FAKE_CONFIG}
     assert set(PRESET_TOKENIZERS) == set(configs)
     bundled = load_tokenizer()
     for name, cfg in configs.items():

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 from ..config import ModelConfig
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "uint8": 1}
 
 
 def dtype_bytes(dtype: str) -> int:

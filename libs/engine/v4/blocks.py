@@ -133,10 +133,21 @@ def decode_block(
 def restore(blocks: Sequence[bytes], net: V4ForCausalLM) -> V4State:
     """The state after blocks ``0 .. len - 1`` (each ``block_tokens`` long, consecutive):
     their entries in order and the last block's carry. The request continues from there."""
+    return restore_open(blocks, net)[0]
+
+
+def restore_open(
+    blocks: Sequence[bytes], net: V4ForCausalLM
+) -> tuple[V4State, list[dict[str, int]]]:
+    """:func:`restore`, and the entry counts at the last block's start: what
+    :func:`encode_block` takes to write that block again once more tokens went in (the last
+    block may be partial: it ends where its header says)."""
     cfg = net.cfg
     device = next(net.parameters()).device
     state = V4State.empty(cfg)
+    before = _counts(state)
     for k, data in enumerate(blocks):
+        before = _counts(state)
         position, tensors = decode_block(data, cfg.num_hidden_layers, device)
         if k and position <= state.seen:
             raise V4BlockError(f"V4 block {k} ends at {position}, not after block {k - 1}")
@@ -156,7 +167,7 @@ def restore(blocks: Sequence[bytes], net: V4ForCausalLM) -> V4State:
             elif last:
                 setattr(comp, part, t)
         state.seen = position
-    return state
+    return state, before
 
 
 def prefill_blocks(

@@ -1,0 +1,356 @@
+"""DeepSeek-V4 in the batched :class:`~libs.engine.engine.Engine`: its state as the engine's blocks.
+
+The engine's policy is model-blind -- scheduler, block manager, prefix cache, KV frames -- and
+runs on :class:`~libs.engine.parts.EngineParts`. :func:`v4_parts` gives it V4's:
+
+* **Blocks.** An engine block of ``block_size`` tokens holds the V4 state block of
+  :mod:`.blocks` for those tokens (the entries its compressors emitted there and the carry at
+  its end, a self-describing byte string), in a fixed-size slot: a 4-byte length, the block,
+  zeros. :func:`v4_cache_spec` sizes the slot from the config's bound, so the engine's frames,
+  the kvstore and the block accounting treat V4 blocks like MLA pages; its layout hash names
+  the V4 config and dtype, so another model's frames are refused.
+* **Runner.** :class:`V4Runner` keeps each running request's live :class:`~.model.V4State`
+  and feeds it the step's tokens (one request after another: V4's attention is per request),
+  cut at block ends; each block is written to its slot the moment it fills. The block a
+  request is in the middle of is written only when someone reads it (an export, a restore):
+  until then the store marks it live. A request whose state this runner does not hold --
+  a prefix hit, a KV import, a preempted or evicted one -- is restored from its blocks exactly
+  (the last one may be partial: it ends where its header says), so no token is replayed; the
+  state then continues as if computed here. Sampling is the engine's own sampler (every
+  SamplingParams feature, logprobs, constraints).
+
+What the engine knows of the model (vocabulary, stop ids, context limit, widths for the cost
+model) is a :class:`~libs.engine.config.ModelConfig` view of the V4 config
+(:func:`engine_view`). Not here yet: CUDA graphs, expert parallelism, speculative decoding, FP8
+weights and KV, and batching requests into one forward.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..config import ModelConfig
+from ..cost_model import CostModel
+from ..kv.host import HostBlockStore, Ready
+from ..kv.layout import CacheSpec, PagedEntry
+from ..runner import Launched, ModelRunner
+from ..sampler import Sampler
+from ..scheduler import PLACEHOLDER, ScheduledSeq, StepPlan
+from .blocks import MAGIC, V4BlockError, _counts, encode_block, layout_hash, restore_open
+from .config import CSA, HCA, V4Config
+from .load import V4_PRESETS, load_v4
+from .model import V4ForCausalLM, V4State
+
+if TYPE_CHECKING:
+    from ..engine import EngineConfig
+    from ..parts import EngineParts
+
+_LEN = struct.Struct("<I")
+# Header bound per tensor of a block: its name, dtype, shape and byte range as JSON.
+_HEADER_PER_TENSOR = 192
+_HEADER_FIXED = 64
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def slot_bytes_per_layer(cfg: V4Config, layer: int, block_size: int, itemsize: int) -> int:
+    """The most bytes a state block of ``block_size`` tokens holds for ``layer``: the window's
+    rows, per compressor the entries it can emit in a block, its open window and (CSA) the
+    overlap series, and their header entries."""
+    kind = cfg.layer_types[layer]
+    values = tensors = 0
+    if cfg.sliding_window > 1:
+        values += (cfg.sliding_window - 1) * cfg.head_dim
+        tensors += 1
+    comps: list[tuple[int, int, bool]] = []  # (dim, rate, overlap)
+    if kind == CSA:
+        comps = [(cfg.head_dim, cfg.csa_rate, True), (cfg.index_head_dim, cfg.csa_rate, True)]
+    elif kind == HCA:
+        comps = [(cfg.head_dim, cfg.hca_rate, False)]
+    for dim, rate, overlap in comps:
+        width = 2 * dim if overlap else dim
+        values += -(-block_size // rate) * dim  # entries
+        values += 2 * (rate - 1) * width  # the open window's kv and gate rows
+        tensors += 3
+        if overlap:
+            values += 2 * rate * dim
+            tensors += 2
+    return values * itemsize + tensors * _HEADER_PER_TENSOR
+
+
+def v4_cache_spec(cfg: V4Config, model_id: str, block_size: int, dtype: torch.dtype) -> CacheSpec:
+    """One paged byte entry per layer, wide enough for that layer's share of any state block
+    (:func:`slot_bytes_per_layer`); layer 0 also carries the slot's length and the block's
+    magic and fixed header."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    fixed = _LEN.size + len(MAGIC) + 4 + _HEADER_FIXED
+    paged = []
+    for i in range(cfg.num_hidden_layers):
+        n = slot_bytes_per_layer(cfg, i, block_size, itemsize) + (fixed if i == 0 else 0)
+        width = -(-n // block_size)  # bytes per token
+        paged.append(PagedEntry(f"v4_state:{_dtype_name(dtype)}", i, (width,), "uint8"))
+    return CacheSpec(model_id, block_size, tuple(paged))
+
+
+class V4BlockStore(HostBlockStore):
+    """V4 state blocks in fixed slots (module doc). ``live`` blocks are the ones a running
+    request is part-way through: written from its state when read."""
+
+    def __init__(self, bytes_per_block: int) -> None:
+        super().__init__(bytes_per_block)
+        self._live: dict[int, Callable[[], bytes]] = {}
+
+    def put(self, block: int, data: bytes) -> None:
+        """Write one state block into ``block``'s slot."""
+        if _LEN.size + len(data) > self.bytes_per_block:
+            raise V4BlockError(
+                f"a V4 state block of {len(data)} bytes exceeds its {self.bytes_per_block}-byte "
+                "slot (the slot bound is wrong for this config)"
+            )
+        self._live.pop(block, None)
+        pad = self.bytes_per_block - _LEN.size - len(data)
+        self._blocks[block] = _LEN.pack(len(data)) + data + bytes(pad)
+
+    def get(self, block: int) -> bytes:
+        """The state block in ``block``'s slot (written now if live)."""
+        self._settle([block])
+        slot = self._blocks.get(block)
+        n = _LEN.unpack_from(slot)[0] if slot is not None else 0
+        if n == 0 or _LEN.size + n > self.bytes_per_block:
+            raise V4BlockError(f"KV block {block} holds no V4 state")
+        assert slot is not None
+        return slot[_LEN.size : _LEN.size + n]
+
+    def set_live(self, block: int, encode: Callable[[], bytes]) -> None:
+        self._live[block] = encode
+
+    def settle(self, block: int, keep: bool) -> None:
+        """``block`` stops being live: written from its state first if ``keep``."""
+        if keep:
+            self._settle([block])
+        self._live.pop(block, None)
+
+    def _settle(self, blocks: Sequence[int]) -> None:
+        for b in blocks:
+            encode = self._live.get(b)
+            if encode is not None:
+                self.put(b, encode())
+
+    def read_blocks(self, blocks: Sequence[int]) -> bytes:
+        self._settle(blocks)
+        return super().read_blocks(blocks)
+
+    def gather_async(self, blocks: Sequence[int]) -> Ready:
+        return Ready(self.read_blocks(blocks))  # live blocks are written here, on the engine thread
+
+    def write_blocks(self, blocks: Sequence[int], payload: bytes | memoryview) -> None:
+        for b in blocks:
+            self._live.pop(b, None)
+        super().write_blocks(blocks, payload)
+
+
+@dataclass
+class _Running:
+    state: V4State
+    before: list[dict[str, int]]  # entry counts at the start of the block the state is in
+    open_block: int | None = None  # the live block (the state ends inside it)
+
+
+class V4Runner(ModelRunner):
+    """The engine's step runner over a :class:`V4ForCausalLM` (module doc). ``max_states``
+    live states are kept (least recently stepped first out); a request beyond them is
+    restored from its blocks when it steps again."""
+
+    def __init__(
+        self,
+        net: V4ForCausalLM,
+        store: V4BlockStore,
+        sampler: Sampler,
+        block_size: int,
+        max_states: int,
+    ) -> None:
+        # Not ModelRunner.__init__: no paged cache or CUDA graphs; launch, collect and the
+        # sampling (history, placeholders) are ModelRunner's, on this _forward.
+        self.net = net
+        self.store = store
+        self.sampler = sampler
+        self.device = next(net.parameters()).device
+        self.block_size = block_size
+        self.cuda_graphs = False
+        self.max_states = max(1, max_states)
+        self.states: OrderedDict[str, _Running] = OrderedDict()
+
+    def capture_all(self) -> None:
+        """Nothing to capture: every step runs eagerly."""
+
+    def forget(self, request_id: str) -> None:
+        """Drop the request's state; the block it was part-way through is written first (an
+        export of a held request reads it)."""
+        run = self.states.pop(request_id, None)
+        if run is not None and run.open_block is not None:
+            self.store.settle(run.open_block, keep=True)
+
+    def _forward(self, plan: StepPlan, prev: Launched | None) -> torch.Tensor:
+        for rid in plan.preempted:  # its blocks are freed: nothing of it is written
+            run = self.states.pop(rid, None)
+            if run is not None and run.open_block is not None:
+                self.store.settle(run.open_block, keep=False)
+        rows = []
+        for seq in plan.seqs:
+            logits = self._run(self._running(seq), seq, self._token_ids(seq, prev))
+            if seq.sample:
+                rows.append(logits)
+        if not rows:
+            return torch.empty(0, self.net.cfg.vocab_size, device=self.device)
+        return torch.stack(rows)
+
+    @staticmethod
+    def _token_ids(seq: ScheduledSeq, prev: Launched | None) -> list[int]:
+        """The step's tokens, a placeholder (overlap: sampled by the step in flight) read
+        from that step."""
+        ids = list(seq.token_ids)
+        if ids and ids[-1] == PLACEHOLDER:
+            assert prev is not None and prev.tokens is not None, "a placeholder without its step"
+            ids[-1] = int(prev.tokens[prev.index[seq.request_id]])
+        return ids
+
+    def _running(self, seq: ScheduledSeq) -> _Running:
+        """The request's state at ``seq.start``: held, or restored from its blocks."""
+        run = self.states.get(seq.request_id)
+        if run is not None and run.state.seen == seq.start:
+            self.states.move_to_end(seq.request_id)
+            return run
+        if run is not None:  # rewound (a retry of the id): start over from its blocks
+            self.states.pop(seq.request_id)
+            if run.open_block is not None:
+                self.store.settle(run.open_block, keep=False)
+        bs = self.block_size
+        if seq.start == 0:
+            state = V4State.empty(self.net.cfg)
+            before = _counts(state)
+        else:
+            table = seq.block_table[: -(-seq.start // bs)]
+            state, before = restore_open([self.store.get(b) for b in table], self.net)
+            if state.seen != seq.start:
+                raise V4BlockError(
+                    f"request {seq.request_id}: its V4 state blocks end at token {state.seen}, "
+                    f"but the step starts at {seq.start}"
+                )
+        run = _Running(state, before)
+        self.states[seq.request_id] = run
+        while len(self.states) > self.max_states:
+            self.forget(next(iter(self.states)))
+        return run
+
+    def _run(self, run: _Running, seq: ScheduledSeq, ids: list[int]) -> torch.Tensor:
+        """Feed ``ids`` cut at block ends (each filled block written); the last token's logits."""
+        bs, st = self.block_size, run.state
+        logits = torch.empty(0)
+        i = 0
+        while i < len(ids):
+            if st.seen % bs == 0:
+                run.before = _counts(st)
+            chunk = ids[i : i + bs - st.seen % bs]
+            logits = self.net(torch.tensor(chunk, device=self.device), st)[-1]
+            i += len(chunk)
+            if st.seen % bs == 0:
+                self.store.put(seq.block_table[st.seen // bs - 1], encode_block(st, run.before))
+        if run.open_block is not None and st.seen % bs == 0:
+            run.open_block = None  # it filled and was written
+        elif st.seen % bs:
+            block = seq.block_table[(st.seen - 1) // bs]
+            if run.open_block is not None and run.open_block != block:
+                self.store.settle(run.open_block, keep=True)
+            run.open_block = block
+            self.store.set_live(block, lambda: encode_block(run.state, run.before))
+        return logits
+
+
+def engine_view(cfg: V4Config) -> ModelConfig:
+    """What the engine reads of a model, for a V4 config: vocabulary, stop ids, context limit,
+    and the widths its cost model estimates a step from (one shared key/value row of
+    ``head_dim`` per token, as MLA's latent is one)."""
+    return ModelConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.moe_intermediate_size,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        first_k_dense_replace=0,
+        num_attention_heads=cfg.num_attention_heads,
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.head_dim - cfg.qk_rope_head_dim,
+        qk_nope_head_dim=cfg.head_dim - cfg.qk_rope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.head_dim,
+        n_routed_experts=cfg.n_routed_experts,
+        n_shared_experts=cfg.n_shared_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=cfg.max_position_embeddings,
+        eos_token_ids=cfg.eos_token_ids,
+        bos_token_id=0,
+    )
+
+
+def v4_parts(
+    config: EngineConfig, net: V4ForCausalLM | None = None, model_id: str = ""
+) -> EngineParts:
+    """Load the V4 model ``config`` names and build the engine's parts for it (module doc).
+    Or take ``net``, a model built elsewhere, whose weights ``model_id`` names (KV frames of
+    another model id are refused)."""
+    from ..loader import _checkpoint_digest
+    from ..parts import EngineParts, _nominal_rates
+
+    refused = [
+        what
+        for what, on in (
+            ("speculative decoding", config.speculative_tokens > 0),
+            ("FP8 weights", config.weight_dtype == "fp8"),
+            ("FP4 experts", config.expert_dtype == "fp4"),
+            ("a KV cache dtype", config.kv_cache_dtype is not None),
+        )
+        if on
+    ]
+    if refused:
+        raise ValueError(f"DeepSeek-V4 models are served without {', '.join(refused)} for now")
+    device = torch.device(config.device)
+    dtype = config.torch_dtype
+    if net is not None:
+        if not model_id:
+            raise ValueError("a V4 model passed in needs the model_id that names its weights")
+        device, dtype = next(net.parameters()).device, next(net.parameters()).dtype
+    elif config.model in V4_PRESETS:
+        net = load_v4(config.model, device, dtype, config.seed)
+        model_id = f"{config.model}-seed{config.seed}@{layout_hash(net)}"
+    else:
+        net = load_v4(config.model, device, dtype, config.seed)
+        path = Path(config.model)
+        model_id = f"{path.name}@{_checkpoint_digest(path)}"
+    cfg = net.cfg
+    spec = v4_cache_spec(cfg, model_id, config.block_size, dtype)
+    budget = config.kv_cache_bytes or 1 << 30  # host bytes, taken only by blocks written
+    num_blocks = config.num_kv_blocks or max(1, budget // spec.bytes_per_block)
+    store = V4BlockStore(spec.bytes_per_block)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    view = engine_view(cfg)
+    cost = CostModel.for_model(
+        view,
+        itemsize,
+        itemsize,
+        *_nominal_rates(device),
+        kv_token_layer_bytes=cfg.head_dim * itemsize,
+    )
+    sampler = Sampler(device, config.sampler_seed, cfg.eos_token_ids)
+    runner = V4Runner(net, store, sampler, config.block_size, config.max_running)
+    return EngineParts(model_id, view, spec, store, num_blocks, cost, runner, device)

@@ -1,0 +1,100 @@
+"""DeepSeek-V4 through every service: ``deepserve up --model v4-tiny`` (its Stack) serves chat
+completions with the V4 chat encoding; prefill hands decode the request's V4 state (the
+last block part-way through) and the tokens equal one process generating alone; a long
+prompt repeated after the prefill instance was killed -- its own cache gone -- is restored
+from the kvstore's blocks and continues the same."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import openai
+import pytest
+
+from deepserve.up import Stack
+from libs.engine.v4.load import generate_v4, load_v4
+
+from .conftest import READY_TIMEOUT, AuthorizedStub, dump_logs, grpc_generate
+
+pytestmark = pytest.mark.timeout(600)
+MODEL_NAME = "deepseek-v4-tiny"
+LONG_TEXT = " ".join(f"w{i}" for i in range(400))  # > 2 full 128-token blocks
+
+
+@pytest.fixture(scope="module")
+def v4_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(
+        tmp_path_factory.mktemp("v4-stack"),
+        model="v4-tiny",
+        model_name=MODEL_NAME,
+        ready_timeout=READY_TIMEOUT,
+        drain_seconds=5.0,
+        env=dict(os.environ),
+        restart=True,
+    )
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+
+
+def _metric(stack: Stack, service: str, name: str) -> float:
+    child = next(c for c in stack.children if c.service == service)
+    port = child.argv[child.argv.index("--http-port") + 1]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_prompt_ids_through_prefill_and_decode_equal_one_process(v4_stack: Stack) -> None:
+    prompt = [(i * 7919) % 128000 + 3 for i in range(150)]  # one full block and a part
+    channel = grpc.insecure_channel(v4_stack.grpc_address)
+    try:
+        stub = AuthorizedStub(channel, v4_stack.call_metadata)
+        out = grpc_generate(stub, prompt, 10, model=MODEL_NAME)
+    finally:
+        channel.close()
+    want = generate_v4(load_v4("v4-tiny"), prompt, 10).token_ids
+    n = len(out.token_ids)
+    assert out.token_ids == list(want[:n]) and (n == 10 or want[n - 1] == 1), dump_logs(v4_stack)
+
+
+def test_a_repeated_long_prompt_is_restored_from_the_kvstore(v4_stack: Stack) -> None:
+    client = openai.OpenAI(base_url=v4_stack.api_url, api_key="local", max_retries=0, timeout=120)
+
+    def chat() -> tuple[str, int]:
+        out = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": LONG_TEXT}],
+            max_tokens=6,
+            temperature=0,
+        )
+        assert out.usage is not None and out.usage.prompt_tokens > 256
+        details = out.usage.prompt_tokens_details
+        return out.choices[0].message.content or "", (details.cached_tokens or 0) if details else 0
+
+    first, cached = chat()
+    assert cached == 0
+    deadline = time.monotonic() + 30  # the prefill writes its blocks behind the hand-over
+    while _metric(v4_stack, "prefill", "deepserve_prefill_kvstore_blocks_put_total") < 2:
+        assert time.monotonic() < deadline, dump_logs(v4_stack)
+        time.sleep(0.3)
+    prefill = next(c for c in v4_stack.children if c.service == "prefill")
+    os.kill(prefill.pid, signal.SIGKILL)  # its own prefix cache goes with it
+    deadline = time.monotonic() + READY_TIMEOUT
+    while not (prefill.restarts and prefill.healthy):
+        assert time.monotonic() < deadline, dump_logs(v4_stack)
+        v4_stack.supervise()
+        time.sleep(0.3)
+    again, cached = chat()
+    assert cached >= 256, dump_logs(v4_stack)
+    assert _metric(v4_stack, "prefill", "deepserve_prefill_kvstore_blocks_loaded_total") >= 2
+    assert again == first

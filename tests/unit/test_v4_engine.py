@@ -1,0 +1,171 @@
+"""DeepSeek-V4 in the batched engine (libs/engine/v4/serving.py): several requests at once,
+prompts chunked across steps and blocks, greedy output equal to one request alone through
+its own state (generate_v4); prefix hits, KV hand-off to another engine, preemption and
+eviction restore the state from its blocks and change nothing; another model's KV is refused.
+On random configs whose windows and compression rates differ, with block sizes the rates do
+and do not divide."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from libs.common.sampling import SamplingParams
+from libs.engine.engine import Engine, EngineConfig
+from libs.engine.kv.transfer import KVFormatError
+from libs.engine.v4 import serving
+from libs.engine.v4.blocks import restore_open
+from libs.engine.v4.config import V4Config
+from libs.engine.v4.load import generate_v4
+from libs.engine.v4.model import V4ForCausalLM
+from libs.engine.v4.serving import V4Runner, v4_parts
+from tests.hf_reference import V4_CONFIGS, build_hf_v4
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=list(V4_CONFIGS))
+def net(request: pytest.FixtureRequest) -> V4ForCausalLM:
+    hf = build_hf_v4(request.param)
+    ours = V4ForCausalLM(V4Config.from_hf(hf.config.to_dict()))
+    ours.load_hf_state(hf.state_dict())
+    return ours
+
+
+def engine(net: V4ForCausalLM, model_id: str = "net-a", **kw) -> Engine:
+    config = EngineConfig(model="v4", **{"block_size": 16, "max_tokens_per_step": 48, **kw})
+    return Engine(config, parts=v4_parts(config, net, model_id))
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(eng: Engine, reqs: dict[str, list[int]], params: SamplingParams = GREEDY, **kw):
+    for rid, prompt in reqs.items():
+        eng.add_request(rid, prompt, params, **kw)
+    out: dict[str, list[int]] = {rid: [] for rid in reqs}
+    cached: dict[str, int] = {}
+    while eng.has_unfinished():
+        for ev in eng.step():
+            if ev.token_id is not None:
+                out[ev.request_id].append(ev.token_id)
+            if ev.finished:
+                cached[ev.request_id] = ev.num_cached_tokens
+    return out, cached
+
+
+def alone(net: V4ForCausalLM, prompt: Sequence[int], n: int = 12) -> list[int]:
+    return list(generate_v4(net, prompt, n, ignore_eos=True).token_ids)
+
+
+@pytest.mark.parametrize("block_size", [16, 20])
+def test_batched_requests_equal_each_request_alone(net: V4ForCausalLM, block_size: int) -> None:
+    prompts = {f"r{k}": ids(n, k) for k, n in enumerate((3, 17, 45, 70))}
+    out, _ = run(engine(net, block_size=block_size), prompts)
+    for rid, p in prompts.items():
+        assert out[rid] == alone(net, p), rid
+
+
+def test_a_repeated_prompt_hits_the_prefix_cache_and_continues_the_same(
+    net: V4ForCausalLM,
+) -> None:
+    eng = engine(net)
+    p = ids(50, 7)
+    first, c1 = run(eng, {"a": p})
+    again, c2 = run(eng, {"b": p + [9]})  # shares 3 full blocks of 16
+    assert c1["a"] == 0 and c2["b"] == 48
+    assert first["a"] == alone(net, p)
+    assert again["b"] == alone(net, p + [9])
+    runner = eng.runner
+    assert isinstance(runner, V4Runner) and not runner.states  # finished: nothing held
+
+
+def test_prefill_hands_its_state_to_another_engine(net: V4ForCausalLM) -> None:
+    """The disaggregated path: prefill computes the prompt and samples one token, exports
+    the state (the last block part-way through), decode imports it and goes on."""
+    p = ids(37, 3)
+    pre, dec = engine(net), engine(net)
+    first, _ = run(pre, {"r": p}, SamplingParams(max_tokens=1, ignore_eos=True), hold_kv=True)
+    frame = pre.export_kv("r", include_partial=True, release=True)
+    rest, cached = run(
+        dec,
+        {"r": p + first["r"]},
+        SamplingParams(max_tokens=11, ignore_eos=True),
+        kv=frame,
+        prior_outputs=1,
+    )
+    assert cached["r"] == len(p)  # nothing recomputed
+    assert first["r"] + rest["r"] == alone(net, p)
+
+
+def test_full_blocks_travel_as_kvstore_frames(net: V4ForCausalLM) -> None:
+    p = ids(40, 5)
+    src, dst = engine(net), engine(net)
+    run(src, {"r": p}, SamplingParams(max_tokens=1, ignore_eos=True), hold_kv=True)
+    blocks = src.export_blocks("r")
+    assert len(blocks) == 2  # the full blocks of 40 tokens
+    out, cached = run(dst, {"r": p}, kv=[f for _, _, f in blocks])
+    assert cached["r"] == 32
+    assert out["r"] == alone(net, p)
+
+
+def test_preempted_and_evicted_requests_are_restored_from_their_blocks(
+    net: V4ForCausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    restores: list[int] = []
+
+    def counted(blocks, model):
+        restores.append(len(blocks))
+        return restore_open(blocks, model)
+
+    monkeypatch.setattr(serving, "restore_open", counted)
+    # 12 blocks of 16 for 4 requests of up to 4 blocks each: some get preempted.
+    prompts = {f"r{k}": ids(n, 20 + k) for k, n in enumerate((30, 33, 41, 20))}
+    eng = engine(net, num_kv_blocks=12)
+    preempted: list[str] = []
+    schedule = eng.scheduler.schedule
+
+    def watched():
+        plan = schedule()
+        preempted.extend(plan.preempted)
+        return plan
+
+    monkeypatch.setattr(eng.scheduler, "schedule", watched)
+    out, _ = run(eng, prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+    assert preempted
+    for rid, p in prompts.items():
+        assert out[rid] == alone(net, p, 20), rid
+    restores.clear()
+    small = engine(net)
+    runner = small.runner
+    assert isinstance(runner, V4Runner)
+    runner.max_states = 1  # one live state: the others restored from their blocks each step
+    out, _ = run(small, prompts)
+    assert restores and max(restores) >= 2  # mid-request, from several blocks
+    for rid, p in prompts.items():
+        assert out[rid] == alone(net, p), rid
+
+
+def test_another_models_state_is_refused(net: V4ForCausalLM) -> None:
+    p = ids(20, 1)
+    src = engine(net, model_id="net-a")
+    run(src, {"r": p}, SamplingParams(max_tokens=1, ignore_eos=True), hold_kv=True)
+    frame = src.export_kv("r", include_partial=True)
+    with pytest.raises(KVFormatError):
+        engine(net, model_id="net-b").add_request("r", p + [5], GREEDY, kv=frame)
+
+
+def test_features_the_v4_engine_does_not_have_are_refused_by_name(net: V4ForCausalLM) -> None:
+    config = EngineConfig(model="v4", speculative_tokens=2, weight_dtype="fp8")
+    with pytest.raises(ValueError, match="speculative decoding, FP8 weights"):
+        v4_parts(config, net, "net-a")
+
+
+def test_the_preset_serves_by_name() -> None:
+    eng = Engine(EngineConfig(model="v4-tiny", block_size=16))
+    out, _ = run(eng, {"r": ids(20, 2)}, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out["r"]) == 3
+    assert eng.model_id.startswith("v4-tiny-seed0@")

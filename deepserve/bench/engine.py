@@ -310,6 +310,15 @@ def bench_quality(args: argparse.Namespace, opts: dict[str, Any]) -> dict[str, A
     return result
 
 
+def _served_model(engine: Engine) -> torch.nn.Module:
+    """The model behind the engine: its loaded V2/V3 model, or the V4 runner's."""
+    from libs.engine.v4.serving import V4Runner
+
+    if isinstance(engine.runner, V4Runner):
+        return engine.runner.net
+    return engine.model
+
+
 # -- the transformers peer -------------------------------------------------------------------------
 def bench_transformers(
     model: torch.nn.Module, batches: list[int], context: int, steps: int, device: torch.device
@@ -400,7 +409,7 @@ def main(args: argparse.Namespace) -> int:
             **opts,
         )
     )
-    dtype = engine.model.dtype
+    dtype = next(_served_model(engine).parameters()).dtype
     limits = measure_limits(device, dtype)
     vocab = engine.model_config.vocab_size
     prefill = [bench_prefill(engine, n, limits, vocab) for n in prefill_sizes]
@@ -435,7 +444,7 @@ def main(args: argparse.Namespace) -> int:
         engine.cache = None  # type: ignore[assignment]  # the engine is done: free its KV for the peer
         free_memory(device)
         peer, peer_info = bench_transformers(
-            engine.model, peer_batches, context, peer_steps, device
+            _served_model(engine), peer_batches, context, peer_steps, device
         )
         if weights_quantized and peer:
             peer_info["weights"] = "unquantized (bf16) engine weights of the same preset seed"

@@ -143,12 +143,18 @@ def build_hf_peer(
     attn_implementation: str | None = None,
     experts_implementation: str | None = None,
 ) -> Any:
-    """The transformers model of our ``DeepseekForCausalLM`` ``model``, sharing its weights.
+    """The transformers model of our ``DeepseekForCausalLM`` ``model`` (or a DeepSeek-V4
+    ``V4ForCausalLM``: :func:`build_hf_v4_peer`), sharing its weights.
 
     ``attn_implementation`` / ``experts_implementation``: None for transformers' defaults
     (sdpa, grouped_mm where available); "eager" for the reference loops.
     """
     import transformers
+
+    from libs.engine.v4.model import V4ForCausalLM
+
+    if isinstance(model, V4ForCausalLM):
+        return build_hf_v4_peer(model, attn_implementation)
 
     cfg: ModelConfig = model.cfg  # type: ignore[assignment]
     kw = hf_config_kwargs(cfg)
@@ -175,6 +181,43 @@ def build_hf_peer(
     # Rotary tables are non-persistent buffers: compute them on the CPU from the config, then move.
     rotary = hf.model.rotary_emb
     hf.model.rotary_emb = type(rotary)(config=hf_cfg).to(device)
+    left = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"tensors still on the meta device after sharing weights: {left[:8]}")
+    hf.requires_grad_(False)
+    hf.eval()
+    hf.generation_config.eos_token_id = None  # benchmark decodes run to their length
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+def build_hf_v4_peer(model: Any, attn_implementation: str | None = None) -> Any:
+    """transformers' ``DeepseekV4ForCausalLM`` over our V4 model's tensors: the same names
+    (ours follow transformers'), assigned as in :func:`build_hf_peer`; every rotary module is
+    built anew from the config it was read from (``model.hf_config``)."""
+    import transformers
+
+    if model.hf_config is None:
+        raise ValueError("this V4 model does not know the transformers config it came from")
+    kw = dict(model.hf_config)
+    if attn_implementation is not None:
+        kw["attn_implementation"] = attn_implementation
+    hf_cfg = transformers.DeepseekV4Config(**kw)
+    hf_cfg.dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    model_cls: Any = transformers.DeepseekV4ForCausalLM
+    with torch.device("meta"):
+        hf = model_cls(hf_cfg)
+    ours = dict(model.state_dict(keep_vars=True))
+    missing = [n for n in hf.state_dict() if n not in ours]
+    if missing:
+        raise RuntimeError(f"transformers' V4 has tensors ours lacks: {missing[:8]}")
+    hf.load_state_dict({n: ours[n].detach() for n in hf.state_dict()}, strict=True, assign=True)
+    for name, module in list(hf.named_modules()):
+        if name.endswith("rotary_emb"):
+            parent, _, attr = name.rpartition(".")
+            owner = hf.get_submodule(parent) if parent else hf
+            setattr(owner, attr, type(module)(config=hf_cfg).to(device))
     left = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"tensors still on the meta device after sharing weights: {left[:8]}")

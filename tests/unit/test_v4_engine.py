@@ -169,3 +169,30 @@ def test_the_preset_serves_by_name() -> None:
     out, _ = run(eng, {"r": ids(20, 2)}, SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(out["r"]) == 3
     assert eng.model_id.startswith("v4-tiny-seed0@")
+
+
+def test_the_cost_model_counts_the_flops_a_forward_does() -> None:
+    """Decode: within 3% of what torch's FLOP counter sees the model do. A prompt chunk: at
+    most that (the reference computes masked pairs a kernel skips; the model counts the work
+    that matters, as MFU does)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from libs.engine.cost_model import StepShape
+    from libs.engine.v4.cost import v4_cost_model
+    from libs.engine.v4.load import load_v4
+    from libs.engine.v4.model import V4State
+
+    model = load_v4("v4-tiny")
+    cost = v4_cost_model(model, 1e11, 1e10)
+    for before, q in [(0, 1), (40, 1), (700, 1), (0, 64), (300, 37)]:
+        state = V4State.empty(model.cfg)
+        if before:
+            model.forward_batch([torch.tensor(ids(before, 1))], [state])
+        with FlopCounterMode(display=False) as counter:
+            model.forward_batch([torch.tensor(ids(q, 2))], [state])
+        counted = counter.get_total_flops()
+        estimate = cost.flops(StepShape(((q, before + q),)))
+        if q == 1:
+            assert estimate == pytest.approx(counted, rel=0.03), before
+        else:
+            assert 0.5 * counted < estimate <= counted, (before, q)

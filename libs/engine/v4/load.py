@@ -106,6 +106,7 @@ def load_v4(
     device = torch.device(device)
     if model in V4_PRESETS:
         net = _build(V4Config.from_hf(V4_PRESETS[model]), device, dtype)
+        net.hf_config = dict(V4_PRESETS[model])
         _init_preset(net, seed)
         return net.eval()
     path = Path(model)
@@ -113,7 +114,9 @@ def load_v4(
         raise ValueError(
             f"{model!r} is neither a V4 preset ({', '.join(V4_PRESETS)}) nor a V4 checkpoint"
         )
-    net = _build(V4Config.from_hf(json.loads((path / "config.json").read_text())), device, dtype)
+    raw = json.loads((path / "config.json").read_text())
+    net = _build(V4Config.from_hf(raw), device, dtype)
+    net.hf_config = raw
     net.load_hf_state(_read_state(path, device))
     return net.eval()
 

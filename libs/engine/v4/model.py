@@ -21,7 +21,9 @@ there, and only there, the two can pick differently).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -131,9 +133,11 @@ class Compressor(nn.Module):
         self.position_bias = _param(rate, width)
         self.kv_norm = RMSNorm(dim, eps)
 
-    def step(self, x: torch.Tensor, st: CompressorState, rotary: V4Rotary) -> torch.Tensor:
-        """Feed ``x [S, hidden]``; returns every entry so far ``[T, dim]``."""
-        kv, gate = self.kv_proj(x), self.gate_proj(x)
+    def absorb(
+        self, kv: torch.Tensor, gate: torch.Tensor, st: CompressorState, rotary: V4Rotary
+    ) -> torch.Tensor:
+        """Feed one sequence's next tokens, as their ``kv_proj`` and ``gate_proj`` rows (a
+        batch's computed together); returns every entry so far ``[T, dim]``."""
         first = st.count * self.rate
         if st.buf_kv is not None and st.buf_kv.shape[0]:
             assert st.buf_gate is not None
@@ -143,7 +147,7 @@ class Compressor(nn.Module):
         n = usable // self.rate
         if n == 0:
             if st.entries is None:
-                st.entries = x.new_zeros(0, self.dim)
+                st.entries = kv.new_zeros(0, self.dim)
             return st.entries
         ckv = kv[:usable].view(n, self.rate, -1)
         cgate = gate[:usable].view(n, self.rate, -1) + self.position_bias
@@ -159,7 +163,7 @@ class Compressor(nn.Module):
             ckv, cgate = pkv, pgate
         weights = cgate.softmax(dim=1, dtype=torch.float32).to(ckv.dtype)
         pooled = self.kv_norm((ckv * weights).sum(dim=1))
-        pos = torch.arange(n, device=x.device) * self.rate + first
+        pos = torch.arange(n, device=kv.device) * self.rate + first
         cos, sin = rotary.cos_sin(pos, pooled.dtype)
         pooled = V4Rotary.apply(pooled, cos, sin)
         st.entries = pooled if st.entries is None else torch.cat([st.entries, pooled])
@@ -183,28 +187,29 @@ class Indexer(Compressor):
         self.q_b_proj = _linear(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
         self.scorer = Scorer(cfg)
 
-    def select(
-        self,
-        x: torch.Tensor,
-        q_res: torch.Tensor,
-        positions: torch.Tensor,
-        st: CompressorState,
-        rotary: V4Rotary,
-    ) -> torch.Tensor:
-        """The chosen entries per query ``[S, k]`` (``-1``: none; not yet closed)."""
-        keys = self.step(x, st, rotary)
+    def queries(
+        self, x: torch.Tensor, q_res: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token: the rotated indexer queries ``[S, heads, dim]`` and head weights
+        ``[S, heads]`` (fp32)."""
         s = x.shape[0]
-        cos, sin = rotary.cos_sin(positions, x.dtype)
         q = V4Rotary.apply(self.q_b_proj(q_res).view(s, self.heads, self.dim), cos, sin)
+        return q, self.scorer.weights_proj(x).float() * self.heads**-0.5
+
+    def pick(
+        self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The chosen entries per query ``[S, k]`` (``-1``: none; not yet closed) among one
+        request's indexer ``keys``."""
+        s = q.shape[0]
         scores = F.relu(torch.einsum("shd,td->sht", q.float(), keys.float())) * self.dim**-0.5
-        w = self.scorer.weights_proj(x).float() * self.heads**-0.5
         scores = (scores * w[..., None]).sum(dim=1)  # [S, T]
         t = keys.shape[0]
         k = min(self.topk, t)
         if t == 0:
-            return torch.full((s, 0), -1, dtype=torch.long, device=x.device)
+            return torch.full((s, 0), -1, dtype=torch.long, device=q.device)
         closed = (positions + 1) // self.rate  # entries a query may see
-        future = torch.arange(t, device=x.device)[None, :] >= closed[:, None]
+        future = torch.arange(t, device=q.device)[None, :] >= closed[:, None]
         # Stable sort, not topk: exactly tied scores (ReLU zeros) go to the lower entry, so the
         # pick does not depend on how many entries the row holds (chunking, replay).
         masked = scores.masked_fill(future, float("-inf"))
@@ -263,40 +268,75 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        st: LayerState,
+        spans: Sequence[tuple[int, int, torch.Tensor]],
+        states: Sequence[LayerState],
         rotary: dict[str, V4Rotary],
     ) -> torch.Tensor:
+        """``x [T, hidden]``: the rows of every sequence in ``spans`` (first row, rows,
+        positions), each attending over its own state in ``states``. Projections run over all
+        rows at once; the attention itself per sequence."""
         cfg = self.cfg
-        s, h, d, w = x.shape[0], cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+        t, h, d = x.shape[0], cfg.num_attention_heads, cfg.head_dim
         rot = rotary["main" if self.kind == SLIDING else "compress"]
+        positions = spans[0][2] if len(spans) == 1 else torch.cat([p for _, _, p in spans])
         cos, sin = rot.cos_sin(positions, x.dtype)
         q_res = self.q_a_norm(self.q_a_proj(x))
-        q = _unweighted_rms(self.q_b_proj(q_res).view(s, h, d), cfg.rms_norm_eps)
+        q = _unweighted_rms(self.q_b_proj(q_res).view(t, h, d), cfg.rms_norm_eps)
         q = V4Rotary.apply(q, cos, sin)
-        kv = V4Rotary.apply(self.kv_norm(self.kv_proj(x)), cos, sin)  # [S, D]
+        kv = V4Rotary.apply(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, D]
+        comp = self.compressor
+        proj: list[torch.Tensor] = []
+        if comp is not None:
+            proj = [comp.kv_proj(x), comp.gate_proj(x)]
+            if isinstance(comp, CSACompressor):
+                ind = comp.indexer
+                proj += [ind.kv_proj(x), ind.gate_proj(x), *ind.queries(x, q_res, cos, sin)]
+        ctx = [
+            self._attend(q[o : o + n], kv[o : o + n], [p[o : o + n] for p in proj], pos, st, rot)
+            for (o, n, pos), st in zip(spans, states, strict=True)
+        ]
+        out = ctx[0] if len(ctx) == 1 else torch.cat(ctx)
+        out = V4Rotary.apply(out, cos, -sin)  # K = V carried RoPE: undo it at the query
+        grouped = self.o_a_proj(out.reshape(t, cfg.o_groups, -1)).flatten(1)
+        result: torch.Tensor = self.o_b_proj(grouped)
+        return result
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        proj: list[torch.Tensor],
+        positions: torch.Tensor,
+        st: LayerState,
+        rot: V4Rotary,
+    ) -> torch.Tensor:
+        """One sequence's attention output ``[S, heads, head_dim]`` (still rotated) over its
+        window and compressed entries; its state advanced past these rows."""
+        cfg = self.cfg
+        s, h, d, w = q.shape[0], cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
         past = st.window if st.window is not None else kv.new_zeros(0, d)
         keys = torch.cat([past, kv])
         st.window = keys[-(w - 1) :] if w > 1 else keys[:0]
-        key_pos = torch.arange(keys.shape[0], device=x.device) + positions[0] - past.shape[0]
+        key_pos = torch.arange(keys.shape[0], device=q.device) + positions[0] - past.shape[0]
         rel = positions[:, None] - key_pos[None, :]
-        bias = torch.zeros(s, keys.shape[0], dtype=torch.float32, device=x.device)
+        bias = torch.zeros(s, keys.shape[0], dtype=torch.float32, device=q.device)
         bias = bias.masked_fill((rel < 0) | (rel >= w), float("-inf"))
-        if self.compressor is not None:
-            comp = self.compressor
+        comp = self.compressor
+        if comp is not None:
             cst = st.compressors.setdefault("compressor", CompressorState())
-            entries = comp.step(x, cst, rot)
+            entries = comp.absorb(proj[0], proj[1], cst, rot)
             t = entries.shape[0]
             if isinstance(comp, CSACompressor):
                 ist = st.compressors.setdefault("indexer", CompressorState())
-                picked = comp.indexer.select(x, q_res, positions, ist, rot)
-                eb = torch.full((s, t + 1), float("-inf"), device=x.device)
+                index_keys = comp.indexer.absorb(proj[2], proj[3], ist, rot)
+                picked = comp.indexer.pick(proj[4], proj[5], index_keys, positions)
+                eb = torch.full((s, t + 1), float("-inf"), device=q.device)
                 eb.scatter_(1, torch.where(picked >= 0, picked, t), 0.0)
                 eb = eb[:, :t]
             else:
                 closed = (positions + 1) // comp.rate
-                future = torch.arange(t, device=x.device)[None, :] >= closed[:, None]
-                eb = torch.zeros(s, t, device=x.device).masked_fill(future, float("-inf"))
+                future = torch.arange(t, device=q.device)[None, :] >= closed[:, None]
+                eb = torch.zeros(s, t, device=q.device).masked_fill(future, float("-inf"))
             keys = torch.cat([keys, entries])
             bias = torch.cat([bias, eb], dim=1)
         logits = torch.einsum("shd,kd->hsk", q, keys) * d**-0.5 + bias.to(q.dtype)
@@ -304,10 +344,7 @@ class Attention(nn.Module):
         both = torch.cat([logits, sink], dim=-1)
         both = both - both.max(dim=-1, keepdim=True).values
         probs = F.softmax(both, dim=-1)[..., :-1].to(keys.dtype)
-        ctx = torch.einsum("hsk,kd->shd", probs, keys)
-        ctx = V4Rotary.apply(ctx, cos, -sin)  # K = V carried RoPE: undo it at the query
-        grouped = self.o_a_proj(ctx.reshape(s, cfg.o_groups, -1)).flatten(1)
-        out: torch.Tensor = self.o_b_proj(grouped)
+        out: torch.Tensor = torch.einsum("hsk,kd->shd", probs, keys)
         return out
 
 
@@ -473,12 +510,14 @@ class DecoderLayer(nn.Module):
         self,
         streams: torch.Tensor,
         ids: torch.Tensor,
-        positions: torch.Tensor,
-        st: LayerState,
+        spans: Sequence[tuple[int, int, torch.Tensor]],
+        states: Sequence[LayerState],
         rotary: dict[str, V4Rotary],
     ) -> torch.Tensor:
+        """``spans``: (first row, rows, positions) of each sequence in the batch, whose
+        layer state is the same index of ``states``; everything but attention is per token."""
         post, comb, x = self.attn_hc(streams)
-        y = self.self_attn(self.input_layernorm(x), positions, st, rotary)
+        y = self.self_attn(self.input_layernorm(x), spans, states, rotary)
         streams = HyperConnection.expand(post, comb, y, streams)
         post, comb, x = self.ffn_hc(streams)
         y = self.mlp(self.post_attention_layernorm(x), ids)
@@ -501,6 +540,7 @@ class V4ForCausalLM(nn.Module):
     def __init__(self, cfg: V4Config) -> None:
         super().__init__()
         self.cfg = cfg
+        self.hf_config: dict[str, Any] | None = None  # the config.json it was read from, if known
         self.model = Backbone(cfg)
         self.lm_head = _linear(cfg.vocab_size, cfg.hidden_size)
         r = cfg.qk_rope_head_dim
@@ -513,13 +553,30 @@ class V4ForCausalLM(nn.Module):
     def forward(self, ids: torch.Tensor, state: V4State) -> torch.Tensor:
         """Logits ``[S, vocab]`` (fp32) of the chunk ``ids [S]`` that follows ``state.seen``
         tokens; ``state`` is advanced past it."""
-        s = ids.shape[0]
-        positions = torch.arange(state.seen, state.seen + s, device=ids.device)
+        return self.forward_batch([ids], [state], last_only=False)
+
+    @torch.inference_mode()
+    def forward_batch(
+        self, chunks: Sequence[torch.Tensor], states: Sequence[V4State], last_only: bool = True
+    ) -> torch.Tensor:
+        """Several sequences in one pass: ``chunks[i]`` follows ``states[i].seen`` tokens and
+        advances that state. Logits (fp32) of each chunk's last token ``[len(chunks), vocab]``,
+        or of every token (``last_only=False``: ``[sum of lengths, vocab]``)."""
+        ids = chunks[0] if len(chunks) == 1 else torch.cat(list(chunks))
+        spans: list[tuple[int, int, torch.Tensor]] = []
+        o = 0
+        for c, st in zip(chunks, states, strict=True):
+            n = c.shape[0]
+            spans.append((o, n, torch.arange(st.seen, st.seen + n, device=ids.device)))
+            o += n
         x = self.model.embed_tokens(ids)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        for layer, st in zip(self.model.layers, state.layers, strict=True):
-            streams = layer(streams, ids, positions, st, self.rotary)
-        state.seen += s
+        for i, layer in enumerate(self.model.layers):
+            streams = layer(streams, ids, spans, [st.layers[i] for st in states], self.rotary)
+        for (_, n, _), st in zip(spans, states, strict=True):
+            st.seen += n
+        if last_only:
+            streams = streams[[o + n - 1 for o, n, _ in spans]]
         hidden = self.model.norm(self.model.hc_head(streams))
         logits: torch.Tensor = self.lm_head(hidden)
         return logits.float()

@@ -10,19 +10,20 @@ runs on :class:`~libs.engine.parts.EngineParts`. :func:`v4_parts` gives it V4's:
   the kvstore and the block accounting treat V4 blocks like MLA pages; its layout hash names
   the V4 config and dtype, so another model's frames are refused.
 * **Runner.** :class:`V4Runner` keeps each running request's live :class:`~.model.V4State`
-  and feeds it the step's tokens (one request after another: V4's attention is per request),
-  cut at block ends; each block is written to its slot the moment it fills. The block a
-  request is in the middle of is written only when someone reads it (an export, a restore):
-  until then the store marks it live. A request whose state this runner does not hold --
-  a prefix hit, a KV import, a preempted or evicted one -- is restored from its blocks exactly
-  (the last one may be partial: it ends where its header says), so no token is replayed; the
-  state then continues as if computed here. Sampling is the engine's own sampler (every
-  SamplingParams feature, logprobs, constraints).
+  and feeds it the step's tokens cut at block ends; each block is written to its slot the
+  moment it fills. The block a request is in the middle of is written only when someone
+  reads it (an export, a restore): until then the store marks it live. A request whose state
+  this runner does not hold -- a prefix hit, a KV import, a preempted or evicted one -- is
+  restored from its blocks exactly (the last one may be partial: it ends where its header
+  says), so no token is replayed; the state then continues as if computed here. A step is
+  one forward per round over the requests (everything but attention batched; attention per
+  request over its own state), a round reaching each request's next block end. Sampling is
+  the engine's own sampler (every SamplingParams feature, logprobs, constraints).
 
-What the engine knows of the model (vocabulary, stop ids, context limit, widths for the cost
-model) is a :class:`~libs.engine.config.ModelConfig` view of the V4 config
-(:func:`engine_view`). Not here yet: CUDA graphs, expert parallelism, speculative decoding, FP8
-weights and KV, and batching requests into one forward.
+What the engine knows of the model (vocabulary, stop ids, context limit) is a
+:class:`~libs.engine.config.ModelConfig` view of the V4 config (:func:`engine_view`); its step
+cost is V4's own (:mod:`.cost`). Not here yet: CUDA graphs, Triton kernels, expert parallelism,
+speculative decoding, FP8 weights and KV.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import ModelConfig
-from ..cost_model import CostModel
 from ..kv.host import HostBlockStore, Ready
 from ..kv.layout import CacheSpec, PagedEntry
 from ..runner import Launched, ModelRunner
@@ -45,6 +45,7 @@ from ..sampler import Sampler
 from ..scheduler import PLACEHOLDER, ScheduledSeq, StepPlan
 from .blocks import MAGIC, V4BlockError, _counts, encode_block, layout_hash, restore_open
 from .config import CSA, HCA, V4Config
+from .cost import v4_cost_model
 from .load import V4_PRESETS, load_v4
 from .model import V4ForCausalLM, V4State
 
@@ -165,6 +166,15 @@ class _Running:
     open_block: int | None = None  # the live block (the state ends inside it)
 
 
+@dataclass
+class _Work:
+    run: _Running
+    seq: ScheduledSeq
+    ids: list[int]  # this step's tokens
+    done: int = 0  # of them fed so far
+    logits: torch.Tensor | None = None  # of the last one, once fed
+
+
 class V4Runner(ModelRunner):
     """The engine's step runner over a :class:`V4ForCausalLM` (module doc). ``max_states``
     live states are kept (least recently stepped first out); a request beyond them is
@@ -204,11 +214,13 @@ class V4Runner(ModelRunner):
             run = self.states.pop(rid, None)
             if run is not None and run.open_block is not None:
                 self.store.settle(run.open_block, keep=False)
+        work = [_Work(self._running(s), s, self._token_ids(s, prev)) for s in plan.seqs]
+        self._run(work)
         rows = []
-        for seq in plan.seqs:
-            logits = self._run(self._running(seq), seq, self._token_ids(seq, prev))
-            if seq.sample:
-                rows.append(logits)
+        for w in work:
+            if w.seq.sample:
+                assert w.logits is not None, "a sampling seq with no tokens this step"
+                rows.append(w.logits)
         if not rows:
             return torch.empty(0, self.net.cfg.vocab_size, device=self.device)
         return torch.stack(rows)
@@ -251,34 +263,50 @@ class V4Runner(ModelRunner):
             self.forget(next(iter(self.states)))
         return run
 
-    def _run(self, run: _Running, seq: ScheduledSeq, ids: list[int]) -> torch.Tensor:
-        """Feed ``ids`` cut at block ends (each filled block written); the last token's logits."""
-        bs, st = self.block_size, run.state
-        logits = torch.empty(0)
-        i = 0
-        while i < len(ids):
-            if st.seen % bs == 0:
-                run.before = _counts(st)
-            chunk = ids[i : i + bs - st.seen % bs]
-            logits = self.net(torch.tensor(chunk, device=self.device), st)[-1]
-            i += len(chunk)
-            if st.seen % bs == 0:
-                self.store.put(seq.block_table[st.seen // bs - 1], encode_block(st, run.before))
-        if run.open_block is not None and st.seen % bs == 0:
+    def _run(self, work: list[_Work]) -> None:
+        """Feed every request its tokens, cut at block ends, in rounds: each round one forward
+        over the requests with tokens left, each up to its block's end (a filled block is
+        written then). Decode rows all go in the first round; a long prompt chunk takes one
+        round per block it reaches into. Each request's last-token logits land in its work."""
+        bs = self.block_size
+        while pending := [w for w in work if w.done < len(w.ids)]:
+            chunks = []
+            for w in pending:
+                st = w.run.state
+                if st.seen % bs == 0:
+                    w.run.before = _counts(st)
+                chunk = w.ids[w.done : w.done + bs - st.seen % bs]
+                chunks.append(torch.tensor(chunk, device=self.device))
+                w.done += len(chunk)
+            logits = self.net.forward_batch(chunks, [w.run.state for w in pending])
+            for w, row in zip(pending, logits, strict=True):
+                st = w.run.state
+                if st.seen % bs == 0:
+                    self.store.put(
+                        w.seq.block_table[st.seen // bs - 1], encode_block(st, w.run.before)
+                    )
+                if w.done == len(w.ids):
+                    w.logits = row
+        for w in work:
+            self._mark_open(w.run, w.seq)
+
+    def _mark_open(self, run: _Running, seq: ScheduledSeq) -> None:
+        """The block the request's state now ends inside (if any) becomes live."""
+        st, bs = run.state, self.block_size
+        if st.seen % bs == 0:
             run.open_block = None  # it filled and was written
-        elif st.seen % bs:
-            block = seq.block_table[(st.seen - 1) // bs]
-            if run.open_block is not None and run.open_block != block:
-                self.store.settle(run.open_block, keep=True)
-            run.open_block = block
-            self.store.set_live(block, lambda: encode_block(run.state, run.before))
-        return logits
+            return
+        block = seq.block_table[(st.seen - 1) // bs]
+        if run.open_block is not None and run.open_block != block:
+            self.store.settle(run.open_block, keep=True)
+        run.open_block = block
+        self.store.set_live(block, lambda: encode_block(run.state, run.before))
 
 
 def engine_view(cfg: V4Config) -> ModelConfig:
-    """What the engine reads of a model, for a V4 config: vocabulary, stop ids, context limit,
-    and the widths its cost model estimates a step from (one shared key/value row of
-    ``head_dim`` per token, as MLA's latent is one)."""
+    """What the engine reads of a model, for a V4 config: vocabulary, stop ids, context limit
+    (the widths are V4's nearest V3 reading, one shared key/value row of ``head_dim`` per
+    token as MLA's latent is one; the step cost is :mod:`.cost`'s, not derived from them)."""
     return ModelConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -342,15 +370,7 @@ def v4_parts(
     budget = config.kv_cache_bytes or 1 << 30  # host bytes, taken only by blocks written
     num_blocks = config.num_kv_blocks or max(1, budget // spec.bytes_per_block)
     store = V4BlockStore(spec.bytes_per_block)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    view = engine_view(cfg)
-    cost = CostModel.for_model(
-        view,
-        itemsize,
-        itemsize,
-        *_nominal_rates(device),
-        kv_token_layer_bytes=cfg.head_dim * itemsize,
-    )
+    cost = v4_cost_model(net, *_nominal_rates(device))
     sampler = Sampler(device, config.sampler_seed, cfg.eos_token_ids)
     runner = V4Runner(net, store, sampler, config.block_size, config.max_running)
-    return EngineParts(model_id, view, spec, store, num_blocks, cost, runner, device)
+    return EngineParts(model_id, engine_view(cfg), spec, store, num_blocks, cost, runner, device)

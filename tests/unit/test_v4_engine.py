@@ -196,3 +196,18 @@ def test_the_cost_model_counts_the_flops_a_forward_does() -> None:
             assert estimate == pytest.approx(counted, rel=0.03), before
         else:
             assert 0.5 * counted < estimate <= counted, (before, q)
+
+
+def test_the_transformers_peer_runs_on_the_engines_own_tensors() -> None:
+    """bench engine's peer for V4: transformers' model over our parameters (none copied),
+    the same greedy tokens."""
+    from deepserve.bench.hf_peer import build_hf_peer, shared_fraction
+    from libs.engine.v4.load import load_v4
+
+    model = load_v4("v4-tiny")
+    hf = build_hf_peer(model, "eager")
+    assert type(hf).__name__ == "DeepseekV4ForCausalLM"
+    assert shared_fraction(hf, model) == 1.0
+    prompt = [(i * 7919) % 128000 + 3 for i in range(40)]
+    out = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
+    assert out[0, 40:].tolist() == alone(model, prompt, 6)

@@ -216,6 +216,21 @@ class Indexer(Compressor):
         picked = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]
         return torch.where(picked >= closed[:, None], torch.full_like(picked, -1), picked)
 
+    def unpicked(
+        self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, unseen: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`pick` for ``B`` sequences of one query each over their padded keys
+        ``[B, T, dim]``, as a mask: True where an entry is not picked (``unseen``: not closed
+        for the query, or padding: never picked). Ties go to the lower entry, as in
+        :meth:`pick`."""
+        scores = F.relu(torch.einsum("bhd,btd->bht", q.float(), keys.float())) * self.dim**-0.5
+        scores = (scores * w[..., None]).sum(dim=1).masked_fill(unseen, float("-inf"))  # [B, T]
+        k = min(self.topk, keys.shape[1])
+        picked = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+        out = torch.ones_like(unseen)
+        out.scatter_(1, picked, False)
+        return out | unseen
+
 
 class CSACompressor(Compressor):
     def __init__(self, cfg: V4Config) -> None:
@@ -291,15 +306,80 @@ class Attention(nn.Module):
             if isinstance(comp, CSACompressor):
                 ind = comp.indexer
                 proj += [ind.kv_proj(x), ind.gate_proj(x), *ind.queries(x, q_res, cos, sin)]
-        ctx = [
-            self._attend(q[o : o + n], kv[o : o + n], [p[o : o + n] for p in proj], pos, st, rot)
-            for (o, n, pos), st in zip(spans, states, strict=True)
-        ]
-        out = ctx[0] if len(ctx) == 1 else torch.cat(ctx)
+        if len(spans) > 1 and all(n == 1 for _, n, _ in spans):
+            out = self._attend_decode(q, kv, proj, positions, states, rot)
+        else:
+            ctx = [
+                self._attend(
+                    q[o : o + n], kv[o : o + n], [p[o : o + n] for p in proj], pos, st, rot
+                )
+                for (o, n, pos), st in zip(spans, states, strict=True)
+            ]
+            out = ctx[0] if len(ctx) == 1 else torch.cat(ctx)
         out = V4Rotary.apply(out, cos, -sin)  # K = V carried RoPE: undo it at the query
         grouped = self.o_a_proj(out.reshape(t, cfg.o_groups, -1)).flatten(1)
         result: torch.Tensor = self.o_b_proj(grouped)
         return result
+
+    def _attend_decode(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        proj: list[torch.Tensor],
+        positions: torch.Tensor,
+        states: Sequence[LayerState],
+        rot: V4Rotary,
+    ) -> torch.Tensor:
+        """:meth:`_attend` for ``B`` sequences of one new token each, as one padded batch:
+        each state still takes its token (window, compressors: small per-sequence updates),
+        then the indexer's pick and the attention run over every sequence's window and
+        entries at once, padding masked. Returns ``[B, heads, head_dim]``."""
+        cfg = self.cfg
+        b, d, w = q.shape[0], cfg.head_dim, cfg.sliding_window
+        windows = []
+        for i, st in enumerate(states):
+            past = st.window if st.window is not None else kv.new_zeros(0, d)
+            rows = torch.cat([past, kv[i : i + 1]])  # all within the query's window
+            st.window = rows[-(w - 1) :] if w > 1 else rows[:0]
+            windows.append(rows)
+        keys = _pad(windows, left=True)  # [B, Wk, D]
+        width = keys.shape[1]
+        lengths = torch.tensor([r.shape[0] for r in windows], device=q.device)
+        pad = torch.arange(width, device=q.device)[None, :] < (width - lengths)[:, None]
+        bias = torch.zeros(b, width, device=q.device).masked_fill(pad, float("-inf"))
+        comp = self.compressor
+        if comp is not None:
+            cst = [st.compressors.setdefault("compressor", CompressorState()) for st in states]
+            entries = _pad(
+                [
+                    comp.absorb(proj[0][i : i + 1], proj[1][i : i + 1], c, rot)
+                    for i, c in enumerate(cst)
+                ]
+            )  # [B, T, D]
+            t = entries.shape[1]
+            closed = (positions + 1) // comp.rate
+            hidden = torch.arange(t, device=q.device)[None, :] >= closed[:, None]
+            if isinstance(comp, CSACompressor):
+                ind = comp.indexer
+                ist = [st.compressors.setdefault("indexer", CompressorState()) for st in states]
+                index_keys = _pad(
+                    [
+                        ind.absorb(proj[2][i : i + 1], proj[3][i : i + 1], c, rot)
+                        for i, c in enumerate(ist)
+                    ]
+                )
+                hidden = ind.unpicked(proj[4], proj[5], index_keys, hidden)
+            eb = torch.zeros(b, t, device=q.device).masked_fill(hidden, float("-inf"))
+            keys = torch.cat([keys, entries], dim=1)
+            bias = torch.cat([bias, eb], dim=1)
+        h = cfg.num_attention_heads
+        logits = torch.einsum("bhd,bkd->bhk", q, keys) * d**-0.5 + bias.to(q.dtype)[:, None, :]
+        sink = self.sinks.to(logits.dtype).view(1, h, 1).expand(b, h, 1)
+        both = torch.cat([logits, sink], dim=-1)
+        both = both - both.max(dim=-1, keepdim=True).values
+        probs = F.softmax(both, dim=-1)[..., :-1].to(keys.dtype)
+        out: torch.Tensor = torch.einsum("bhk,bkd->bhd", probs, keys)
+        return out
 
     def _attend(
         self,
@@ -411,6 +491,18 @@ class HyperHead(nn.Module):
             F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float()
         )
         return ((pre + self.eps).unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+def _pad(rows: Sequence[torch.Tensor], left: bool = False) -> torch.Tensor:
+    """``[n_i, D]`` tensors as one ``[B, max n_i, D]`` batch, zero-padded at the end (or at
+    the start: ``left``)."""
+    n = max(r.shape[0] for r in rows)
+    out = rows[0].new_zeros(len(rows), n, rows[0].shape[-1])
+    for i, r in enumerate(rows):
+        m = r.shape[0]
+        if m:
+            (out[i, n - m :] if left else out[i, :m]).copy_(r)
+    return out
 
 
 def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

@@ -16,9 +16,10 @@ runs on :class:`~libs.engine.parts.EngineParts`. :func:`v4_parts` gives it V4's:
   this runner does not hold -- a prefix hit, a KV import, a preempted or evicted one -- is
   restored from its blocks exactly (the last one may be partial: it ends where its header
   says), so no token is replayed; the state then continues as if computed here. A step is
-  one forward per round over the requests (everything but attention batched; attention per
-  request over its own state), a round reaching each request's next block end. Sampling is
-  the engine's own sampler (every SamplingParams feature, logprobs, constraints).
+  one forward per round over the requests, a round reaching each request's next block end:
+  every matrix over all its rows; attention for decode rows as one padded batch, for prompt
+  chunks per request. Sampling is the engine's own sampler (every SamplingParams feature,
+  logprobs, constraints).
 
 What the engine knows of the model (vocabulary, stop ids, context limit) is a
 :class:`~libs.engine.config.ModelConfig` view of the V4 config (:func:`engine_view`); its step

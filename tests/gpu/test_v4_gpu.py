@@ -60,3 +60,40 @@ def test_flash_widths_run_and_decode_consistently() -> None:
         rel = (step - full[599 + i]).norm() / full[599 + i].norm()
         assert rel < 2e-2, f"step {i}: {rel:.3g}"
         step = net(torch.tensor([tok], device=CUDA), st)[-1]
+
+
+def test_the_batched_engine_serves_v4_on_device() -> None:
+    """The engine's V4 runner on CUDA (fp32): requests of different lengths together, greedy
+    tokens equal to each request alone; the state handed to a second engine continues the
+    same."""
+    from libs.common.sampling import SamplingParams
+    from libs.engine.engine import Engine, EngineConfig
+
+    config = EngineConfig(model="v4-tiny", device="cuda", dtype="float32", block_size=16)
+    a, b = Engine(config), Engine(config)
+    net = load_v4("v4-tiny", CUDA, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    prompts = {f"r{n}": torch.randint(3, 120000, (n,), generator=g).tolist() for n in (5, 40, 150)}
+    greedy = SamplingParams(max_tokens=10, ignore_eos=True)
+    for rid, p in prompts.items():
+        a.add_request(rid, p, greedy)
+    out: dict[str, list[int]] = {rid: [] for rid in prompts}
+    while a.has_unfinished():
+        for ev in a.step():
+            if ev.token_id is not None:
+                out[ev.request_id].append(ev.token_id)
+    for rid, p in prompts.items():
+        assert out[rid] == list(generate_v4(net, p, 10, ignore_eos=True).token_ids), rid
+    p = prompts["r150"]
+    a.add_request("h", p, SamplingParams(max_tokens=1, ignore_eos=True), hold_kv=True)
+    first = [ev.token_id for ev in a.step() if ev.token_id is not None]
+    while a.has_unfinished():
+        first += [ev.token_id for ev in a.step() if ev.token_id is not None]
+    frame = a.export_kv("h", include_partial=True, release=True)
+    b.add_request(
+        "h", p + first, SamplingParams(max_tokens=9, ignore_eos=True), kv=frame, prior_outputs=1
+    )
+    rest: list[int] = []
+    while b.has_unfinished():
+        rest += [ev.token_id for ev in b.step() if ev.token_id is not None]
+    assert first + rest == out["r150"]

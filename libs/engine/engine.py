@@ -332,6 +332,7 @@ class Engine:
         kv: KVInput | None = None,
         hold_kv: bool = False,
         prior_outputs: int = 0,
+        drafts: tuple[Sequence[int], Sequence[float]] | None = None,
     ) -> Any:
         """Queue a request. ``kv``: frames from :meth:`export_kv` covering a prefix of the
         tokens (or blocks ``first_block ..`` of it when this engine holds the blocks before),
@@ -344,6 +345,8 @@ class Engine:
         builds on are gone), :class:`NoFreeBlocks` if imported KV does not fit now.
         ``prior_outputs``: how many of the last prompt tokens were generated already (the
         first token, for a decode after prefill): the penalties count them as output.
+        ``drafts``: (token ids, confidences) another engine drafted for the request's next
+        step (:meth:`take_drafts`); verified here when this engine speculates, else unused.
         """
         params = params or SamplingParams()
         tokens = [int(t) for t in prompt_token_ids]
@@ -352,6 +355,12 @@ class Engine:
             raise InvalidRequest(
                 f"prior_outputs must lie in [0, {len(tokens)}), got {prior_outputs}"
             )
+        offered = None
+        if drafts is not None and self.speculative is not None:
+            try:
+                offered = self.speculative.checked(*drafts)
+            except ValueError as exc:
+                raise InvalidRequest(str(exc)) from None
         req = Request(request_id, tokens, len(tokens), params, cache_salt, hold_kv)
         req.num_prior_outputs = prior_outputs
         if params.constraint is not None:
@@ -378,6 +387,9 @@ class Engine:
             self.blocks.release(req.blocks)
             self._forget_grammar(request_id)
             raise InvalidRequest(str(exc)) from None
+        if offered is not None and offered[0]:
+            assert self.speculative is not None
+            self.speculative.drafts[request_id] = offered  # verified by its first step
         if kv is None:
             self._unqueried.add(request_id)  # looked up when first scheduled (step)
         else:
@@ -430,8 +442,17 @@ class Engine:
         if self._grammar is not None:
             self._grammar.drop(request_id)
 
+    def take_drafts(self, request_id: str) -> tuple[list[int], list[float]] | None:
+        """The drafts made for a held request's next step (speculative decoding), for the
+        engine it is handed to (``add_request(drafts=...)``); None when there are none."""
+        if self.speculative is None:
+            return None
+        return self.speculative.drafts.pop(request_id, None)
+
     def release(self, request_id: str) -> None:
         """Free a finished request kept with ``hold_kv``."""
+        if self.speculative is not None:
+            self.speculative.drafts.pop(request_id, None)
         req = self.scheduler.requests.get(request_id)
         if req is not None and req.status is Status.FINISHED:
             self.scheduler.free(req)

@@ -20,8 +20,10 @@ One engine step with ``speculative_tokens = K``:
    hnorm(h)])``, one decoder layer, the shared head). Its output at the last position is
    draft 1; drafts 2..K chain the MTP layer on its own hidden state and previous draft. A
    prompt chunk fills the MTP KV of its positions the same way, so prefix hits and KV
-   exported to another engine carry it; an engine that imports KV starts drafting after its
-   first step.
+   exported to another engine carry it. A request held for export after its first token
+   (prefill's) is drafted for too: :meth:`Engine.take_drafts` hands the drafts over with the
+   KV (``DecodeTask.draft_token_ids``) and the importing engine verifies them in its first
+   step (:meth:`SpecDecoder.checked` refuses drafts that cannot be).
 4. **Choose what to verify** (:func:`choose_drafts`). Each draft's confidence is the MTP
    head's probability for it; :class:`AcceptanceModel` maps confidence to the probability of
    acceptance given its predecessors were accepted, learnt online from what verification
@@ -57,7 +59,7 @@ from libs.common.sampling import SamplingParams, TokenLogprob
 from .cost_model import StepShape
 from .model.model import DeepseekForCausalLM, MTPLayer
 from .sampler import TokenHistory, apply_penalties, drawn_logits, mask_stops, position_seed
-from .scheduler import ScheduledSeq, Scheduler, Status, StepPlan
+from .scheduler import Request, ScheduledSeq, Scheduler, Status, StepPlan
 
 if TYPE_CHECKING:
     from .runner import ModelRunner
@@ -289,6 +291,13 @@ class SpecStats:
         self.emitted += emitted
 
 
+def _draftable(req: Request) -> bool:
+    """Drafted for after a step: a running request, or one held for export after its first
+    token ran out its length (a prefill's: the drafts go with the hand-over)."""
+    held = req.status is Status.FINISHED and req.hold_kv and req.finish_reason == "length"
+    return (req.status is Status.RUNNING or held) and can_draft(req.params)
+
+
 def seeded_generator(
     params: SamplingParams, shared: torch.Generator, scratch: torch.Generator
 ) -> Callable[[int], torch.Generator]:
@@ -411,6 +420,24 @@ class SpecDecoder:
         """Drop a request's drafts; its counters, if it had any."""
         self.drafts.pop(request_id, None)
         return self.per_request.pop(request_id, None)
+
+    def checked(
+        self, tokens: Sequence[int], confidences: Sequence[float]
+    ) -> tuple[list[int], list[float]]:
+        """Drafts made elsewhere (a prefill's, handed over with its KV), as this engine keeps
+        its own in :attr:`drafts`: verified like those, so they cannot change what is emitted.
+        ValueError for drafts that cannot be (more than K, ids or confidences out of range)."""
+        if len(tokens) != len(confidences) or len(tokens) > self.num_tokens:
+            raise ValueError(
+                f"{len(tokens)} drafts with {len(confidences)} confidences; at most "
+                f"{self.num_tokens} drafts, one confidence each"
+            )
+        vocab = self.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in tokens):
+            raise ValueError(f"draft token ids must lie in [0, {vocab})")
+        if any(not 0.0 <= c <= 1.0 for c in confidences):  # NaN fails too
+            raise ValueError("draft confidences must lie in [0, 1]")
+        return [int(t) for t in tokens], [float(c) for c in confidences]
 
     # -- 1. what to verify ----------------------------------------------------------------------
     def add_drafts(self, plan: StepPlan, scheduler: Scheduler) -> StepPlan:
@@ -605,11 +632,7 @@ class SpecDecoder:
         ids, pos, meta, _ = runner._prepare(catch, None)
         x = mtp.block(step.hidden[h_index], ids, pos, meta, self.mtp_cache)
         want = [
-            s
-            for s in catch
-            if self.num_tokens
-            and scheduler.requests[s.request_id].status is Status.RUNNING
-            and can_draft(scheduler.requests[s.request_id].params)
+            s for s in catch if self.num_tokens and _draftable(scheduler.requests[s.request_id])
         ]
         if not want:
             return

@@ -300,6 +300,7 @@ class EngineLoop:
         hold_kv: bool = False,
         prior_outputs: int = 0,
         arrival: float | None = None,
+        drafts: tuple[Sequence[int], Sequence[float]] | None = None,
     ) -> RequestStream:
         """Queue a request; returns its event stream once the engine accepted it.
 
@@ -333,6 +334,7 @@ class EngineLoop:
                     kv=kv,
                     hold_kv=hold_kv,
                     prior_outputs=prior_outputs,
+                    drafts=drafts,
                 )
             )
         except BaseException as exc:

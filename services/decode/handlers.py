@@ -205,6 +205,9 @@ class DecodeHandler:
                 hold_kv=self.kvstore is not None,
                 prior_outputs=len(task.token_ids) - task.num_prompt_tokens,
                 arrival=arrived,
+                drafts=(list(task.draft_token_ids), list(task.draft_confidences))
+                if task.draft_token_ids
+                else None,
             )
             if stream.imported is not None:  # a pool copy: done before the owner reuses it
                 await asyncio.to_thread(stream.imported.synchronize)

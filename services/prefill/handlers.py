@@ -308,6 +308,10 @@ class PrefillHandler:
         if ev.logprobs is not None:
             decode_task.first_logprobs.CopyFrom(ev.logprobs.to_proto())
         try:
+            drafts = await self.loop.call(lambda e: e.take_drafts(rid))  # when speculating
+            if drafts is not None:  # for decode's first step to verify
+                decode_task.draft_token_ids.extend(drafts[0])
+                decode_task.draft_confidences.extend(drafts[1])
             with self.tracer.start_as_current_span("prefill.handoff"):
                 await self._hand_over(task, decode_task, prompt)
         except InstanceFailed as exc:

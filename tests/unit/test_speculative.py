@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from libs.common.sampling import SamplingParams
-from libs.engine.engine import Engine, EngineConfig
+from libs.engine.engine import Engine, EngineConfig, InvalidRequest
 from libs.engine.kv.transfer import decode_frame
 from libs.engine.loader import LoadedModel, load
 from libs.engine.model.model import DeepseekForCausalLM
@@ -174,6 +174,41 @@ def test_kv_export_import_then_drafting(tiny_mtp) -> None:
         out += [ev.token_id for ev in dec.step() if ev.token_id is not None]
     assert out == full
     assert dec.speculative.stats.accepted == dec.speculative.stats.verified > 0
+
+
+def test_the_handover_carries_drafts_for_decodes_first_step(tiny_mtp) -> None:
+    """A speculative prefill drafts for the request it holds for export; the decode engine it
+    hands them to verifies them in its first step (all accepted on the exact-head test model)
+    and emits what one engine decoding one token a step does. Drafts that cannot be are
+    refused by name; an engine that does not speculate ignores them."""
+    loaded = variant(tiny_mtp, 0.0)
+    p = prompt(45, 8)
+    full = run(make(loaded, 0), {"r": (p, GREEDY)})["r"]
+    pre = make(loaded, 3)
+    pre.add_request("r", p, SamplingParams(max_tokens=1, ignore_eos=True), hold_kv=True)
+    while pre.has_unfinished():
+        pre.step()
+    first = pre.info("r").token_ids[-1]
+    drafts = pre.take_drafts("r")
+    assert drafts is not None and len(drafts[0]) == 3 and pre.take_drafts("r") is None
+    assert drafts[0] == full[1:4]  # the exact head drafts the next tokens
+    frame = pre.export_kv("r", include_partial=True, release=True)
+    dec = make(loaded, 3, speculative_schedule="all")
+    rest = SamplingParams(max_tokens=23, ignore_eos=True)
+    dec.add_request("r", p + [first], rest, kv=frame, prior_outputs=1, drafts=drafts)
+    events = dec.step()
+    assert [ev.token_id for ev in events] == full[1:5]  # three accepted drafts + the bonus
+    out = [first, *(ev.token_id for ev in events)]
+    while dec.has_unfinished():
+        out += [ev.token_id for ev in dec.step() if ev.token_id is not None]
+    assert out == full
+    with pytest.raises(InvalidRequest, match="at most 3 drafts"):
+        make(loaded, 3).add_request("x", p, rest, drafts=([5, 6, 7, 8], [0.5] * 4))
+    with pytest.raises(InvalidRequest, match="confidences"):
+        make(loaded, 3).add_request("x", p, rest, drafts=([5], [float("nan")]))
+    plain = make(loaded, 0)
+    plain.add_request("x", p, rest, drafts=([5, 6, 7, 8], [0.5] * 4))  # not speculating
+    assert plain.take_drafts("x") is None
 
 
 def test_prefill_hands_over_the_mtp_layers_kv(tiny_mtp) -> None:
@@ -447,3 +482,74 @@ def test_each_verification_row_counts_the_drafts_before_it() -> None:
             logits[1 + i : 2 + i], [sp], TokenHistory.build([0], [hist], [6], "cpu")
         )
         assert torch.equal(got[1 + i], one[0]), i
+
+
+async def test_prefill_service_sends_its_drafts_to_decode(tiny_mtp) -> None:
+    """Through the prefill and decode handlers: the DecodeTask carries the drafts prefill's
+    engine made, decode verifies them, and the client's tokens are the plain engine's."""
+    from libs.common import subjects
+    from libs.proto.deepserve.v1 import control_pb2
+    from libs.serving.engine_loop import EngineLoop
+    from libs.transport.inproc import InProcBus, InProcKVPusher
+    from services.decode.handlers import DecodeHandler
+    from services.prefill.handlers import PrefillHandler
+
+    class Recording(InProcKVPusher):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tasks: list[control_pb2.DecodeTask] = []
+
+        async def push(self, address, task, kv) -> None:  # type: ignore[no-untyped-def]
+            self.tasks.append(task)
+            await super().push(address, task, kv)
+
+    loaded = variant(tiny_mtp, 0.0)
+    p = prompt(37, 6)
+    full = run(make(loaded, 0), {"r": (p, GREEDY)})["r"]
+    bus = InProcBus()
+    sub = await bus.subscribe(subjects.token_events(">"))
+    ploop = EngineLoop(make(loaded, 3), name="p")
+    dloop = EngineLoop(make(loaded, 3, speculative_schedule="all"), name="d")
+    ploop.start()
+    dloop.start()
+    try:
+        decode = DecodeHandler(
+            dloop, bus.publish, instance_id="d0", model_name="m", address="x:0", block_size=16
+        )
+        pusher = Recording()
+        pusher.register("x:0", decode)
+        prefill = PrefillHandler(
+            ploop,
+            bus.publish,
+            pusher,
+            instance_id="p0",
+            model_name="m",
+            block_size=16,
+            max_model_len=4096,
+            same_host_handoff=False,
+        )
+        prefill.submit(
+            control_pb2.PrefillTask(
+                request_id="r",
+                prompt_token_ids=p,
+                sampling=GREEDY.to_proto(),
+                decode_instance="d0",
+                decode_address="x:0",
+                events_subject=subjects.token_events("r"),
+            )
+        )
+        got: dict[int, int] = {}
+        done = False
+        while not done:
+            ev = control_pb2.TokenEvent.FromString((await sub.next_msg(60)).data)
+            assert not ev.error, ev.error
+            got.update({ev.index + i: t for i, t in enumerate(ev.token_ids)})
+            done = ev.finished
+        assert [got[i] for i in range(len(got))] == full
+        (task,) = pusher.tasks
+        assert list(task.draft_token_ids) == full[1:4] and len(task.draft_confidences) == 3
+        stats = dloop.engine.speculative.stats
+        assert stats.accepted == stats.verified >= 3
+    finally:
+        await ploop.close()
+        await dloop.close()

@@ -234,6 +234,13 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     e.add_argument("--no-cuda-graphs", action="store_true", help="EngineConfig(cuda_graphs=False)")
     e.add_argument("--no-overlap", action="store_true", help="EngineConfig(overlap=False)")
     e.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto")
+    _speculative_flag(e, "speculative decoding: the MTP layer drafts up to this many tokens a step")
+    e.add_argument(
+        "--speculative-schedule",
+        choices=("confidence", "all"),
+        default="confidence",
+        help="which drafts a step verifies (with --speculative-tokens)",
+    )
     e.add_argument(
         "--quality",
         action=argparse.BooleanOptionalAction,

@@ -121,6 +121,12 @@ def bench_prefill(
     }
 
 
+def decode_room(speculative_tokens: int, steps: int) -> int:
+    """Tokens a timed decode request may emit: the warm-up and timed steps, each up to
+    ``1 + K`` tokens with K drafts, and a margin."""
+    return (speculative_tokens + 1) * (steps + 2) + 64
+
+
 def bench_decode(
     engine: Engine, batch: int, context: int, steps: int, limits: dict[str, float], vocab: int
 ) -> dict[str, Any]:
@@ -129,21 +135,24 @@ def bench_decode(
         rids, decode_prompts(batch, context, vocab).tolist()
     ):  # the peer's prompts too
         # Room for every step below, so the batch stays whole while it is timed; aborted after.
-        engine.add_request(rid, ids, SamplingParams(max_tokens=4 * steps + 64, ignore_eos=True))
+        room = decode_room(engine.config.speculative_tokens, steps)
+        engine.add_request(rid, ids, SamplingParams(max_tokens=room, ignore_eos=True))
     _drain_prefill(engine, rids)  # every request has its first token: decode from here
     engine.step()  # warm-up decode step
+    tokens = 0  # emitted: one per request and step, more with speculative decoding
     t0 = time.perf_counter()
     for _ in range(steps):
-        engine.step()
+        tokens += sum(ev.token_id is not None for ev in engine.step())
     sync(engine.device)
-    seconds = (time.perf_counter() - t0) / steps
+    elapsed = time.perf_counter() - t0
+    seconds = elapsed / steps
     for rid in rids:
         engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
     shape = StepShape(tuple((1, context + 2) for _ in range(batch)))
     step_bytes = engine.cost.bytes(shape)
-    tps = batch / seconds
+    tps = tokens / elapsed
     return {
         "batch": batch,
         "context": context,
@@ -171,6 +180,9 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         opts["overlap"] = False
     if getattr(args, "kernels", "auto") != "auto":
         opts["kernels"] = args.kernels
+    if getattr(args, "speculative_tokens", 0):
+        opts["speculative_tokens"] = args.speculative_tokens
+        opts["speculative_schedule"] = getattr(args, "speculative_schedule", "confidence")
     return opts
 
 
@@ -390,11 +402,12 @@ def main(args: argparse.Namespace) -> int:
             else "--no-quality"
         }
 
-    max_len = max(max(prefill_sizes), context + 4 * args.decode_steps + 72) + 1
+    k = opts.get("speculative_tokens", 0)
+    per_request = context + decode_room(k, args.decode_steps) + k + 8  # the drafts' slots too
+    max_len = max(max(prefill_sizes), per_request) + 1
     blocks = max(
-        sum(-(-(context + args.decode_steps + 8) // 128) for _ in batches) * 2,
         -(-max(prefill_sizes) // 128) * 2 + 8,
-        max(batches) * (context // 128 + 2),
+        max(batches) * (-(-per_request // 128) + 1),
     )
     engine = Engine(
         make_config(
@@ -477,6 +490,8 @@ def main(args: argparse.Namespace) -> int:
             "cuda_graphs": not getattr(args, "no_cuda_graphs", False),
             "overlap": not getattr(args, "no_overlap", False),
             "kernels": getattr(args, "kernels", "auto"),
+            "speculative_tokens": getattr(args, "speculative_tokens", 0),
+            "speculative_schedule": getattr(args, "speculative_schedule", "confidence"),
         },
         "engine_config_overrides": opts,
         "limits": limits,

@@ -146,3 +146,28 @@ def test_engine_options_map_flags_to_config_fields() -> None:
     }
     assert bench.engine_options(argparse.Namespace()) == {}
     assert torch.is_tensor(bench.decode_prompts(1, 4, 100))
+
+
+def test_speculative_decode_counts_every_token_emitted() -> None:
+    """With --speculative-tokens a decode step emits up to 1 + K tokens per request: tokens/s
+    counts them (on the exact-head test model every draft is accepted: 3 per step and
+    request with K = 2), not one per request and step."""
+    import copy
+
+    from libs.engine.engine import Engine, EngineConfig
+    from libs.engine.loader import LoadedModel, load
+    from libs.engine.speculative import make_mtp_test_model
+
+    ns = argparse.Namespace(speculative_tokens=2, speculative_schedule="all")
+    opts = bench.engine_options(ns)
+    assert opts == {"speculative_tokens": 2, "speculative_schedule": "all"}
+    loaded = load("tiny", "cpu", torch.float32, 0, with_mtp=True)
+    model = copy.deepcopy(loaded.model)
+    make_mtp_test_model(model, 0.0, 0.0, seed=1)
+    exact = LoadedModel(model, loaded.model_id + "-exact", loaded.source)
+    config = EngineConfig(
+        model="tiny", block_size=16, num_kv_blocks=256, time_budget_s=None, **opts
+    )
+    limits = {"copy_bytes_per_s": 1e10, "matmul_flops_per_s": 1e11}
+    out = bench.bench_decode(Engine(config, loaded=exact), 2, 40, 4, limits, 129280)
+    assert out["tokens_per_s"] * out["step_seconds"] == pytest.approx(2 * 3)

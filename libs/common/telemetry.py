@@ -8,7 +8,7 @@ Trace context travels as a W3C ``traceparent`` string inside proto messages and 
 metadata, so one request's spans join up across every hop. Spans are exported where asked:
 ``DEEPSERVE_TRACE_FILE=path`` appends them as JSON lines (``{service}`` in the path is
 replaced by the service name), and ``OTEL_EXPORTER_OTLP_ENDPOINT`` sends them over OTLP when
-the ``opentelemetry-exporter-otlp`` package is installed.
+the ``opentelemetry-exporter-otlp`` package is installed (the ``otlp`` extra).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def tracer(service: str) -> trace.Tracer:
                 log.warning(
                     "OTEL_EXPORTER_OTLP_ENDPOINT is set but the opentelemetry-exporter-otlp "
                     "package is not installed: %s spans are NOT exported over OTLP "
-                    "(pip install opentelemetry-exporter-otlp)",
+                    "(pip install 'deepserve[otlp]')",
                     service,
                 )
             else:

@@ -147,6 +147,13 @@ def test_addresses_name_a_service_and_its_port(name: str) -> None:
         assert port in _listens(host).values(), f"{name}: {what}: {host} listens on {port}?"
         deps = _compose()["services"][name]["depends_on"]
         assert host in deps, f"{name} dials {host} but does not wait for it"
+    # The status page's scrapes: each names that service's ops port (missing ones: "unreachable").
+    for service in ("kvstore", "balancer", "entrypoint"):
+        flag = f"--{service}-ops-address"
+        if flag in args:
+            host, port = flag_value(args, flag).rsplit(":", 1)
+            assert host == service, f"{name}: {flag} names {host}"
+            assert port == flag_value(_args(_deepserve_services()[host]), "--http-port"), flag
 
 
 def test_gpu_profile_reserves_a_gpu_for_each_engine() -> None:

@@ -823,7 +823,7 @@ class Engine:
             self._count_prefix_lookups(plan)
         if plan.empty:
             return []
-        plan = spec.add_drafts(plan, self.scheduler)
+        plan = spec.add_drafts(plan, self.scheduler, self._grammar)
         reqs = self.scheduler.requests
         lps: dict[str, list[TokenLogprob]] = {}
 
@@ -863,7 +863,7 @@ class Engine:
             else dict(zip([s.request_id for s in verify], outputs, strict=True))
         )
         histories = {verify[r].request_id: (toks, n) for r, toks, n in penalized or []}
-        step = spec.run(plan, params, sample_plain, generated, histories)
+        step = spec.run(plan, params, sample_plain, generated, histories, self._grammar)
         self.scheduler.advance(plan)
         events = self.scheduler.commit(plan, step.sampled, step.seconds)
         lps.update(step.logprobs)

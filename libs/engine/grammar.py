@@ -147,6 +147,31 @@ class GrammarBackend:
     def drop(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
 
+    def draft_masks(self, request_id: str, drafts: Sequence[int]) -> tuple[int, torch.Tensor]:
+        """For verifying ``drafts`` of a constrained request (speculative decoding): how many
+        of them, from the first, the constraint allows (a draft that would end it -- its stop
+        token -- is not taken: the verification row after it would allow nothing), and one
+        bitmask row for each verification row: row ``i`` the tokens allowed after the first
+        ``i`` drafts. The matcher is left where it was."""
+        m = self._matchers[request_id]
+        bitmask = self._xgr.allocate_token_bitmask(len(drafts) + 1, self.vocab_size)
+        taken = 0
+        for i in range(len(drafts) + 1):
+            if m.is_terminated():
+                bitmask[i].zero_()
+            else:
+                m.fill_next_token_bitmask(bitmask, i)
+            if i == len(drafts) or m.is_terminated() or not m.accept_token(int(drafts[i])):
+                break
+            taken += 1
+            if m.is_terminated():  # the draft ends the output: verify up to it, not past
+                taken -= 1
+                m.rollback(1)
+                break
+        if taken:
+            m.rollback(taken)
+        return taken, bitmask[: taken + 1]
+
     def masks(self, request_ids: Sequence[str | None]) -> tuple[list[int], torch.Tensor] | None:
         """For a step's sampling rows (None: not constrained): the constrained rows and an
         int32 bitmask with one row per sampling row (xgrammar's layout); None if none is."""

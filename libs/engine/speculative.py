@@ -32,9 +32,11 @@ One engine step with ``speculative_tokens = K``:
    :class:`~.cost_model.CostModel` the scheduler calibrates every step); ``"all"`` verifies
    every draft, for comparison.
 
-Requests under a constraint are decoded one token a step (never drafted for). The sampler's
-other rules hold row by row: a row's penalties count the drafts before it as output, and a row
-before the request's ``min_tokens``-th output has its stop tokens masked.
+The sampler's rules hold row by row: a row's penalties count the drafts before it as output, a
+row before the request's ``min_tokens``-th output has its stop tokens masked, and under a
+constraint (structured output) row ``i`` allows what the grammar allows after the first ``i``
+drafts; a request's drafts are cut before the first the grammar refuses (or that would end
+its output), so a constrained request is verified only on drafts it could emit.
 Logprobs of verified tokens come from the target's distribution at their rows, as the sampler
 reports them.
 
@@ -62,6 +64,7 @@ from .sampler import TokenHistory, apply_penalties, drawn_logits, mask_stops, po
 from .scheduler import Request, ScheduledSeq, Scheduler, Status, StepPlan
 
 if TYPE_CHECKING:
+    from .grammar import GrammarBackend
     from .runner import ModelRunner
 
 SCHEDULES = ("confidence", "all")
@@ -142,11 +145,6 @@ def choose_drafts(
     for _, _, r in gains[:best_m]:
         out[r] += 1
     return out
-
-
-def can_draft(params: SamplingParams) -> bool:
-    """Whether a request's tokens may be drafted for (see the module doc)."""
-    return params.constraint is None
 
 
 def token_logprob(logits: torch.Tensor, params: SamplingParams, token: int) -> TokenLogprob:
@@ -291,11 +289,37 @@ class SpecStats:
         self.emitted += emitted
 
 
+def mask_constrained_rows(
+    logits: torch.Tensor, verify: list[ScheduledSeq], off: int, grammar: GrammarBackend
+) -> torch.Tensor:
+    """The verification rows of constrained requests (from row ``off``, as
+    :func:`penalize_rows` lays them out) masked by their grammar: row ``i`` of a request to what
+    may follow its first ``i`` drafts, as the sampler masks a plain row."""
+    from .grammar import apply_masks
+
+    rows: list[int] = []
+    parts: list[torch.Tensor] = []
+    for s, o in _offsets(verify, off):
+        if not grammar.has(s.request_id):
+            continue
+        taken, bits = grammar.draft_masks(s.request_id, s.token_ids[1:])
+        assert taken == s.num_drafts, "drafts are cut to what the grammar allows when chosen"
+        rows.extend(range(o, o + s.num_tokens))
+        parts.append(bits)
+    if not rows:
+        return logits
+    bitmask = torch.zeros(logits.shape[0], parts[0].shape[1], dtype=parts[0].dtype)
+    bitmask[rows] = torch.cat(parts)
+    logits = logits.clone()
+    apply_masks(logits, (rows, bitmask))
+    return logits
+
+
 def _draftable(req: Request) -> bool:
     """Drafted for after a step: a running request, or one held for export after its first
     token ran out its length (a prefill's: the drafts go with the hand-over)."""
     held = req.status is Status.FINISHED and req.hold_kv and req.finish_reason == "length"
-    return (req.status is Status.RUNNING or held) and can_draft(req.params)
+    return req.status is Status.RUNNING or held
 
 
 def seeded_generator(
@@ -440,7 +464,9 @@ class SpecDecoder:
         return [int(t) for t in tokens], [float(c) for c in confidences]
 
     # -- 1. what to verify ----------------------------------------------------------------------
-    def add_drafts(self, plan: StepPlan, scheduler: Scheduler) -> StepPlan:
+    def add_drafts(
+        self, plan: StepPlan, scheduler: Scheduler, grammar: GrammarBackend | None = None
+    ) -> StepPlan:
         """``plan`` with each running decode that holds drafts extended by those
         :func:`choose_drafts` picks (blocks reserved for them; fewer when the cache is full)."""
         cands: list[tuple[int, ScheduledSeq, list[int], list[float], int]] = []
@@ -450,8 +476,13 @@ class SpecDecoder:
             req = scheduler.requests[seq.request_id]
             if held is None or seq.num_tokens != 1 or not seq.sample:
                 continue
-            if seq.start + 1 != len(req.token_ids) or not can_draft(req.params):
+            if seq.start + 1 != len(req.token_ids):
                 continue
+            if grammar is not None and grammar.has(seq.request_id):
+                n, _ = grammar.draft_masks(seq.request_id, held[0])
+                if not n:
+                    continue
+                held = (held[0][:n], held[1][:n])
             limit = min(
                 req.params.max_tokens - req.num_output_tokens - 1,  # the bonus token too
                 max_len - len(req.token_ids) - 1,
@@ -500,6 +531,7 @@ class SpecDecoder:
         sample_plain: Callable[[torch.Tensor, list[ScheduledSeq]], list[int]],
         generated: dict[str, int] | None = None,
         histories: dict[str, tuple[list[int], int]] | None = None,
+        grammar: GrammarBackend | None = None,
     ) -> SpecStep:
         """Run the main model over ``plan``; the sampled tokens: for a seq that verified drafts
         the accepted ones and the next (a list), for any other sampling seq one token, drawn by
@@ -552,6 +584,8 @@ class SpecDecoder:
             logits = mask_min_tokens_rows(
                 logits, verify, off, params, generated or {}, self.runner.sampler.eos_token_ids
             )
+            if grammar is not None:
+                logits = mask_constrained_rows(logits, verify, off, grammar)
             greedy_rows = [
                 (s, off0) for s, off0 in _offsets(verify, off) if params[s.request_id].greedy
             ]

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 from collections import Counter
 
 import pytest
 import torch
 
-from libs.common.sampling import SamplingParams
+from libs.common.sampling import Constraint, SamplingParams
 from libs.engine.engine import Engine, EngineConfig, InvalidRequest
 from libs.engine.kv.transfer import decode_frame
 from libs.engine.loader import LoadedModel, load
@@ -553,3 +554,74 @@ async def test_prefill_service_sends_its_drafts_to_decode(tiny_mtp) -> None:
     finally:
         await ploop.close()
         await dloop.close()
+
+
+DIGITS = SamplingParams(max_tokens=12, constraint=Constraint("regex", "[0-9]{60}"))
+
+
+def _decode_all(eng: Engine) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for ev in eng.step():
+            if ev.token_id is not None:
+                out.setdefault(ev.request_id, []).append(ev.token_id)
+    return out
+
+
+def test_verification_rows_of_a_constrained_request_follow_its_grammar(tiny_mtp) -> None:
+    """Drafts handed over with a constrained request's KV are verified row by row under the
+    grammar: row i allows what may follow the first i drafts, so a right draft is kept and a
+    wrong but allowed one is replaced by the constrained target's token; a draft the grammar
+    refuses, and all after it, are not verified. The output is the one-token-a-step engine's."""
+    from libs.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer()
+    p = prompt(30, 5)
+    full = run(make(tiny_mtp, 0), {"r": (p, DIGITS)})["r"]
+    assert all(tok.id_to_token(t).isdigit() for t in full), "the constraint holds"
+    pre = make(tiny_mtp, 0)
+    pre.add_request("r", p, dataclasses.replace(DIGITS, max_tokens=1), hold_kv=True)
+    _decode_all(pre)
+    frame = pre.export_kv("r", include_partial=True, release=True)
+    rest = dataclasses.replace(DIGITS, max_tokens=11)
+
+    def first_step(drafts: list[int]) -> tuple[Engine, list[int]]:
+        eng = make(tiny_mtp, 3, speculative_schedule="all")
+        offered = (drafts, [0.9] * len(drafts))
+        eng.add_request("r", p + full[:1], rest, kv=frame, prior_outputs=1, drafts=offered)
+        return eng, [ev.token_id for ev in eng.step()]
+
+    seven, eight = tok.token_to_id("7"), tok.token_to_id("8")
+    wrong = seven if full[3] != seven else eight  # allowed by the grammar, not the target's
+    eng, first = first_step(full[1:3] + [wrong])
+    assert first == full[1:4]  # two kept, the third replaced by the target's token
+    assert (eng.speculative.stats.verified, eng.speculative.stats.accepted) == (3, 2)
+    assert [full[0], *first, *_decode_all(eng)["r"]] == full
+    eng, first = first_step([full[1], tok.token_to_id("abc"), full[3]])
+    assert eng.speculative.stats.verified == 1 and first == full[1:3]  # cut before "abc"
+    assert [full[0], *first, *_decode_all(eng)["r"]] == full
+
+
+@pytest.mark.parametrize("layer_scale", [None, 0.0])
+def test_constrained_requests_are_drafted_for_and_stay_constrained(tiny_mtp, layer_scale) -> None:
+    """With the engine's own drafts: greedy constrained output equals the one-token engine's
+    (JSON schema and a regex beside an unconstrained request); sampled output still follows
+    its grammar."""
+    from libs.engine.tokenizer import load_tokenizer
+
+    loaded = variant(tiny_mtp, layer_scale)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    reqs = {
+        "json": (
+            prompt(20, 1),
+            SamplingParams(max_tokens=16, constraint=Constraint("json_schema", json.dumps(schema))),
+        ),
+        "digits": (prompt(33, 2), DIGITS),
+        "free": (prompt(9, 3), GREEDY),
+    }
+    want = run(make(loaded, 0), reqs)
+    assert run(make(loaded, 3, speculative_schedule="all"), reqs) == want
+    tok = load_tokenizer()
+    sampled = dataclasses.replace(DIGITS, temperature=1.0, seed=7)
+    got = run(make(loaded, 3, speculative_schedule="all"), {"s": (prompt(12, 4), sampled)})["s"]
+    assert len(got) == 12 and all(tok.id_to_token(t).isdigit() for t in got)

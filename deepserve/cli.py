@@ -104,8 +104,8 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = args.prompt if args.prompt is not None else args.prompt_ids
         from libs.engine.v4.load import is_v4
 
-        if is_v4(args.model):
-            return _generate_v4(args, prompt)
+        if is_v4(args.model) and (args.ep > 1 or args.ep_redundant):
+            raise ValueError("DeepSeek-V4 models do not run with --ep yet")
         if args.ep > 1 or args.ep_redundant:
             out = _generate_ep(args, prompt, params)
         else:
@@ -135,38 +135,6 @@ def _generate(args: argparse.Namespace) -> int:
         )
     else:
         print(out.text)
-    return 0
-
-
-def _generate_v4(args: argparse.Namespace, prompt: str | list[int]) -> int:
-    """A DeepSeek-V4 model (preset or checkpoint) through the V4 reference model: one
-    sequence, its state carried between steps (the batched engine does not run V4 yet)."""
-    import torch
-
-    from libs.engine.tokenizer import load_tokenizer
-    from libs.engine.v4.load import V4_PRESETS, generate_v4, load_v4
-
-    if args.ep > 1 or args.ep_redundant or args.top_p != 1.0 or args.top_k:
-        raise ValueError("V4 models take --temperature and --seed only (no --ep, --top-p, --top-k)")
-    dtype = torch.float32 if args.dtype in ("auto", "float32") else getattr(torch, args.dtype)
-    net = load_v4(args.model, args.device, dtype, seed=args.weights_seed)
-    tok = load_tokenizer(None if args.model in V4_PRESETS else args.model)
-    ids = tok.encode(prompt, add_special_tokens=False).ids if isinstance(prompt, str) else prompt
-    out = generate_v4(net, ids, args.max_tokens, args.temperature, args.seed, args.ignore_eos)
-    text = tok.decode(list(out.token_ids), skip_special_tokens=True)
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "token_ids": list(out.token_ids),
-                    "text": text,
-                    "finish_reason": out.finish_reason,
-                },
-                ensure_ascii=False,
-            )
-        )
-    else:
-        print(text)
     return 0
 
 

@@ -25,6 +25,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -312,6 +313,15 @@ class Engine:
         return self.parts.loaded
 
     @property
+    def tokenizer_source(self) -> str | None:
+        """Where this model's tokenizer is read from (:func:`~.tokenizer.load_tokenizer`): its
+        checkpoint directory, or None for the bundled one (presets, the fake engine)."""
+        if self.parts.loaded is not None:
+            return self.parts.loaded.source
+        model = self.config.model
+        return model if Path(model).is_dir() else None
+
+    @property
     def model(self) -> DeepseekForCausalLM:
         return self.loaded.model
 
@@ -431,7 +441,7 @@ class Engine:
             if self._grammar is None:
                 from .tokenizer import load_tokenizer
 
-                source = self.parts.loaded.source if self.parts.loaded is not None else None
+                source = self.tokenizer_source
                 cfg = self.model_config
                 self._grammar = GrammarBackend(
                     load_tokenizer(source).to_str(), cfg.vocab_size, cfg.eos_token_ids

@@ -31,12 +31,12 @@ class LLM:
 
     def encode(self, text: str) -> list[int]:
         return list(
-            load_tokenizer(self.engine.loaded.source).encode(text, add_special_tokens=False).ids
+            load_tokenizer(self.engine.tokenizer_source).encode(text, add_special_tokens=False).ids
         )
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(
-            load_tokenizer(self.engine.loaded.source).decode(
+            load_tokenizer(self.engine.tokenizer_source).decode(
                 list(token_ids), skip_special_tokens=True
             )
         )

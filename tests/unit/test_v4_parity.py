@@ -128,8 +128,8 @@ def test_checkpoint_directory_loads_as_transformers_saved_it(tmp_path: Path) -> 
 def test_preset_generation_equals_recomputing_every_step(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """v4-tiny through `deepserve generate`: each greedy token is what a fresh full pass over
-    prompt + tokens so far picks (the carried state is exact), and the CLI prints them."""
+    """v4-tiny: each greedy token is what a fresh full pass over prompt + tokens so far picks
+    (the carried state is exact), and `deepserve generate` (the batched engine) prints them."""
     net = load_v4("v4-tiny")
     prompt = [5, 17, 300, 4000, 77, 9, 12000, 41, 8, 2, 61, 99, 1000, 3, 3, 3, 7, 30, 31]
     out = generate_v4(net, prompt, max_tokens=8, ignore_eos=True)
@@ -142,4 +142,10 @@ def test_preset_generation_equals_recomputing_every_step(
     args = ["generate", "--model", "v4-tiny", "--max-tokens", "8", "--ignore-eos", "--json"]
     assert main([*args, "--prompt-ids", ",".join(map(str, prompt))]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == list(out.token_ids)
-    assert main(["generate", "--model", "v4-tiny", "--prompt", "x", "--top-k", "5"]) == 2
+    # The CLI runs V4 on the batched engine: every sampling option, the same seeded draws.
+    sampled = ["--prompt", "x", "--top-k", "5", "--temperature", "0.9", "--seed", "4"]
+    assert main([*args, *sampled]) == 0
+    first = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main([*args, *sampled]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == first and len(first) == 8
+    assert main(["generate", "--model", "v4-tiny", "--prompt", "x", "--ep", "2"]) == 2

@@ -11,6 +11,9 @@ from typing import Any
 
 import torch
 
+from libs.engine.v4.config import V4Config
+from libs.engine.v4.model import V4ForCausalLM
+
 # Each config exercises a different corner of the family; vocab is small to keep CPU runs fast.
 V3_BASE: dict[str, Any] = dict(
     vocab_size=512,
@@ -287,3 +290,10 @@ def build_hf_v4(name: str, seed: int = 0) -> torch.nn.Module:
             elif bname.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn(b.shape, generator=gen))
     return model.eval()
+
+
+def ours_of(hf: torch.nn.Module) -> V4ForCausalLM:
+    """Our V4 model of a transformers DeepSeek-V4 model: its config, its weights."""
+    ours = V4ForCausalLM(V4Config.from_hf(hf.config.to_dict()))
+    ours.load_hf_state(hf.state_dict())
+    return ours

@@ -181,14 +181,7 @@ def build_hf_peer(
     # Rotary tables are non-persistent buffers: compute them on the CPU from the config, then move.
     rotary = hf.model.rotary_emb
     hf.model.rotary_emb = type(rotary)(config=hf_cfg).to(device)
-    left = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.is_meta]
-    if left:
-        raise RuntimeError(f"tensors still on the meta device after sharing weights: {left[:8]}")
-    hf.requires_grad_(False)
-    hf.eval()
-    hf.generation_config.eos_token_id = None  # benchmark decodes run to their length
-    hf.generation_config.pad_token_id = 0
-    return hf
+    return _ready(hf)
 
 
 def build_hf_v4_peer(model: Any, attn_implementation: str | None = None) -> Any:
@@ -218,6 +211,11 @@ def build_hf_v4_peer(model: Any, attn_implementation: str | None = None) -> Any:
             parent, _, attr = name.rpartition(".")
             owner = hf.get_submodule(parent) if parent else hf
             setattr(owner, attr, type(module)(config=hf_cfg).to(device))
+    return _ready(hf)
+
+
+def _ready(hf: Any) -> Any:
+    """A peer whose every tensor is ours (or rebuilt), frozen, decoding to its full length."""
     left = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.is_meta]
     if left:
         raise RuntimeError(f"tensors still on the meta device after sharing weights: {left[:8]}")

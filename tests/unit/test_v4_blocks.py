@@ -19,18 +19,14 @@ from libs.engine.v4.blocks import (
     prefill_blocks,
     restore,
 )
-from libs.engine.v4.config import V4Config
 from libs.engine.v4.load import generate_v4
 from libs.engine.v4.model import V4ForCausalLM, V4State
-from tests.hf_reference import V4_CONFIGS, build_hf_v4
+from tests.hf_reference import V4_CONFIGS, build_hf_v4, ours_of
 
 
 @pytest.fixture(scope="module", params=list(V4_CONFIGS))
 def net(request: pytest.FixtureRequest) -> V4ForCausalLM:
-    hf = build_hf_v4(request.param)
-    ours = V4ForCausalLM(V4Config.from_hf(hf.config.to_dict()))
-    ours.load_hf_state(hf.state_dict())
-    return ours
+    return ours_of(build_hf_v4(request.param))
 
 
 def _ids(n: int, seed: int = 1) -> list[int]:

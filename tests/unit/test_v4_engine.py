@@ -17,21 +17,17 @@ from libs.engine.engine import Engine, EngineConfig
 from libs.engine.kv.transfer import KVFormatError
 from libs.engine.v4 import serving
 from libs.engine.v4.blocks import restore_open
-from libs.engine.v4.config import V4Config
 from libs.engine.v4.load import generate_v4
 from libs.engine.v4.model import V4ForCausalLM
 from libs.engine.v4.serving import V4Runner, v4_parts
-from tests.hf_reference import V4_CONFIGS, build_hf_v4
+from tests.hf_reference import V4_CONFIGS, build_hf_v4, ours_of
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", params=list(V4_CONFIGS))
 def net(request: pytest.FixtureRequest) -> V4ForCausalLM:
-    hf = build_hf_v4(request.param)
-    ours = V4ForCausalLM(V4Config.from_hf(hf.config.to_dict()))
-    ours.load_hf_state(hf.state_dict())
-    return ours
+    return ours_of(build_hf_v4(request.param))
 
 
 def engine(net: V4ForCausalLM, model_id: str = "net-a", **kw) -> Engine:

@@ -18,16 +18,14 @@ from deepserve.cli import main
 from libs.engine.v4.config import CSA, HCA, SLIDING, V4Config
 from libs.engine.v4.load import generate_v4, is_v4, load_v4
 from libs.engine.v4.model import V4ForCausalLM, V4State
-from tests.hf_reference import V4_CONFIGS, build_hf_v4
+from tests.hf_reference import V4_CONFIGS, build_hf_v4, ours_of
 
 PROMPT = 41  # > 2 windows of 16, > 5 HCA windows of 8, odd: windows left open at the end
 
 
 def _pair(name: str) -> tuple[torch.nn.Module, V4ForCausalLM]:
     hf = build_hf_v4(name)
-    ours = V4ForCausalLM(V4Config.from_hf(hf.config.to_dict()))
-    ours.load_hf_state(hf.state_dict())
-    return hf, ours
+    return hf, ours_of(hf)
 
 
 def _ids(n: int, seed: int = 1) -> torch.Tensor:

@@ -372,12 +372,8 @@ class Attention(nn.Module):
             eb = torch.zeros(b, t, device=q.device).masked_fill(hidden, float("-inf"))
             keys = torch.cat([keys, entries], dim=1)
             bias = torch.cat([bias, eb], dim=1)
-        h = cfg.num_attention_heads
         logits = torch.einsum("bhd,bkd->bhk", q, keys) * d**-0.5 + bias.to(q.dtype)[:, None, :]
-        sink = self.sinks.to(logits.dtype).view(1, h, 1).expand(b, h, 1)
-        both = torch.cat([logits, sink], dim=-1)
-        both = both - both.max(dim=-1, keepdim=True).values
-        probs = F.softmax(both, dim=-1)[..., :-1].to(keys.dtype)
+        probs = _softmax_with_sink(logits, self.sinks.view(1, -1, 1)).to(keys.dtype)
         out: torch.Tensor = torch.einsum("bhk,bkd->bhd", probs, keys)
         return out
 
@@ -420,10 +416,7 @@ class Attention(nn.Module):
             keys = torch.cat([keys, entries])
             bias = torch.cat([bias, eb], dim=1)
         logits = torch.einsum("shd,kd->hsk", q, keys) * d**-0.5 + bias.to(q.dtype)
-        sink = self.sinks.to(logits.dtype).view(h, 1, 1).expand(h, s, 1)
-        both = torch.cat([logits, sink], dim=-1)
-        both = both - both.max(dim=-1, keepdim=True).values
-        probs = F.softmax(both, dim=-1)[..., :-1].to(keys.dtype)
+        probs = _softmax_with_sink(logits, self.sinks.view(h, 1, 1)).to(keys.dtype)
         out: torch.Tensor = torch.einsum("hsk,kd->shd", probs, keys)
         return out
 
@@ -491,6 +484,14 @@ class HyperHead(nn.Module):
             F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float()
         )
         return ((pre + self.eps).unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+def _softmax_with_sink(logits: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last axis with one more logit per row, the head's sink (``sink``
+    broadcasts to the rows), whose share is dropped: the rows sum to less than 1."""
+    both = torch.cat([logits, sink.to(logits.dtype).expand(*logits.shape[:-1], 1)], dim=-1)
+    both = both - both.max(dim=-1, keepdim=True).values
+    return F.softmax(both, dim=-1)[..., :-1]
 
 
 def _pad(rows: Sequence[torch.Tensor], left: bool = False) -> torch.Tensor:

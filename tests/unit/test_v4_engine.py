@@ -207,3 +207,35 @@ def test_the_transformers_peer_runs_on_the_engines_own_tensors() -> None:
     prompt = [(i * 7919) % 128000 + 3 for i in range(40)]
     out = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
     assert out[0, 40:].tolist() == alone(model, prompt, 6)
+
+
+def test_the_engines_sampling_features_serve_v4() -> None:
+    """The V4 runner samples through the engine's own sampler: a constraint holds (a digits
+    regex), logprobs are the model's log-softmax at each position, seeded sampling repeats."""
+    from libs.common.sampling import Constraint
+    from libs.engine.tokenizer import load_tokenizer
+    from libs.engine.v4.load import load_v4
+    from libs.engine.v4.model import V4State
+
+    eng = Engine(EngineConfig(model="v4-tiny", block_size=16))
+    model = load_v4("v4-tiny")
+    p = ids(20, 9)
+    digits = SamplingParams(max_tokens=6, constraint=Constraint("regex", "[0-9]{30}"))
+    logprobs = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2)
+    seeded = SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.0, seed=11)
+    for rid, sp in (("digits", digits), ("lp", logprobs), ("s1", seeded), ("s2", seeded)):
+        eng.add_request(rid, p, sp)
+    out: dict[str, list] = {}
+    while eng.has_unfinished():
+        for ev in eng.step():
+            if ev.token_id is not None:
+                out.setdefault(ev.request_id, []).append(ev)
+    tok = load_tokenizer()
+    assert all(tok.id_to_token(ev.token_id).isdigit() for ev in out["digits"])
+    assert [e.token_id for e in out["s1"]] == [e.token_id for e in out["s2"]]
+    seq = p + [ev.token_id for ev in out["lp"]]
+    ref = model(torch.tensor(seq), V4State.empty(model.cfg)).log_softmax(-1)
+    for i, ev in enumerate(out["lp"]):
+        assert ev.logprobs is not None and len(ev.logprobs.top_ids) == 2
+        want = float(ref[len(p) - 1 + i, ev.token_id])
+        assert ev.logprobs.logprob == pytest.approx(want, abs=1e-4)

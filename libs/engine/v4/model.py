@@ -1,4 +1,4 @@
-"""DeepSeek-V4 in plain PyTorch, one sequence at a time, its per-request state as data.
+"""DeepSeek-V4 in plain PyTorch, its per-request state as data.
 
 This is the family's reference: parameter names are the Hugging Face checkpoint's (a
 ``DeepseekV4ForCausalLM`` state dict loads as it is), and :class:`V4State` holds everything a
@@ -17,6 +17,10 @@ them), plus a per-head sink that takes probability mass and gives no value. Chun
 differently, or decoding token by token, gives what one pass gives: exactly tied indexer scores
 go to the lower entry (transformers' ``torch.topk`` breaks such ties by the row's length, so
 there, and only there, the two can pick differently).
+
+Several sequences go through one pass (:meth:`V4ForCausalLM.forward_batch`, what the engine's
+V4 runner calls): every matrix over all their rows, attention per sequence over its own state
+-- for decode rows (one token each) as one padded batch.
 """
 
 from __future__ import annotations
@@ -289,7 +293,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """``x [T, hidden]``: the rows of every sequence in ``spans`` (first row, rows,
         positions), each attending over its own state in ``states``. Projections run over all
-        rows at once; the attention itself per sequence."""
+        rows at once; the attention per sequence, or, when every sequence has one row, as one
+        padded batch (:meth:`_attend_decode`)."""
         cfg = self.cfg
         t, h, d = x.shape[0], cfg.num_attention_heads, cfg.head_dim
         rot = rotary["main" if self.kind == SLIDING else "compress"]

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import ModelConfig
-from ..kv.host import HostBlockStore, Ready
+from ..kv.host import HostBlockStore
 from ..kv.layout import CacheSpec, PagedEntry
 from ..runner import Launched, ModelRunner
 from ..sampler import Sampler
@@ -148,11 +148,10 @@ class V4BlockStore(HostBlockStore):
                 self.put(b, encode())
 
     def read_blocks(self, blocks: Sequence[int]) -> bytes:
+        """As stored, live blocks written first (``gather_async`` reads through here, on the
+        engine thread)."""
         self._settle(blocks)
         return super().read_blocks(blocks)
-
-    def gather_async(self, blocks: Sequence[int]) -> Ready:
-        return Ready(self.read_blocks(blocks))  # live blocks are written here, on the engine thread
 
     def write_blocks(self, blocks: Sequence[int], payload: bytes | memoryview) -> None:
         for b in blocks:
@@ -196,7 +195,6 @@ class V4Runner(ModelRunner):
         self.sampler = sampler
         self.device = next(net.parameters()).device
         self.block_size = block_size
-        self.cuda_graphs = False
         self.max_states = max(1, max_states)
         self.states: OrderedDict[str, _Running] = OrderedDict()
 
@@ -206,15 +204,17 @@ class V4Runner(ModelRunner):
     def forget(self, request_id: str) -> None:
         """Drop the request's state; the block it was part-way through is written first (an
         export of a held request reads it)."""
+        self._drop(request_id, keep=True)
+
+    def _drop(self, request_id: str, keep: bool) -> None:
+        """Drop the request's state; its open block written from it first if ``keep``."""
         run = self.states.pop(request_id, None)
         if run is not None and run.open_block is not None:
-            self.store.settle(run.open_block, keep=True)
+            self.store.settle(run.open_block, keep)
 
     def _forward(self, plan: StepPlan, prev: Launched | None) -> torch.Tensor:
         for rid in plan.preempted:  # its blocks are freed: nothing of it is written
-            run = self.states.pop(rid, None)
-            if run is not None and run.open_block is not None:
-                self.store.settle(run.open_block, keep=False)
+            self._drop(rid, keep=False)
         work = [_Work(self._running(s), s, self._token_ids(s, prev)) for s in plan.seqs]
         self._run(work)
         rows = []
@@ -243,9 +243,7 @@ class V4Runner(ModelRunner):
             self.states.move_to_end(seq.request_id)
             return run
         if run is not None:  # rewound (a retry of the id): start over from its blocks
-            self.states.pop(seq.request_id)
-            if run.open_block is not None:
-                self.store.settle(run.open_block, keep=False)
+            self._drop(seq.request_id, keep=False)
         bs = self.block_size
         if seq.start == 0:
             state = V4State.empty(self.net.cfg)
@@ -292,16 +290,14 @@ class V4Runner(ModelRunner):
             self._mark_open(w.run, w.seq)
 
     def _mark_open(self, run: _Running, seq: ScheduledSeq) -> None:
-        """The block the request's state now ends inside (if any) becomes live."""
+        """The block the request's state now ends inside (if any) becomes live; one it left
+        filled on the way and was written (``put``), which ended its being live."""
         st, bs = run.state, self.block_size
         if st.seen % bs == 0:
-            run.open_block = None  # it filled and was written
+            run.open_block = None
             return
-        block = seq.block_table[(st.seen - 1) // bs]
-        if run.open_block is not None and run.open_block != block:
-            self.store.settle(run.open_block, keep=True)
-        run.open_block = block
-        self.store.set_live(block, lambda: encode_block(run.state, run.before))
+        run.open_block = seq.block_table[(st.seen - 1) // bs]
+        self.store.set_live(run.open_block, lambda: encode_block(run.state, run.before))
 
 
 def engine_view(cfg: V4Config) -> ModelConfig:

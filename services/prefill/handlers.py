@@ -308,10 +308,11 @@ class PrefillHandler:
         if ev.logprobs is not None:
             decode_task.first_logprobs.CopyFrom(ev.logprobs.to_proto())
         try:
-            drafts = await self.loop.call(lambda e: e.take_drafts(rid))  # when speculating
-            if drafts is not None:  # for decode's first step to verify
-                decode_task.draft_token_ids.extend(drafts[0])
-                decode_task.draft_confidences.extend(drafts[1])
+            if self.loop.engine.speculative is not None:  # drafts for decode's first step
+                drafts = await self.loop.call(lambda e: e.take_drafts(rid))
+                if drafts is not None:
+                    decode_task.draft_token_ids.extend(drafts[0])
+                    decode_task.draft_confidences.extend(drafts[1])
             with self.tracer.start_as_current_span("prefill.handoff"):
                 await self._hand_over(task, decode_task, prompt)
         except InstanceFailed as exc:

@@ -154,6 +154,14 @@ def test_stop_tokens_end_verified_runs(tiny_mtp) -> None:
     assert not eng.speculative.drafts and eng.blocks.num_used == 0
 
 
+def prefill_held(eng: Engine, p: list[int], params: SamplingParams) -> int:
+    """Prefill ``p`` as request "r" held for export, as prefill's service does; its first token."""
+    eng.add_request("r", p, params, hold_kv=True)
+    while eng.has_unfinished():
+        eng.step()
+    return eng.info("r").token_ids[-1]
+
+
 def test_kv_export_import_then_drafting(tiny_mtp) -> None:
     """Prefill in one engine, decode in another: the hand-off carries the MTP layer's KV, the
     decode engine drafts from its second step on and the tokens are the uninterrupted ones."""
@@ -161,10 +169,7 @@ def test_kv_export_import_then_drafting(tiny_mtp) -> None:
     p = prompt(45, 8)
     full = run(make(loaded, 0), {"r": (p, GREEDY)})["r"]
     pre = make(loaded, 3)
-    pre.add_request("r", p, SamplingParams(max_tokens=1, ignore_eos=True), hold_kv=True)
-    while pre.has_unfinished():
-        pre.step()
-    first = pre.info("r").token_ids[-1]
+    first = prefill_held(pre, p, SamplingParams(max_tokens=1, ignore_eos=True))
     frame = pre.export_kv("r", include_partial=True, release=True)
     dec = make(loaded, 3)
     dec.add_request(
@@ -186,10 +191,7 @@ def test_the_handover_carries_drafts_for_decodes_first_step(tiny_mtp) -> None:
     p = prompt(45, 8)
     full = run(make(loaded, 0), {"r": (p, GREEDY)})["r"]
     pre = make(loaded, 3)
-    pre.add_request("r", p, SamplingParams(max_tokens=1, ignore_eos=True), hold_kv=True)
-    while pre.has_unfinished():
-        pre.step()
-    first = pre.info("r").token_ids[-1]
+    first = prefill_held(pre, p, SamplingParams(max_tokens=1, ignore_eos=True))
     drafts = pre.take_drafts("r")
     assert drafts is not None and len(drafts[0]) == 3 and pre.take_drafts("r") is None
     assert drafts[0] == full[1:4]  # the exact head drafts the next tokens
@@ -580,8 +582,7 @@ def test_verification_rows_of_a_constrained_request_follow_its_grammar(tiny_mtp)
     full = run(make(tiny_mtp, 0), {"r": (p, DIGITS)})["r"]
     assert all(tok.id_to_token(t).isdigit() for t in full), "the constraint holds"
     pre = make(tiny_mtp, 0)
-    pre.add_request("r", p, dataclasses.replace(DIGITS, max_tokens=1), hold_kv=True)
-    _decode_all(pre)
+    prefill_held(pre, p, dataclasses.replace(DIGITS, max_tokens=1))
     frame = pre.export_kv("r", include_partial=True, release=True)
     rest = dataclasses.replace(DIGITS, max_tokens=11)
 

@@ -97,3 +97,46 @@ def test_the_batched_engine_serves_v4_on_device() -> None:
     while b.has_unfinished():
         rest += [ev.token_id for ev in b.step() if ev.token_id is not None]
     assert first + rest == out["r150"]
+
+
+def test_v4_kernels_at_flash_widths_match_pytorch_in_bf16() -> None:
+    """The decode attention (64 heads of 512, a window of 128 rows and 512 picked entries out
+    of a pool), the indexer (64 heads of 128 over 2,000 keys) and the clamped-SwiGLU MoE at
+    V4-Flash's widths, bf16 inputs, against the fp32 references on the same inputs."""
+    from libs.engine.kernels.fused_moe import fused_moe, fused_moe_reference
+    from libs.engine.kernels.v4_attention import (
+        indexer_scores,
+        indexer_scores_reference,
+        sparse_decode_attention,
+        sparse_decode_attention_reference,
+    )
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    b, h, d = 16, 64, 512
+    q = torch.randn(b, h, d, device=CUDA, generator=g).bfloat16()
+    rows = torch.randn(b * 2000, d, device=CUDA, generator=g).bfloat16()
+    index = torch.randint(0, rows.shape[0], (b, 640), device=CUDA, generator=g).int()
+    index[3, 100:] = -1
+    sinks = torch.randn(h, device=CUDA, generator=g)
+    ref = sparse_decode_attention_reference(q, rows, index, sinks, d**-0.5)
+    assert rel(sparse_decode_attention(q, rows, index, sinks, d**-0.5), ref) < 1e-2
+    qi = torch.randn(b, 64, 128, device=CUDA, generator=g).bfloat16()
+    w = torch.randn(b, 64, device=CUDA, generator=g)
+    starts = torch.arange(b, device=CUDA, dtype=torch.int32) * 2000
+    counts = torch.full((b,), 2000, device=CUDA, dtype=torch.int32)
+    counts[5] = 700
+    want = indexer_scores_reference(qi, w, rows[:, :128], starts, counts, 2000, 128**-0.5)
+    got = indexer_scores(qi, w, rows[:, :128], starts, counts, 2000, 128**-0.5)
+    seen = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), seen)
+    assert rel(got[seen], want[seen]) < 1e-2
+    x = torch.randn(64, 4096, device=CUDA, generator=g).bfloat16()
+    w13 = (torch.randn(16, 4096, 4096, device=CUDA, generator=g) * 0.05).bfloat16()
+    w2 = (torch.randn(16, 4096, 2048, device=CUDA, generator=g) * 0.05).bfloat16()
+    ids = torch.stack([torch.randperm(16, device=CUDA, generator=g)[:6] for _ in range(64)])
+    wts = torch.rand(64, 6, device=CUDA, generator=g)
+    want = fused_moe_reference(x, w13, w2, wts, ids, swiglu_limit=10.0)
+    assert rel(fused_moe(x, w13, w2, wts, ids, swiglu_limit=10.0), want) < 2e-2

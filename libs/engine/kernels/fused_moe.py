@@ -149,10 +149,11 @@ def fused_moe_reference(
     w2: torch.Tensor | Fp4Weight | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """Plain-PyTorch routed experts in fp32 (FP4/FP8 weights decoded one expert at a time; with
     FP8 the activations are quantized as :func:`fused_moe` does, ``silu(gate) * up`` after a
-    round trip through ``x.dtype``)."""
+    round trip through ``x.dtype``; ``swiglu_limit`` as :func:`fused_moe` takes it)."""
     t, k = topk_ids.shape
     fp8 = isinstance(w13, Fp8Weight)
     xf = _fp8_activations(x) if fp8 else x.to(torch.float32)
@@ -160,6 +161,8 @@ def fused_moe_reference(
     for e in torch.unique(topk_ids).tolist():
         tokens, slots = torch.nonzero(topk_ids == e, as_tuple=True)
         gate, up = F.linear(xf[tokens], _expert_weight(w13, e)).chunk(2, dim=-1)
+        if swiglu_limit is not None:
+            gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
         h = F.silu(gate) * up
         if fp8:
             h = _fp8_activations(h.to(x.dtype))
@@ -491,6 +494,7 @@ def _gate_up_kernel(
     top_k,
     I,  # noqa: E741 - the intermediate size, as the other kernels name it
     num_pid_m,
+    limit,
     stride_xm,
     stride_xsm,
     stride_we,
@@ -509,8 +513,11 @@ def _gate_up_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     SWAP_AB: tl.constexpr = False,
+    CLAMP: tl.constexpr = False,
 ):  # type: ignore[no-untyped-def]
-    """inter[row, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for one tile."""
+    """inter[row, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for one tile (with
+    ``CLAMP``: the gate clamped to at most ``limit``, the up value to +-``limit``, as
+    DeepSeek-V4's SwiGLU does)."""
     HALF_N: tl.constexpr = BLOCK_N // 2
     pid_m, pid_n = _tile_ids(num_pid_m, tl.cdiv(I, HALF_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -547,6 +554,9 @@ def _gate_up_kernel(
             UPCAST,
         )
         gate_t, up_t = tl.split(tl.permute(tl.reshape(acc_t, (2, HALF_N, BLOCK_M)), (1, 2, 0)))
+        if CLAMP:
+            gate_t = tl.minimum(gate_t, limit)
+            up_t = tl.minimum(tl.maximum(up_t, -limit), limit)
         h_t = gate_t / (1.0 + tl.exp(-gate_t)) * up_t
         ptrs_t = inter_ptr + offs_m.to(tl.int64)[None, :] * stride_im + offs_n[:, None]
         tl.store(ptrs_t, h_t.to(inter_ptr.dtype.element_ty), mask=(offs_n < I)[:, None])
@@ -569,6 +579,9 @@ def _gate_up_kernel(
             UPCAST,
         )
         gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF_N)), (0, 2, 1)))
+        if CLAMP:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
         h = gate / (1.0 + tl.exp(-gate)) * up
         ptrs = inter_ptr + offs_m.to(tl.int64)[:, None] * stride_im + offs_n[None, :]
         tl.store(ptrs, h.to(inter_ptr.dtype.element_ty), mask=(offs_n < I)[None, :])
@@ -819,8 +832,10 @@ def fused_moe(
     *,
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
-    """Routed experts: ``sum_j w[t,j] * (silu(x Wg^T) * (x Wu^T)) W2^T`` of expert ``ids[t,j]``.
+    """Routed experts: ``sum_j w[t,j] * (silu(x Wg^T) * (x Wu^T)) W2^T`` of expert ``ids[t,j]``
+    (``swiglu_limit``: DeepSeek-V4's clamped SwiGLU, ``silu(min(g, L)) * clamp(u, -L, L)``).
 
     ``x [T, H]`` (bf16/fp32), ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` (tensors, :class:`Fp4Weight`
     or, both or neither, :class:`Fp8Weight`), ``topk_weights [T, k]`` fp32, ``topk_ids [T, k]``
@@ -902,6 +917,7 @@ def fused_moe(
         k,
         inter_dim,
         num_pid_m,
+        0.0 if swiglu_limit is None else float(swiglu_limit),
         xa.stride(0),
         xs.stride(0),
         w13_t.stride(0),
@@ -917,6 +933,7 @@ def fused_moe(
         BLOCK_K=bk,
         GROUP_M=cfg["GROUP_M"],
         EVEN_K=hidden % bk == 0,
+        CLAMP=swiglu_limit is not None,
         **launch,
     )
     if fp8:

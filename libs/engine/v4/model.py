@@ -276,6 +276,7 @@ class Attention(nn.Module):
         )
         self.o_b_proj = _linear(cfg.hidden_size, cfg.o_groups * cfg.o_lora_rank)
         self.sinks = _param(h)
+        self.use_kernels = False  # decode attention through the Triton kernels
         self.compressor: Compressor | None = (
             CSACompressor(cfg)
             if self.kind == CSA
@@ -312,7 +313,7 @@ class Attention(nn.Module):
                 ind = comp.indexer
                 proj += [ind.kv_proj(x), ind.gate_proj(x), *ind.queries(x, q_res, cos, sin)]
         if len(spans) > 1 and all(n == 1 for _, n, _ in spans):
-            out = self._attend_decode(q, kv, proj, positions, states, rot)
+            out = self._attend_decode(q, kv, proj, states, rot)
         else:
             ctx = [
                 self._attend(
@@ -331,56 +332,100 @@ class Attention(nn.Module):
         q: torch.Tensor,
         kv: torch.Tensor,
         proj: list[torch.Tensor],
-        positions: torch.Tensor,
         states: Sequence[LayerState],
         rot: V4Rotary,
     ) -> torch.Tensor:
-        """:meth:`_attend` for ``B`` sequences of one new token each, as one padded batch:
-        each state still takes its token (window, compressors: small per-sequence updates),
-        then the indexer's pick and the attention run over every sequence's window and
-        entries at once, padding masked. Returns ``[B, heads, head_dim]``."""
+        """:meth:`_attend` for ``B`` sequences of one new token each, as one batch: each state
+        still takes its token (window, compressors: small per-sequence updates), then the
+        indexer's pick and the attention run over every sequence's window and entries at
+        once. Returns ``[B, heads, head_dim]``."""
         cfg = self.cfg
-        b, d, w = q.shape[0], cfg.head_dim, cfg.sliding_window
+        d, w = cfg.head_dim, cfg.sliding_window
         windows = []
         for i, st in enumerate(states):
             past = st.window if st.window is not None else kv.new_zeros(0, d)
             rows = torch.cat([past, kv[i : i + 1]])  # all within the query's window
             st.window = rows[-(w - 1) :] if w > 1 else rows[:0]
             windows.append(rows)
+        comp = self.compressor
+        entries: list[torch.Tensor] = []
+        index_keys: list[torch.Tensor] = []
+        if comp is not None:
+            # Every entry a state holds after its token is closed for that token's query.
+            cst = [st.compressors.setdefault("compressor", CompressorState()) for st in states]
+            entries = [
+                comp.absorb(proj[0][i : i + 1], proj[1][i : i + 1], c, rot)
+                for i, c in enumerate(cst)
+            ]
+            if isinstance(comp, CSACompressor):
+                ind = comp.indexer
+                ist = [st.compressors.setdefault("indexer", CompressorState()) for st in states]
+                index_keys = [
+                    ind.absorb(proj[2][i : i + 1], proj[3][i : i + 1], c, rot)
+                    for i, c in enumerate(ist)
+                ]
+        if self.use_kernels:
+            return self._attend_gathered(q, proj, windows, entries, index_keys)
+        b = q.shape[0]
         keys = _pad(windows, left=True)  # [B, Wk, D]
         width = keys.shape[1]
         lengths = torch.tensor([r.shape[0] for r in windows], device=q.device)
         pad = torch.arange(width, device=q.device)[None, :] < (width - lengths)[:, None]
         bias = torch.zeros(b, width, device=q.device).masked_fill(pad, float("-inf"))
-        comp = self.compressor
         if comp is not None:
-            cst = [st.compressors.setdefault("compressor", CompressorState()) for st in states]
-            entries = _pad(
-                [
-                    comp.absorb(proj[0][i : i + 1], proj[1][i : i + 1], c, rot)
-                    for i, c in enumerate(cst)
-                ]
-            )  # [B, T, D]
-            t = entries.shape[1]
-            closed = (positions + 1) // comp.rate
-            hidden = torch.arange(t, device=q.device)[None, :] >= closed[:, None]
+            ent = _pad(entries)  # [B, T, D]
+            t = ent.shape[1]
+            counts = torch.tensor([e.shape[0] for e in entries], device=q.device)
+            hidden = torch.arange(t, device=q.device)[None, :] >= counts[:, None]
             if isinstance(comp, CSACompressor):
-                ind = comp.indexer
-                ist = [st.compressors.setdefault("indexer", CompressorState()) for st in states]
-                index_keys = _pad(
-                    [
-                        ind.absorb(proj[2][i : i + 1], proj[3][i : i + 1], c, rot)
-                        for i, c in enumerate(ist)
-                    ]
-                )
-                hidden = ind.unpicked(proj[4], proj[5], index_keys, hidden)
+                hidden = comp.indexer.unpicked(proj[4], proj[5], _pad(index_keys), hidden)
             eb = torch.zeros(b, t, device=q.device).masked_fill(hidden, float("-inf"))
-            keys = torch.cat([keys, entries], dim=1)
+            keys = torch.cat([keys, ent], dim=1)
             bias = torch.cat([bias, eb], dim=1)
         logits = torch.einsum("bhd,bkd->bhk", q, keys) * d**-0.5 + bias.to(q.dtype)[:, None, :]
         probs = _softmax_with_sink(logits, self.sinks.view(1, -1, 1)).to(keys.dtype)
         out: torch.Tensor = torch.einsum("bhk,bkd->bhd", probs, keys)
         return out
+
+    def _attend_gathered(
+        self,
+        q: torch.Tensor,
+        proj: list[torch.Tensor],
+        windows: list[torch.Tensor],
+        entries: list[torch.Tensor],
+        index_keys: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """The decode attention through the Triton kernels: every sequence's window rows and
+        entries in one row pool, each query gathering its own (for CSA, the window and the
+        indexer's picks; the indexer is skipped while no sequence holds more entries than it
+        picks, as it would pick them all)."""
+        from ..kernels.v4_attention import indexer_scores, sparse_decode_attention
+
+        dev, b = q.device, q.shape[0]
+        wl = [r.shape[0] for r in windows]
+        el = [e.shape[0] for e in entries]
+        wbase = _starts(wl)
+        ebase = _starts(el, sum(wl))
+        meta = torch.tensor([wbase, wl, ebase or [0] * b, el or [0] * b], device=dev)
+        pool = torch.cat(windows + entries)
+        cols = torch.arange(max(wl), device=dev)[None, :]
+        index = [torch.where(cols < meta[1, :, None], meta[0, :, None] + cols, -1)]
+        if max(el, default=0):
+            cols = torch.arange(max(el), device=dev)[None, :]
+            comp = self.compressor
+            topk = comp.indexer.topk if isinstance(comp, CSACompressor) else 0
+            if topk and max(el) > topk:
+                assert isinstance(comp, CSACompressor)
+                ind = comp.indexer
+                scores = indexer_scores(
+                    proj[4], proj[5], torch.cat(index_keys), meta[2] - sum(wl), meta[3],
+                    max(el), ind.dim**-0.5,
+                )  # fmt: skip
+                cols = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk]
+            index.append(torch.where(cols < meta[3, :, None], meta[2, :, None] + cols, -1))
+        return sparse_decode_attention(
+            q, pool, torch.cat(index, dim=1), self.sinks, self.cfg.head_dim**-0.5
+        )
 
     def _attend(
         self,
@@ -511,6 +556,15 @@ def _pad(rows: Sequence[torch.Tensor], left: bool = False) -> torch.Tensor:
     return out
 
 
+def _starts(lengths: list[int], first: int = 0) -> list[int]:
+    """Where each of consecutive runs of ``lengths`` starts, the first at ``first``."""
+    out, at = [], first
+    for n in lengths:
+        out.append(at)
+        at += n
+    return out
+
+
 def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
@@ -570,8 +624,15 @@ class Experts(nn.Module):
         self.gate_up_proj = _param(e, 2 * i, h)
         self.down_proj = _param(e, h, i)
         self.limit = cfg.swiglu_limit
+        self.use_kernels = False  # the fused Triton MoE (no host synchronization)
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        if self.use_kernels:
+            from ..kernels.fused_moe import fused_moe
+
+            return fused_moe(
+                x, self.gate_up_proj, self.down_proj, w.float(), idx, swiglu_limit=self.limit
+            )
         out = torch.zeros_like(x)
         for e in torch.unique(idx).tolist():
             tok, slot = torch.nonzero(idx == e, as_tuple=True)
@@ -646,6 +707,13 @@ class V4ForCausalLM(nn.Module):
             "main": V4Rotary(cfg.rope_main, r),
             "compress": V4Rotary(cfg.rope_compress, r),
         }
+
+    def set_kernels(self, on: bool) -> None:
+        """Decode attention, the indexer and the routed experts through the Triton kernels
+        (on) or plain PyTorch (the reference)."""
+        for module in self.modules():
+            if isinstance(module, (Attention, Experts)):
+                module.use_kernels = on
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, state: V4State) -> torch.Tensor:

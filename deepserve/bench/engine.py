@@ -28,7 +28,9 @@ and overlap.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import json
 import platform
 import statistics
@@ -351,13 +353,30 @@ def bench_transformers(
         "method": "t(generate 1+n tokens) - t(generate 1 token) over n greedy steps, EOS ignored",
     }
     oom = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-    runs = []
+    dtype = next(model.parameters()).dtype
+    cast: Any = contextlib.nullcontext
+    runs: list[dict[str, Any]] = []
     for b in batches:
-        try:
-            runs.append(hf_decode_throughput(hf, b, context, steps, device))
-        except oom:
-            free_memory(device)
-            runs.append({"batch": b, "context": context, "error": "out of memory"})
+        for attempt in range(2):
+            try:
+                with cast():
+                    runs.append(hf_decode_throughput(hf, b, context, steps, device))
+                break
+            except oom:
+                free_memory(device)
+                runs.append({"batch": b, "context": context, "error": "out of memory"})
+                break
+            except RuntimeError as exc:  # the peer's own failure: recorded, the engine's stand
+                free_memory(device)
+                err = str(exc).splitlines()[0]
+                if attempt == 0 and "dtype" in err and device.type == "cuda":
+                    # Some transformers versions feed fp32 norm outputs to bf16 matmuls;
+                    # autocast casts every matmul's inputs, as their later versions do.
+                    info["autocast"] = f"{dtype} (without it: {err})"
+                    cast = functools.partial(torch.autocast, "cuda", dtype=dtype)
+                    continue
+                runs.append({"batch": b, "context": context, "error": err})
+                break
     del hf
     free_memory(device)
     return runs, info

@@ -196,7 +196,8 @@ def build_hf_v4_peer(model: Any, attn_implementation: str | None = None) -> Any:
     if attn_implementation is not None:
         kw["attn_implementation"] = attn_implementation
     hf_cfg = transformers.DeepseekV4Config(**kw)
-    hf_cfg.dtype = next(model.parameters()).dtype
+    dtype = next(model.parameters()).dtype
+    hf_cfg.dtype = dtype
     device = next(model.parameters()).device
     model_cls: Any = transformers.DeepseekV4ForCausalLM
     with torch.device("meta"):
@@ -205,7 +206,21 @@ def build_hf_v4_peer(model: Any, attn_implementation: str | None = None) -> Any:
     missing = [n for n in hf.state_dict() if n not in ours]
     if missing:
         raise RuntimeError(f"transformers' V4 has tensors ours lacks: {missing[:8]}")
-    hf.load_state_dict({n: ours[n].detach() for n in hf.state_dict()}, strict=True, assign=True)
+    # Each tensor in the dtype transformers' own loader gives it (its strict keep-in-fp32
+    # module names, matched as substrings as its loader does, and for fp16 the others too;
+    # the rest in the model's dtype): shared where ours has that dtype, else a converted copy.
+    keep = list(getattr(model_cls, "_keep_in_fp32_modules_strict", None) or [])
+    if dtype == torch.float16:
+        keep += getattr(model_cls, "_keep_in_fp32_modules", None) or []
+
+    def loaded(name: str) -> torch.Tensor:
+        t: torch.Tensor = ours[name].detach()
+        if not t.is_floating_point():
+            return t
+        want = torch.float32 if any(k in name for k in keep) else dtype
+        return t if t.dtype == want else t.to(want)
+
+    hf.load_state_dict({n: loaded(n) for n in hf.state_dict()}, strict=True, assign=True)
     for name, module in list(hf.named_modules()):
         if name.endswith("rotary_emb"):
             parent, _, attr = name.rpartition(".")

@@ -92,17 +92,59 @@ class V4Rotary:
         return torch.cat([x[..., :-r], rotated], dim=-1)
 
 
-@dataclass
 class CompressorState:
-    buf_kv: torch.Tensor | None = None
-    buf_gate: torch.Tensor | None = None
-    entries: torch.Tensor | None = None
-    overlap_kv: torch.Tensor | None = None
-    overlap_gate: torch.Tensor | None = None
+    """One compressor's state (module doc). Rows fed one at a time (decode) wait in a list
+    until their window closes or someone reads ``buf_kv``/``buf_gate``: appending a row
+    launches nothing on the device."""
+
+    def __init__(self) -> None:
+        self._kv: torch.Tensor | None = None
+        self._gate: torch.Tensor | None = None
+        self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []  # after _kv/_gate
+        self.entries: torch.Tensor | None = None
+        self.overlap_kv: torch.Tensor | None = None
+        self.overlap_gate: torch.Tensor | None = None
 
     @property
     def count(self) -> int:
         return 0 if self.entries is None else int(self.entries.shape[0])
+
+    @property
+    def buffered(self) -> int:
+        """Tokens of the open window fed so far."""
+        return (0 if self._kv is None else int(self._kv.shape[0])) + len(self._rows)
+
+    def append(self, kv: torch.Tensor, gate: torch.Tensor) -> None:
+        """One more token's ``[1, width]`` rows, joined to the buffer only when read."""
+        self._rows.append((kv, gate))
+
+    def _join(self) -> None:
+        if self._rows:
+            kv = [] if self._kv is None else [self._kv]
+            gate = [] if self._gate is None else [self._gate]
+            self._kv = torch.cat(kv + [r[0] for r in self._rows])
+            self._gate = torch.cat(gate + [r[1] for r in self._rows])
+            self._rows = []
+
+    @property
+    def buf_kv(self) -> torch.Tensor | None:
+        self._join()
+        return self._kv
+
+    @buf_kv.setter
+    def buf_kv(self, value: torch.Tensor | None) -> None:
+        self._join()
+        self._kv = value
+
+    @property
+    def buf_gate(self) -> torch.Tensor | None:
+        self._join()
+        return self._gate
+
+    @buf_gate.setter
+    def buf_gate(self, value: torch.Tensor | None) -> None:
+        self._join()
+        self._gate = value
 
 
 @dataclass
@@ -143,6 +185,11 @@ class Compressor(nn.Module):
         """Feed one sequence's next tokens, as their ``kv_proj`` and ``gate_proj`` rows (a
         batch's computed together); returns every entry so far ``[T, dim]``."""
         first = st.count * self.rate
+        if kv.shape[0] == 1 and st.buffered + 1 < self.rate:  # decode, the window stays open
+            st.append(kv, gate)
+            if st.entries is None:
+                st.entries = kv.new_zeros(0, self.dim)
+            return st.entries
         if st.buf_kv is not None and st.buf_kv.shape[0]:
             assert st.buf_gate is not None
             kv, gate = torch.cat([st.buf_kv, kv]), torch.cat([st.buf_gate, gate])
@@ -341,10 +388,20 @@ class Attention(nn.Module):
         once. Returns ``[B, heads, head_dim]``."""
         cfg = self.cfg
         d, w = cfg.head_dim, cfg.sliding_window
-        windows = []
+        # Every sequence's window rows then its new row, in one copy; each state's window
+        # becomes a view of it (all within the query's window).
+        pieces: list[torch.Tensor] = []
         for i, st in enumerate(states):
-            past = st.window if st.window is not None else kv.new_zeros(0, d)
-            rows = torch.cat([past, kv[i : i + 1]])  # all within the query's window
+            if st.window is not None and st.window.shape[0]:
+                pieces.append(st.window)
+            pieces.append(kv[i : i + 1])
+        joined = torch.cat(pieces)
+        windows = []
+        at = 0
+        for st in states:
+            n = (0 if st.window is None else st.window.shape[0]) + 1
+            rows = joined[at : at + n]
+            at += n
             st.window = rows[-(w - 1) :] if w > 1 else rows[:0]
             windows.append(rows)
         comp = self.compressor
@@ -365,7 +422,7 @@ class Attention(nn.Module):
                     for i, c in enumerate(ist)
                 ]
         if self.use_kernels:
-            return self._attend_gathered(q, proj, windows, entries, index_keys)
+            return self._attend_gathered(q, proj, joined, windows, entries, index_keys)
         b = q.shape[0]
         keys = _pad(windows, left=True)  # [B, Wk, D]
         width = keys.shape[1]
@@ -391,14 +448,16 @@ class Attention(nn.Module):
         self,
         q: torch.Tensor,
         proj: list[torch.Tensor],
+        joined: torch.Tensor,
         windows: list[torch.Tensor],
         entries: list[torch.Tensor],
         index_keys: list[torch.Tensor],
     ) -> torch.Tensor:
-        """The decode attention through the Triton kernels: every sequence's window rows and
-        entries in one row pool, each query gathering its own (for CSA, the window and the
-        indexer's picks; the indexer is skipped while no sequence holds more entries than it
-        picks, as it would pick them all)."""
+        """The decode attention through the Triton kernels: every sequence's window rows
+        (``joined``, ``windows`` its consecutive parts) and entries in one row pool, each
+        query gathering its own (for CSA, the window and the indexer's picks; the indexer is
+        skipped while no sequence holds more entries than it picks, as it would pick them
+        all)."""
         from ..kernels.v4_attention import indexer_scores, sparse_decode_attention
 
         dev, b = q.device, q.shape[0]
@@ -407,7 +466,7 @@ class Attention(nn.Module):
         wbase = _starts(wl)
         ebase = _starts(el, sum(wl))
         meta = torch.tensor([wbase, wl, ebase or [0] * b, el or [0] * b], device=dev)
-        pool = torch.cat(windows + entries)
+        pool = torch.cat([joined, *entries]) if entries else joined  # windows are in order
         cols = torch.arange(max(wl), device=dev)[None, :]
         index = [torch.where(cols < meta[1, :, None], meta[0, :, None] + cols, -1)]
         if max(el, default=0):

@@ -129,3 +129,23 @@ def test_the_engine_with_v4_kernels_decodes_each_request_as_alone(net: V4ForCaus
         net.set_kernels(False)
     for rid, p in prompts.items():
         assert out[rid] == list(generate_v4(net, p, 8, ignore_eos=True).token_ids), rid
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_the_hyper_connection_mix_matches_pytorch(n: int) -> None:
+    """Sinkhorn in one launch: pre, post and the doubly stochastic comb of 70 tokens (three
+    programs, the last partial), stream counts that are and are not powers of two."""
+    from libs.engine.kernels.v4_mix import hc_mix, hc_mix_reference
+
+    gen = torch.Generator().manual_seed(n)
+    mixed = torch.randn(70, (2 + n) * n, generator=gen) * 2
+    base = torch.randn((2 + n) * n, generator=gen)
+    scale = torch.rand(3, generator=gen) + 0.5
+    want = hc_mix_reference(mixed, base, scale, n, 20, 1e-6)
+    got = hc_mix(mixed, base, scale, n, 20, 1e-6)
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    comb = got[2]
+    ones = torch.ones(70, n)
+    assert torch.allclose(comb.sum(dim=-2), ones, atol=1e-4)  # columns after the last pass
+    assert torch.allclose(comb.sum(dim=-1), ones, atol=0.1)  # rows, nearly (20 passes)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.v4_mix import hc_mix, hc_mix_reference
 from ..model.rope import inv_freq_and_attention_factor
 from .config import CSA, HCA, SLIDING, V4Config, V4Rope
 
@@ -118,6 +119,14 @@ class CompressorState:
         """One more token's ``[1, width]`` rows, joined to the buffer only when read."""
         self._rows.append((kv, gate))
 
+    def take(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The open window's rows (kv pieces, gate pieces) in order; the buffer left empty."""
+        kv = ([] if self._kv is None else [self._kv]) + [r[0] for r in self._rows]
+        gate = ([] if self._gate is None else [self._gate]) + [r[1] for r in self._rows]
+        self._kv = self._gate = None
+        self._rows = []
+        return kv, gate
+
     def _join(self) -> None:
         if self._rows:
             kv = [] if self._kv is None else [self._kv]
@@ -202,23 +211,104 @@ class Compressor(nn.Module):
             return st.entries
         ckv = kv[:usable].view(n, self.rate, -1)
         cgate = gate[:usable].view(n, self.rate, -1) + self.position_bias
-        if self.overlap:
-            d, r = self.dim, self.rate
-            pkv = ckv.new_zeros(n, 2 * r, d)
-            pgate = cgate.new_full((n, 2 * r, d), float("-inf"))
-            pkv[:, r:], pgate[:, r:] = ckv[..., d:], cgate[..., d:]
-            pkv[1:, :r], pgate[1:, :r] = ckv[:-1, :, :d], cgate[:-1, :, :d]
-            if st.overlap_kv is not None and st.overlap_gate is not None:
-                pkv[0, :r], pgate[0, :r] = st.overlap_kv, st.overlap_gate
+        prev: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.overlap:  # each window's previous one: this state's last, then in the chunk
+            d = self.dim
+            first_kv, first_gate = self._carried(st, ckv, cgate)
+            prev = (
+                torch.cat([first_kv[None], ckv[:-1, :, :d]]),
+                torch.cat([first_gate[None], cgate[:-1, :, :d]]),
+            )
+            # Copies: a view would keep the whole chunk's projection alive.
             st.overlap_kv, st.overlap_gate = ckv[-1, :, :d].clone(), cgate[-1, :, :d].clone()
-            ckv, cgate = pkv, pgate
-        weights = cgate.softmax(dim=1, dtype=torch.float32).to(ckv.dtype)
-        pooled = self.kv_norm((ckv * weights).sum(dim=1))
         pos = torch.arange(n, device=kv.device) * self.rate + first
-        cos, sin = rotary.cos_sin(pos, pooled.dtype)
-        pooled = V4Rotary.apply(pooled, cos, sin)
+        pooled = self._pool(ckv, cgate, prev, pos, rotary)
         st.entries = pooled if st.entries is None else torch.cat([st.entries, pooled])
         return st.entries
+
+    def absorb_rows(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        states: Sequence[CompressorState],
+        rotary: V4Rotary,
+    ) -> list[torch.Tensor]:
+        """:meth:`absorb` of one token for each of ``B`` sequences (``kv``/``gate [B, width]``):
+        a token that leaves its window open waits in its state; the windows that close are
+        pooled together, in one batch. Returns each sequence's entries so far."""
+        closing = []
+        for i, st in enumerate(states):
+            if st.buffered + 1 < self.rate:
+                st.append(kv[i : i + 1], gate[i : i + 1])
+                if st.entries is None:
+                    st.entries = kv.new_zeros(0, self.dim)
+            else:
+                closing.append(i)
+        if closing:
+            kv_rows: list[torch.Tensor] = []
+            gate_rows: list[torch.Tensor] = []
+            for i in closing:
+                st = states[i]
+                k_parts, g_parts = st.take()
+                kv_rows += [*k_parts, kv[i : i + 1]]
+                gate_rows += [*g_parts, gate[i : i + 1]]
+            m = len(closing)
+            ckv = torch.cat(kv_rows).view(m, self.rate, -1)
+            cgate = torch.cat(gate_rows).view(m, self.rate, -1) + self.position_bias
+            prev: tuple[torch.Tensor, torch.Tensor] | None = None
+            if self.overlap:
+                carried = [self._carried(states[i], ckv, cgate) for i in closing]
+                prev = (
+                    torch.stack([c[0] for c in carried]),
+                    torch.stack([c[1] for c in carried]),
+                )
+            first = [states[i].count * self.rate for i in closing]
+            pos = torch.tensor(first, device=kv.device)
+            pooled = self._pool(ckv, cgate, prev, pos, rotary)
+            d = self.dim
+            for j, i in enumerate(closing):
+                st = states[i]
+                if self.overlap:
+                    st.overlap_kv, st.overlap_gate = ckv[j, :, :d], cgate[j, :, :d]
+                new = pooled[j : j + 1]
+                st.entries = new if st.entries is None else torch.cat([st.entries, new])
+        out: list[torch.Tensor] = []
+        for st in states:
+            assert st.entries is not None
+            out.append(st.entries)
+        return out
+
+    def _carried(
+        self, st: CompressorState, ckv: torch.Tensor, cgate: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first-half series a state carries from its last closed window (``[rate, dim]``
+        each), or, before its first, zeros with ``-inf`` gates (they weigh nothing)."""
+        if st.overlap_kv is not None and st.overlap_gate is not None:
+            return st.overlap_kv, st.overlap_gate
+        shape = (self.rate, self.dim)
+        return ckv.new_zeros(shape), cgate.new_full(shape, float("-inf"))
+
+    def _pool(
+        self,
+        ckv: torch.Tensor,
+        cgate: torch.Tensor,
+        prev: tuple[torch.Tensor, torch.Tensor] | None,
+        pos: torch.Tensor,
+        rotary: V4Rotary,
+    ) -> torch.Tensor:
+        """Entries ``[n, dim]`` of ``n`` closed windows (``ckv``, ``cgate [n, rate, width]``,
+        the gates biased), each at its first position ``pos``; CSA (``prev``: each window's
+        previous first-half series ``[n, rate, dim]``) pools that series with this window's
+        second."""
+        if prev is not None:
+            d = self.dim
+            ckv = torch.cat([prev[0], ckv[..., d:]], dim=1)
+            cgate = torch.cat([prev[1], cgate[..., d:]], dim=1)
+        weights = cgate.softmax(dim=1, dtype=torch.float32).to(ckv.dtype)
+        pooled = self.kv_norm((ckv * weights).sum(dim=1))
+        cos, sin = rotary.cos_sin(pos, pooled.dtype)
+        out: torch.Tensor = V4Rotary.apply(pooled, cos, sin)
+        return out
 
 
 class Scorer(nn.Module):
@@ -410,17 +500,11 @@ class Attention(nn.Module):
         if comp is not None:
             # Every entry a state holds after its token is closed for that token's query.
             cst = [st.compressors.setdefault("compressor", CompressorState()) for st in states]
-            entries = [
-                comp.absorb(proj[0][i : i + 1], proj[1][i : i + 1], c, rot)
-                for i, c in enumerate(cst)
-            ]
+            entries = comp.absorb_rows(proj[0], proj[1], cst, rot)
             if isinstance(comp, CSACompressor):
                 ind = comp.indexer
                 ist = [st.compressors.setdefault("indexer", CompressorState()) for st in states]
-                index_keys = [
-                    ind.absorb(proj[2][i : i + 1], proj[3][i : i + 1], c, rot)
-                    for i, c in enumerate(ist)
-                ]
+                index_keys = ind.absorb_rows(proj[2], proj[3], ist, rot)
         if self.use_kernels:
             return self._attend_gathered(q, proj, joined, windows, entries, index_keys)
         b = q.shape[0]
@@ -547,21 +631,13 @@ class HyperConnection(nn.Module):
         self.fn = _param((2 + n) * n, n * cfg.hidden_size)
         self.base = _param((2 + n) * n)
         self.scale = nn.Parameter(torch.ones(3), requires_grad=False)
+        self.use_kernels = False  # the mixing weights (Sinkhorn included) in one launch
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        n = self.n
         flat = _unweighted_rms(streams.flatten(1).float(), self.norm_eps)
         mixed = F.linear(flat, self.fn.float())
-        pre_w, post_w, comb_w = torch.split(mixed, [n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = torch.split(self.base, [n, n, n * n])
-        s_pre, s_post, s_comb = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.eps
-        post = 2 * torch.sigmoid(post_w * s_post + post_b)
-        comb = torch.softmax(comb_w.view(-1, n, n) * s_comb + comb_b.view(n, n), dim=-1) + self.eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        mix = hc_mix if self.use_kernels else hc_mix_reference
+        pre, post, comb = mix(mixed, self.base, self.scale, self.n, self.iters, self.eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return post, comb, collapsed
 
@@ -768,10 +844,10 @@ class V4ForCausalLM(nn.Module):
         }
 
     def set_kernels(self, on: bool) -> None:
-        """Decode attention, the indexer and the routed experts through the Triton kernels
-        (on) or plain PyTorch (the reference)."""
+        """Decode attention, the indexer, the routed experts and the hyper-connections'
+        mixing weights through the Triton kernels (on) or plain PyTorch (the reference)."""
         for module in self.modules():
-            if isinstance(module, (Attention, Experts)):
+            if isinstance(module, (Attention, Experts, HyperConnection)):
                 module.use_kernels = on
 
     @torch.inference_mode()
@@ -788,11 +864,16 @@ class V4ForCausalLM(nn.Module):
         advances that state. Logits (fp32) of each chunk's last token ``[len(chunks), vocab]``,
         or of every token (``last_only=False``: ``[sum of lengths, vocab]``)."""
         ids = chunks[0] if len(chunks) == 1 else torch.cat(list(chunks))
+        lengths = [int(c.shape[0]) for c in chunks]
+        # Every row's position in one host-to-device copy; each span's a view of it.
+        where = [
+            p for n, st in zip(lengths, states, strict=True) for p in range(st.seen, st.seen + n)
+        ]
+        positions = torch.tensor(where, device=ids.device)
         spans: list[tuple[int, int, torch.Tensor]] = []
         o = 0
-        for c, st in zip(chunks, states, strict=True):
-            n = c.shape[0]
-            spans.append((o, n, torch.arange(st.seen, st.seen + n, device=ids.device)))
+        for n in lengths:
+            spans.append((o, n, positions[o : o + n]))
             o += n
         x = self.model.embed_tokens(ids)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()

@@ -272,14 +272,18 @@ class V4Runner(ModelRunner):
         round per block it reaches into. Each request's last-token logits land in its work."""
         bs = self.block_size
         while pending := [w for w in work if w.done < len(w.ids)]:
-            chunks = []
+            flat: list[int] = []
+            lengths = []
             for w in pending:
                 st = w.run.state
                 if st.seen % bs == 0:
                     w.run.before = _counts(st)
                 chunk = w.ids[w.done : w.done + bs - st.seen % bs]
-                chunks.append(torch.tensor(chunk, device=self.device))
+                flat += chunk
+                lengths.append(len(chunk))
                 w.done += len(chunk)
+            # One host-to-device copy for the round's tokens; each request's chunk a view.
+            chunks = torch.split(torch.tensor(flat, device=self.device), lengths)
             logits = self.net.forward_batch(chunks, [w.run.state for w in pending])
             for w, row in zip(pending, logits, strict=True):
                 st = w.run.state

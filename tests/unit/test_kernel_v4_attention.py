@@ -115,6 +115,7 @@ def test_the_engine_with_v4_kernels_decodes_each_request_as_alone(net: V4ForCaus
     config = EngineConfig(model="v4", kernels="triton", block_size=16, max_tokens_per_step=64)
     eng = Engine(config, parts=v4_parts(config, net, "net-k"))
     try:
+        net.warm_kernels()  # what v4_parts runs on CUDA: every kernel variant, dummy inputs
         gen = torch.Generator().manual_seed(4)
         prompts = {f"r{n}": torch.randint(2, 256, (n,), generator=gen).tolist() for n in (5, 33)}
         params = SamplingParams(max_tokens=8, ignore_eos=True)

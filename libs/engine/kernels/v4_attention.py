@@ -80,7 +80,17 @@ def _gather_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+# Sizes that change from step to step are not specialized on: one compile serves them all.
+@triton.jit(
+    do_not_specialize=[
+        "num_cols",
+        "cols_per_split",
+        "stride_ib",
+        "stride_pb",
+        "stride_ps",
+        "stride_lb",
+    ]
+)
 def _sparse_stage1(
     q_ptr,
     rows_ptr,
@@ -147,12 +157,13 @@ def _sparse_stage1(
     tl.store(lse_ptr + pid_b * stride_lb + offs_h * stride_lh + pid_s, lse, mask=mask_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_pb", "stride_ph", "stride_lb", "stride_lh"])
 def _sparse_combine(
     part_ptr,
     lse_ptr,
     sink_ptr,
     out_ptr,
+    num_splits,
     stride_pb,
     stride_ph,
     stride_ps,
@@ -161,7 +172,6 @@ def _sparse_combine(
     stride_ob,
     stride_oh,
     D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
 ):
     """Merge one (query, head)'s splits by their base-2 log-sum-exp, the sink one more term
@@ -172,7 +182,7 @@ def _sparse_combine(
     offs_d = tl.arange(0, D)
     lse = tl.load(
         lse_ptr + pid_b * stride_lb + pid_h * stride_lh + offs_s,
-        mask=offs_s < NUM_SPLITS,
+        mask=offs_s < num_splits,
         other=float("-inf"),
     )
     sink = tl.load(sink_ptr + pid_h).to(tl.float32) * 1.4426950408889634
@@ -181,9 +191,9 @@ def _sparse_combine(
     w = w / (tl.sum(w, axis=0) + tl.exp2(sink - m))
     base = part_ptr + pid_b * stride_pb + pid_h * stride_ph
     acc = tl.zeros([D], dtype=tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        w_s = tl.sum(tl.where(offs_s == s, w, 0.0), axis=0)
-        acc += w_s * tl.load(base + s * stride_ps + offs_d)
+    for s in tl.static_range(SPLITS_P2):
+        w_s = tl.sum(tl.where(offs_s == s, w, 0.0), axis=0)  # 0 past num_splits
+        acc += w_s * tl.load(base + s * stride_ps + offs_d, mask=(offs_d < D) & (s < num_splits))
     tl.store(
         out_ptr + pid_b * stride_ob + pid_h * stride_oh + offs_d, acc.to(out_ptr.dtype.element_ty)
     )
@@ -264,6 +274,7 @@ def sparse_decode_attention(
         lse,
         sinks,
         out,
+        splits,
         part.stride(0),
         part.stride(1),
         part.stride(2),
@@ -272,7 +283,6 @@ def sparse_decode_attention(
         out.stride(0),
         out.stride(1),
         D=d,
-        NUM_SPLITS=splits,
         SPLITS_P2=triton.next_power_of_2(splits),
     )
     return out
@@ -292,7 +302,7 @@ def sparse_decode_attention_reference(
     return torch.einsum("bhk,bkd->bhd", p, keys).to(q.dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["width", "stride_ob"])
 def _indexer_kernel(
     q_ptr,
     w_ptr,

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _mix_kernel(
     w_ptr,
     base_ptr,

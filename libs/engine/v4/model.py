@@ -851,6 +851,44 @@ class V4ForCausalLM(nn.Module):
                 module.use_kernels = on
 
     @torch.inference_mode()
+    def warm_kernels(self) -> None:
+        """Compile, now, every variant of the Triton kernels a step can reach, rather than in
+        the middle of someone's stream (the CSA indexer first runs once a request holds more
+        entries than it picks: 2,052 tokens into V4-Flash; a compile there stalls the step
+        ~0.6 s on an H200). Each kernel once, the attention combine per power-of-two split
+        count, the fused MoE per launch config (one, a few and many rows per expert)."""
+        from ..kernels.v4_attention import indexer_scores, sparse_decode_attention
+
+        cfg = self.cfg
+        p = next(self.parameters())
+        dev, dt = p.device, p.dtype
+        h, d = cfg.num_attention_heads, cfg.head_dim
+        q, rows = (
+            torch.zeros(1, h, d, device=dev, dtype=dt),
+            torch.zeros(2, d, device=dev, dtype=dt),
+        )
+        index = torch.tensor([[0, 1]], device=dev, dtype=torch.int32)
+        sinks = torch.zeros(h, device=dev)
+        for splits in (1, 2, 4, 8, 16):
+            sparse_decode_attention(q, rows, index, sinks, 1.0, num_splits=splits)
+        if CSA in cfg.layer_types:
+            hi, di = cfg.index_n_heads, cfg.index_head_dim
+            one = torch.ones(1, device=dev, dtype=torch.int32)
+            indexer_scores(
+                torch.zeros(1, hi, di, device=dev, dtype=dt), torch.zeros(1, hi, device=dev),
+                torch.zeros(2, di, device=dev, dtype=dt), one - 1, one, 2, 1.0,
+            )  # fmt: skip
+        layer = self.model.layers[0]
+        assert isinstance(layer, DecoderLayer)
+        layer.attn_hc(torch.zeros(1, cfg.hc_mult, cfg.hidden_size, device=dev, dtype=dt))
+        e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        for rows_per_expert in (1, 13, 97):
+            t = -(-rows_per_expert * e // k)
+            idx = torch.arange(t * k, device=dev).remainder(e).view(t, k)
+            x = torch.zeros(t, cfg.hidden_size, device=dev, dtype=dt)
+            layer.mlp.experts(x, torch.ones(t, k, device=dev), idx)
+
+    @torch.inference_mode()
     def forward(self, ids: torch.Tensor, state: V4State) -> torch.Tensor:
         """Logits ``[S, vocab]`` (fp32) of the chunk ``ids [S]`` that follows ``state.seen``
         tokens; ``state`` is advanced past it."""

@@ -389,7 +389,10 @@ def v4_parts(
         path = Path(config.model)
         model_id = f"{path.name}@{_checkpoint_digest(path)}"
     cfg = net.cfg
-    net.set_kernels(_kernels_usable(config, cfg))
+    kernels = _kernels_usable(config, cfg)
+    net.set_kernels(kernels)
+    if kernels and device.type == "cuda":
+        net.warm_kernels()
     spec = v4_cache_spec(cfg, model_id, config.block_size, dtype)
     budget = config.kv_cache_bytes or 1 << 30  # host bytes, taken only by blocks written
     num_blocks = config.num_kv_blocks or max(1, budget // spec.bytes_per_block)

@@ -20,7 +20,9 @@ there, and only there, the two can pick differently).
 
 Several sequences go through one pass (:meth:`V4ForCausalLM.forward_batch`, what the engine's
 V4 runner calls): every matrix over all their rows, attention per sequence over its own state
--- for decode rows (one token each) as one padded batch.
+-- for decode rows (one token each) as one batch: padded in PyTorch, or gathered by the Triton
+kernels (:meth:`V4ForCausalLM.set_kernels`, on by default on CUDA), the compressor windows that
+close at that step pooled together.
 """
 
 from __future__ import annotations
@@ -96,7 +98,8 @@ class V4Rotary:
 class CompressorState:
     """One compressor's state (module doc). Rows fed one at a time (decode) wait in a list
     until their window closes or someone reads ``buf_kv``/``buf_gate``: appending a row
-    launches nothing on the device."""
+    launches nothing on the device (the rows are views of their step's projections, so a
+    window of ``rate`` tokens keeps up to ``rate - 1`` steps' projection rows alive)."""
 
     def __init__(self) -> None:
         self._kv: torch.Tensor | None = None

@@ -203,8 +203,6 @@ def build_parts(
         kv_token_layer_bytes=per_layer,
     )
     graphs = config.cuda_graphs
-    if config.speculative_tokens:
-        graphs = False  # speculative steps run eagerly (libs/engine/speculative.py)
     if runtime is not None and graphs and use_kernels and device.type == "cuda":
         log.info("engine: CUDA graphs off with expert parallelism (exchange sizes vary per step)")
         graphs = False
@@ -215,7 +213,8 @@ def build_parts(
         use_kernels,
         graphs,
         max_model_len(config, cfg),
-        max_graph_batch=config.max_running,
+        # Speculative decoding verifies up to 1 + K rows per request through the same graphs.
+        max_graph_batch=config.max_running * (1 + config.speculative_tokens),
     )
     runner.capture_all()
     return EngineParts(

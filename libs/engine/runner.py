@@ -66,6 +66,7 @@ class _Graph:
     inputs: torch.Tensor
     staging: list[torch.Tensor]
     logits: torch.Tensor
+    hidden: torch.Tensor  # the rows' final hidden states (speculative decoding's MTP reads them)
     steps: int = 0
 
 
@@ -214,12 +215,9 @@ class ModelRunner:
     # -- forward -----------------------------------------------------------------------------
     def _forward(self, plan: StepPlan, prev: Launched | None) -> torch.Tensor:
         """fp32 logits of the sampling seqs, in plan order."""
-        if (
-            self.cuda_graphs
-            and len(plan.seqs) <= self.ladder[-1]
-            and all(s.num_tokens == 1 and s.sample for s in plan.seqs)
-        ):
-            return self._forward_graph(plan, prev)
+        if self._graphable(plan):
+            g, b = self._replay(plan, prev)
+            return g.logits[:b]
         ids, positions, meta, ordered, sample_rows = self.prepare(plan, prev)
         hidden = self.model(ids, positions, meta, self.cache.layers)
         row_of = dict(zip([s.request_id for s in ordered if s.sample], sample_rows))
@@ -358,7 +356,26 @@ class ModelRunner:
         # Fixed per batch size: sized for the longest context; shorter ones leave splits empty.
         return choose_num_splits(bg, self.num_heads, self.max_blocks * self.block_size)
 
-    def _forward_graph(self, plan: StepPlan, prev: Launched | None) -> torch.Tensor:
+    def _graphable(self, plan: StepPlan) -> bool:
+        """Whether a captured graph runs ``plan``: one sampled token per seq, few enough."""
+        return (
+            self.cuda_graphs
+            and len(plan.seqs) <= self.ladder[-1]
+            and all(s.num_tokens == 1 and s.sample for s in plan.seqs)
+        )
+
+    def decode_rows(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(hidden states, fp32 logits) of every row of ``plan``, in plan order, from a captured
+        graph; None when no graph runs it (then the caller runs it eagerly). Valid until the
+        next replay. Speculative decoding verifies its drafts this way: each draft is a decode
+        row at its own position."""
+        if not self._graphable(plan):
+            return None
+        g, b = self._replay(plan, None)
+        return g.hidden[:b], g.logits[:b]
+
+    def _replay(self, plan: StepPlan, prev: Launched | None) -> tuple[_Graph, int]:
+        """Replay the smallest captured graph that holds ``plan``'s rows; (it, rows used)."""
         seqs = plan.seqs
         b = len(seqs)
         bg = next(x for x in self.ladder if x >= b)
@@ -388,7 +405,7 @@ class ModelRunner:
         g.inputs.copy_(host, non_blocking=True)
         self._fill_placeholders(g.inputs[:bg], fix_rows, fix_srcs, prev)
         g.graph.replay()
-        return g.logits[:b]
+        return g, b
 
     def _capture(self, bg: int) -> _Graph:
         dev = self.device
@@ -409,12 +426,12 @@ class ModelRunner:
             num_splits=self._graph_splits(bg),
         )
 
-        def run() -> torch.Tensor:
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
             # The kernel takes int32 lengths and tables: converted inside the graph.
             seq_lens32.copy_(inputs[3 * bg : 4 * bg])
             table32.copy_(inputs[4 * bg :].view(bg, mb))
             hidden = self.model(ids, positions, meta, self.cache.layers)
-            return self.model.logits(hidden)
+            return hidden, self.model.logits(hidden)
 
         # Warm up on a side stream (compiles Triton kernels, sets up cuBLAS) before capturing.
         side = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
@@ -427,5 +444,5 @@ class ModelRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = run()
-        return _Graph(graph, inputs, staging, logits)
+            hidden, logits = run()
+        return _Graph(graph, inputs, staging, logits, hidden)

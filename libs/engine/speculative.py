@@ -559,8 +559,15 @@ class SpecDecoder:
                         num_drafts=0,
                     )
                 )
-        ids, positions, meta, ordered, _ = runner.prepare(StepPlan(tuple(rows_plan)))
-        hidden = model(ids, positions, meta, runner.cache.layers)
+        rows_step = StepPlan(tuple(rows_plan))
+        graphed = runner.decode_rows(rows_step)  # a captured graph when every row decodes
+        all_logits: torch.Tensor | None = None
+        if graphed is not None:
+            hidden, all_logits = graphed
+            ordered = rows_plan
+        else:
+            ids, positions, meta, ordered, _ = runner.prepare(rows_step)
+            hidden = model(ids, positions, meta, runner.cache.layers)
         rows: dict[str, int] = {}  # a request's first row (its rows are contiguous)
         r = 0
         for s in ordered:
@@ -575,7 +582,7 @@ class SpecDecoder:
         lps: dict[str, list[TokenLogprob]] = {}
         if pick:
             index = torch.tensor(pick, dtype=torch.int64).to(hidden.device, non_blocking=True)
-            logits = model.logits(hidden[index])
+            logits = model.logits(hidden[index]) if all_logits is None else all_logits[index]
             if plain:
                 tokens = sample_plain(logits[: len(plain)], plain)
                 sampled.update({s.request_id: t for s, t in zip(plain, tokens, strict=True)})

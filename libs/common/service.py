@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import signal
 import sys
@@ -127,12 +128,24 @@ async def _serve(
     install_stop_handlers(stop)
     try:
         async with AsyncExitStack() as stack:
+            stack.callback(faulthandler.cancel_dump_traceback_later)  # runs last
             rc = await serve(cfg, ServiceContext(name, cfg.service, stack, stop, log))
+            # Closing what it opened takes the drain and little more; a service still at
+            # it 3 s past its drain writes every thread's stack to its log (stderr), so a
+            # hang at exit says where it hangs.
+            _dump_stacks_later(cfg.service.drain_seconds + 3.0)
     except Exception:
         log.exception("%s failed; everything it had opened is closed", name)
         return 1
     log.info("stopped")
     return rc
+
+
+def _dump_stacks_later(seconds: float) -> None:
+    try:
+        faulthandler.dump_traceback_later(seconds, exit=False)
+    except (AttributeError, ValueError, OSError):  # stderr with no file descriptor (tests)
+        pass
 
 
 def install_stop_handlers(stop: asyncio.Event) -> None:

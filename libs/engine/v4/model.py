@@ -431,16 +431,17 @@ class Attention(nn.Module):
         spans: Sequence[tuple[int, int, torch.Tensor]],
         states: Sequence[LayerState],
         rotary: dict[str, V4Rotary],
+        trig: dict[str, tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """``x [T, hidden]``: the rows of every sequence in ``spans`` (first row, rows,
-        positions), each attending over its own state in ``states``. Projections run over all
-        rows at once; the attention per sequence, or, when every sequence has one row, as one
-        padded batch (:meth:`_attend_decode`)."""
+        positions), each attending over its own state in ``states``; ``trig``: each rotary
+        table's cos/sin at every row's position. Projections run over all rows at once; the
+        attention per sequence, or, when every sequence has one row, as one batch
+        (:meth:`_attend_decode`)."""
         cfg = self.cfg
         t, h, d = x.shape[0], cfg.num_attention_heads, cfg.head_dim
-        rot = rotary["main" if self.kind == SLIDING else "compress"]
-        positions = spans[0][2] if len(spans) == 1 else torch.cat([p for _, _, p in spans])
-        cos, sin = rot.cos_sin(positions, x.dtype)
+        table = _rotary_of(self.kind)
+        rot, (cos, sin) = rotary[table], trig[table]
         q_res = self.q_a_norm(self.q_a_proj(x))
         q = _unweighted_rms(self.q_b_proj(q_res).view(t, h, d), cfg.rms_norm_eps)
         q = V4Rotary.apply(q, cos, sin)
@@ -694,6 +695,11 @@ def _pad(rows: Sequence[torch.Tensor], left: bool = False) -> torch.Tensor:
     return out
 
 
+def _rotary_of(kind: str) -> str:
+    """The rotary table a layer of this kind uses: sliding layers the main one."""
+    return "main" if kind == SLIDING else "compress"
+
+
 def _starts(lengths: list[int], first: int = 0) -> list[int]:
     """Where each of consecutive runs of ``lengths`` starts, the first at ``first``."""
     out, at = [], first
@@ -810,11 +816,13 @@ class DecoderLayer(nn.Module):
         spans: Sequence[tuple[int, int, torch.Tensor]],
         states: Sequence[LayerState],
         rotary: dict[str, V4Rotary],
+        trig: dict[str, tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """``spans``: (first row, rows, positions) of each sequence in the batch, whose
-        layer state is the same index of ``states``; everything but attention is per token."""
+        layer state is the same index of ``states``; everything but attention is per token
+        (``trig``: :meth:`Attention.forward`'s)."""
         post, comb, x = self.attn_hc(streams)
-        y = self.self_attn(self.input_layernorm(x), spans, states, rotary)
+        y = self.self_attn(self.input_layernorm(x), spans, states, rotary, trig)
         streams = HyperConnection.expand(post, comb, y, streams)
         post, comb, x = self.ffn_hc(streams)
         y = self.mlp(self.post_attention_layernorm(x), ids)
@@ -917,9 +925,13 @@ class V4ForCausalLM(nn.Module):
             spans.append((o, n, positions[o : o + n]))
             o += n
         x = self.model.embed_tokens(ids)
+        # cos/sin at every row's position, once per rotary table the layers use.
+        tables = {_rotary_of(kind) for kind in self.cfg.layer_types}
+        trig = {n: self.rotary[n].cos_sin(positions, x.dtype) for n in sorted(tables)}
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.model.layers):
-            streams = layer(streams, ids, spans, [st.layers[i] for st in states], self.rotary)
+            states_i = [st.layers[i] for st in states]
+            streams = layer(streams, ids, spans, states_i, self.rotary, trig)
         for (_, n, _), st in zip(spans, states, strict=True):
             st.seen += n
         if last_only:

@@ -223,18 +223,28 @@ def build_parts(
 
 
 def _kernels_usable(config: EngineConfig, cfg: ModelConfig) -> bool:
-    """``kernels="auto"`` falls back to PyTorch for shapes the decode kernel does not take
-    (every DeepSeek checkpoint fits: 512 + 64); ``"triton"`` refuses them."""
+    """The MLA decode kernel takes every DeepSeek checkpoint's widths (512 + 64)."""
+
+    def why() -> str | None:
+        from .kernels.mla_decode import unsupported
+
+        return unsupported(cfg.kv_lora_rank, cfg.qk_rope_head_dim, config.block_size)
+
+    return kernels_on(config, why)
+
+
+def kernels_on(config: EngineConfig, why: Callable[[], str | None]) -> bool:
+    """Whether the engine runs its Triton kernels: ``kernels="auto"`` on CUDA unless ``why()``
+    names a width they do not take (then PyTorch, with a warning); ``"triton"`` refuses such
+    a model; ``"torch"`` never."""
     if not config.use_kernels:
         return False
-    from .kernels.mla_decode import unsupported
-
-    why = unsupported(cfg.kv_lora_rank, cfg.qk_rope_head_dim, config.block_size)
-    if why is None:
+    reason = why()
+    if reason is None:
         return True
     if config.kernels == "triton":
-        raise ValueError(f"kernels='triton' cannot serve this model: {why}")
-    log.warning("engine: PyTorch attention and MoE instead of the kernels: %s", why)
+        raise ValueError(f"kernels='triton' cannot serve this model: {reason}")
+    log.warning("engine: PyTorch instead of the kernels: %s", reason)
     return False
 
 

@@ -199,6 +199,21 @@ def _sparse_combine(
     )
 
 
+def unsupported(head_dim: int, index_head_dim: int) -> str | None:
+    """Why these kernels cannot take a V4 model of these widths (None: they can; every
+    DeepSeek-V4 config can: 512 and 128)."""
+    bad = [
+        f"{name} {v}"
+        for name, v in (("head_dim", head_dim), ("index_head_dim", index_head_dim))
+        if not _fits(v)
+    ]
+    return f"the V4 kernels need powers of two >= 16, got {', '.join(bad)}" if bad else None
+
+
+def _fits(d: int) -> bool:
+    return d >= 16 and d & (d - 1) == 0
+
+
 def _num_splits(batch: int, head_blocks: int, cols: int, block_n: int, device: torch.device) -> int:
     """Splits of the index columns so stage 1 fills the GPU (one on the interpreter)."""
     if device.type != "cuda":
@@ -224,7 +239,7 @@ def sparse_decode_attention(
             f"shape mismatch: q {tuple(q.shape)}, rows {tuple(rows.shape)}, "
             f"index {tuple(index.shape)}"
         )
-    if d < 16 or d & (d - 1):
+    if not _fits(d):
         raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
     out = torch.empty_like(q)
     if b == 0:
@@ -367,7 +382,7 @@ def indexer_scores(
         raise ValueError(
             f"shape mismatch: q {tuple(q.shape)}, w {tuple(w.shape)}, keys {tuple(keys.shape)}"
         )
-    if d < 16 or d & (d - 1):
+    if not _fits(d):
         raise ValueError(f"index_head_dim must be a power of two >= 16, got {d}")
     out = torch.empty(b, width, dtype=torch.float32, device=q.device)
     if b == 0 or width == 0:

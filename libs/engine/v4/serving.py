@@ -29,7 +29,6 @@ speculative decoding, FP8 weights and KV.
 
 from __future__ import annotations
 
-import logging
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -54,8 +53,6 @@ from .model import V4ForCausalLM, V4State
 if TYPE_CHECKING:
     from ..engine import EngineConfig
     from ..parts import EngineParts
-
-log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<I")
 # Header bound per tensor of a block: its name, dtype, shape and byte range as JSON.
@@ -335,33 +332,15 @@ def engine_view(cfg: V4Config) -> ModelConfig:
     )
 
 
-def _kernels_usable(config: EngineConfig, cfg: V4Config) -> bool:
-    """Whether the V4 kernels serve this model (``kernels="auto"``: on CUDA, for widths they
-    take; every DeepSeek-V4 config does: 512 and 128); ``"triton"`` refuses widths they do
-    not take."""
-    if not config.use_kernels:
-        return False
-    bad = [
-        f"{name} {v}"
-        for name, v in (("head_dim", cfg.head_dim), ("index_head_dim", cfg.index_head_dim))
-        if v < 16 or v & (v - 1)
-    ]
-    if not bad:
-        return True
-    if config.kernels == "triton":
-        raise ValueError(f"kernels='triton' needs powers of two >= 16, got {', '.join(bad)}")
-    log.warning("engine: V4 in PyTorch instead of the kernels: %s", ", ".join(bad))
-    return False
-
-
 def v4_parts(
     config: EngineConfig, net: V4ForCausalLM | None = None, model_id: str = ""
 ) -> EngineParts:
     """Load the V4 model ``config`` names and build the engine's parts for it (module doc).
     Or take ``net``, a model built elsewhere, whose weights ``model_id`` names (KV frames of
     another model id are refused)."""
+    from ..kernels.v4_attention import unsupported
     from ..loader import _checkpoint_digest
-    from ..parts import EngineParts, _nominal_rates
+    from ..parts import EngineParts, _nominal_rates, kernels_on
 
     refused = [
         what
@@ -389,7 +368,7 @@ def v4_parts(
         path = Path(config.model)
         model_id = f"{path.name}@{_checkpoint_digest(path)}"
     cfg = net.cfg
-    kernels = _kernels_usable(config, cfg)
+    kernels = kernels_on(config, lambda: unsupported(cfg.head_dim, cfg.index_head_dim))
     net.set_kernels(kernels)
     if kernels and device.type == "cuda":
         net.warm_kernels()

@@ -67,6 +67,7 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--dtype", default="auto")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of a preset's random weights")
     _speculative_flag(p, "the MTP layer drafts up to this many tokens a step, verified losslessly")
+    _batch_invariant_flag(p)
     p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
     p.add_argument(
         "--ep",
@@ -84,6 +85,15 @@ def _speculative_flag(p: argparse.ArgumentParser, what: str) -> None:
         type=int,
         default=int(os.environ.get("DEEPSERVE_SPECULATIVE_TOKENS", "0")),
         help=f"{what} (0: off; env DEEPSERVE_SPECULATIVE_TOKENS)",
+    )
+
+
+def _batch_invariant_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="batch-invariant engine: logits independent of batch, chunking and prefill vs "
+        "decode (slower; bf16 weights)",
     )
 
 
@@ -106,6 +116,8 @@ def _generate(args: argparse.Namespace) -> int:
 
         if is_v4(args.model) and (args.ep > 1 or args.ep_redundant):
             raise ValueError("DeepSeek-V4 models do not run with --ep yet")
+        if args.batch_invariant and (args.ep > 1 or args.ep_redundant):
+            raise ValueError("--batch-invariant does not run with --ep yet")
         if args.ep > 1 or args.ep_redundant:
             out = _generate_ep(args, prompt, params)
         else:
@@ -117,6 +129,7 @@ def _generate(args: argparse.Namespace) -> int:
                 dtype=args.dtype,
                 seed=args.weights_seed,
                 speculative_tokens=args.speculative_tokens,
+                batch_invariant=args.batch_invariant,
             )
             out = llm.generate([prompt], params)[0]
     except (ValueError, InvalidRequest) as exc:
@@ -203,6 +216,7 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     e.add_argument("--no-overlap", action="store_true", help="EngineConfig(overlap=False)")
     e.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto")
     _speculative_flag(e, "speculative decoding: the MTP layer drafts up to this many tokens a step")
+    _batch_invariant_flag(e)
     e.add_argument(
         "--speculative-schedule",
         choices=("confidence", "all"),
@@ -473,6 +487,7 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "speculative decoding on prefill and decode: the MTP layer drafts up to this many "
         "tokens a step (the model needs MTP layers, e.g. tiny, v3-slice)",
     )
+    _batch_invariant_flag(p)
     p.add_argument(
         "--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness"
     )
@@ -518,6 +533,7 @@ def _up(args: argparse.Namespace) -> int:
         ep=args.ep,
         ep_timeout=args.ep_timeout,
         speculative_tokens=args.speculative_tokens,
+        batch_invariant=args.batch_invariant,
     )
 
 

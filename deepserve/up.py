@@ -918,6 +918,14 @@ class _Interrupted(BaseException):
     """SIGINT/SIGTERM while the stack was still starting."""
 
 
+def engine_args(speculative_tokens: int, batch_invariant: bool) -> dict[str, list[str]] | None:
+    """The engine flags ``deepserve up`` gives prefill and decode alike (None: none)."""
+    args = ["--speculative-tokens", str(speculative_tokens)] if speculative_tokens else []
+    if batch_invariant:
+        args.append("--batch-invariant")
+    return {s: list(args) for s in ("prefill", "decode")} if args else None
+
+
 def run_up(
     port: int,
     prefill: int,
@@ -934,6 +942,7 @@ def run_up(
     ep: int = 1,
     ep_timeout: float | None = None,
     speculative_tokens: int = 0,
+    batch_invariant: bool = False,
 ) -> int:
     """``deepserve up``: start the stack, print its URL, serve until SIGINT/SIGTERM, stop it.
 
@@ -957,12 +966,9 @@ def run_up(
             restart=restart,
             ep=ep,
             ep_timeout=ep_timeout,
-            # Prefill fills the MTP layer's KV that decode drafts from: both get the flag.
-            extra_args={
-                s: ["--speculative-tokens", str(speculative_tokens)] for s in ("prefill", "decode")
-            }
-            if speculative_tokens
-            else None,
+            # Prefill fills the MTP layer's KV that decode drafts from, and a continuation is
+            # exact only if both engines are batch-invariant: both get these flags.
+            extra_args=engine_args(speculative_tokens, batch_invariant),
         )
     except ValueError as exc:
         print(f"deepserve up: {exc}", file=sys.stderr)

@@ -182,6 +182,8 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         opts["overlap"] = False
     if getattr(args, "kernels", "auto") != "auto":
         opts["kernels"] = args.kernels
+    if getattr(args, "batch_invariant", False):
+        opts["batch_invariant"] = True
     if getattr(args, "speculative_tokens", 0):
         opts["speculative_tokens"] = args.speculative_tokens
         opts["speculative_schedule"] = getattr(args, "speculative_schedule", "confidence")
@@ -428,33 +430,68 @@ def main(args: argparse.Namespace) -> int:
         -(-max(prefill_sizes) // 128) * 2 + 8,
         max(batches) * (-(-per_request // 128) + 1),
     )
-    engine = Engine(
-        make_config(
-            model=args.preset,
-            device=args.device,
-            dtype=args.dtype,
-            num_kv_blocks=blocks,
-            max_tokens_per_step=max(32768, max(prefill_sizes)),
-            time_budget_s=None,
-            max_running=max(batches),
-            max_model_len=max_len,
-            **opts,
+
+    def build(**options: Any) -> Engine:
+        return Engine(
+            make_config(
+                model=args.preset,
+                device=args.device,
+                dtype=args.dtype,
+                num_kv_blocks=blocks,
+                max_tokens_per_step=max(32768, max(prefill_sizes)),
+                time_budget_s=None,
+                max_running=max(batches),
+                max_model_len=max_len,
+                **options,
+            )
         )
-    )
+
+    engine = build(**opts)
     dtype = next(_served_model(engine).parameters()).dtype
     limits = measure_limits(device, dtype)
     vocab = engine.model_config.vocab_size
-    prefill = [bench_prefill(engine, n, limits, vocab) for n in prefill_sizes]
-    decode = [bench_decode(engine, b, context, args.decode_steps, limits, vocab) for b in batches]
-    for p in prefill:
-        print(
-            f"prefill {p['tokens']:>6} tokens: {p['tokens_per_s']:>10.0f} tok/s  MFU {p['mfu']:.3f}"
-        )
-    for d in decode:
-        print(
-            f"decode batch {d['batch']:>4} @ {d['context']}: {d['tokens_per_s']:>9.1f} tok/s "
-            f"({d['per_user_tokens_per_s']:.1f}/user)  roofline {d['roofline_fraction']:.3f}"
-        )
+
+    def measure(e: Engine) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        pre = [bench_prefill(e, n, limits, vocab) for n in prefill_sizes]
+        dec = [bench_decode(e, b, context, args.decode_steps, limits, vocab) for b in batches]
+        for p in pre:
+            print(
+                f"prefill {p['tokens']:>6} tokens: {p['tokens_per_s']:>10.0f} tok/s  "
+                f"MFU {p['mfu']:.3f}"
+            )
+        for d in dec:
+            print(
+                f"decode batch {d['batch']:>4} @ {d['context']}: {d['tokens_per_s']:>9.1f} tok/s "
+                f"({d['per_user_tokens_per_s']:.1f}/user)  roofline {d['roofline_fraction']:.3f}"
+            )
+        return pre, dec
+
+    prefill, decode = measure(engine)
+    invariant_cost: dict[str, Any] = {"skipped": "no --batch-invariant"}
+    if opts.get("batch_invariant"):
+        # What the mode costs: the same workload on the default engine, in this run.
+        del engine
+        free_memory(device)
+        print("the default engine (no --batch-invariant), same workload:")
+        engine = build(**{k: v for k, v in opts.items() if k != "batch_invariant"})
+        ref_prefill, ref_decode = measure(engine)
+        invariant_cost = {
+            "default_prefill_tokens_per_s": {
+                str(p["tokens"]): p["tokens_per_s"] for p in ref_prefill
+            },
+            "default_decode_tokens_per_s": {str(d["batch"]): d["tokens_per_s"] for d in ref_decode},
+            "prefill_ratio": {
+                str(p["tokens"]): p["tokens_per_s"] / r["tokens_per_s"]
+                for p, r in zip(prefill, ref_prefill, strict=True)
+            },
+            "decode_ratio": {
+                str(d["batch"]): d["tokens_per_s"] / r["tokens_per_s"]
+                for d, r in zip(decode, ref_decode, strict=True)
+            },
+        }
+        for key, what in (("prefill_ratio", "prefill {} tokens"), ("decode_ratio", "decode {}")):
+            for size, ratio in invariant_cost[key].items():
+                print(f"batch-invariant / default, {what.format(size)}: {ratio:.2f}x")
 
     peer: list[dict[str, Any]] = []
     peer_info: dict[str, Any] = {"skipped": "--no-transformers"}
@@ -511,6 +548,7 @@ def main(args: argparse.Namespace) -> int:
             "kernels": getattr(args, "kernels", "auto"),
             "speculative_tokens": getattr(args, "speculative_tokens", 0),
             "speculative_schedule": getattr(args, "speculative_schedule", "confidence"),
+            "batch_invariant": getattr(args, "batch_invariant", False),
         },
         "engine_config_overrides": opts,
         "limits": limits,
@@ -533,6 +571,7 @@ def main(args: argparse.Namespace) -> int:
             str(r["batch"]): ours[r["batch"]] / r["tokens_per_s"] for r in ok if r["batch"] in ours
         },
         "quality": quality,
+        "batch_invariant_cost": invariant_cost,
     }
     for b, x in result["speedup_vs_transformers"].items():
         print(f"speedup vs transformers at batch {b}: {x:.1f}x")

@@ -161,6 +161,11 @@ class EngineConfig:
     # EplbConfig's defaults for that role, or an EplbConfig); None: no EPLB, placement fixed.
     # Its redundant_per_rank sizes the default placement's spare slots. Ignored without EP.
     eplb: EplbConfig | str | None = None
+    # Batch-invariant mode (libs/engine/kernels/invariant.py, MLAttention's invariant
+    # path): a request's logits do not depend on its batch, its prompt's chunking, or whether
+    # a token was prefilled or decoded, so greedy output reproduces and a continuation after an
+    # instance dies is exact. Slower; bf16 weights, no expert parallelism, no V4.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -181,6 +186,17 @@ class EngineConfig:
             raise ValueError("weight_dtype='fp8' and expert_dtype='fp4' exclude each other")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.batch_invariant:
+            if self.weight_dtype == "fp8" or self.expert_dtype == "fp4":
+                raise ValueError(
+                    "batch_invariant serves bf16 weights: drop weight_dtype='fp8' / "
+                    "expert_dtype='fp4'"
+                )
+            if self.device.startswith("cuda") and self.kernels == "torch":
+                raise ValueError(
+                    "batch_invariant on CUDA runs the Triton kernels: use kernels='auto' or "
+                    "'triton'"
+                )
         if self.gpu_memory_fraction is not None and not 0 < self.gpu_memory_fraction <= 1:
             raise ValueError(
                 f"gpu_memory_fraction must lie in (0, 1], got {self.gpu_memory_fraction}"

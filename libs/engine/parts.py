@@ -145,6 +145,8 @@ def build_parts(
     """
     from .v4.load import is_v4
 
+    if config.batch_invariant and ep is not None:
+        raise ValueError("batch-invariant mode does not run with expert parallelism yet")
     if is_v4(config.model):
         if ep is not None:
             raise ValueError("DeepSeek-V4 models do not run with expert parallelism yet")
@@ -182,6 +184,9 @@ def build_parts(
     model.set_kernels(use_kernels)
     if config.expert_dtype == "fp4":
         model.quantize_experts_fp4()
+    if config.batch_invariant and device.type == "cuda" and not use_kernels:
+        raise ValueError("batch-invariant mode on CUDA needs the Triton kernels for this model")
+    model.set_batch_invariant(config.batch_invariant)
     cfg = model.cfg
     kv_dtype = config.kv_cache_dtype or DTYPE_NAMES[dtype]
     spec = mla_cache_spec(
@@ -209,12 +214,13 @@ def build_parts(
     runner = ModelRunner(
         model,
         cache,
-        Sampler(device, config.sampler_seed, cfg.eos_token_ids),
+        Sampler(device, config.sampler_seed, cfg.eos_token_ids, config.batch_invariant),
         use_kernels,
         graphs,
         max_model_len(config, cfg),
         # Speculative decoding verifies up to 1 + K rows per request through the same graphs.
         max_graph_batch=config.max_running * (1 + config.speculative_tokens),
+        batch_invariant=config.batch_invariant,
     )
     runner.capture_all()
     return EngineParts(

@@ -84,8 +84,11 @@ class ModelRunner:
         cuda_graphs: bool,
         max_model_len: int,
         max_graph_batch: int = 256,
+        batch_invariant: bool = False,
     ) -> None:
         self.model = model
+        # Every row described by its own table and length (AttentionMetadata), one split.
+        self.batch_invariant = batch_invariant
         self.cache = cache
         self.sampler = sampler
         self.device = cache.device
@@ -296,6 +299,9 @@ class ModelRunner:
         ids_d = self._to_device(ids)
         self._fill_placeholders(ids_d, fix_rows, fix_srcs, prev)
         meta = AttentionMetadata(self._to_device(slots), [], block_size=bs)
+        if self.batch_invariant:
+            self._describe_rows(meta, seqs, pos + 1)
+            return ids_d, self._to_device(pos), meta, sample_rows
         for r0, s in prompt_seqs:
             ctx = s.start + s.num_tokens
             meta.seqs.append(
@@ -332,6 +338,24 @@ class ModelRunner:
                 ).to(dev)
         return ids_d, self._to_device(pos), meta, sample_rows
 
+    def _describe_rows(
+        self, meta: AttentionMetadata, seqs: list[ScheduledSeq], lens: np.ndarray
+    ) -> None:
+        """Batch-invariant steps: every row, prompt or decode, as a decode row of the kernel's
+        layout (its sequence's block table, context length ``position + 1``), one split."""
+        bs = self.block_size
+        width = int(-(-int(lens.max()) // bs))
+        table = np.zeros((len(lens), width), dtype=np.int32)
+        row = 0
+        for s in seqs:
+            nb = min(width, len(s.block_table))
+            table[row : row + s.num_tokens, :nb] = np.asarray(s.block_table[:nb], dtype=np.int32)
+            row += s.num_tokens
+        meta.decode_start = 0
+        meta.block_table = self._to_device(table)
+        meta.seq_lens = self._to_device(lens.astype(np.int32))
+        meta.num_splits = 1
+
     def _ctx_slots(
         self, table: tuple[int, ...], n: int, device: torch.device | str | None = None
     ) -> torch.Tensor:
@@ -353,6 +377,8 @@ class ModelRunner:
     def _graph_splits(self, bg: int) -> int:
         from .kernels.mla_decode import choose_num_splits
 
+        if self.batch_invariant:
+            return 1
         # Fixed per batch size: sized for the longest context; shorter ones leave splits empty.
         return choose_num_splits(bg, self.num_heads, self.max_blocks * self.block_size)
 

@@ -180,8 +180,12 @@ class Sampler:
         device: torch.device,
         seed: int | None = None,
         eos_token_ids: Sequence[int] = (),
+        batch_invariant: bool = False,
     ) -> None:
         self.device = device
+        # Logprobs normalized one row at a time: a library softmax over [rows, V] may split
+        # one row's sum differently for different row counts.
+        self.batch_invariant = batch_invariant
         self.eos_token_ids = tuple(eos_token_ids)  # what min_tokens keeps from being drawn
         self._rng = torch.Generator(device=device)
         if seed is None:
@@ -257,7 +261,12 @@ class Sampler:
         self.last_logprobs = None
         if wanted:
             counts = [int(params[i].logprobs or 0) for i in wanted]
-            rows = torch.stack([dists.get(i, logits[i]) for i in wanted]).log_softmax(-1)
+            picked = [dists.get(i, logits[i]) for i in wanted]
+            rows = (
+                torch.stack([r.log_softmax(-1) for r in picked])
+                if self.batch_invariant
+                else torch.stack(picked).log_softmax(-1)
+            )
             chosen = rows.gather(1, out[wanted].unsqueeze(1))
             top = rows.topk(max(counts), dim=-1) if max(counts) else None
             vals = chosen if top is None else torch.cat([chosen, top.values], dim=1)

@@ -37,6 +37,9 @@ class ModelFlags:
     # MTP layer's KV travels in the same blocks).
     speculative_tokens: int = 0
     speculative_schedule: str = "confidence"
+    # Batch-invariant engine (--batch-invariant): logits independent of batch and chunking.
+    # Prefill and decode must agree for a continuation after a failure to be exact.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.fake_step_ms < 0 or self.fake_token_us < 0:
@@ -94,6 +97,7 @@ class ModelFlags:
             kv_mac_key=self.kv_mac_key.encode() or None,
             speculative_tokens=self.speculative_tokens,
             speculative_schedule=self.speculative_schedule,
+            batch_invariant=self.batch_invariant,
         )
         return config
 
@@ -164,6 +168,15 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
     flag(
         parser,
+        "--batch-invariant",
+        type=bool,
+        default=False,
+        help="batch-invariant engine: a request's logits do not depend on its batch or on how "
+        "its prompt was chunked, so greedy output reproduces and a continuation after an "
+        "instance fails is exact (slower; bf16 weights); prefill and decode must agree",
+    )
+    flag(
+        parser,
         "--kv-mac-key",
         default="",
         help="secret that signs the KV frames this engine exports and must sign those it "
@@ -205,5 +218,6 @@ def model_flags_from(args: argparse.Namespace) -> ModelFlags:
         gpu_memory_fraction=args.gpu_memory_fraction,
         kv_mac_key=args.kv_mac_key,
         speculative_tokens=args.speculative_tokens,
+        batch_invariant=args.batch_invariant,
         speculative_schedule=args.speculative_schedule,
     )

@@ -255,6 +255,17 @@ def default_config(
     }
 
 
+# --batch-invariant: the launch config for every T (64-row M-blocks keep Hopper's 64-row MMA).
+INVARIANT_CONFIG = {
+    "BLOCK_M": 64,
+    "BLOCK_N": 64,
+    "BLOCK_K": 64,
+    "GROUP_M": 8,
+    "num_warps": 4,
+    "num_stages": 3,
+}
+
+
 @triton.jit
 def _tile_ids(num_pid_m, num_pid_n, GROUP_M: tl.constexpr):  # type: ignore[no-untyped-def]
     """Grouped (L2-friendly) program order: GROUP_M M-blocks share each sweep over N."""
@@ -833,6 +844,7 @@ def fused_moe(
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
     swiglu_limit: float | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Routed experts: ``sum_j w[t,j] * (silu(x Wg^T) * (x Wu^T)) W2^T`` of expert ``ids[t,j]``
     (``swiglu_limit``: DeepSeek-V4's clamped SwiGLU, ``silu(min(g, L)) * clamp(u, -L, L)``).
@@ -851,6 +863,10 @@ def fused_moe(
     ``SWAP_AB`` (default False; needs ``BLOCK_M >= 16``): compute each tile transposed,
     ``W_tile @ X_tile^T``, so the (decoded) weights are ``tl.dot``'s A operand, for decode where
     an expert has few rows; both kernels use the same values.
+
+    ``invariant``: batch-invariant (``--batch-invariant``): one config for every ``T``
+    (:data:`INVARIANT_CONFIG`, so each pair's products are summed in the same order whatever
+    else is routed) and a token's ``k`` expert outputs added in slot order.
     """
     t, hidden = x.shape
     k = topk_ids.shape[1]
@@ -879,7 +895,12 @@ def fused_moe(
     if fp8 != (kind2 == "fp8"):
         raise ValueError("FP8 experts need both w13 and w2 as Fp8Weight")
     fp4 = "fp4" in (kind13, kind2)
-    cfg = config or default_config(t, k, e, two_i, hidden, fp4, fp8)
+    if invariant and (fp4 or fp8 or config is not None):
+        raise ValueError("invariant fused_moe takes bf16/fp32 experts and its own config")
+    if invariant:
+        cfg = INVARIANT_CONFIG
+    else:
+        cfg = config or default_config(t, k, e, two_i, hidden, fp4, fp8)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if fp4 and bk % _FP4_GROUP:
         raise ValueError(f"FP4 weights need BLOCK_K to be a multiple of {_FP4_GROUP}, got {bk}")
@@ -972,5 +993,12 @@ def fused_moe(
         EVEN_K=inter_dim % bk == 0,
         **launch,
     )
-    torch.sum(pair_out.view(t, k, hidden), dim=1, out=out)
+    pairs = pair_out.view(t, k, hidden)
+    if invariant:  # slot order, in fp32: torch.sum's reduction plan depends on T
+        acc = pairs[:, 0].float()
+        for j in range(1, k):
+            acc += pairs[:, j]
+        out.copy_(acc)
+    else:
+        torch.sum(pairs, dim=1, out=out)
     return out

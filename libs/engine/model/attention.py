@@ -31,6 +31,15 @@ from .rope import Rotary, softmax_scale
 # Query rows per attention tile in the expanded path: bounds the score matrix to
 # heads x 512 x context fp32 values (a 32K context with 128 heads: 8 GiB -> tiles of 512).
 _QUERY_TILE = 512
+# Rows per call of the batch-invariant PyTorch attention (one shape for every batch).
+_INVARIANT_TILE = 16
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` with zero rows appended up to ``rows``."""
+    if x.shape[0] == rows:
+        return x
+    return torch.cat((x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))))
 
 
 @dataclass
@@ -55,6 +64,10 @@ class AttentionMetadata:
     The kernel path instead takes the decodes as the step's last rows, from
     ``decode_start`` on, described by ``block_table`` (int32 [B, max_blocks]) and
     ``seq_lens`` (int32 [B], 0 for CUDA-graph padding rows).
+
+    Batch-invariant steps (:meth:`MLAttention.forward` with ``batch_invariant``) describe every
+    row that way, prompt rows too (``decode_start = 0``; a prompt row at position ``p`` has its
+    sequence's table and length ``p + 1``), on either path, and leave ``seqs`` empty.
     """
 
     slot_mapping: torch.Tensor
@@ -83,6 +96,9 @@ class MLAttention(nn.Module):
         self.rotary = rotary
         self.absorb_decode = absorb_decode
         self.use_kernels = False
+        # Every query through the absorbed form in one fixed order, prompt rows as decode
+        # rows: a row's output depends on its own context only (see _forward_invariant).
+        self.batch_invariant = False
         self._absorbed_weights: tuple[torch.Tensor, torch.Tensor] | None = None
         h, nh = cfg.hidden_size, cfg.num_attention_heads
         self.scale = softmax_scale(cfg)
@@ -139,7 +155,9 @@ class MLAttention(nn.Module):
         q_nope, q_pe = self._queries(x, cos, sin)
         latents = self._latents(x, cos, sin)
         cache.write(meta.slot_mapping, latents)
-        if self.use_kernels:
+        if self.batch_invariant:
+            out = self._forward_invariant(q_nope, q_pe, meta, cache)
+        elif self.use_kernels:
             out = self._forward_kernels(q_nope, q_pe, latents, meta, cache)
         else:
             out = x.new_empty(x.shape[0], cfg.num_attention_heads, cfg.v_head_dim)
@@ -224,6 +242,108 @@ class MLAttention(nn.Module):
             )
             out[d] = torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
         return out
+
+    # -- batch-invariant path -----------------------------------------------------------------
+    def _forward_invariant(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: LayerCache,
+    ) -> torch.Tensor:
+        """Every row as a decode row, whatever the step: ``q_lat = q_nope W_uk`` and
+        ``o W_uv^T`` through :func:`matmul_nt` (one summation order per row), attention over
+        the row's cached context in ``block_size`` pages from position 0 with an online
+        softmax -- the Triton decode kernel with a single split on the kernel path,
+        :meth:`_paged_rows` in PyTorch otherwise. A query at position ``p`` then gets the
+        same numbers in a prompt of any chunking, in a decode step of any batch, and when
+        a continuation re-prefills it (prefill's expanded form would differ in the last bits
+        from decode's absorbed one)."""
+        from ..kernels.invariant import matmul_nt
+
+        assert meta.block_table is not None and meta.seq_lens is not None
+        assert meta.decode_start == 0, "batch-invariant steps describe every row by its table"
+        kernel = self.use_kernels
+        w_uk_t, w_uv = self._invariant_kv_b()
+        q_lat = matmul_nt(q_nope.transpose(0, 1), w_uk_t, kernel=kernel).transpose(0, 1)
+        if kernel:
+            from ..kernels.mla_decode import mla_decode
+
+            o_lat = mla_decode(
+                q_lat,
+                q_pe,
+                cache.latent,
+                cache.rope,
+                meta.block_table,
+                meta.seq_lens,
+                block_size=meta.block_size,
+                sm_scale=self.scale,
+                kv_scale=cache.scale,
+                num_splits=1,
+            )
+        else:
+            o_lat = self._paged_rows(
+                q_lat, q_pe, meta.block_table, meta.seq_lens, meta.block_size, cache
+            )
+        return matmul_nt(o_lat.transpose(0, 1), w_uv, kernel=kernel).transpose(0, 1)
+
+    def _invariant_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_uk^T [H, r, nope], W_uv [H, v, r]) contiguous, in the model dtype, made once."""
+        w_uk, w_uv_t = self._absorbed_kv_b()
+        cached = getattr(self, "_invariant_weights", None)
+        if cached is None or cached[0].device != w_uk.device:
+            cached = (w_uk.transpose(1, 2).contiguous(), w_uv_t.transpose(1, 2).contiguous())
+            self._invariant_weights = cached
+        return cached
+
+    def _paged_rows(
+        self,
+        q_lat: torch.Tensor,
+        q_pe: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        bs: int,
+        cache: LayerCache,
+    ) -> torch.Tensor:
+        """PyTorch twin of the single-split decode kernel: each row attends over its context
+        page by page (``block_size`` tokens, the last one masked) with an online softmax in
+        fp32. Rows go in fixed tiles of :data:`_INVARIANT_TILE` (the last padded with empty
+        rows), so every operation sees one shape whatever the batch; a page past a row's
+        length is an exact no-op (weight 1 on the old state, 0 on the new)."""
+        cfg = self.cfg
+        t, nh, r = q_lat.shape
+        tile = _INVARIANT_TILE
+        out = torch.empty(t, nh, r, dtype=torch.float32, device=q_lat.device)
+        lens = seq_lens.to(torch.int64)
+        table = block_table.to(torch.int64)
+        within = torch.arange(bs, device=q_lat.device)
+        for r0 in range(0, t, tile):
+            n = min(tile, t - r0)
+            ql = _pad_rows(q_lat[r0 : r0 + n].float(), tile)
+            qp = _pad_rows(q_pe[r0 : r0 + n].float(), tile)
+            rl = _pad_rows(lens[r0 : r0 + n], tile)  # empty rows: length 0
+            rt = _pad_rows(table[r0 : r0 + n], tile)
+            m_i = torch.full((tile, nh), float("-inf"), device=ql.device)
+            l_i = torch.zeros(tile, nh, device=ql.device)
+            acc = torch.zeros(tile, nh, r, device=ql.device)
+            for j in range(int((rl.max() + bs - 1) // bs)):
+                pos = j * bs + within  # [bs]
+                slots = rt[:, j, None] * bs + within[None, :]  # [tile, bs]
+                ctx = cache.gather(slots.reshape(-1), torch.float32).view(tile, bs, -1)
+                latent, k_pe = torch.split(ctx, [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+                s = torch.bmm(ql, latent.transpose(1, 2)) + torch.bmm(qp, k_pe.transpose(1, 2))
+                s = (s * self.scale).masked_fill(
+                    (pos[None, :] >= rl[:, None])[:, None, :], float("-inf")
+                )
+                m_new = torch.maximum(m_i, s.amax(dim=-1))
+                safe = torch.where(torch.isinf(m_new), 0.0, m_new)
+                p = torch.exp(s - safe[..., None])
+                alpha = torch.exp(torch.where(torch.isinf(m_i), -torch.inf, m_i - safe))
+                l_i = l_i * alpha + p.sum(dim=-1)
+                acc = acc * alpha[..., None] + torch.bmm(p, latent)
+                m_i = m_new
+            out[r0 : r0 + n] = (acc / torch.where(l_i > 0, l_i, 1.0)[..., None])[:n]
+        return out.to(q_lat.dtype)
 
     def _expanded(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, seq: SeqAttention, cache: LayerCache

@@ -22,6 +22,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
         self.use_kernels = False
+        self.batch_invariant = False
 
     def add_forward(
         self, x: torch.Tensor, residual: torch.Tensor
@@ -39,16 +40,53 @@ class RMSNorm(nn.Module):
             from ..kernels.fused_ops import rms_norm
 
             return rms_norm(x, self.weight, self.eps)[0]
+        if self.batch_invariant and x.dim() == 2:
+            return invariant_rows(self._norm, x)
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.to(torch.float32)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         out: torch.Tensor = self.weight * xf.to(x.dtype)
         return out
 
 
-def _linear(
-    out_f: int, in_f: int, bias: bool, dtype: torch.dtype, device: torch.device
-) -> nn.Linear:
-    layer = nn.Linear(in_f, out_f, bias=bias, dtype=dtype, device=device)
+class Linear(nn.Linear):
+    """``nn.Linear`` that can run batch-invariant (:mod:`libs.engine.kernels.invariant`):
+    with ``batch_invariant`` a row's output does not depend on the other rows of the call."""
+
+    batch_invariant = False
+    use_kernels = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return invariant_linear(x, self.weight, self.bias, self.use_kernels)
+        return F.linear(x, self.weight, self.bias)
+
+
+def invariant_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: bool
+) -> torch.Tensor:
+    """``F.linear`` summed in one fixed order per row: Triton with ``kernels``, else PyTorch
+    in fixed-shape chunks."""
+    from ..kernels.invariant import linear
+
+    return linear(x, weight, bias, kernel=kernels)
+
+
+def invariant_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """A row-wise PyTorch function in fixed-shape calls (``kernels.invariant.rows_fixed``)."""
+    from ..kernels.invariant import rows_fixed
+
+    return rows_fixed(fn, x)
+
+
+def _silu(x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+    return invariant_rows(F.silu, x) if batch_invariant else F.silu(x)
+
+
+def _linear(out_f: int, in_f: int, bias: bool, dtype: torch.dtype, device: torch.device) -> Linear:
+    layer = Linear(in_f, out_f, bias=bias, dtype=dtype, device=device)
     layer.requires_grad_(False)
     return layer
 
@@ -133,6 +171,7 @@ class MLP(nn.Module):
         self.up_proj = _linear(inter, hidden, False, dtype, device)
         self.down_proj = _linear(hidden, inter, False, dtype, device)
         self.use_kernels = False
+        self.batch_invariant = False
         self._gate_up: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,9 +182,11 @@ class MLP(nn.Module):
             w = self._gate_up
             if w is None or w.device != self.gate_proj.weight.device:
                 w = self._gate_up = torch.cat((self.gate_proj.weight, self.up_proj.weight))
-            y: torch.Tensor = self.down_proj(silu_mul(F.linear(x, w)))
+            gate_up = invariant_linear(x, w, None, True) if self.batch_invariant else F.linear(x, w)
+            y: torch.Tensor = self.down_proj(silu_mul(gate_up))
             return y
-        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = _silu(self.gate_proj(x), self.batch_invariant)
+        out: torch.Tensor = self.down_proj(gate * self.up_proj(x))
         return out
 
 
@@ -170,6 +211,8 @@ class Router(nn.Module):
             torch.empty(e, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
         self._weight_fp32: torch.Tensor | None = None
+        self.batch_invariant = False
+        self.use_kernels = False
         if cfg.topk_method == "noaux_tc":
             # Kept in fp32 whatever the model dtype: it shifts sigmoid scores near 1e-3 apart.
             self.e_score_correction_bias = nn.Parameter(
@@ -183,11 +226,16 @@ class Router(nn.Module):
             w32 = self.weight.to(torch.float32)
             if self.weight.dtype != torch.float32:
                 self._weight_fp32 = w32  # made once, not every step
-        logits = F.linear(x.to(torch.float32), w32)
-        if cfg.scoring_func == "sigmoid":
-            scores = logits.sigmoid()
-        else:
-            scores = logits.softmax(dim=-1)
+        xf = x.to(torch.float32)
+        logits = (
+            invariant_linear(xf, w32, None, self.use_kernels)
+            if self.batch_invariant
+            else F.linear(xf, w32)
+        )
+        score: Callable[[torch.Tensor], torch.Tensor] = (
+            torch.sigmoid if cfg.scoring_func == "sigmoid" else lambda t: t.softmax(dim=-1)
+        )
+        scores = invariant_rows(score, logits) if self.batch_invariant else score(logits)
         k = cfg.num_experts_per_tok
         per_group = cfg.n_routed_experts // cfg.n_group
         if cfg.topk_method == "noaux_tc":
@@ -202,15 +250,30 @@ class Router(nn.Module):
             weights, idx = masked.topk(k, dim=-1, sorted=False)
         else:
             weights, idx = scores.topk(k, dim=-1, sorted=False)
+        if self.batch_invariant:
+            # Unsorted top-k returns a row's picks in an order that depends on the batch;
+            # by expert id, their weights are summed in one order.
+            idx, order = idx.sort(dim=-1)
+            weights = weights.gather(1, order)
         if cfg.scoring_func == "sigmoid":
             if cfg.norm_topk_prob:
-                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+                weights = weights / (self._sum(weights) + 1e-20)
             weights = weights * cfg.routed_scaling_factor
         elif cfg.norm_topk_prob and k > 1:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights / (self._sum(weights) + 1e-20)
         else:
             weights = weights * cfg.routed_scaling_factor
         return weights, idx
+
+    def _sum(self, weights: torch.Tensor) -> torch.Tensor:
+        """Each row's sum ``[T, 1]``; batch-invariant: left to right (a library reduction
+        may split a row differently for different ``T``)."""
+        if not self.batch_invariant:
+            return weights.sum(dim=-1, keepdim=True)
+        total = weights[:, :1].clone()
+        for j in range(1, weights.shape[1]):
+            total += weights[:, j : j + 1]
+        return total
 
 
 def _mask_groups(
@@ -252,6 +315,7 @@ class Experts(nn.Module):
             torch.empty(e, h, i, dtype=dtype, device=device), requires_grad=False
         )
         self.use_kernels = False
+        self.batch_invariant = False
         self.fp4: tuple[Fp4Weight, Fp4Weight] | None = None
         self.fp8: tuple[Fp8Weight, Fp8Weight] | None = None
         for row, expert in enumerate(slots or ()):
@@ -336,7 +400,7 @@ class Experts(nn.Module):
                 if self.fp4 is not None
                 else (self.w13, self.w2)
             )
-            out: torch.Tensor = fused_moe(x, w13, w2, weights, idx)
+            out: torch.Tensor = fused_moe(x, w13, w2, weights, idx, invariant=self.batch_invariant)
             return out
         if self.fp8 is not None:
             return self._grouped_fp8(x, weights, idx, self.fp8[0], self.fp8[1])
@@ -350,7 +414,7 @@ class Experts(nn.Module):
                 dequantize_fp4(self.fp4[0], x.dtype),
                 dequantize_fp4(self.fp4[1], x.dtype),
             )
-        return self._grouped(x, weights, idx, self.w13, self.w2)
+        return self._grouped(x, weights, idx, self.w13, self.w2, self.batch_invariant)
 
     def _grouped_fp8(
         self,
@@ -378,12 +442,18 @@ class Experts(nn.Module):
         idx: torch.Tensor,
         w13: torch.Tensor,
         w2: torch.Tensor,
+        batch_invariant: bool = False,
     ) -> torch.Tensor:
-        """Reference grouped path: tokens sorted by expert, one GEMM pair per expert hit."""
+        """Reference grouped path: tokens sorted by expert, one GEMM pair per expert hit
+        (``batch_invariant``: products in fixed-shape chunks, so a token's rows do not depend
+        on how many others chose its experts)."""
+
+        def lin(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return invariant_linear(a, w, None, False) if batch_invariant else F.linear(a, w)
 
         def ffn(xe: torch.Tensor, e: int) -> torch.Tensor:
-            gate, up = F.linear(xe, w13[e]).chunk(2, dim=-1)
-            return F.linear(F.silu(gate) * up, w2[e])
+            gate, up = lin(xe, w13[e]).chunk(2, dim=-1)
+            return lin(_silu(gate, batch_invariant) * up, w2[e])
 
         return _route_grouped(x, weights, idx, w13.shape[0], ffn)
 

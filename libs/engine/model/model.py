@@ -17,7 +17,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..kv.cache import LayerCache
 from .attention import AttentionMetadata, MLAttention
-from .layers import MLP, Experts, Fp8Linear, MoE, RMSNorm, _linear
+from .layers import MLP, Experts, Fp8Linear, Linear, MoE, RMSNorm, Router, _linear
 from .rope import Rotary
 
 
@@ -174,9 +174,24 @@ class DeepseekForCausalLM(nn.Module):
     def set_kernels(self, on: bool) -> None:
         """Fused attention and Triton decode/MoE kernels (on) or the plain PyTorch reference."""
         for module in self.modules():
-            if isinstance(module, (MLAttention, Experts, RMSNorm, MLP, Fp8Linear)):
+            if isinstance(module, (MLAttention, Experts, RMSNorm, MLP, Fp8Linear, Linear, Router)):
                 module.use_kernels = on
         self.rotary.use_kernels = on
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Batch-invariant mode (``--batch-invariant``): every product and reduction a token's
+        logits go through is summed in an order fixed by the token's own row and context --
+        linears, the router, the experts, and attention (prompt rows as decode rows) -- so a
+        request's logits do not depend on the requests beside it, on how its prompt was
+        chunked, or on whether its tokens were prefilled or decoded. bf16/fp32 weights only."""
+        if on and self.weight_dtype == "fp8":
+            raise ValueError("batch-invariant mode serves bf16 weights, not FP8 ones")
+        for module in self.modules():
+            if isinstance(module, (MLAttention, Experts, MLP, Linear, Router, RMSNorm)):
+                module.batch_invariant = on
+            if on and isinstance(module, Experts) and (module.fp4 or module.fp8) is not None:
+                raise ValueError("batch-invariant mode serves bf16 experts, not FP4/FP8 ones")
+        self.rotary.batch_invariant = on
 
     def keep_experts(self, slots: tuple[int, ...]) -> None:
         """Decoder MoE layers keep only these routed experts (see ``expert_slots``)."""
@@ -198,7 +213,7 @@ class DeepseekForCausalLM(nn.Module):
         for layer in [*self.model.layers, *self.mtp]:
             for parent in [*layer.self_attn.modules(), *layer.mlp.modules()]:
                 for name, child in list(parent.named_children()):
-                    if type(child) is nn.Linear:
+                    if isinstance(child, nn.Linear):
                         fp8 = (
                             Fp8Linear(
                                 child.out_features,

@@ -75,10 +75,17 @@ class Rotary:
         self.inv_freq = inv_freq.to(device)
         self.interleave = cfg.rope_interleave
         self.use_kernels = False
+        self.batch_invariant = False
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+        if self.batch_invariant:  # PyTorch's CPU cos/sin vary with the tensor's size
+            from ..kernels.invariant import rows_fixed
+
+            cos, sin = rows_fixed(torch.cos, freqs), rows_fixed(torch.sin, freqs)
+        else:
+            cos, sin = freqs.cos(), freqs.sin()
+        return cos * self.attention_factor, sin * self.attention_factor
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x``: [tokens, ..., rope_dim]; ``cos``/``sin``: [tokens, rope_dim // 2]."""

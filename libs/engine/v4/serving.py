@@ -349,6 +349,7 @@ def v4_parts(
             ("FP8 weights", config.weight_dtype == "fp8"),
             ("FP4 experts", config.expert_dtype == "fp4"),
             ("a KV cache dtype", config.kv_cache_dtype is not None),
+            ("batch-invariant mode", config.batch_invariant),
         )
         if on
     ]

@@ -24,8 +24,9 @@ Cache formats:
   token's score by its scale before the softmax and each token's probability by its scale
   before the P @ V product, which equals attending over the dequantized latents.
 
-Kernel design: stage 1 runs on the grid ``(B, cdiv(H, BLOCK_H), num_splits)``. A program holds
-``BLOCK_H`` heads of one sequence (extra heads masked), so a latent tile loaded once serves
+Kernel design: stage 1 runs on the grid ``(cdiv(H, BLOCK_H) * B, num_splits)``, a sequence's
+head blocks adjacent (so with V3's 128 heads they share its cache tiles through L2). A program
+holds ``BLOCK_H`` heads of one sequence (extra heads masked), so a latent tile loaded once serves
 all of them, and it walks its share of the context in ``BLOCK_N``-token tiles
 (``BLOCK_N`` divides ``block_size``, so a tile lies in one page and needs one block-table
 lookup). Per tile it computes ``S = Q_lat @ K^T + Q_pe @ K_pe^T`` with ``tl.dot``, updates an
@@ -171,9 +172,12 @@ def _mla_decode_stage1(
     ``DIRECT``: a single split, write ``acc / l`` to the final output (``stride_os`` unused);
     otherwise write the normalized partial output and its base-2 log-sum-exp.
     """
-    pid_b = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    pid_s = tl.program_id(2)
+    # Head blocks vary fastest: a sequence's head blocks run side by side, so with more heads
+    # than one block holds (V3's 128) the second block reads the cache tiles from L2.
+    head_blocks = tl.cdiv(num_heads, BLOCK_H)
+    pid_h = tl.program_id(0) % head_blocks
+    pid_b = tl.program_id(0) // head_blocks
+    pid_s = tl.program_id(1)
 
     seq_len = tl.load(seq_lens_ptr + pid_b)
     # Tiles are split evenly (a multiple of BLOCK_N tokens each) so every tile is page-local.
@@ -447,7 +451,7 @@ def mla_decode(
         lse_strides = (lse.stride(0), lse.stride(1))
     precision = "ieee" if q_lat.dtype == torch.float32 else "tf32"
 
-    grid = (b, triton.cdiv(h, block_h), num_splits)
+    grid = (triton.cdiv(h, block_h) * b, num_splits)
     _mla_decode_stage1[grid](
         q_lat,
         q_pe,

@@ -224,3 +224,25 @@ def test_flags_reach_the_engines(capsys) -> None:
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == invariant  # same model, same tokens
     assert main([*args, "--batch-invariant", "--ep", "2"]) == 2
+
+
+def test_speculative_verification_gives_one_token_decodings_logprobs() -> None:
+    """With the mode on, a draft verified in a (1 + K)-row step sees exactly the logits a
+    one-token step gives, so speculative decoding is lossless to the last bit of every
+    logprob, accepted drafts and rejected ones alike (greedy requests)."""
+    import copy
+
+    from libs.engine.loader import LoadedModel, load
+    from libs.engine.speculative import make_mtp_test_model
+
+    base = load("tiny", "cpu", torch.float32, 0, with_mtp=True)
+    model = copy.deepcopy(base.model)
+    make_mtp_test_model(model, 0.0, 0.4, seed=1)  # about 60% of drafts right
+    loaded = LoadedModel(model, f"{base.model_id}-mtp", base.source)
+    # Greedy: a sampled request's draws are the target distribution's, not the same draws.
+    reqs = {"x": (prompt(30, 8), SP), "y": (prompt(9, 9), SP)}
+    plain = serve(make(loaded, with_mtp=True), reqs)
+    spec = make(loaded, with_mtp=True, speculative_tokens=3, speculative_schedule="all")
+    assert serve(spec, reqs) == plain
+    stats = spec.speculative.stats
+    assert 0 < stats.accepted < stats.verified

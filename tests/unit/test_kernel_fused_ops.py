@@ -49,3 +49,31 @@ def test_silu_mul_matches_torch() -> None:
 
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(silu_mul(x), torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_latent_write_is_norm_rope_and_cache_write_in_one(interleave: bool, dtype) -> None:
+    """The fused latent path gives the unfused kernels' numbers, in the step's latents and in
+    the cache rows it was told to write -- and writes no other row."""
+    from libs.engine.kernels.fused_ops import latent_write
+
+    r, p, rows = 64, 16, 7
+    g = torch.Generator().manual_seed(7 + int(interleave))
+    kv_a = (torch.randn(rows, 3 * (r + p), generator=g) * 3).to(dtype)[:, r + p : 2 * (r + p)]
+    w = (torch.rand(r, generator=g) + 0.5).to(dtype)
+    pos = torch.randint(0, 3000, (rows,), generator=g)
+    cfg: ModelConfig = PRESETS["tiny"]
+    rot = Rotary(cfg, torch.device("cpu"))
+    rot.interleave = interleave
+    cos, sin = rot.cos_sin(pos)
+    slots = torch.tensor([5, 0, 9, 3, 12, 7, 1])
+    cache = torch.full((16, r + p), 7.0, dtype=dtype)
+    got = latent_write(kv_a, w, 1e-6, cos, sin, interleave, slots, cache)
+    want = torch.cat(
+        (rms_norm(kv_a[:, :r], w, 1e-6)[0], rope(kv_a[:, r:], cos, sin, interleave)), dim=-1
+    )
+    assert torch.equal(got, want)
+    assert torch.equal(cache[slots], want)
+    untouched = [i for i in range(16) if i not in slots.tolist()]
+    assert torch.equal(cache[untouched], torch.full((len(untouched), r + p), 7.0, dtype=dtype))

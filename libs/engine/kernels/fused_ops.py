@@ -1,5 +1,5 @@
 """Small fused kernels for the per-token work around the GEMMs: RMSNorm (optionally after the
-residual add) and rotary embedding.
+residual add), rotary embedding, SiLU·up, and MLA's latent path (norm + rope + cache write).
 
 In a decode step these run once per layer on a few hundred rows; as PyTorch ops each is 6 to
 10 launches (dtype casts, pow, mean, rsqrt, products, slicing), which at a few microseconds
@@ -170,5 +170,98 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         block = min(triton.next_power_of_2(n), 1024)
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](
             gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4
+        )
+    return out
+
+
+@triton.jit
+def _latent_write_kernel(
+    x_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    slots_ptr,
+    out_ptr,
+    cache_ptr,
+    eps,
+    stride_x,
+    stride_c,
+    stride_out,
+    stride_cache,
+    R: tl.constexpr,
+    HALF: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+):
+    """One token: RMSNorm of the latent (as ``_rms_norm_kernel``), rotary embedding of the
+    key (as ``_rope_kernel``), both written to the step's latents and to the cache slot."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, R)
+    c = tl.load(x_ptr + row * stride_x + cols)
+    cf = c.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(cf * cf, axis=0) / R + eps)
+    w = tl.load(w_ptr + cols)
+    latent = ((cf * inv).to(c.dtype).to(tl.float32) * w.to(tl.float32)).to(c.dtype)
+    i = tl.arange(0, HALF)
+    if INTERLEAVE:
+        first, second = R + 2 * i, R + 2 * i + 1
+    else:
+        first, second = R + i, R + i + HALF
+    cs = tl.load(cos_ptr + row * stride_c + i)
+    sn = tl.load(sin_ptr + row * stride_c + i)
+    x1 = tl.load(x_ptr + row * stride_x + first).to(tl.float32)
+    x2 = tl.load(x_ptr + row * stride_x + second).to(tl.float32)
+    o1 = (x1 * cs - x2 * sn).to(c.dtype)
+    o2 = (x2 * cs + x1 * sn).to(c.dtype)
+    out = out_ptr + row * stride_out
+    tl.store(out + cols, latent)
+    tl.store(out + first, o1)
+    tl.store(out + second, o2)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    dst = cache_ptr + slot * stride_cache
+    kind = cache_ptr.dtype.element_ty
+    tl.store(dst + cols, latent.to(kind))
+    tl.store(dst + first, o1.to(kind))
+    tl.store(dst + second, o2.to(kind))
+
+
+def latent_write(
+    kv_a: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleave: bool,
+    slots: torch.Tensor,
+    cache_kv: torch.Tensor,
+) -> torch.Tensor:
+    """MLA's latent path after ``kv_a_proj`` in one launch: ``kv_a`` [tokens, R + P] (any row
+    stride) becomes ``[RMSNorm(c) | rope(k_pe)]`` [tokens, R + P] in ``kv_a``'s dtype, which is
+    also stored at cache rows ``slots`` of ``cache_kv`` [slots, R + P] (a bf16/fp32 cache).
+    The same numbers as ``RMSNorm``, ``Rotary.apply``, ``torch.cat`` and ``LayerCache.write``
+    on the kernel path, in one launch instead of four."""
+    t, width = kv_a.shape
+    r = norm_weight.shape[0]
+    half = (width - r) // 2
+    assert kv_a.stride(-1) == 1 and cache_kv.stride(-1) == 1 and cache_kv.shape[1] == width
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty((t, width), dtype=kv_a.dtype, device=kv_a.device)
+    if t:
+        _latent_write_kernel[(t,)](
+            kv_a,
+            norm_weight,
+            cos,
+            sin,
+            slots,
+            out,
+            cache_kv,
+            eps,
+            kv_a.stride(0),
+            cos.stride(0),
+            out.stride(0),
+            cache_kv.stride(0),
+            R=r,
+            HALF=half,
+            INTERLEAVE=interleave,
+            num_warps=4 if r >= 256 else 1,
         )
     return out

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
@@ -117,13 +118,19 @@ class MLAttention(nn.Module):
 
     # -- projections -------------------------------------------------------------------------
     def _queries(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        first: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``first``: ``q_proj(x)`` (or ``q_a_proj(x)`` with q-LoRA) when already computed."""
         cfg = self.cfg
         if cfg.q_lora_rank is None:
-            q = self.q_proj(x)
+            q = self.q_proj(x) if first is None else first
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            qa = self.q_a_proj(x) if first is None else first
+            q = self.q_b_proj(self.q_a_layernorm(qa))
         q = q.view(x.shape[0], cfg.num_attention_heads, cfg.qk_head_dim)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         return q_nope, self.rotary.apply(q_pe, cos, sin)
@@ -152,9 +159,12 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """``cache``: this layer's pages; the step's latents are written in place first."""
         cfg = self.cfg
-        q_nope, q_pe = self._queries(x, cos, sin)
-        latents = self._latents(x, cos, sin)
-        cache.write(meta.slot_mapping, latents)
+        if self.use_kernels and cache.kv is not None and self._stacked_input() is not None:
+            q_nope, q_pe, latents = self._project_and_write(x, cos, sin, meta, cache.kv)
+        else:
+            q_nope, q_pe = self._queries(x, cos, sin)
+            latents = self._latents(x, cos, sin)
+            cache.write(meta.slot_mapping, latents)
         if self.batch_invariant:
             out = self._forward_invariant(q_nope, q_pe, meta, cache)
         elif self.use_kernels:
@@ -180,6 +190,54 @@ class MLAttention(nn.Module):
         return result
 
     # -- kernel path --------------------------------------------------------------------------
+    def _stacked_input(self) -> torch.Tensor | None:
+        """The two projections of ``x`` (``q_proj`` or ``q_a_proj``, then ``kv_a_proj``) as one
+        weight, made once; None where they cannot be stacked (FP8 weights, biases)."""
+        first = self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj
+        second = self.kv_a_proj_with_mqa
+        if not isinstance(first, nn.Linear) or not isinstance(second, nn.Linear):
+            return None
+        if first.bias is not None or second.bias is not None:
+            return None
+        w = getattr(self, "_input_weight", None)
+        if w is None or w.device != first.weight.device:
+            w = torch.cat((first.weight, second.weight))
+            self._input_weight = w
+        return w
+
+    def _project_and_write(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        cache_kv: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Kernel path, bf16/fp32 cache: both input projections as one GEMM, then the latent's
+        norm, the key's rotation and the cache write as one launch (``latent_write``)."""
+        from ..kernels.fused_ops import latent_write
+        from .layers import invariant_linear
+
+        w = self._stacked_input()
+        assert w is not None
+        both = invariant_linear(x, w, None, True) if self.batch_invariant else F.linear(x, w)
+        first, kv_a = torch.split(
+            both, [w.shape[0] - self.cfg.kv_cache_dim, self.cfg.kv_cache_dim], -1
+        )
+        q_nope, q_pe = self._queries(x, cos, sin, first)
+        norm = self.kv_a_layernorm
+        latents = latent_write(
+            kv_a,
+            norm.weight,
+            norm.eps,
+            cos,
+            sin,
+            self.rotary.interleave,
+            meta.slot_mapping,
+            cache_kv,
+        )
+        return q_nope, q_pe, latents
+
     def _absorbed_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous (W_uk [H, nope, r], W_uv^T [H, r, v]), made once from kv_b_proj."""
         if (

@@ -227,6 +227,12 @@ class Router(nn.Module):
             if self.weight.dtype != torch.float32:
                 self._weight_fp32 = w32  # made once, not every step
         xf = x.to(torch.float32)
+        if self.use_kernels and not self.batch_invariant:
+            from ..kernels.router import route, supported
+
+            if supported(cfg):  # scores to weights in one launch, best pick first
+                bias = getattr(self, "e_score_correction_bias", None)
+                return route(F.linear(xf, w32), cfg, bias)
         logits = (
             invariant_linear(xf, w32, None, self.use_kernels)
             if self.batch_invariant

@@ -54,6 +54,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
+import numpy as np
 import torch
 
 from libs.common.sampling import SamplingParams, TokenLogprob
@@ -394,6 +395,11 @@ def make_mtp_test_model(
         m.shared_head.head.weight.copy_(model.lm_head.weight)
 
 
+# The token id a deeper draft pass is prepared with; its real input (the previous depth's
+# draft) is handed to the model as a device tensor.
+_DRAFT_ON_DEVICE = 0
+
+
 @dataclass
 class SpecStep:
     """What :meth:`SpecDecoder.run` leaves for :meth:`SpecDecoder.draft`."""
@@ -664,12 +670,16 @@ class SpecDecoder:
             return
         if runner.use_kernels:
             catch.sort(key=lambda s: s.num_tokens == 1)  # decodes last, as the kernels read them
-        h_index = torch.cat(
-            [
-                torch.arange(step.rows[s.request_id], step.rows[s.request_id] + s.num_tokens)
-                for s in catch
-            ]
-        ).to(step.hidden.device)
+        # Index tensors go over pinned and non-blocking (runner._to_device): a plain copy to
+        # the device would wait for the work queued before it.
+        h_index = runner._to_device(
+            np.concatenate(
+                [
+                    np.arange(step.rows[s.request_id], step.rows[s.request_id] + s.num_tokens)
+                    for s in catch
+                ]
+            ).astype(np.int64)
+        )
         ids, pos, meta, _ = runner._prepare(catch, None)
         x = mtp.block(step.hidden[h_index], ids, pos, meta, self.mtp_cache)
         want = [
@@ -678,20 +688,18 @@ class SpecDecoder:
         if not want:
             return
         last = {s.request_id: r + s.num_tokens - 1 for s, r in _offsets(catch, 0)}
-        index = torch.tensor([last[s.request_id] for s in want], device=x.device)
+        index = runner._to_device(np.asarray([last[s.request_id] for s in want], dtype=np.int64))
         state = x[index]
-        drafts: list[list[int]] = [[] for _ in want]
-        confs: list[list[float]] = [[] for _ in want]
+        # Each depth's drafts stay on the device: the next depth takes them as its input ids,
+        # and the host reads all depths once at the end (not one wait per depth).
+        picked: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = []
         live = list(range(len(want)))
         max_len = scheduler.config.max_model_len
         for depth in range(self.depth):
             logits = mtp.head(state)
             top, tok = logits.max(-1)
             conf = (top - logits.logsumexp(-1)).exp()  # the draft's probability
-            tok_l, conf_l = tok.tolist(), conf.tolist()
-            for j, w in enumerate(live):
-                drafts[w].append(int(tok_l[j]))
-                confs[w].append(float(conf_l[j]))
+            picked.append((tok, conf, live))
             if depth + 1 == self.depth:
                 break
             # Next depth: the MTP layer at the draft's position, fed its own hidden state.
@@ -707,7 +715,7 @@ class SpecDecoder:
                         req.request_id,
                         p,
                         1,
-                        (drafts[w][-1],),
+                        (_DRAFT_ON_DEVICE,),  # replaced by the draft on the device below
                         tuple(req.blocks),
                         sample=False,
                         sample_position=p + 1,
@@ -716,9 +724,19 @@ class SpecDecoder:
                 keep.append(j)
             if not nxt:
                 break
-            ids, pos, meta, _ = runner._prepare(nxt, None)
-            sel = torch.tensor(keep, device=state.device)
-            state = mtp.block(state[sel], ids, pos, meta, self.mtp_cache)
+            _, pos, meta, _ = runner._prepare(nxt, None)
+            sel = runner._to_device(np.asarray(keep, dtype=np.int64))
+            state = mtp.block(state[sel], tok[sel], pos, meta, self.mtp_cache)
             live = [live[j] for j in keep]
+        toks = torch.cat([t for t, _, _ in picked]).tolist()
+        probs = torch.cat([c for _, c, _ in picked]).tolist()
+        drafts: list[list[int]] = [[] for _ in want]
+        confs: list[list[float]] = [[] for _ in want]
+        at = 0
+        for _, _, rows in picked:
+            for w in rows:
+                drafts[w].append(int(toks[at]))
+                confs[w].append(float(probs[at]))
+                at += 1
         for w, s in enumerate(want):
             self.drafts[s.request_id] = (drafts[w], confs[w])

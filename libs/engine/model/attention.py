@@ -200,8 +200,11 @@ class MLAttention(nn.Module):
         if first.bias is not None or second.bias is not None:
             return None
         w = getattr(self, "_input_weight", None)
-        if w is None or w.device != first.weight.device:
+        if w is None or w.data_ptr() != first.weight.data_ptr():
             w = torch.cat((first.weight, second.weight))
+            # The two layers' weights become views of the stacked one: no second copy.
+            n = first.weight.shape[0]
+            first.weight.data, second.weight.data = w[:n], w[n:]
             self._input_weight = w
         return w
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..kv.cache import LayerCache
-from .layers import RMSNorm, _linear, linear_weight
+from .layers import RMSNorm, _linear, linear_weight, stack_weights
 from .rope import Rotary, softmax_scale
 
 # Query rows per attention tile in the expanded path: bounds the score matrix to
@@ -201,11 +201,7 @@ class MLAttention(nn.Module):
             return None
         w = getattr(self, "_input_weight", None)
         if w is None or w.data_ptr() != first.weight.data_ptr():
-            w = torch.cat((first.weight, second.weight))
-            # The two layers' weights become views of the stacked one: no second copy.
-            n = first.weight.shape[0]
-            first.weight.data, second.weight.data = w[:n], w[n:]
-            self._input_weight = w
+            w = self._input_weight = stack_weights(first, second)
         return w
 
     def _project_and_write(

@@ -81,6 +81,17 @@ def invariant_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) 
     return rows_fixed(fn, x)
 
 
+def stack_weights(first: nn.Linear, second: nn.Linear) -> torch.Tensor:
+    """``[first.weight; second.weight]`` as one tensor, both layers' weights becoming views of
+    it (no second copy). Made outside inference mode (forward runs in it), so the weights stay
+    ordinary tensors that later in-place updates may change."""
+    with torch.inference_mode(False):
+        w = torch.cat((first.weight, second.weight))
+    n = first.weight.shape[0]
+    first.weight.data, second.weight.data = w[:n], w[n:]
+    return w
+
+
 def _silu(x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
     return invariant_rows(F.silu, x) if batch_invariant else F.silu(x)
 
@@ -180,8 +191,8 @@ class MLP(nn.Module):
 
             # One GEMM for gate and up (their weights stacked once), one kernel for silu * up.
             w = self._gate_up
-            if w is None or w.device != self.gate_proj.weight.device:
-                w = self._gate_up = torch.cat((self.gate_proj.weight, self.up_proj.weight))
+            if w is None or w.data_ptr() != self.gate_proj.weight.data_ptr():
+                w = self._gate_up = stack_weights(self.gate_proj, self.up_proj)
             gate_up = invariant_linear(x, w, None, True) if self.batch_invariant else F.linear(x, w)
             y: torch.Tensor = self.down_proj(silu_mul(gate_up))
             return y

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 from libs.common.sampling import SamplingParams  # noqa: E402
 from libs.engine.engine import Engine, EngineConfig  # noqa: E402
 from libs.engine.loader import load  # noqa: E402
+from tests.unit.test_batch_invariant import serve  # noqa: E402
 
 SP = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=5)
 
@@ -28,18 +29,6 @@ def v2_lite():
 def _prompts(vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(11)
     return [torch.randint(3, vocab, (k,), generator=g).tolist() for k in (300, 7, 130, 33, 520)]
-
-
-def _serve(engine: Engine, reqs: dict[str, tuple[list[int], SamplingParams]]) -> dict:
-    for rid, (p, sp) in reqs.items():
-        engine.add_request(rid, p, sp)
-    out: dict[str, list] = {rid: [] for rid in reqs}
-    while engine.has_unfinished():
-        for ev in engine.step():
-            if ev.token_id is not None:
-                lp = ev.logprobs
-                out[ev.request_id].append((ev.token_id, lp.logprob, lp.top_ids, lp.top_logprobs))
-    return out
 
 
 def _engine(loaded, invariant: bool, **kw) -> Engine:
@@ -59,14 +48,14 @@ def _runs(loaded, invariant: bool) -> dict[str, list]:
     prompts = _prompts(loaded.model.cfg.vocab_size)
     x = prompts[0]
     others = {f"o{i}": (p, SP) for i, p in enumerate(prompts[1:])}
-    alone = _serve(_engine(loaded, invariant), {"x": (x, SP)})["x"]
-    together = _serve(_engine(loaded, invariant), {"x": (x, SP), **others})["x"]
-    chunked = _serve(_engine(loaded, invariant, max_tokens_per_step=128), {"x": (x, SP), **others})[
+    alone = serve(_engine(loaded, invariant), {"x": (x, SP)})["x"]
+    together = serve(_engine(loaded, invariant), {"x": (x, SP), **others})["x"]
+    chunked = serve(_engine(loaded, invariant, max_tokens_per_step=128), {"x": (x, SP), **others})[
         "x"
     ]
     sent = [t for t, *_ in alone[:5]]
     rest = SamplingParams(max_tokens=7, ignore_eos=True, logprobs=5)
-    cont = _serve(_engine(loaded, invariant, max_tokens_per_step=96), {"x": (x + sent, rest)})["x"]
+    cont = serve(_engine(loaded, invariant, max_tokens_per_step=96), {"x": (x + sent, rest)})["x"]
     return {"alone": alone, "together": together, "chunked": chunked, "continued": cont}
 
 
@@ -93,8 +82,8 @@ def test_invariant_engine_stays_close_to_the_default(v2_lite) -> None:
     probabilities stay within bf16 noise of the default engine's."""
     prompts = _prompts(v2_lite.model.cfg.vocab_size)
     reqs = {f"r{i}": (p, SP) for i, p in enumerate(prompts)}
-    inv = _serve(_engine(v2_lite, True), reqs)
-    ref = _serve(_engine(v2_lite, False), reqs)
+    inv = serve(_engine(v2_lite, True), reqs)
+    ref = serve(_engine(v2_lite, False), reqs)
     first = [inv[r][0][0] == ref[r][0][0] for r in reqs]
     diff = max(abs(inv[r][0][1] - ref[r][0][1]) for r in reqs)
     print(f"first tokens equal {sum(first)}/{len(first)}, max |dlogprob| of the first {diff:.3g}")

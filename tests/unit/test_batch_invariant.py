@@ -20,6 +20,7 @@ import torch
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig
 from libs.engine.kernels.invariant import linear, matmul_nt
+from tests.unit.test_engine import run
 
 SP = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=5)
 SEEDED = SamplingParams(
@@ -177,20 +178,9 @@ def test_kernel_path_gives_the_torch_paths_tokens(tiny_loaded) -> None:
     """The invariant kernel path (interpreted) serves the same greedy tokens as its PyTorch
     twin: single-split decode kernel for prompt rows, the fixed-config GEMM and fused MoE."""
     reqs = {"a": (prompt(20, 7), SamplingParams(max_tokens=2, ignore_eos=True))}
-    torch_path = serve_tokens(make(tiny_loaded, overlap=False), reqs)
-    kernel_path = serve_tokens(make(tiny_loaded, kernels="triton", overlap=False), reqs)
+    torch_path = run(make(tiny_loaded, overlap=False), reqs)
+    kernel_path = run(make(tiny_loaded, kernels="triton", overlap=False), reqs)
     assert kernel_path == torch_path
-
-
-def serve_tokens(engine: Engine, reqs: dict) -> dict[str, list[int]]:
-    for rid, (p, sp) in reqs.items():
-        engine.add_request(rid, p, sp)
-    out: dict[str, list[int]] = {rid: [] for rid in reqs}
-    while engine.has_unfinished():
-        for ev in engine.step():
-            if ev.token_id is not None:
-                out[ev.request_id].append(ev.token_id)
-    return out
 
 
 # -- flags ------------------------------------------------------------------------------------

@@ -255,7 +255,6 @@ class MLAttention(nn.Module):
         meta: AttentionMetadata,
         cache: LayerCache,
     ) -> torch.Tensor:
-        from ..kernels.mla_decode import mla_decode
         from ..kernels.prefill_attention import prefill_attention
 
         cfg = self.cfg
@@ -285,18 +284,7 @@ class MLAttention(nn.Module):
             d = slice(meta.decode_start, t)
             w_uk, w_uv_t = self._absorbed_kv_b()
             q_lat = torch.bmm(q_nope[d].transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, r]
-            o_lat = mla_decode(
-                q_lat,
-                q_pe[d],
-                cache.latent,
-                cache.rope,
-                meta.block_table,
-                meta.seq_lens,
-                block_size=meta.block_size,
-                sm_scale=self.scale,
-                kv_scale=cache.scale,
-                num_splits=meta.num_splits,
-            )
+            o_lat = self._paged_decode(q_lat, q_pe[d], meta, cache, meta.num_splits)
             out[d] = torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
         return out
 
@@ -324,20 +312,7 @@ class MLAttention(nn.Module):
         w_uk_t, w_uv = self._invariant_kv_b()
         q_lat = matmul_nt(q_nope.transpose(0, 1), w_uk_t, kernel=kernel).transpose(0, 1)
         if kernel:
-            from ..kernels.mla_decode import mla_decode
-
-            o_lat = mla_decode(
-                q_lat,
-                q_pe,
-                cache.latent,
-                cache.rope,
-                meta.block_table,
-                meta.seq_lens,
-                block_size=meta.block_size,
-                sm_scale=self.scale,
-                kv_scale=cache.scale,
-                num_splits=1,
-            )
+            o_lat = self._paged_decode(q_lat, q_pe, meta, cache, 1)
         else:
             o_lat = self._paged_rows(
                 q_lat, q_pe, meta.block_table, meta.seq_lens, meta.block_size, cache
@@ -401,6 +376,31 @@ class MLAttention(nn.Module):
                 m_i = m_new
             out[r0 : r0 + n] = (acc / torch.where(l_i > 0, l_i, 1.0)[..., None])[:n]
         return out.to(q_lat.dtype)
+
+    def _paged_decode(
+        self,
+        q_lat: torch.Tensor,
+        q_pe: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: LayerCache,
+        num_splits: int,
+    ) -> torch.Tensor:
+        """The Triton decode kernel over the rows ``meta.block_table``/``seq_lens`` describe."""
+        from ..kernels.mla_decode import mla_decode
+
+        assert meta.block_table is not None and meta.seq_lens is not None
+        return mla_decode(
+            q_lat,
+            q_pe,
+            cache.latent,
+            cache.rope,
+            meta.block_table,
+            meta.seq_lens,
+            block_size=meta.block_size,
+            sm_scale=self.scale,
+            kv_scale=cache.scale,
+            num_splits=num_splits,
+        )
 
     def _expanded(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, seq: SeqAttention, cache: LayerCache

@@ -99,7 +99,9 @@ async def test_decode_killed_mid_stream_continues_with_the_same_logprobs(
                 try:
                     async for ev in call:
                         if ev.WhichOneof("event") == "tokens":
-                            for tok, lp in zip(ev.tokens.token_ids, ev.tokens.logprobs, strict=True):
+                            for tok, lp in zip(
+                                ev.tokens.token_ids, ev.tokens.logprobs, strict=True
+                            ):
                                 got.append(
                                     (tok, lp.logprob, tuple(lp.top_ids), tuple(lp.top_logprobs))
                                 )

@@ -203,6 +203,37 @@ def greedy_accept(target: Sequence[int], drafts: Sequence[int]) -> list[int]:
     return out
 
 
+# Catch-ups up to this many positions run as single-token decode rows (see SpecDecoder.draft);
+# longer ones (a prompt the MTP layer covers after prefill) stay prompt chunks.
+_CATCH_UP_ROWS_MAX = 16
+
+
+def _single_rows(
+    seqs: list[ScheduledSeq], split: Callable[[ScheduledSeq], bool]
+) -> list[ScheduledSeq]:
+    """``seqs`` with each multi-token one that ``split`` picks replaced by single-token rows
+    in order: row ``i`` at position ``start + i``, attending to the context up to itself, so
+    the batched decode attention serves them all in one call (a prompt chunk would make one
+    call per sequence and, in MLA, re-expand its whole context)."""
+    out: list[ScheduledSeq] = []
+    for s in seqs:
+        if s.num_tokens == 1 or not split(s):
+            out.append(s)
+            continue
+        out.extend(
+            dataclasses.replace(
+                s,
+                start=s.start + i,
+                num_tokens=1,
+                token_ids=(s.token_ids[i],),
+                sample_position=s.start + i + 1,
+                num_drafts=0,
+            )
+            for i in range(s.num_tokens)
+        )
+    return out
+
+
 def _offsets(seqs: list[ScheduledSeq], first: int) -> list[tuple[ScheduledSeq, int]]:
     out, o = [], first
     for s in seqs:
@@ -546,25 +577,8 @@ class SpecDecoder:
         ``histories``: (prompt + output tokens so far, prompt length) of those using a penalty."""
         t0 = time.perf_counter()
         runner, model = self.runner, self.model
-        # A verified seq runs as 1 + j decode rows (row i at its own position, attending to the
-        # context up to itself), not as a prompt chunk: the batched decode attention serves
-        # them all in one call, where the prompt path would make one call per sequence.
-        rows_plan: list[ScheduledSeq] = []
-        for s in plan.seqs:
-            if not s.num_drafts:
-                rows_plan.append(s)
-                continue
-            for i in range(s.num_tokens):
-                rows_plan.append(
-                    dataclasses.replace(
-                        s,
-                        start=s.start + i,
-                        num_tokens=1,
-                        token_ids=(s.token_ids[i],),
-                        sample_position=s.start + i + 1,
-                        num_drafts=0,
-                    )
-                )
+        # A verified seq runs as 1 + j decode rows, not as a prompt chunk (_single_rows).
+        rows_plan = _single_rows(list(plan.seqs), lambda s: s.num_drafts > 0)
         rows_step = StepPlan(tuple(rows_plan))
         graphed = runner.decode_rows(rows_step)  # a captured graph when every row decodes
         all_logits: torch.Tensor | None = None
@@ -668,6 +682,14 @@ class SpecDecoder:
             )
         if not catch:
             return
+        want = [
+            s for s in catch if self.num_tokens and _draftable(scheduler.requests[s.request_id])
+        ]
+        first = {s.request_id: s.start for s in catch}
+        # A decode's catch-up (its accepted drafts and the bonus token, at most 1 + K) runs as
+        # single-token rows through the absorbed decode path, as verification does: as a
+        # prompt chunk it would re-expand the whole context through kv_b_proj every step.
+        catch = _single_rows(catch, lambda s: s.num_tokens <= _CATCH_UP_ROWS_MAX)
         if runner.use_kernels:
             catch.sort(key=lambda s: s.num_tokens == 1)  # decodes last, as the kernels read them
         # Index tensors go over pinned and non-blocking (runner._to_device): a plain copy to
@@ -675,18 +697,18 @@ class SpecDecoder:
         h_index = runner._to_device(
             np.concatenate(
                 [
-                    np.arange(step.rows[s.request_id], step.rows[s.request_id] + s.num_tokens)
+                    np.arange(s.num_tokens)
+                    + step.rows[s.request_id]
+                    + (s.start - first[s.request_id])
                     for s in catch
                 ]
             ).astype(np.int64)
         )
         ids, pos, meta, _ = runner._prepare(catch, None)
         x = mtp.block(step.hidden[h_index], ids, pos, meta, self.mtp_cache)
-        want = [
-            s for s in catch if self.num_tokens and _draftable(scheduler.requests[s.request_id])
-        ]
         if not want:
             return
+        # A request's rows stay contiguous and in order: its last row ends its last piece.
         last = {s.request_id: r + s.num_tokens - 1 for s, r in _offsets(catch, 0)}
         index = runner._to_device(np.asarray([last[s.request_id] for s in want], dtype=np.int64))
         state = x[index]

@@ -626,3 +626,21 @@ def test_constrained_requests_are_drafted_for_and_stay_constrained(tiny_mtp, lay
     sampled = dataclasses.replace(DIGITS, temperature=1.0, seed=7)
     got = run(make(loaded, 3, speculative_schedule="all"), {"s": (prompt(12, 4), sampled)})["s"]
     assert len(got) == 12 and all(tok.id_to_token(t).isdigit() for t in got)
+
+
+def test_kernel_path_catch_up_rows_give_the_one_token_engines_tokens(tiny_mtp) -> None:
+    """Through the Triton kernels (interpreted): a step's catch-ups as single-token decode rows
+    beside prompt catch-ups (a long prompt chunked in). The exact head's drafts are all
+    accepted only if every catch-up row got its own hidden state and position; the tokens are
+    the one-token kernel engine's."""
+    loaded = variant(tiny_mtp, 0.0)
+    reqs = {
+        "a": (prompt(6, 1), SamplingParams(max_tokens=8, ignore_eos=True)),
+        "b": (prompt(40, 2), SamplingParams(max_tokens=5, ignore_eos=True)),
+    }
+    kw: dict[str, object] = dict(kernels="triton", overlap=False, max_tokens_per_step=24)
+    want = run(make(loaded, 0, **kw), reqs)
+    eng = make(loaded, 3, speculative_schedule="all", **kw)
+    assert run(eng, reqs) == want
+    stats = eng.speculative.stats
+    assert stats.verified > 0 and stats.accepted == stats.verified

@@ -426,6 +426,10 @@ def make_mtp_test_model(
         m.shared_head.head.weight.copy_(model.lm_head.weight)
 
 
+# One drafting depth on the device: each live request's draft, its confidence, and which
+# requests (indices into the pass's list) those rows are.
+_Depth = tuple[torch.Tensor, torch.Tensor, list[int]]
+
 # The token id a deeper draft pass is prepared with; its real input (the previous depth's
 # draft) is handed to the model as a device tensor.
 _DRAFT_ON_DEVICE = 0
@@ -465,7 +469,11 @@ class SpecDecoder:
         self.mtp_cache = runner.cache.layers[model.cfg.num_hidden_layers]
         self.acceptance = AcceptanceModel()
         self.stats = SpecStats()
-        self.drafts: dict[str, tuple[list[int], list[float]]] = {}
+        self._drafts: dict[str, tuple[list[int], list[float]]] = {}
+        # The last draft() pass, still on the device: read into _drafts when first asked for,
+        # so the host schedules the next step (and the caller handles this step's events)
+        # while the device drafts.
+        self._pending: tuple[list[_Depth], list[str]] | None = None
         # Drafts made per request and step: K, or with the confidence schedule one more than
         # the most it verified for a request last time (each draft past the first costs an
         # MTP pass and a vocabulary projection; a schedule that declines them all then pays
@@ -476,6 +484,31 @@ class SpecDecoder:
         self._shared = torch.Generator(device=runner.device)
         self._shared.seed()
         self._scratch = torch.Generator(device=runner.device)
+
+    @property
+    def drafts(self) -> dict[str, tuple[list[int], list[float]]]:
+        """Per request: the drafts to verify next and their confidences (the host waits here
+        for the device's last drafting pass, once)."""
+        self._settle()
+        return self._drafts
+
+    def _settle(self) -> None:
+        """Read the last drafting pass from the device into :attr:`drafts`."""
+        if self._pending is not None:
+            picked, ids = self._pending
+            self._pending = None
+            toks = torch.cat([t for t, _, _ in picked]).tolist()
+            probs = torch.cat([c for _, c, _ in picked]).tolist()
+            drafts: list[list[int]] = [[] for _ in ids]
+            confs: list[list[float]] = [[] for _ in ids]
+            at = 0
+            for _, _, rows in picked:
+                for w in rows:
+                    drafts[w].append(int(toks[at]))
+                    confs[w].append(float(probs[at]))
+                    at += 1
+            for w, rid in enumerate(ids):
+                self._drafts[rid] = (drafts[w], confs[w])
 
     def forget(self, request_id: str) -> SpecStats | None:
         """Drop a request's drafts; its counters, if it had any."""
@@ -654,7 +687,9 @@ class SpecDecoder:
     # -- 3. catch up and draft ------------------------------------------------------------------
     def draft(self, plan: StepPlan, step: SpecStep, scheduler: Scheduler) -> None:
         """After the scheduler committed ``step``: the MTP layer over every position that became
-        final (its KV), then K drafts for each running request that may be drafted for."""
+        final (its KV), then K drafts for each running request that may be drafted for. The
+        drafts stay on the device until :attr:`drafts` is read (the next step's add_drafts)."""
+        self._settle()
         runner, mtp = self.runner, self.mtp
         catch: list[ScheduledSeq] = []
         for seq in plan.seqs:
@@ -714,7 +749,7 @@ class SpecDecoder:
         state = x[index]
         # Each depth's drafts stay on the device: the next depth takes them as its input ids,
         # and the host reads all depths once at the end (not one wait per depth).
-        picked: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = []
+        picked: list[_Depth] = []
         live = list(range(len(want)))
         max_len = scheduler.config.max_model_len
         for depth in range(self.depth):
@@ -750,15 +785,4 @@ class SpecDecoder:
             sel = runner._to_device(np.asarray(keep, dtype=np.int64))
             state = mtp.block(state[sel], tok[sel], pos, meta, self.mtp_cache)
             live = [live[j] for j in keep]
-        toks = torch.cat([t for t, _, _ in picked]).tolist()
-        probs = torch.cat([c for _, c, _ in picked]).tolist()
-        drafts: list[list[int]] = [[] for _ in want]
-        confs: list[list[float]] = [[] for _ in want]
-        at = 0
-        for _, _, rows in picked:
-            for w in rows:
-                drafts[w].append(int(toks[at]))
-                confs[w].append(float(probs[at]))
-                at += 1
-        for w, s in enumerate(want):
-            self.drafts[s.request_id] = (drafts[w], confs[w])
+        self._pending = (picked, [s.request_id for s in want])

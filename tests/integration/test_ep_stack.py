@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.timeout(300)]
 
 PROMPTS = [[(i * 7919 + 31 * k) % 120000 + 100 for i in range(20 + 3 * k)] for k in range(8)]
 MAX_TOKENS = 8
-STREAM_TOKENS = 40
+STREAM_TOKENS = 64
 
 
 def _greedy(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -192,7 +192,13 @@ def test_rank_killed_mid_stream_streams_finish_and_the_group_comes_back_smaller(
             pool.submit(grpc_generate, stub, p, STREAM_TOKENS, 0.0, None, "", 120.0)
             for p in PROMPTS[:4]
         ]
-        time.sleep(1.0)  # the streams are decoding
+        # Kill once decode-0's group holds a stream (a fixed sleep raced the streams' end).
+        group = ranks(stack, "decode-0")
+        deadline = time.monotonic() + 30
+        while not any(metric(port, "deepserve:num_requests_running") for port in group.values()):
+            assert time.monotonic() < deadline, "no stream reached decode-0's group"
+            assert not all(f.done() for f in futures), "every stream ended before decode-0 ran one"
+            time.sleep(0.02)
         t_kill = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         gens = [f.result() for f in futures]

@@ -115,9 +115,7 @@ def matmul_nt(a: torch.Tensor, w: torch.Tensor, *, kernel: bool) -> torch.Tensor
         for i in range(b):
             wi = w[i].contiguous()
             for r0 in range(0, m, _CHUNK_ROWS):
-                rows = a[i, r0 : r0 + _CHUNK_ROWS]
-                if rows.shape[0] < _CHUNK_ROWS:
-                    rows = F.pad(rows, (0, 0, 0, _CHUNK_ROWS - rows.shape[0]))
+                rows = pad_rows(a[i, r0 : r0 + _CHUNK_ROWS], _CHUNK_ROWS)
                 out[i, r0 : r0 + _CHUNK_ROWS] = F.linear(rows.contiguous(), wi)[: m - r0]
         return out
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M), b)
@@ -161,9 +159,13 @@ def rows_fixed(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> t
         return fn(x)
     outs = []
     for r0 in range(0, n, _FIXED_ROWS):
-        part = x[r0 : r0 + _FIXED_ROWS]
-        if part.shape[0] < _FIXED_ROWS:
-            pad = x.new_zeros((_FIXED_ROWS - part.shape[0], *x.shape[1:]))
-            part = torch.cat((part, pad))
+        part = pad_rows(x[r0 : r0 + _FIXED_ROWS], _FIXED_ROWS)
         outs.append(fn(part.contiguous())[: n - r0])
     return torch.cat(outs)
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` with zero rows appended up to ``rows`` (the fixed call shapes above)."""
+    if x.shape[0] == rows:
+        return x
+    return torch.cat((x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))))

@@ -36,13 +36,6 @@ _QUERY_TILE = 512
 _INVARIANT_TILE = 16
 
 
-def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """``x`` with zero rows appended up to ``rows``."""
-    if x.shape[0] == rows:
-        return x
-    return torch.cat((x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))))
-
-
 @dataclass
 class SeqAttention:
     """One sequence of a step attended on the expanded path."""
@@ -101,6 +94,8 @@ class MLAttention(nn.Module):
         # rows: a row's output depends on its own context only (see _forward_invariant).
         self.batch_invariant = False
         self._absorbed_weights: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._invariant_weights: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._input_weight: torch.Tensor | None = None  # [q_proj | kv_a_proj], stacked
         h, nh = cfg.hidden_size, cfg.num_attention_heads
         self.scale = softmax_scale(cfg)
         if cfg.q_lora_rank is None:
@@ -199,7 +194,7 @@ class MLAttention(nn.Module):
             return None
         if first.bias is not None or second.bias is not None:
             return None
-        w = getattr(self, "_input_weight", None)
+        w = self._input_weight
         if w is None or w.data_ptr() != first.weight.data_ptr():
             w = self._input_weight = stack_weights(first, second)
         return w
@@ -321,11 +316,13 @@ class MLAttention(nn.Module):
 
     def _invariant_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_uk^T [H, r, nope], W_uv [H, v, r]) contiguous, in the model dtype, made once."""
-        w_uk, w_uv_t = self._absorbed_kv_b()
-        cached = getattr(self, "_invariant_weights", None)
-        if cached is None or cached[0].device != w_uk.device:
-            cached = (w_uk.transpose(1, 2).contiguous(), w_uv_t.transpose(1, 2).contiguous())
-            self._invariant_weights = cached
+        cached = self._invariant_weights
+        if cached is None or cached[0].device != self.kv_b_proj.weight.device:
+            w_uk, w_uv = self._kv_b()
+            cached = self._invariant_weights = (
+                w_uk.transpose(1, 2).contiguous(),
+                w_uv.contiguous(),
+            )
         return cached
 
     def _paged_rows(
@@ -342,6 +339,8 @@ class MLAttention(nn.Module):
         fp32. Rows go in fixed tiles of :data:`_INVARIANT_TILE` (the last padded with empty
         rows), so every operation sees one shape whatever the batch; a page past a row's
         length is an exact no-op (weight 1 on the old state, 0 on the new)."""
+        from ..kernels.invariant import pad_rows
+
         cfg = self.cfg
         t, nh, r = q_lat.shape
         tile = _INVARIANT_TILE
@@ -351,10 +350,10 @@ class MLAttention(nn.Module):
         within = torch.arange(bs, device=q_lat.device)
         for r0 in range(0, t, tile):
             n = min(tile, t - r0)
-            ql = _pad_rows(q_lat[r0 : r0 + n].float(), tile)
-            qp = _pad_rows(q_pe[r0 : r0 + n].float(), tile)
-            rl = _pad_rows(lens[r0 : r0 + n], tile)  # empty rows: length 0
-            rt = _pad_rows(table[r0 : r0 + n], tile)
+            ql = pad_rows(q_lat[r0 : r0 + n].float(), tile)
+            qp = pad_rows(q_pe[r0 : r0 + n].float(), tile)
+            rl = pad_rows(lens[r0 : r0 + n], tile)  # empty rows: length 0
+            rt = pad_rows(table[r0 : r0 + n], tile)
             m_i = torch.full((tile, nh), float("-inf"), device=ql.device)
             l_i = torch.zeros(tile, nh, device=ql.device)
             acc = torch.zeros(tile, nh, r, device=ql.device)

@@ -186,11 +186,14 @@ class DeepseekForCausalLM(nn.Module):
         chunked, or on whether its tokens were prefilled or decoded. bf16/fp32 weights only."""
         if on and self.weight_dtype == "fp8":
             raise ValueError("batch-invariant mode serves bf16 weights, not FP8 ones")
+        if on and any(
+            isinstance(m, Experts) and (m.fp4 is not None or m.fp8 is not None)
+            for m in self.modules()
+        ):
+            raise ValueError("batch-invariant mode serves bf16 experts, not FP4/FP8 ones")
         for module in self.modules():
             if isinstance(module, (MLAttention, Experts, MLP, Linear, Router, RMSNorm)):
                 module.batch_invariant = on
-            if on and isinstance(module, Experts) and (module.fp4 or module.fp8) is not None:
-                raise ValueError("batch-invariant mode serves bf16 experts, not FP4/FP8 ones")
         self.rotary.batch_invariant = on
 
     def keep_experts(self, slots: tuple[int, ...]) -> None:

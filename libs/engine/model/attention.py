@@ -154,8 +154,10 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """``cache``: this layer's pages; the step's latents are written in place first."""
         cfg = self.cfg
-        if self.use_kernels and cache.kv is not None and self._stacked_input() is not None:
-            q_nope, q_pe, latents = self._project_and_write(x, cos, sin, meta, cache.kv)
+        stacked = self._stacked_input() if self.use_kernels and cache.kv is not None else None
+        if stacked is not None:
+            assert cache.kv is not None
+            q_nope, q_pe, latents = self._project_and_write(x, stacked, cos, sin, meta, cache.kv)
         else:
             q_nope, q_pe = self._queries(x, cos, sin)
             latents = self._latents(x, cos, sin)
@@ -202,18 +204,18 @@ class MLAttention(nn.Module):
     def _project_and_write(
         self,
         x: torch.Tensor,
+        w: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         meta: AttentionMetadata,
         cache_kv: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Kernel path, bf16/fp32 cache: both input projections as one GEMM, then the latent's
-        norm, the key's rotation and the cache write as one launch (``latent_write``)."""
+        """Kernel path, bf16/fp32 cache: both input projections as one GEMM (``w``, from
+        :meth:`_stacked_input`), then the latent's norm, the key's rotation and the cache write
+        as one launch (``latent_write``)."""
         from ..kernels.fused_ops import latent_write
         from .layers import invariant_linear
 
-        w = self._stacked_input()
-        assert w is not None
         both = invariant_linear(x, w, None, True) if self.batch_invariant else F.linear(x, w)
         first, kv_a = torch.split(
             both, [w.shape[0] - self.cfg.kv_cache_dim, self.cfg.kv_cache_dim], -1

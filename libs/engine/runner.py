@@ -11,7 +11,8 @@ flight) are gathered on the device from that step's sampled-id tensor.
 
 Decode-only steps on CUDA replay CUDA graphs captured per padded batch size (a ladder up to
 ``max_graph_batch``); padding rows have context length 0 and write to the cache's scratch
-slot, so they change nothing.
+slot, so they change nothing. Other computations over decode rows (speculative decoding's MTP
+passes) add their own graph sets (:meth:`ModelRunner.add_graphs`, :meth:`ModelRunner.replay`).
 """
 
 from __future__ import annotations
@@ -52,22 +53,61 @@ class Launched:
     logprobs: tuple[LogprobRows, torch.Tensor, torch.Tensor] | None = None
 
 
+def graph_ladder(max_rows: int) -> list[int]:
+    """The padded row counts graphs are captured for: :data:`GRAPH_LADDER` below ``max_rows``
+    and the first size that holds ``max_rows`` (past 512, steps of 128: speculative
+    verification at batch 256 with K = 3 drafts is 1,024 rows)."""
+    sizes = [*GRAPH_LADDER]
+    while sizes[-1] < max_rows:
+        sizes.append(sizes[-1] + 128)
+    return [b for b in sizes if b < max_rows] + [next(b for b in sizes if b >= max_rows)]
+
+
 @dataclass
 class _Graph:
-    """A captured decode step for ``batch`` rows and its static inputs.
+    """One captured computation over ``rows`` padded rows and its static buffers.
 
-    ``inputs`` (device) holds, per row, the token id, position, cache slot, context length
-    and ``max_blocks`` block-table entries (int64); the graph reads views of it. The host
-    fills one of two pinned staging copies and sends it in one transfer: the copy a step
-    fills was last sent two steps ago, which has finished by then.
+    ``inputs`` (device; row graphs only) holds, per row, the token id, position, cache slot,
+    context length and ``max_blocks`` block-table entries (int64); the graph reads views of
+    it. The host fills one of two staging copies (pinned on CUDA) and sends it in one
+    transfer: the copy a step fills was last sent two steps ago, which has finished by then.
+    ``x_in``: a per-row input the caller copies in (the MTP layer's hidden states);
+    ``outputs``: what the graph writes, overwritten by its next replay.
     """
 
-    graph: torch.cuda.CUDAGraph
-    inputs: torch.Tensor
+    graph: Any  # torch.cuda.CUDAGraph, or _EagerReplay under emulate_graphs()
+    inputs: torch.Tensor | None
     staging: list[torch.Tensor]
-    logits: torch.Tensor
-    hidden: torch.Tensor  # the rows' final hidden states (speculative decoding's MTP reads them)
+    x_in: torch.Tensor | None
+    outputs: tuple[torch.Tensor, ...]
     steps: int = 0
+
+
+@dataclass
+class _GraphSet:
+    """A computation captured once per ladder size. A row graph's ``body`` takes (ids,
+    positions, metadata, x_in) of decode rows; any other's takes (x_in,)."""
+
+    body: Callable[..., tuple[torch.Tensor, ...]]
+    ladder: list[int]
+    rows: bool
+    x_in: tuple[int, torch.dtype] | None
+    graphs: dict[int, _Graph] = field(default_factory=dict)  # by padded row count
+
+
+class _EagerReplay:
+    """A "graph" that runs its closure again on replay and copies what it returns into the
+    tensors its first run returned: the static-buffer contract of a CUDA graph, on the CPU."""
+
+    def __init__(self, run: Callable[[], tuple[torch.Tensor, ...]]) -> None:
+        self.run = run
+        with torch.inference_mode():  # the model's outputs are inference tensors
+            self.outputs = run()
+
+    def replay(self) -> None:
+        with torch.inference_mode():
+            for out, new in zip(self.outputs, self.run(), strict=True):
+                out.copy_(new)
 
 
 def _timing_event() -> torch.cuda.Event:
@@ -94,12 +134,16 @@ class ModelRunner:
         self.device = cache.device
         self.block_size = cache.spec.block_size
         self.use_kernels = use_kernels
+        # Whether the graph paths run (captured CUDA graphs; see emulate_graphs for the CPU).
         self.cuda_graphs = cuda_graphs and use_kernels and self.device.type == "cuda"
+        self._emulated = False
+        self._captured = False  # capture_all() has run: graph sets added later capture at once
         self.max_blocks = -(-max_model_len // self.block_size)
-        self.ladder = [b for b in GRAPH_LADDER if b <= max_graph_batch]
-        self.graphs: dict[int, _Graph] = {}  # by padded batch size
+        self.max_graph_batch = max_graph_batch
         self._pool: Any = None  # torch.cuda.graph_pool_handle(), shared by every graph
         self.num_heads = model.cfg.num_attention_heads
+        self.graph_sets: dict[str, _GraphSet] = {}
+        self.add_graphs("decode", self._decode_body, max_graph_batch)
 
     # -- public ------------------------------------------------------------------------------
     def launch(
@@ -219,8 +263,7 @@ class ModelRunner:
     def _forward(self, plan: StepPlan, prev: Launched | None) -> torch.Tensor:
         """fp32 logits of the sampling seqs, in plan order."""
         if self._graphable(plan):
-            g, b = self._replay(plan, prev)
-            return g.logits[:b]
+            return self._replay("decode", plan.seqs, prev)[1]
         ids, positions, meta, ordered, sample_rows = self.prepare(plan, prev)
         hidden = self.model(ids, positions, meta, self.cache.layers)
         row_of = dict(zip([s.request_id for s in ordered if s.sample], sample_rows))
@@ -368,11 +411,43 @@ class ModelRunner:
         return self._to_device(slots)
 
     # -- CUDA graphs -------------------------------------------------------------------------
+    def add_graphs(
+        self,
+        name: str,
+        body: Callable[..., tuple[torch.Tensor, ...]],
+        max_rows: int,
+        *,
+        rows: bool = True,
+        x_in: tuple[int, torch.dtype] | None = None,
+    ) -> None:
+        """Graphs of ``body`` for 1 to ``max_rows`` rows (a ladder), replayed by
+        :meth:`replay`. Captured by :meth:`capture_all`, or at once if that has run.
+        ``rows``: ``body(ids, positions, meta, x_in)`` over single-token decode rows, else
+        ``body(x_in)``; ``x_in``: (width, dtype) of a per-row input the caller copies in."""
+        gs = _GraphSet(body, graph_ladder(max_rows), rows, x_in)
+        self.graph_sets[name] = gs
+        if self.cuda_graphs and self._captured:
+            self._capture_set(gs)
+
     def capture_all(self) -> None:
-        """Capture every batch size of the ladder now, so no request waits for a capture."""
+        """Capture every graph of every ladder now, so no request waits for a capture."""
+        self._captured = True
         if self.cuda_graphs:
-            for bg in reversed(self.ladder):  # largest first: smaller graphs reuse its pool
-                self.graphs[bg] = self._capture(bg)
+            for gs in self.graph_sets.values():
+                self._capture_set(gs)
+
+    def emulate_graphs(self) -> None:
+        """For tests on the CPU: the graph paths on, each graph a closure that a replay runs
+        eagerly over the same static buffers (inputs staged, padding rows, outputs read back
+        from the captured tensors), so everything around the capture itself is exercised."""
+        if not self.use_kernels:
+            raise ValueError("graphs run the kernel path (kernels='triton')")
+        self.cuda_graphs = self._emulated = True
+        self.capture_all()
+
+    def _capture_set(self, gs: _GraphSet) -> None:
+        for bg in reversed(gs.ladder):  # largest first: smaller graphs reuse its pool
+            gs.graphs[bg] = self._capture(gs, bg)
 
     def _graph_splits(self, bg: int) -> int:
         from .kernels.mla_decode import choose_num_splits
@@ -386,7 +461,7 @@ class ModelRunner:
         """Whether a captured graph runs ``plan``: one sampled token per seq, few enough."""
         return (
             self.cuda_graphs
-            and len(plan.seqs) <= self.ladder[-1]
+            and len(plan.seqs) <= self.graph_sets["decode"].ladder[-1]
             and all(s.num_tokens == 1 and s.sample for s in plan.seqs)
         )
 
@@ -397,18 +472,61 @@ class ModelRunner:
         row at its own position."""
         if not self._graphable(plan):
             return None
-        g, b = self._replay(plan, None)
-        return g.hidden[:b], g.logits[:b]
+        hidden, logits = self._replay("decode", plan.seqs, None)
+        return hidden, logits
 
-    def _replay(self, plan: StepPlan, prev: Launched | None) -> tuple[_Graph, int]:
-        """Replay the smallest captured graph that holds ``plan``'s rows; (it, rows used)."""
-        seqs = plan.seqs
-        b = len(seqs)
-        bg = next(x for x in self.ladder if x >= b)
-        g = self.graphs[bg]  # every ladder size is captured by capture_all()
+    def replay(
+        self,
+        name: str,
+        seqs: Sequence[ScheduledSeq] | int,
+        *,
+        x: torch.Tensor | None = None,
+        ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...] | None:
+        """The outputs of graph set ``name`` over ``seqs`` (decode rows; a row count for a
+        set without rows), one per row, valid until its next replay; None when no graph runs
+        them (graphs off, too many rows, a row of more than one token): run them eagerly.
+        ``x``: the rows' ``x_in``; ``ids``: token ids on the device, replacing the seqs'."""
+        n = seqs if isinstance(seqs, int) else len(seqs)
+        gs = self.graph_sets[name]
+        if not self.cuda_graphs or not 0 < n <= gs.ladder[-1]:
+            return None
+        if not isinstance(seqs, int) and any(s.num_tokens != 1 for s in seqs):
+            return None
+        return self._replay(name, seqs, None, x=x, ids=ids)
+
+    def _replay(
+        self,
+        name: str,
+        seqs: Sequence[ScheduledSeq] | int,
+        prev: Launched | None,
+        *,
+        x: torch.Tensor | None = None,
+        ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """Replay the smallest graph of set ``name`` that holds the rows; its outputs' rows."""
+        gs = self.graph_sets[name]
+        n = seqs if isinstance(seqs, int) else len(seqs)
+        g = gs.graphs[next(b for b in gs.ladder if b >= n)]  # every size is captured
+        if not isinstance(seqs, int):
+            self._stage(g, seqs, prev)
+        if ids is not None:
+            assert g.inputs is not None
+            g.inputs[:n].copy_(ids)
+        if x is not None:
+            assert g.x_in is not None
+            g.x_in[:n].copy_(x)
+        g.graph.replay()
+        g.steps += 1
+        return tuple(o[:n] for o in g.outputs)
+
+    def _stage(self, g: _Graph, seqs: Sequence[ScheduledSeq], prev: Launched | None) -> None:
+        """Send the decode rows' ids, positions, slots, lengths and tables to ``g.inputs``;
+        padding rows: length 0, the cache's scratch slot."""
+        assert g.inputs is not None
+        bg = g.inputs.shape[0] // (4 + self.max_blocks)
         bs, mb = self.block_size, self.max_blocks
         host = g.staging[g.steps % 2]
-        g.steps += 1
         arr = host.numpy()
         arr[:] = 0
         cols = arr[: bg * 4].reshape(4, bg)  # ids, positions, slots, lengths
@@ -430,15 +548,26 @@ class ModelRunner:
                 fix_srcs.append(prev.index[s.request_id])
         g.inputs.copy_(host, non_blocking=True)
         self._fill_placeholders(g.inputs[:bg], fix_rows, fix_srcs, prev)
-        g.graph.replay()
-        return g, b
 
-    def _capture(self, bg: int) -> _Graph:
+    def _decode_body(
+        self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, _: None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model(ids, positions, meta, self.cache.layers)
+        return hidden, self.model.logits(hidden)
+
+    def _capture(self, gs: _GraphSet, bg: int) -> _Graph:
         dev = self.device
+        x_in = None
+        if gs.x_in is not None:
+            x_in = torch.zeros(bg, gs.x_in[0], dtype=gs.x_in[1], device=dev)
+        if not gs.rows:
+            graph, outputs = self._record(lambda: gs.body(x_in))
+            return _Graph(graph, None, [], x_in, outputs)
         mb = self.max_blocks
         inputs = torch.zeros(bg * (4 + mb), dtype=torch.int64, device=dev)
         inputs[2 * bg : 3 * bg] = self.cache.scratch_slot
-        staging = [torch.zeros(inputs.shape, dtype=torch.int64).pin_memory() for _ in range(2)]
+        pin = dev.type == "cuda"
+        staging = [torch.zeros(inputs.shape, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         ids, positions, slots = inputs[:bg], inputs[bg : 2 * bg], inputs[2 * bg : 3 * bg]
         seq_lens32 = torch.zeros(bg, dtype=torch.int32, device=dev)
         table32 = torch.zeros(bg, mb, dtype=torch.int32, device=dev)
@@ -452,13 +581,23 @@ class ModelRunner:
             num_splits=self._graph_splits(bg),
         )
 
-        def run() -> tuple[torch.Tensor, torch.Tensor]:
+        def run() -> tuple[torch.Tensor, ...]:
             # The kernel takes int32 lengths and tables: converted inside the graph.
             seq_lens32.copy_(inputs[3 * bg : 4 * bg])
             table32.copy_(inputs[4 * bg :].view(bg, mb))
-            hidden = self.model(ids, positions, meta, self.cache.layers)
-            return hidden, self.model.logits(hidden)
+            return gs.body(ids, positions, meta, x_in)
 
+        graph, outputs = self._record(run)
+        return _Graph(graph, inputs, staging, x_in, outputs)
+
+    def _record(
+        self, run: Callable[[], tuple[torch.Tensor, ...]]
+    ) -> tuple[Any, tuple[torch.Tensor, ...]]:
+        """Capture ``run`` (a CUDA graph; an _EagerReplay when emulated): (graph, outputs)."""
+        if self._emulated:
+            eager = _EagerReplay(run)
+            return eager, eager.outputs
+        dev = self.device
         # Warm up on a side stream (compiles Triton kernels, sets up cuBLAS) before capturing.
         side = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -470,5 +609,5 @@ class ModelRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._pool):
-            hidden, logits = run()
-        return _Graph(graph, inputs, staging, logits, hidden)
+            outputs = run()
+        return graph, outputs

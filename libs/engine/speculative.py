@@ -60,6 +60,7 @@ import torch
 from libs.common.sampling import SamplingParams, TokenLogprob
 
 from .cost_model import StepShape
+from .model.attention import AttentionMetadata
 from .model.model import DeepseekForCausalLM, MTPLayer
 from .sampler import TokenHistory, apply_penalties, drawn_logits, mask_stops, position_seed
 from .scheduler import Request, ScheduledSeq, Scheduler, Status, StepPlan
@@ -484,6 +485,39 @@ class SpecDecoder:
         self._shared = torch.Generator(device=runner.device)
         self._shared.seed()
         self._scratch = torch.Generator(device=runner.device)
+        # The MTP passes through CUDA graphs where the decode steps have them: the layer over
+        # decode rows (catch-up rows and each depth's drafts), and the head's pick per request.
+        width = (model.cfg.hidden_size, self.mtp.embed_tokens.weight.dtype)
+        runner.add_graphs("mtp", self._block_body, runner.max_graph_batch, x_in=width)
+        runner.add_graphs(
+            "mtp_head",
+            self._pick,
+            max(1, runner.max_graph_batch // (1 + num_tokens)),
+            rows=False,
+            x_in=width,
+        )
+
+    def _block_body(
+        self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, x: torch.Tensor
+    ) -> tuple[torch.Tensor]:
+        return (self.mtp.block(x, ids, positions, meta, self.mtp_cache),)
+
+    def _pick(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's draft (the head's argmax) and its probability."""
+        logits = self.mtp.head(state)
+        top, tok = logits.max(-1)
+        return tok, (top - logits.logsumexp(-1)).exp()
+
+    def _block(
+        self, rows: list[ScheduledSeq], x: torch.Tensor, ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The MTP layer over ``rows`` (its KV written), fed hidden states ``x`` and the rows'
+        token ids (``ids`` on the device, if given): a graph replay when one holds them."""
+        out = self.runner.replay("mtp", rows, x=x, ids=ids)
+        if out is not None:
+            return out[0]
+        ids_h, pos, meta, _ = self.runner._prepare(rows, None)
+        return self.mtp.block(x, ids_h if ids is None else ids, pos, meta, self.mtp_cache)
 
     @property
     def drafts(self) -> dict[str, tuple[list[int], list[float]]]:
@@ -690,7 +724,7 @@ class SpecDecoder:
         final (its KV), then K drafts for each running request that may be drafted for. The
         drafts stay on the device until :attr:`drafts` is read (the next step's add_drafts)."""
         self._settle()
-        runner, mtp = self.runner, self.mtp
+        runner = self.runner
         catch: list[ScheduledSeq] = []
         for seq in plan.seqs:
             req = scheduler.requests.get(seq.request_id)
@@ -739,8 +773,7 @@ class SpecDecoder:
                 ]
             ).astype(np.int64)
         )
-        ids, pos, meta, _ = runner._prepare(catch, None)
-        x = mtp.block(step.hidden[h_index], ids, pos, meta, self.mtp_cache)
+        x = self._block(catch, step.hidden[h_index])
         if not want:
             return
         # A request's rows stay contiguous and in order: its last row ends its last piece.
@@ -753,9 +786,11 @@ class SpecDecoder:
         live = list(range(len(want)))
         max_len = scheduler.config.max_model_len
         for depth in range(self.depth):
-            logits = mtp.head(state)
-            top, tok = logits.max(-1)
-            conf = (top - logits.logsumexp(-1)).exp()  # the draft's probability
+            graphed = runner.replay("mtp_head", len(live), x=state)
+            if graphed is not None:  # the graph's outputs are overwritten by its next replay
+                tok, conf = (t.clone() for t in graphed)
+            else:
+                tok, conf = self._pick(state)
             picked.append((tok, conf, live))
             if depth + 1 == self.depth:
                 break
@@ -781,8 +816,7 @@ class SpecDecoder:
                 keep.append(j)
             if not nxt:
                 break
-            _, pos, meta, _ = runner._prepare(nxt, None)
             sel = runner._to_device(np.asarray(keep, dtype=np.int64))
-            state = mtp.block(state[sel], tok[sel], pos, meta, self.mtp_cache)
+            state = self._block(nxt, state[sel], tok[sel])
             live = [live[j] for j in keep]
         self._pending = (picked, [s.request_id for s in want])

@@ -1,5 +1,7 @@
 """Speculative decoding on the device's kernel path: verification rows run as batched decode
-rows through the Triton MLA decode kernel; greedy tokens equal one token a step's."""
+rows through the Triton MLA decode kernel, and they and the MTP passes (catch-up rows, each
+depth's drafts, the head's pick) replay captured CUDA graphs; greedy tokens equal one token a
+step's."""
 
 from __future__ import annotations
 
@@ -51,4 +53,6 @@ def test_greedy_speculative_equals_one_token_a_step_on_device(layer_scale, wrong
     got, eng = run(3)
     assert got == want
     assert eng.speculative is not None and eng.speculative.stats.verified > 0
-    assert eng.runner.use_kernels
+    assert eng.runner.use_kernels and eng.runner.cuda_graphs
+    for name in ("decode", "mtp", "mtp_head"):
+        assert sum(g.steps for g in eng.runner.graph_sets[name].graphs.values()) > 0, name

@@ -1,0 +1,77 @@
+"""The graph paths of the model runner, on the CPU.
+
+CUDA graphs need a GPU (``tests/gpu`` captures real ones). Here ``ModelRunner.emulate_graphs``
+records each graph as a closure that a replay runs again over the same static buffers, so what
+surrounds the capture runs as on the GPU: the ladder of padded sizes, the rows staged into the
+static inputs (ids, positions, slots, lengths, tables; a token still in flight gathered on the
+device), padding rows, outputs read back from the captured tensors, and speculative decoding's
+MTP passes through their own graph sets. Kernels run under Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from libs.common.sampling import SamplingParams
+from libs.engine.loader import LoadedModel, load
+from libs.engine.runner import GRAPH_LADDER, graph_ladder
+from tests.unit.test_engine import prompt, run
+from tests.unit.test_speculative import make, variant
+
+KERNELS: dict[str, object] = dict(kernels="triton", max_running=4, max_tokens_per_step=64)
+REQS = {
+    "a": (prompt(6, 1), SamplingParams(max_tokens=9, ignore_eos=True)),
+    "b": (prompt(21, 2), SamplingParams(max_tokens=6, ignore_eos=True)),
+    "c": (prompt(3, 3), SamplingParams(temperature=0.9, seed=5, max_tokens=7, ignore_eos=True)),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_mtp() -> LoadedModel:
+    return load("tiny", "cpu", torch.float32, 0, with_mtp=True)
+
+
+def test_the_ladder_holds_every_row_count_up_to_its_maximum() -> None:
+    assert graph_ladder(256) == [b for b in GRAPH_LADDER if b <= 256]
+    assert graph_ladder(12) == [1, 2, 4, 8, 16]  # 12 rows replay the 16-row graph
+    # Speculative verification at batch 256 with K = 3: 1,024 rows, past the fixed ladder.
+    big = graph_ladder(1024)
+    assert big[-5:] == [512, 640, 768, 896, 1024]
+    assert graph_ladder(513)[-2:] == [512, 640]
+
+
+def served(
+    loaded, k: int, graphs: bool, reqs=REQS, **kw: object
+) -> tuple[dict[str, list[int]], dict]:
+    eng = make(loaded, k, **{**KERNELS, **kw})
+    if graphs:
+        eng.runner.emulate_graphs()
+    out = run(eng, reqs)
+    replays = {
+        name: sum(g.steps for g in gs.graphs.values()) for name, gs in eng.runner.graph_sets.items()
+    }
+    return out, {"replays": replays, "spec": eng.speculative}
+
+
+def test_decode_graphs_give_the_eager_steps_tokens_with_overlap(tiny_mtp) -> None:
+    """Three requests replay the 4-row graph (one padding row), and with overlap every step's
+    input token is still in flight when the next step is staged."""
+    want, _ = served(tiny_mtp, 0, graphs=False, overlap=True)
+    got, info = served(tiny_mtp, 0, graphs=True, overlap=True)
+    assert got == want
+    assert info["replays"]["decode"] >= 5
+
+
+def test_mtp_passes_through_graphs_draft_what_the_eager_passes_draft(tiny_mtp) -> None:
+    """With the exact MTP head every draft is right only if each catch-up and drafting row got
+    its own hidden state, token and position through the graphs' static inputs; the tokens are
+    the one-token engine's (greedy: a sampled request draws differently when speculating)."""
+    loaded = variant(tiny_mtp, 0.0)
+    greedy = {r: REQS[r] for r in ("a", "b")}
+    want, _ = served(loaded, 0, graphs=False, reqs=greedy, overlap=False)
+    got, info = served(loaded, 3, graphs=True, reqs=greedy, speculative_schedule="all")
+    assert got == want
+    replays, stats = info["replays"], info["spec"].stats
+    assert replays["decode"] > 0 and replays["mtp"] > 0 and replays["mtp_head"] > 0
+    assert stats.verified > 0 and stats.accepted == stats.verified

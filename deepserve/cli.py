@@ -210,7 +210,8 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--weights",
         choices=("auto", "bf16", "fp8"),
         default="auto",
-        help="fp8: block-scaled e4m3 linear and routed-expert weights (auto: bf16)",
+        help="fp8: block-scaled e4m3 linear and routed-expert weights (auto: fp8 for FP8 "
+        "checkpoints, bf16 otherwise)",
     )
     e.add_argument("--no-cuda-graphs", action="store_true", help="EngineConfig(cuda_graphs=False)")
     e.add_argument("--no-overlap", action="store_true", help="EngineConfig(overlap=False)")

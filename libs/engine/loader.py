@@ -5,8 +5,8 @@ with ``model.safetensors.index.json``. Routed experts may be stored per expert (
 original ``mlp.experts.{e}.gate_proj.weight`` names, which transformers also writes) or fused
 (transformers' in-memory ``mlp.experts.gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I]).
 FP8 block-quantized weights (DeepSeek's release: ``weight`` in e4m3 with ``weight_scale_inv``
-per 128x128 tile) are dequantized while loading, unless ``weight_dtype`` is fp8 (the default for
-checkpoints whose config says so): then linear layers keep the e4m3 tensors and their scales
+per 128x128 tile) are dequantized while loading when ``weight_dtype`` is bf16; with fp8 (the
+default for checkpoints whose config says so) linear layers keep the e4m3 tensors and their scales
 as they are and the routed experts are re-quantized to the same format after loading (exact
 for DeepSeek's tiles, whose largest element is +-448). MTP layers (``model.layers.{N+j}``) load
 into ``mtp.{j}`` when asked for, and are skipped otherwise.
@@ -87,15 +87,14 @@ def checkpoint_is_fp8(source: str) -> bool:
 
 
 def resolve_weight_dtype(source: str, weight_dtype: str) -> str:
-    """``"fp8"`` or ``"bf16"`` (the model dtype). ``"auto"`` is bf16 for now, FP8 checkpoints
-    included (dequantized at load, as before): the FP8 path is correct on CPU but its first
-    H200 run was slow (a GEMM per expert, no CUDA graphs) and its logit error against bf16 on
-    v2-lite (0.34) was far above FP4 experts' (0.06), so it is opt-in (``"fp8"``) until both
-    are mended (docs/benchmarks.md)."""
+    """``"fp8"`` or ``"bf16"`` (the model dtype). ``"auto"``: fp8 for a checkpoint whose config
+    carries DeepSeek's FP8 quantization (its e4m3 weights and tile scales kept as they are:
+    dequantized, V3/R1 would need twice the memory, about 1.34 TB), bf16 otherwise. A caller
+    that cannot serve FP8 weights (FP4 experts, batch-invariant mode) asks for bf16."""
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
     if weight_dtype == "auto":
-        return "bf16"
+        return "fp8" if checkpoint_is_fp8(source) else "bf16"
     return weight_dtype
 
 

@@ -171,7 +171,7 @@ def build_parts(
         config.seed,
         config.with_mtp or config.speculative_tokens > 0,
         expert_slots=keep,
-        weight_dtype=config.weight_dtype,
+        weight_dtype=_weight_dtype(config),
     )
     model = loaded.model
     if ep is not None:
@@ -226,6 +226,14 @@ def build_parts(
     return EngineParts(
         loaded.model_id, cfg, spec, cache, num_blocks, cost, runner, device, loaded, runtime
     )
+
+
+def _weight_dtype(config: EngineConfig) -> str:
+    """``config.weight_dtype``, with ``auto`` made bf16 where FP8 weights cannot serve (FP4
+    experts, batch-invariant mode): an FP8 checkpoint is then dequantized at load."""
+    if config.weight_dtype == "auto" and (config.expert_dtype == "fp4" or config.batch_invariant):
+        return "bf16"
+    return config.weight_dtype
 
 
 def _kernels_usable(config: EngineConfig, cfg: ModelConfig) -> bool:

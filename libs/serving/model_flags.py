@@ -26,7 +26,7 @@ class ModelFlags:
     fake_token_us: float = 2.0  # --model fake: and of each token computed in it
     kv_cache_dtype: str = "auto"  # or fp8 (both instances of a prefill -> decode pair must agree)
     experts: str = "bf16"  # or fp4
-    weights: str = "auto"  # bf16 or fp8 (auto: bf16; FP8 checkpoints dequantized at load)
+    weights: str = "auto"  # bf16 or fp8 (auto: fp8 for FP8 checkpoints, bf16 otherwise)
     # Secret shared by prefill and decode that signs KV frames ("" : unsigned, local use).
     kv_mac_key: str = field(default="", repr=False)
     # Share of the CUDA device's total memory for weights + KV cache + activations; sets the
@@ -148,8 +148,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         parser,
         "--weights",
         default="auto",
-        help="fp8: e4m3 weights with 128x128 block scales, opt-in while slow (auto: bf16; "
-        "DeepSeek's FP8 checkpoints are dequantized at load)",
+        help="fp8: e4m3 weights with 128x128 block scales (a bf16 model quantized at load); "
+        "auto: fp8 for DeepSeek's FP8 checkpoints (kept as they are), bf16 otherwise and with "
+        "--experts fp4 or --batch-invariant; bf16: FP8 checkpoints dequantized at load",
     )
     flag(
         parser,

@@ -22,6 +22,7 @@ from libs.engine.kernels.fp8_gemm import (
     quantize_fp8_tokens,
 )
 from libs.engine.model.layers import Fp8Linear
+from libs.engine.parts import _weight_dtype
 
 
 def test_block_scales_follow_the_checkpoint_convention() -> None:
@@ -201,14 +202,19 @@ def _fp8_checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 def test_fp8_checkpoint_keeps_its_fp8_weights(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     path, state = _fp8_checkpoint(tmp_path)
-    fp8 = EngineConfig(model=str(path), num_kv_blocks=8, weight_dtype="fp8")
+    fp8 = EngineConfig(model=str(path), num_kv_blocks=8)  # auto: the checkpoint's FP8 kept
     params = dict(Engine(fp8).model.named_parameters())
     name = "model.layers.1.self_attn.kv_b_proj.weight"
     assert params[name].dtype == FP8_DTYPE
     assert torch.equal(params[name].view(torch.uint8), state[name].view(torch.uint8))
     assert torch.equal(params[name + "_scale_inv"], state[name + "_scale_inv"])
-    bf16 = EngineConfig(model=str(path), num_kv_blocks=8)  # auto: dequantized, as before
+    bf16 = EngineConfig(model=str(path), num_kv_blocks=8, weight_dtype="bf16")  # dequantized
     assert dict(Engine(bf16).model.named_parameters())[name].dtype != FP8_DTYPE
+    # Where FP8 weights cannot serve, auto dequantizes instead of refusing the checkpoint
+    # (this checkpoint's experts are too narrow for FP4 ones: the choice alone is checked).
+    auto = Engine(EngineConfig(model=str(path), num_kv_blocks=8, batch_invariant=True))
+    assert dict(auto.model.named_parameters())[name].dtype != FP8_DTYPE
+    assert _weight_dtype(EngineConfig(model=str(path), expert_dtype="fp4")) == "bf16"
     q = _quality({"fp8": fp8, "bf16": bf16})
     # Same linear weights bit for bit; the differences: per-token e4m3 activations and the
     # experts' tiles re-cut over the fused [gate; up] rows (I=... is not a multiple of 128

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -522,32 +523,43 @@ class ModelRunner:
 
     def _stage(self, g: _Graph, seqs: Sequence[ScheduledSeq], prev: Launched | None) -> None:
         """Send the decode rows' ids, positions, slots, lengths and tables to ``g.inputs``;
-        padding rows: length 0, the cache's scratch slot."""
+        padding rows: length 0, the cache's scratch slot. Built with whole-array operations
+        (a Python loop of per-row numpy writes took 2.7 ms for 1,024 rows on a 2-core CPU).
+        A row's table entries past its own pages keep stale values: the kernel reads only the
+        pages its length covers."""
         assert g.inputs is not None
         bg = g.inputs.shape[0] // (4 + self.max_blocks)
         bs, mb = self.block_size, self.max_blocks
+        n = len(seqs)
         host = g.staging[g.steps % 2]
         arr = host.numpy()
-        arr[:] = 0
         cols = arr[: bg * 4].reshape(4, bg)  # ids, positions, slots, lengths
         table = arr[bg * 4 :].reshape(bg, mb)
-        cols[2, :] = self.cache.scratch_slot
-        fix_rows: list[int] = []
-        fix_srcs: list[int] = []
-        for i, s in enumerate(seqs):
-            p = s.start
-            nb = p // bs + 1
-            cols[0, i] = s.token_ids[0]
-            cols[1, i] = p
-            cols[2, i] = s.block_table[p // bs] * bs + p % bs
-            cols[3, i] = p + 1
-            table[i, :nb] = s.block_table[:nb]
-            if s.token_ids[0] == PLACEHOLDER:
-                assert prev is not None
-                fix_rows.append(i)
-                fix_srcs.append(prev.index[s.request_id])
+        cols[:, n:] = 0
+        cols[2, n:] = self.cache.scratch_slot
+        starts = np.fromiter((s.start for s in seqs), np.int64, n)
+        ids = np.fromiter((s.token_ids[0] for s in seqs), np.int64, n)
+        pages = starts // bs + 1  # pages each row reads
+        flat = np.fromiter(
+            chain.from_iterable(
+                s.block_table[:k] for s, k in zip(seqs, pages.tolist(), strict=True)
+            ),
+            np.int64,
+            int(pages.sum()),
+        )
+        ends = np.cumsum(pages)
+        rows = np.repeat(np.arange(n), pages)
+        table[rows, np.arange(len(flat)) - np.repeat(ends - pages, pages)] = flat
+        cols[0, :n] = ids
+        cols[1, :n] = starts
+        cols[2, :n] = flat[ends - 1] * bs + starts % bs  # the last page read holds the row
+        cols[3, :n] = starts + 1
         g.inputs.copy_(host, non_blocking=True)
-        self._fill_placeholders(g.inputs[:bg], fix_rows, fix_srcs, prev)
+        fix = np.flatnonzero(ids == PLACEHOLDER).tolist()
+        if fix:
+            assert prev is not None
+            srcs = [prev.index[seqs[i].request_id] for i in fix]
+            self._fill_placeholders(g.inputs[:bg], fix, srcs, prev)
 
     def _decode_body(
         self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, _: None

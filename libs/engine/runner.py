@@ -66,7 +66,7 @@ def graph_ladder(max_rows: int) -> list[int]:
 
 @dataclass
 class _Graph:
-    """One captured computation over ``rows`` padded rows and its static buffers.
+    """One captured computation over a padded number of rows, and its static buffers.
 
     ``inputs`` (device; row graphs only) holds, per row, the token id, position, cache slot,
     context length and ``max_blocks`` block-table entries (int64); the graph reads views of
@@ -524,7 +524,7 @@ class ModelRunner:
     def _stage(self, g: _Graph, seqs: Sequence[ScheduledSeq], prev: Launched | None) -> None:
         """Send the decode rows' ids, positions, slots, lengths and tables to ``g.inputs``;
         padding rows: length 0, the cache's scratch slot. Built with whole-array operations
-        (a Python loop of per-row numpy writes took 2.7 ms for 1,024 rows on a 2-core CPU).
+        (for 1,024 rows 0.6 ms on a 2-core CPU, against 1.3 ms for a loop of per-row writes).
         A row's table entries past its own pages keep stale values: the kernel reads only the
         pages its length covers."""
         assert g.inputs is not None

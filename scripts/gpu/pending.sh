@@ -6,7 +6,7 @@
 #   OUT=$OUT bash scripts/gpu/pending.sh 1   # GPU tests of the new code (batch-invariant mode,
 #                                            # the MTP graphs, e4m3 MLA dots) + the MLA kernel sweep
 #   OUT=$OUT bash scripts/gpu/pending.sh 2   # bench engine v2-lite bf16 (20x target) + batch-invariant cost
-#   OUT=$OUT bash scripts/gpu/pending.sh 3   # bench spec (MTP passes in graphs) + v3-slice
+#   OUT=$OUT bash scripts/gpu/pending.sh 3   # bench spec (MTP passes in graphs) + v3-slice + FP4 probe
 #
 # Results land in $OUT; copy them to bench/results/ under the names docs/benchmarks.md uses.
 set -uo pipefail
@@ -37,9 +37,11 @@ case "$part" in
       --preset v2-lite --device cuda --batches 1,16,64,256 --acceptance 0.8 --speculative-tokens 3 \
       --prompt-tokens 256 --max-tokens 48 --json "$OUT/spec-cuda-h200.json" 2>&1 | tail -30 \
       | tee "$OUT/spec.txt"
-    bench_engine 240 --preset v3-slice --device cuda --decode-steps 16 --no-transformers \
-      --prefill-tokens 16384 --decode-batches 64,256 --json "$OUT/engine-v3-slice-cuda-h200.json" \
+    bench_engine 180 --preset v3-slice --device cuda --decode-steps 16 --no-transformers \
+      --prefill-tokens 16384 --decode-batches 256 --json "$OUT/engine-v3-slice-cuda-h200.json" \
       | tee "$OUT/v3.txt"
+    # Issue 17's FP4 question: the e2m1 decode measured apart (bf16 / fp4 / fp4 undecoded / fp8).
+    OUT=$OUT timeout 60 python3 scripts/gpu/fp4_evidence.py 2>&1 | tail -8 | tee "$OUT/fp4.txt"
     ;;
   *) echo "part must be 1, 2 or 3" >&2; exit 2 ;;
 esac

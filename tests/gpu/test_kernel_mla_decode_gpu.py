@@ -5,7 +5,7 @@ with a zero-length padding row, shuffled page tables over a pool larger than nee
 Tolerances (||out - ref|| / ||ref||): bf16 < 1e-2 against the fp32 reference on the same bf16
 inputs (the kernel rounds probabilities and the output to bf16: ~2^-9 each); fp8 < 1e-2
 against the reference on the same quantized cache and < 5e-2 against the unquantized one;
-fp32 (IEEE dots) < 1e-4. With e4m3 dots (the fp8 default: the query and the probabilities
+fp32 (IEEE dots) < 1e-4. With e4m3 dots (``fp8_dots``: the query and the probabilities
 rounded to e4m3 as well, ~2.3% each) < 5e-2 against the quantized-cache reference and < 8e-2
 against the unquantized one. bf16 runs only here: Triton's CPU interpreter gets bf16 tl.dot wrong.
 """
@@ -80,10 +80,10 @@ def test_fp8(batch: int, heads: int, max_ctx: int) -> None:
     case8 = dict(case, latent=latent8, rope=case["rope"], kv_scale=scale)
     ref8 = mla_decode_reference(**case8)
     for splits in (None, 1, 4):
-        out = _checked_run(case8, num_splits=splits, fp8_dots=False)
+        out = _checked_run(case8, num_splits=splits)
         assert _rel(out, ref8) < 1e-2
         assert _rel(out, exact) < 5e-2
-        out = _checked_run(case8, num_splits=splits)
+        out = _checked_run(case8, num_splits=splits, fp8_dots=True)
         assert _rel(out, ref8) < 5e-2
         assert _rel(out, exact) < 8e-2
 

@@ -124,8 +124,8 @@ def test_deepseek_widths() -> None:
     "shape", [([0, 1, 77, 160], 8, 64, 16, 16), ([150, 0, 40], 16, 512, 64, 64)]
 )
 def test_fp8_cache(num_splits: int, shape: tuple) -> None:
-    """Latent tiles widened to the query's dtype: the reference on the same quantized cache.
-    e4m3 dots (the default): the query and each tile's probabilities rounded to e4m3 too.
+    """Latent tiles widened to the query's dtype (the default): the reference on the same
+    quantized cache. e4m3 dots: the query and each tile's probabilities rounded to e4m3 too.
     Emulated in PyTorch that costs ~2.3% each on these inputs; the interpreter's fp32 -> e4m3
     conversion mis-rounds ~2% of values (rms error 7% against PyTorch's 2.5%, measured), so
     the bound here is loose; tests/gpu holds the kernel to 5% on the device's conversion. A
@@ -134,10 +134,10 @@ def test_fp8_cache(num_splits: int, shape: tuple) -> None:
     exact = mla_decode_reference(**case)
     latent8, scale = quantize_latent_fp8(case["latent"])
     case8 = dict(case, latent=latent8, rope=case["rope"].to(torch.bfloat16), kv_scale=scale)
-    widened = _run(case8, num_splits=num_splits, fp8_dots=False)
+    widened = _run(case8, num_splits=num_splits)
     assert _rel(widened, mla_decode_reference(**case8)) < 1e-3
     assert _rel(widened, exact) < 5e-2
-    out = _run(case8, num_splits=num_splits)
+    out = _run(case8, num_splits=num_splits, fp8_dots=True)
     assert _rel(out, exact) < 0.12
     _check_zero_rows(case, out)
     with pytest.raises(ValueError, match="fp8_dots takes an fp8 latent"):

@@ -22,13 +22,14 @@ Cache formats:
   ``kv_scale [num_slots]`` (``latent = latent8.float() * scale``, see
   :func:`quantize_latent_fp8`) and ``rope [num_slots, P]`` bf16. The kernel multiplies each
   token's score by its scale before the softmax and each token's probability by its scale
-  before the P @ V product, which equals attending over the dequantized latents. Both products
-  take e4m3 operands (``fp8_dots``, the default for this format), as FP8 attention kernels
-  do: the query is quantized per head in the kernel (scale = amax / 448) and each tile's
-  ``p * scale`` is divided by the tile's largest token scale, so it lies in [0, 1], before
-  its e4m3 product, then multiplied back. Widening every latent tile to bf16 in registers
-  instead (``fp8_dots=False``) made the kernel slower than on a bf16 cache (281 against
-  193 us per layer at batch 256 x 2K on the H200), though it reads half the bytes.
+  before the P @ V product, which equals attending over the dequantized latents. By default
+  each latent tile is widened to the query's dtype for bf16 products; that made the kernel
+  slower than on a bf16 cache (281 against 193 us per layer at batch 256 x 2K on the H200),
+  though it reads half the bytes. With ``fp8_dots`` both products take e4m3 operands, as FP8
+  attention kernels do: the query is quantized per head in the kernel (scale = amax / 448)
+  and each tile's ``p * scale`` is divided by the tile's largest token scale (times 256, clear
+  of e4m3's subnormals) before its e4m3 product, then multiplied back. It stays off
+  (:data:`FP8_DOTS`) until the H200 has timed it (``scripts/gpu/bench_mla_decode.py``).
 
 Kernel design: stage 1 runs on the grid ``(cdiv(H, BLOCK_H) * B, num_splits)``, a sequence's
 head blocks adjacent (so with V3's 128 heads they share its cache tiles through L2). A program
@@ -62,6 +63,9 @@ from ..kv.cache import FP8_MAX, quantize_fp8
 _LOG2E = 1.4426950408889634
 _MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 32
+# Whether an fp8 cache's products take e4m3 operands by default: off until the H200 has timed
+# and checked them (written and tested under the interpreter only).
+FP8_DOTS = False
 # Kernels run on Triton's interpreter (read by Triton when the kernels are decorated).
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -444,14 +448,15 @@ def mla_decode(
     :func:`choose_num_splits` with the block table's capacity as the length hint. ``out``
     ``[B, H, R]`` (any strides, ``q_lat``'s dtype) receives the result. ``config`` overrides
     the launch parameters ``BLOCK_N`` (default ``min(32, block_size)``), ``BLOCK_H``,
-    ``num_warps`` and ``num_stages``. ``fp8_dots`` (an fp8 ``latent`` only; default on for
-    one): both latent products on e4m3 operands (see the module docstring); off, each latent
-    tile is widened to ``q_lat``'s dtype first. No host synchronization: graph-capturable.
+    ``num_warps`` and ``num_stages``. ``fp8_dots`` (an fp8 ``latent`` only; default
+    :data:`FP8_DOTS` for one): both latent products on e4m3 operands (see the module
+    docstring); off, each latent tile is widened to ``q_lat``'s dtype first. No host
+    synchronization: graph-capturable.
     """
     _check(q_lat, q_pe, latent, rope, block_table, seq_lens, block_size, kv_scale)
     fp8 = latent.dtype == torch.float8_e4m3fn
     if fp8_dots is None:
-        fp8_dots = fp8
+        fp8_dots = fp8 and FP8_DOTS
     if fp8_dots and not fp8:
         raise ValueError("fp8_dots takes an fp8 latent cache")
     b, h, r = q_lat.shape

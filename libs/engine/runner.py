@@ -17,6 +17,7 @@ passes) add their own graph sets (:meth:`ModelRunner.add_graphs`, :meth:`ModelRu
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ from .model.attention import AttentionMetadata, SeqAttention
 from .model.model import DeepseekForCausalLM
 from .sampler import LogprobRows, Sampler, TokenHistory
 from .scheduler import PLACEHOLDER, ScheduledSeq, StepPlan
+
+log = logging.getLogger(__name__)
 
 GRAPH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -93,6 +96,7 @@ class _GraphSet:
     ladder: list[int]
     rows: bool
     x_in: tuple[int, torch.dtype] | None
+    optional: bool = False  # a capture that fails leaves the set eager instead of raising
     graphs: dict[int, _Graph] = field(default_factory=dict)  # by padded row count
 
 
@@ -420,12 +424,15 @@ class ModelRunner:
         *,
         rows: bool = True,
         x_in: tuple[int, torch.dtype] | None = None,
+        optional: bool = False,
     ) -> None:
         """Graphs of ``body`` for 1 to ``max_rows`` rows (a ladder), replayed by
         :meth:`replay`. Captured by :meth:`capture_all`, or at once if that has run.
         ``rows``: ``body(ids, positions, meta, x_in)`` over single-token decode rows, else
-        ``body(x_in)``; ``x_in``: (width, dtype) of a per-row input the caller copies in."""
-        gs = _GraphSet(body, graph_ladder(max_rows), rows, x_in)
+        ``body(x_in)``; ``x_in``: (width, dtype) of a per-row input the caller copies in;
+        ``optional``: if a capture fails, log it and leave the computation eager (replay gives
+        None) rather than fail the engine's start."""
+        gs = _GraphSet(body, graph_ladder(max_rows), rows, x_in, optional)
         self.graph_sets[name] = gs
         if self.cuda_graphs and self._captured:
             self._capture_set(gs)
@@ -447,8 +454,15 @@ class ModelRunner:
         self.capture_all()
 
     def _capture_set(self, gs: _GraphSet) -> None:
-        for bg in reversed(gs.ladder):  # largest first: smaller graphs reuse its pool
-            gs.graphs[bg] = self._capture(gs, bg)
+        try:
+            for bg in reversed(gs.ladder):  # largest first: smaller graphs reuse its pool
+                gs.graphs[bg] = self._capture(gs, bg)
+        except Exception:
+            if not gs.optional:
+                raise
+            name = next(k for k, v in self.graph_sets.items() if v is gs)
+            log.exception("runner: capturing the %r graphs failed; they run eagerly", name)
+            gs.graphs.clear()
 
     def _graph_splits(self, bg: int) -> int:
         from .kernels.mla_decode import choose_num_splits
@@ -490,7 +504,7 @@ class ModelRunner:
         ``x``: the rows' ``x_in``; ``ids``: token ids on the device, replacing the seqs'."""
         n = seqs if isinstance(seqs, int) else len(seqs)
         gs = self.graph_sets[name]
-        if not self.cuda_graphs or not 0 < n <= gs.ladder[-1]:
+        if not self.cuda_graphs or not gs.graphs or not 0 < n <= gs.ladder[-1]:
             return None
         if not isinstance(seqs, int) and any(s.num_tokens != 1 for s in seqs):
             return None

@@ -488,13 +488,17 @@ class SpecDecoder:
         # The MTP passes through CUDA graphs where the decode steps have them: the layer over
         # decode rows (catch-up rows and each depth's drafts), and the head's pick per request.
         width = (model.cfg.hidden_size, self.mtp.embed_tokens.weight.dtype)
-        runner.add_graphs("mtp", self._block_body, runner.max_graph_batch, x_in=width)
+        # Optional: a capture that fails leaves them eager (logged), not the engine down.
+        runner.add_graphs(
+            "mtp", self._block_body, runner.max_graph_batch, x_in=width, optional=True
+        )
         runner.add_graphs(
             "mtp_head",
             self._pick,
             max(1, runner.max_graph_batch // (1 + num_tokens)),
             rows=False,
             x_in=width,
+            optional=True,
         )
 
     def _block_body(

@@ -51,7 +51,7 @@ def served(
     replays = {
         name: sum(g.steps for g in gs.graphs.values()) for name, gs in eng.runner.graph_sets.items()
     }
-    return out, {"replays": replays, "spec": eng.speculative}
+    return out, {"replays": replays, "spec": eng.speculative, "runner": eng.runner}
 
 
 def test_decode_graphs_give_the_eager_steps_tokens_with_overlap(tiny_mtp) -> None:
@@ -61,6 +61,17 @@ def test_decode_graphs_give_the_eager_steps_tokens_with_overlap(tiny_mtp) -> Non
     got, info = served(tiny_mtp, 0, graphs=True, overlap=True)
     assert got == want
     assert info["replays"]["decode"] >= 5
+    # A graph set that cannot be captured: an optional one (the MTP passes) stays eager and
+    # the engine runs on; any other fails loudly.
+    runner = info["runner"]
+
+    def broken(x: torch.Tensor) -> tuple[torch.Tensor]:
+        raise RuntimeError("capture failed")
+
+    runner.add_graphs("extra", broken, 4, rows=False, x_in=(8, torch.float32), optional=True)
+    assert runner.replay("extra", 2, x=torch.zeros(2, 8)) is None
+    with pytest.raises(RuntimeError, match="capture failed"):
+        runner.add_graphs("required", broken, 4, rows=False, x_in=(8, torch.float32))
 
 
 def test_mtp_passes_through_graphs_draft_what_the_eager_passes_draft(tiny_mtp) -> None:

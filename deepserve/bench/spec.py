@@ -125,6 +125,9 @@ def _run(loaded: LoadedModel, args: argparse.Namespace, batch: int, mode: str) -
         "output_tokens_per_s": decoded / elapsed if elapsed > 0 else 0.0,
         "per_user_tokens_per_s": sum(per_user) / len(per_user) if per_user else 0.0,
     }
+    # Replays per graph set (decode, the MTP passes): zero where a step ran eagerly.
+    sets = getattr(engine.runner, "graph_sets", {})
+    out["graph_replays"] = {n: sum(g.steps for g in gs.graphs.values()) for n, gs in sets.items()}
     if engine.speculative is not None:
         s, s0 = engine.speculative.stats, stats0 or SpecStats()
         verified, accepted = s.verified - s0.verified, s.accepted - s0.accepted

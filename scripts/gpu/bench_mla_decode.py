@@ -4,11 +4,11 @@ Run from the repository root: ``PYTHONPATH=$PWD python3 scripts/gpu/bench_mla_de
 For H in (16, 128), B in (1, 16, 64, 256), 2048-token contexts (R = 512, P = 64, 128-token
 pages in random order over a pool larger than needed), bf16 and fp8 caches (the fp8 one widened
 to bf16 in registers, the default, and at batch 64 and 256 also with e4m3 dots, ``fp8_dots``):
-checks the kernel once per shape against the reference, sweeps at most 8 launch configs (BLOCK_N, num_warps,
-num_stages x two split counts), times each with ``triton.testing.do_bench`` (median) and
-prints the best per shape with its bandwidth (KV cache bytes read once per sequence + query
-and output bytes) as a fraction of the H200's 4.15e12 B/s. Writes ``$OUT/mla_decode.json``
-when ``OUT`` is set.
+checks the kernel once per shape against the reference, sweeps at most 8 launch configs
+(BLOCK_N, num_warps, num_stages x two split counts), times each with
+``triton.testing.do_bench`` (median) and prints the best per shape with its bandwidth (KV cache
+bytes read once per sequence + query and output bytes) as a fraction of the H200's 4.15e12
+B/s. Writes ``$OUT/mla_decode.json`` when ``OUT`` is set.
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ from tests.unit.test_speculative import make, variant
 
 KERNELS: dict[str, object] = dict(kernels="triton", max_running=4, max_tokens_per_step=64)
 REQS = {
-    "a": (prompt(6, 1), SamplingParams(max_tokens=9, ignore_eos=True)),
-    "b": (prompt(21, 2), SamplingParams(max_tokens=6, ignore_eos=True)),
-    "c": (prompt(3, 3), SamplingParams(temperature=0.9, seed=5, max_tokens=7, ignore_eos=True)),
+    "a": (prompt(6, 1), SamplingParams(max_tokens=7, ignore_eos=True)),
+    "b": (prompt(21, 2), SamplingParams(max_tokens=5, ignore_eos=True)),
+    "c": (prompt(3, 3), SamplingParams(temperature=0.9, seed=5, max_tokens=5, ignore_eos=True)),
 }
 
 
@@ -81,7 +81,9 @@ def test_mtp_passes_through_graphs_draft_what_the_eager_passes_draft(tiny_mtp) -
     loaded = variant(tiny_mtp, 0.0)
     greedy = {r: REQS[r] for r in ("a", "b")}
     want, _ = served(loaded, 0, graphs=False, reqs=greedy, overlap=False)
-    got, info = served(loaded, 3, graphs=True, reqs=greedy, speculative_schedule="all")
+    got, info = served(
+        loaded, 3, graphs=True, reqs=greedy, speculative_schedule="all", max_running=2
+    )
     assert got == want
     replays, stats = info["replays"], info["spec"].stats
     assert replays["decode"] > 0 and replays["mtp"] > 0 and replays["mtp_head"] > 0

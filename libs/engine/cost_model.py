@@ -11,22 +11,39 @@ No torch, no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from .config import ModelConfig
 
 
 @dataclass(frozen=True)
 class StepShape:
-    """What a step computes, per scheduled sequence: (new tokens, context length after)."""
+    """What a step computes, per scheduled sequence: (new tokens, context length after).
+    Its totals are summed once per shape (:meth:`CostModel.seconds_with` then prices one more
+    sequence in constant time)."""
 
     seqs: tuple[tuple[int, int], ...] = ()
 
     def add(self, q: int, ctx: int) -> StepShape:
         return StepShape(self.seqs + ((q, ctx),))
 
-    @property
+    @cached_property
     def tokens(self) -> int:
         return sum(q for q, _ in self.seqs)
+
+    @cached_property
+    def pairs(self) -> float:
+        """(query, key) pairs the step's attention computes (causal within a chunk)."""
+        return sum(_pairs(q, ctx) for q, ctx in self.seqs)
+
+    @cached_property
+    def context(self) -> int:
+        """Context tokens the step's attention reads, summed over its sequences."""
+        return sum(ctx for _, ctx in self.seqs)
+
+
+def _pairs(q: int, ctx: int) -> float:
+    return q * ctx - q * (q - 1) / 2
 
 
 @dataclass
@@ -112,21 +129,25 @@ class CostModel:
 
     # -- estimates ---------------------------------------------------------------------------
     def flops(self, shape: StepShape) -> float:
-        pairs = sum(q * ctx - q * (q - 1) / 2 for q, ctx in shape.seqs)
+        return self._flops(len(shape.seqs), shape.tokens, shape.pairs)
+
+    def bytes(self, shape: StepShape) -> float:
+        return self._bytes(shape.tokens, shape.context)
+
+    def _flops(self, seqs: int, tokens: int, pairs: float) -> float:
         return (
-            self.flops_per_token * shape.tokens
-            + self.head_flops * len(shape.seqs)
+            self.flops_per_token * tokens
+            + self.head_flops * seqs
             + self.attn_flops_per_pair * pairs
         )
 
-    def bytes(self, shape: StepShape) -> float:
-        t = shape.tokens
-        if t == 0:
+    def _bytes(self, tokens: int, context: int) -> float:
+        if tokens == 0:
             return 0.0
         e, k = self.num_experts, self.experts_per_token
         # Expected distinct experts a layer touches when t tokens each pick k of e.
-        touched = e * (1.0 - (1.0 - k / e) ** t) if self.num_moe_layers else 0.0
-        kv = sum(ctx for _, ctx in shape.seqs) * self.kv_bytes_per_token
+        touched = e * (1.0 - (1.0 - k / e) ** tokens) if self.num_moe_layers else 0.0
+        kv = context * self.kv_bytes_per_token
         return self.dense_weight_bytes + self.num_moe_layers * touched * self.expert_bytes + kv
 
     def raw_seconds(self, shape: StepShape) -> float:
@@ -138,6 +159,15 @@ class CostModel:
 
     def seconds(self, shape: StepShape) -> float:
         return self.scale * self.raw_seconds(shape)
+
+    def seconds_with(self, shape: StepShape, q: int, ctx: int) -> float:
+        """``seconds(shape.add(q, ctx))`` in constant time (from ``shape``'s totals):
+        speculative decoding prices each count of drafts it might add to a step this way."""
+        tokens, pairs = shape.tokens + q, shape.pairs + _pairs(q, ctx)
+        flops = self._flops(len(shape.seqs) + 1, tokens, pairs)
+        moved = self._bytes(tokens, shape.context + ctx)
+        raw = self.overhead_s + max(flops / self.flop_rate, moved / self.byte_rate)
+        return self.scale * raw
 
     def observe(self, shape: StepShape, measured_s: float) -> None:
         """Fold one measured step time into the calibration factor."""

@@ -602,7 +602,8 @@ class SpecDecoder:
         ctx = max(c[1].start for c in cands) + 1  # the drafts' tokens, as one more sequence
 
         def seconds(extra: int) -> float:
-            return scheduler.cost.seconds(base.add(extra, ctx) if extra else base)
+            cost = scheduler.cost
+            return cost.seconds_with(base, extra, ctx) if extra else cost.seconds(base)
 
         counts = choose_drafts(
             [c[3] for c in cands], [c[4] for c in cands], self.acceptance, seconds, self.schedule

@@ -96,6 +96,18 @@ def test_cost_model_counts_expert_bytes_by_distinct_experts() -> None:
     assert many > c.dense_weight_bytes + 0.99 * expert_all
 
 
+def test_one_more_sequence_is_priced_as_the_built_shape() -> None:
+    """seconds_with (constant time, for speculative decoding's draft counts) equals pricing
+    the shape with the sequence added, decode-sized and prompt-sized, calibrated or not."""
+    c = cost()
+    base = StepShape(tuple((1, 100 + 7 * i) for i in range(64))).add(300, 900)
+    for scale in (1.0, 2.5):
+        c.scale = scale
+        for q, ctx in ((1, 50), (3, 2049), (512, 4096)):
+            assert c.seconds_with(base, q, ctx) == c.seconds(base.add(q, ctx))
+    assert c.seconds_with(StepShape(), 1, 1) == c.seconds(StepShape(((1, 1),)))
+
+
 def test_a_prompt_chunk_out_of_time_does_not_stall_later_decodes() -> None:
     s = sched(max_tokens_per_step=32768, time_budget_s=0.05)
     s.add(req("d1", 100, max_tokens=50))

@@ -50,6 +50,10 @@ class V4CostModel(CostModel):
             total += q * per_query
         return total
 
+    def seconds_with(self, shape: StepShape, q: int, ctx: int) -> float:
+        """V4's attention is not a function of the totals: the shape is built."""
+        return self.seconds(shape.add(q, ctx))
+
     def bytes(self, shape: StepShape) -> float:
         if shape.tokens == 0:
             return 0.0

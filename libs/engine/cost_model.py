@@ -153,9 +153,10 @@ class CostModel:
     def raw_seconds(self, shape: StepShape) -> float:
         if not shape.seqs:
             return 0.0
-        return self.overhead_s + max(
-            self.flops(shape) / self.flop_rate, self.bytes(shape) / self.byte_rate
-        )
+        return self._time(self.flops(shape), self.bytes(shape))
+
+    def _time(self, flops: float, moved: float) -> float:
+        return self.overhead_s + max(flops / self.flop_rate, moved / self.byte_rate)
 
     def seconds(self, shape: StepShape) -> float:
         return self.scale * self.raw_seconds(shape)
@@ -165,9 +166,7 @@ class CostModel:
         speculative decoding prices each count of drafts it might add to a step this way."""
         tokens, pairs = shape.tokens + q, shape.pairs + _pairs(q, ctx)
         flops = self._flops(len(shape.seqs) + 1, tokens, pairs)
-        moved = self._bytes(tokens, shape.context + ctx)
-        raw = self.overhead_s + max(flops / self.flop_rate, moved / self.byte_rate)
-        return self.scale * raw
+        return self.scale * self._time(flops, self._bytes(tokens, shape.context + ctx))
 
     def observe(self, shape: StepShape, measured_s: float) -> None:
         """Fold one measured step time into the calibration factor."""

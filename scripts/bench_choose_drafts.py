@@ -1,6 +1,7 @@
 """Host time of speculative decoding's draft choice (``choose_drafts``, the confidence schedule)
 per step, pricing each candidate draft count by building the step's shape (as before) against
-``CostModel.seconds_with`` (constant time per count), side by side in one run.
+``CostModel.seconds_with_counts`` (every count from the shape's totals in one pass), side by
+side in one run.
 
 Run from the repository root: ``PYTHONPATH=$PWD python3 scripts/bench_choose_drafts.py``.
 V2-Lite's cost model, every request decoding at 2K context, K = 3 drafts each with random
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import random
 import time
+
+import numpy as np
 
 from libs.engine.cost_model import CostModel, StepShape
 from libs.engine.presets import PRESETS
@@ -29,26 +32,28 @@ def main() -> None:
         ctx = 2048 + batch
         timings: dict[str, float] = {}
         choices = {}
-        for name in ("built", "seconds_with"):
+        for name in ("built", "totals"):
             calls = 20
             start = time.perf_counter()
             for _ in range(calls):
                 base = StepShape(tuple((1, 2048 + i) for i in range(batch)))  # totals not cached
 
-                def seconds(m: int, base: StepShape = base, name: str = name) -> float:
-                    if not m:
-                        return cost.seconds(base)
+                def seconds(ms: np.ndarray, base: StepShape = base, name: str = name) -> np.ndarray:
                     if name == "built":
-                        return cost.seconds(base.add(m, ctx))
-                    return cost.seconds_with(base, m, ctx)
+                        return np.asarray(
+                            [cost.seconds(base.add(int(m), ctx) if m else base) for m in ms]
+                        )
+                    out = cost.seconds_with_counts(base, np.maximum(ms, 1), ctx)
+                    out[ms == 0] = cost.seconds(base)
+                    return out
 
                 choices[name] = choose_drafts(confs, limits, acceptance, seconds)
             timings[name] = (time.perf_counter() - start) / calls * 1e3
         print(
             f"batch {batch:4d}: shape built per count {timings['built']:7.2f} ms, "
-            f"seconds_with {timings['seconds_with']:6.2f} ms "
-            f"({timings['built'] / timings['seconds_with']:.1f}x), "
-            f"same choice: {choices['built'] == choices['seconds_with']}"
+            f"from the totals {timings['totals']:6.2f} ms "
+            f"({timings['built'] / timings['totals']:.1f}x), "
+            f"same choice: {choices['built'] == choices['totals']}"
         )
 
 

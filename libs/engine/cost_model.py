@@ -12,15 +12,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TypeVar
+
+import numpy as np
 
 from .config import ModelConfig
+
+Num = TypeVar("Num", float, np.ndarray)
 
 
 @dataclass(frozen=True)
 class StepShape:
     """What a step computes, per scheduled sequence: (new tokens, context length after).
-    Its totals are summed once per shape (:meth:`CostModel.seconds_with` then prices one more
-    sequence in constant time)."""
+    Its totals are summed once per shape (:meth:`CostModel.seconds_with_counts` then prices one
+    more sequence in constant time)."""
 
     seqs: tuple[tuple[int, int], ...] = ()
 
@@ -129,44 +134,49 @@ class CostModel:
 
     # -- estimates ---------------------------------------------------------------------------
     def flops(self, shape: StepShape) -> float:
-        return self._flops(len(shape.seqs), shape.tokens, shape.pairs)
+        return float(self._flops(len(shape.seqs), shape.tokens, shape.pairs))
 
     def bytes(self, shape: StepShape) -> float:
-        return self._bytes(shape.tokens, shape.context)
+        if shape.tokens == 0:
+            return 0.0
+        return float(self._bytes(shape.tokens, shape.context))
 
-    def _flops(self, seqs: int, tokens: int, pairs: float) -> float:
+    # The formulas take numbers or arrays of them (seconds_with_counts prices many at once).
+    def _flops(self, seqs: int, tokens: Num, pairs: Num) -> Num:
         return (
             self.flops_per_token * tokens
             + self.head_flops * seqs
             + self.attn_flops_per_pair * pairs
         )
 
-    def _bytes(self, tokens: int, context: int) -> float:
-        if tokens == 0:
-            return 0.0
+    def _bytes(self, tokens: Num, context: int) -> Num:
         e, k = self.num_experts, self.experts_per_token
         # Expected distinct experts a layer touches when t tokens each pick k of e.
-        touched = e * (1.0 - (1.0 - k / e) ** tokens) if self.num_moe_layers else 0.0
+        touched = e * (1.0 - (1.0 - k / e) ** tokens) if self.num_moe_layers else 0.0 * tokens
         kv = context * self.kv_bytes_per_token
         return self.dense_weight_bytes + self.num_moe_layers * touched * self.expert_bytes + kv
+
+    def _time(self, flops: Num, moved: Num) -> Num:
+        out: Num = self.overhead_s + np.maximum(flops / self.flop_rate, moved / self.byte_rate)
+        return out
 
     def raw_seconds(self, shape: StepShape) -> float:
         if not shape.seqs:
             return 0.0
-        return self._time(self.flops(shape), self.bytes(shape))
-
-    def _time(self, flops: float, moved: float) -> float:
-        return self.overhead_s + max(flops / self.flop_rate, moved / self.byte_rate)
+        return float(self._time(self.flops(shape), self.bytes(shape)))
 
     def seconds(self, shape: StepShape) -> float:
         return self.scale * self.raw_seconds(shape)
 
-    def seconds_with(self, shape: StepShape, q: int, ctx: int) -> float:
-        """``seconds(shape.add(q, ctx))`` in constant time (from ``shape``'s totals):
-        speculative decoding prices each count of drafts it might add to a step this way."""
-        tokens, pairs = shape.tokens + q, shape.pairs + _pairs(q, ctx)
+    def seconds_with_counts(self, shape: StepShape, qs: np.ndarray, ctx: int) -> np.ndarray:
+        """``seconds(shape.add(q, ctx))`` for each ``q`` of ``qs`` (all > 0), from ``shape``'s
+        totals in one pass: speculative decoding prices every count of drafts it might add to
+        a step this way."""
+        q = qs.astype(np.float64)
+        tokens, pairs = shape.tokens + q, shape.pairs + (q * ctx - q * (q - 1) / 2)
         flops = self._flops(len(shape.seqs) + 1, tokens, pairs)
-        return self.scale * self._time(flops, self._bytes(tokens, shape.context + ctx))
+        out: np.ndarray = self.scale * self._time(flops, self._bytes(tokens, shape.context + ctx))
+        return out
 
     def observe(self, shape: StepShape, measured_s: float) -> None:
         """Fold one measured step time into the calibration factor."""

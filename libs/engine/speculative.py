@@ -112,13 +112,14 @@ def choose_drafts(
     confidences: Sequence[Sequence[float]],
     limits: Sequence[int],
     model: AcceptanceModel,
-    step_seconds: Callable[[int], float],
+    step_seconds: Callable[[np.ndarray], np.ndarray | float],
     schedule: str = "confidence",
 ) -> list[int]:
     """How many leading drafts of each request to verify this step.
 
     ``confidences[r]``: request r's drafts' confidences; ``limits[r]``: at most that many;
-    ``step_seconds(m)``: the step's estimated time with ``m`` draft tokens added to it.
+    ``step_seconds(m)``: the step's estimated time with ``m`` draft tokens added to it, for
+    an array of counts at once.
     ``"confidence"``: the ``m`` most valuable drafts over the whole batch (a draft's value is
     the probability that it and its predecessors are accepted), for the ``m`` that maximises
     (requests + expected accepted drafts) / step time. ``"all"``: every draft up to the
@@ -135,14 +136,12 @@ def choose_drafts(
             value *= model.rate(c)
             gains.append((value, i, r))
     gains.sort(key=lambda g: (-g[0], g[1]))  # a request's values never grow: prefixes stay
-    base = len(confidences)
-    best_m, best = 0, base / max(step_seconds(0), 1e-9)
-    expected = 0.0
-    for m, (value, _, _) in enumerate(gains, 1):
-        expected += value
-        rate = (base + expected) / max(step_seconds(m), 1e-9)
-        if rate > best:
-            best_m, best = m, rate
+    # Every m at once: step_seconds takes the array 0..len(gains) (a constant broadcasts).
+    counts = np.arange(len(gains) + 1)
+    secs = np.broadcast_to(np.asarray(step_seconds(counts), dtype=np.float64), counts.shape)
+    expected = np.concatenate(([0.0], np.cumsum([g[0] for g in gains])))
+    rates = (len(confidences) + expected) / np.maximum(secs, 1e-9)
+    best_m = int(np.argmax(rates))  # the first of equal rates: the fewest drafts
     out = [0] * len(confidences)
     for _, _, r in gains[:best_m]:
         out[r] += 1
@@ -604,9 +603,12 @@ class SpecDecoder:
         base = plan.shape
         ctx = max(c[1].start for c in cands) + 1  # the drafts' tokens, as one more sequence
 
-        def seconds(extra: int) -> float:
-            cost = scheduler.cost
-            return cost.seconds_with(base, extra, ctx) if extra else cost.seconds(base)
+        def seconds(extra: np.ndarray) -> np.ndarray:
+            out = np.empty(extra.shape, dtype=np.float64)
+            out[extra == 0] = scheduler.cost.seconds(base)
+            more = extra > 0
+            out[more] = scheduler.cost.seconds_with_counts(base, extra[more], ctx)
+            return out
 
         counts = choose_drafts(
             [c[3] for c in cands], [c[4] for c in cands], self.acceptance, seconds, self.schedule

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
 from libs.common.sampling import SamplingParams
 from libs.engine.cost_model import CostModel, StepShape
 from libs.engine.kv.block_manager import BlockManager
@@ -97,15 +100,19 @@ def test_cost_model_counts_expert_bytes_by_distinct_experts() -> None:
 
 
 def test_one_more_sequence_is_priced_as_the_built_shape() -> None:
-    """seconds_with (constant time, for speculative decoding's draft counts) equals pricing
-    the shape with the sequence added, decode-sized and prompt-sized, calibrated or not."""
+    """seconds_with_counts (speculative decoding's draft counts, all at once from the shape's
+    totals) equals pricing the shape with the sequence added, decode-sized and prompt-sized,
+    calibrated or not."""
     c = cost()
     base = StepShape(tuple((1, 100 + 7 * i) for i in range(64))).add(300, 900)
+    qs = [1, 3, 512]
     for scale in (1.0, 2.5):
         c.scale = scale
-        for q, ctx in ((1, 50), (3, 2049), (512, 4096)):
-            assert c.seconds_with(base, q, ctx) == c.seconds(base.add(q, ctx))
-    assert c.seconds_with(StepShape(), 1, 1) == c.seconds(StepShape(((1, 1),)))
+        for ctx in (50, 2049, 4096):
+            got = c.seconds_with_counts(base, np.asarray(qs), ctx).tolist()
+            assert got == pytest.approx([c.seconds(base.add(q, ctx)) for q in qs], rel=1e-12)
+    one = c.seconds_with_counts(StepShape(), np.asarray([1]), 1)[0]
+    assert one == pytest.approx(c.seconds(StepShape(((1, 1),))), rel=1e-12)
 
 
 def test_a_prompt_chunk_out_of_time_does_not_stall_later_decodes() -> None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..cost_model import CostModel, StepShape
 from .config import CSA, HCA
 from .model import V4ForCausalLM
@@ -50,9 +52,9 @@ class V4CostModel(CostModel):
             total += q * per_query
         return total
 
-    def seconds_with(self, shape: StepShape, q: int, ctx: int) -> float:
-        """V4's attention is not a function of the totals: the shape is built."""
-        return self.seconds(shape.add(q, ctx))
+    def seconds_with_counts(self, shape: StepShape, qs: np.ndarray, ctx: int) -> np.ndarray:
+        """V4's attention is not a function of the totals: each shape is built."""
+        return np.asarray([self.seconds(shape.add(int(q), ctx)) for q in qs], dtype=np.float64)
 
     def bytes(self, shape: StepShape) -> float:
         if shape.tokens == 0:

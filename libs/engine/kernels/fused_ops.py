@@ -16,6 +16,32 @@ import triton.language as tl
 
 
 @triton.jit
+def _rms_scaled(x, w, n_cols, eps):  # type: ignore[no-untyped-def]
+    """RMSNorm of one row ``x`` (zeros past ``n_cols``) times ``w``, in fp32, rounded where the
+    PyTorch reference rounds: the normalized row in ``x``'s dtype before the weight."""
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    return (xf * inv).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+
+
+@triton.jit
+def _rope_pairs(i, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The element pairs rotary embedding turns: adjacent (interleaved) or half a row apart."""
+    if INTERLEAVE:
+        first, second = 2 * i, 2 * i + 1
+    else:
+        first, second = i, i + HALF
+    return first, second
+
+
+@triton.jit
+def _rotate(x1, x2, c, s):  # type: ignore[no-untyped-def]
+    """One rotary turn of the pairs ``(x1, x2)`` in fp32."""
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    return x1f * c - x2f * s, x2f * c + x1f * s
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     res_ptr,
@@ -39,10 +65,8 @@ def _rms_norm_kernel(
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the residual stream, rounded
         tl.store(sum_ptr + row * stride_sum + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = (xf * inv).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+    y = _rms_scaled(x, w, n_cols, eps)
     tl.store(out_ptr + row * stride_out + cols, y.to(x.dtype), mask=mask)
 
 
@@ -99,16 +123,11 @@ def _rope_kernel(
     hmask = heads[:, None] < n_heads
     c = tl.load(cos_ptr + t * stride_c + i)[None, :]
     s = tl.load(sin_ptr + t * stride_c + i)[None, :]
-    if INTERLEAVE:
-        first, second = 2 * i, 2 * i + 1
-    else:
-        first, second = i, i + HALF
+    first, second = _rope_pairs(i, HALF, INTERLEAVE)
     base = x_ptr + t * stride_xt + heads[:, None] * stride_xh
     x1 = tl.load(base + first[None, :], mask=hmask, other=0.0)
     x2 = tl.load(base + second[None, :], mask=hmask, other=0.0)
-    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-    o1 = x1f * c - x2f * s
-    o2 = x2f * c + x1f * s
+    o1, o2 = _rotate(x1, x2, c, s)
     obase = out_ptr + t * stride_ot + heads[:, None] * stride_oh
     tl.store(obase + first[None, :], o1.to(x1.dtype), mask=hmask)
     tl.store(obase + second[None, :], o2.to(x1.dtype), mask=hmask)
@@ -192,26 +211,22 @@ def _latent_write_kernel(
     HALF: tl.constexpr,
     INTERLEAVE: tl.constexpr,
 ):
-    """One token: RMSNorm of the latent (as ``_rms_norm_kernel``), rotary embedding of the
-    key (as ``_rope_kernel``), both written to the step's latents and to the cache slot."""
+    """One token: RMSNorm of the latent and rotary embedding of the key (the helpers
+    ``_rms_norm_kernel`` and ``_rope_kernel`` use), both written to the step's latents and to
+    the cache slot."""
     row = tl.program_id(0)
     cols = tl.arange(0, R)
     c = tl.load(x_ptr + row * stride_x + cols)
-    cf = c.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(cf * cf, axis=0) / R + eps)
-    w = tl.load(w_ptr + cols)
-    latent = ((cf * inv).to(c.dtype).to(tl.float32) * w.to(tl.float32)).to(c.dtype)
+    latent = _rms_scaled(c, tl.load(w_ptr + cols), R, eps).to(c.dtype)
     i = tl.arange(0, HALF)
-    if INTERLEAVE:
-        first, second = R + 2 * i, R + 2 * i + 1
-    else:
-        first, second = R + i, R + i + HALF
+    first, second = _rope_pairs(i, HALF, INTERLEAVE)
+    first, second = R + first, R + second
     cs = tl.load(cos_ptr + row * stride_c + i)
     sn = tl.load(sin_ptr + row * stride_c + i)
-    x1 = tl.load(x_ptr + row * stride_x + first).to(tl.float32)
-    x2 = tl.load(x_ptr + row * stride_x + second).to(tl.float32)
-    o1 = (x1 * cs - x2 * sn).to(c.dtype)
-    o2 = (x2 * cs + x1 * sn).to(c.dtype)
+    x1 = tl.load(x_ptr + row * stride_x + first)
+    x2 = tl.load(x_ptr + row * stride_x + second)
+    o1, o2 = _rotate(x1, x2, cs, sn)
+    o1, o2 = o1.to(c.dtype), o2.to(c.dtype)
     out = out_ptr + row * stride_out
     tl.store(out + cols, latent)
     tl.store(out + first, o1)

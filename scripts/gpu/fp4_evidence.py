@@ -34,17 +34,12 @@ import triton
 import triton.language as tl
 
 from libs.engine.kernels.fp8_gemm import quantize_fp8_blocks
-from libs.engine.kernels.fused_moe import _e2m1_halves, dequantize_fp4, quantize_fp4
+
+# The fused MoE's own pieces: the e2m1 decode and its dots (upcast under the interpreter).
+from libs.engine.kernels.fused_moe import _dot, _dot8, _e2m1_halves, dequantize_fp4, quantize_fp4
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 MODES = {"bf16": 0, "fp4": 1, "fp4-nodecode": 2, "fp8": 3}
-
-
-@triton.jit
-def _dot(a, b, acc, UPCAST: tl.constexpr):  # type: ignore[no-untyped-def]
-    if UPCAST:  # the interpreter computes bf16 dots wrongly
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -70,16 +65,13 @@ def _probe(  # type: ignore[no-untyped-def]
         for k0 in range(0, K, 64):
             a = tl.load(x_ptr + m[:, None] * K + (k0 + kk)[None, :])
             b = tl.load(w_ptr + n[None, :] * K + (k0 + kk)[:, None])
-            acc = _dot(a, b, acc, UPCAST)
+            acc = _dot(a, b, acc, "tf32", UPCAST)
     elif MODE == 3:
         kk = tl.arange(0, 128)
         for k0 in range(0, K, 128):
             a = tl.load(x_ptr + m[:, None] * K + (k0 + kk)[None, :])
             b = tl.load(w_ptr + n[None, :] * K + (k0 + kk)[:, None])
-            if UPCAST:
-                part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-            else:
-                part = tl.dot(a, b)
+            part = _dot8(a, b, UPCAST)
             a_s = tl.load(xs_ptr + m * (K // 128) + k0 // 128)
             w_s = tl.load(s_ptr + (n // 128) * (K // 128) + k0 // 128)
             acc += part * (a_s[:, None] * w_s[None, :])
@@ -99,8 +91,8 @@ def _probe(  # type: ignore[no-untyped-def]
             else:
                 w_lo = byte.to(a_lo.dtype)
                 w_hi = w_lo
-            acc = _dot(a_lo, w_lo, acc, UPCAST)
-            acc = _dot(a_hi, w_hi, acc, UPCAST)
+            acc = _dot(a_lo, w_lo, acc, "tf32", UPCAST)
+            acc = _dot(a_hi, w_hi, acc, "tf32", UPCAST)
     tl.store(out_ptr + m[:, None] * N + n[None, :], acc)
 
 

@@ -19,3 +19,12 @@ def tiny_loaded():
     from libs.engine.loader import load
 
     return load("tiny", "cpu", torch.float32, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_mtp():
+    """The tiny preset with its MTP layer, built once per test session (read-only; tests that
+    change it work on a copy)."""
+    from libs.engine.loader import load
+
+    return load("tiny", "cpu", torch.float32, 0, with_mtp=True)

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from libs.common.sampling import SamplingParams
-from libs.engine.loader import LoadedModel, load
 from libs.engine.runner import GRAPH_LADDER, graph_ladder
 from tests.unit.test_engine import prompt, run
 from tests.unit.test_speculative import make, variant
@@ -25,11 +24,6 @@ REQS = {
     "b": (prompt(21, 2), SamplingParams(max_tokens=5, ignore_eos=True)),
     "c": (prompt(3, 3), SamplingParams(temperature=0.9, seed=5, max_tokens=5, ignore_eos=True)),
 }
-
-
-@pytest.fixture(scope="module")
-def tiny_mtp() -> LoadedModel:
-    return load("tiny", "cpu", torch.float32, 0, with_mtp=True)
 
 
 def test_the_ladder_holds_every_row_count_up_to_its_maximum() -> None:

@@ -21,7 +21,7 @@ import torch
 from libs.common.sampling import Constraint, SamplingParams
 from libs.engine.engine import Engine, EngineConfig, InvalidRequest
 from libs.engine.kv.transfer import decode_frame
-from libs.engine.loader import LoadedModel, load
+from libs.engine.loader import LoadedModel
 from libs.engine.model.model import DeepseekForCausalLM
 from libs.engine.presets import PRESETS, init_random_weights
 from libs.engine.speculative import (
@@ -34,11 +34,6 @@ from libs.engine.speculative import (
 from tests.unit.test_engine import prompt, run
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_mtp() -> LoadedModel:
-    return load("tiny", "cpu", torch.float32, 0, with_mtp=True)
 
 
 def variant(loaded: LoadedModel, layer_scale: float | None, wrong: float = 0.0) -> LoadedModel:

@@ -74,7 +74,9 @@ class _Graph:
     ``inputs`` (device; row graphs only) holds, per row, the token id, position, cache slot,
     context length and ``max_blocks`` block-table entries (int64); the graph reads views of
     it. The host fills one of two staging copies (pinned on CUDA) and sends it in one
-    transfer: the copy a step fills was last sent two steps ago, which has finished by then.
+    transfer. A set may replay several times in one step (the MTP layer: once per draft
+    depth), so the copy being refilled may belong to a transfer still queued behind the
+    device's work: ``sent`` holds each copy's last transfer (an event), waited on first.
     ``x_in``: a per-row input the caller copies in (the MTP layer's hidden states);
     ``outputs``: what the graph writes, overwritten by its next replay.
     """
@@ -85,6 +87,7 @@ class _Graph:
     x_in: torch.Tensor | None
     outputs: tuple[torch.Tensor, ...]
     steps: int = 0
+    sent: list[torch.cuda.Event | None] = field(default_factory=lambda: [None, None])
 
 
 @dataclass
@@ -559,7 +562,10 @@ class ModelRunner:
         bg = g.inputs.shape[0] // (4 + self.max_blocks)
         bs, mb = self.block_size, self.max_blocks
         n = len(seqs)
-        host = g.staging[g.steps % 2]
+        copy = g.steps % 2
+        if (sent := g.sent[copy]) is not None:
+            sent.synchronize()  # its last transfer has read it
+        host = g.staging[copy]
         arr = host.numpy()
         cols = arr[: bg * 4].reshape(4, bg)  # ids, positions, slots, lengths
         table = arr[bg * 4 :].reshape(bg, mb)
@@ -573,6 +579,10 @@ class ModelRunner:
         cols[2, :n] = last_page * bs + starts % bs  # the last page read holds the row
         cols[3, :n] = starts + 1
         g.inputs.copy_(host, non_blocking=True)
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record()
+            g.sent[copy] = done
         fix = np.flatnonzero(ids == PLACEHOLDER).tolist()
         if fix:
             assert prev is not None

@@ -78,14 +78,25 @@ def test_logprobs_are_the_same_bits_in_any_batch_and_chunking(v2_lite) -> None:
 
 
 def test_invariant_engine_stays_close_to_the_default(v2_lite) -> None:
-    """Same model, other summation orders: greedy tokens agree for most steps and log
-    probabilities stay within bf16 noise of the default engine's."""
+    """Same model, other summation orders: the first greedy token agrees for all but at most one
+    request, a token picked by both has log probabilities within bf16 noise, and a token picked
+    by the invariant engine alone is a near tie in the default engine's top 5 (a different pick's
+    log probability is another token's: comparing it with the default's says nothing)."""
     prompts = _prompts(v2_lite.model.cfg.vocab_size)
     reqs = {f"r{i}": (p, SP) for i, p in enumerate(prompts)}
     inv = serve(_engine(v2_lite, True), reqs)
     ref = serve(_engine(v2_lite, False), reqs)
-    first = [inv[r][0][0] == ref[r][0][0] for r in reqs]
-    diff = max(abs(inv[r][0][1] - ref[r][0][1]) for r in reqs)
-    print(f"first tokens equal {sum(first)}/{len(first)}, max |dlogprob| of the first {diff:.3g}")
-    assert sum(first) >= len(first) - 1
-    assert diff < 0.25
+    same, ties = [], []
+    for r in reqs:
+        (tok, lp, _, _), (ref_tok, ref_lp, ref_top_ids, ref_top_lps) = inv[r][0], ref[r][0]
+        if tok == ref_tok:
+            same.append(abs(lp - ref_lp))
+        else:
+            assert tok in ref_top_ids, f"{r}: {tok} is not in the default engine's top 5"
+            ties.append(ref_lp - ref_top_lps[ref_top_ids.index(tok)])
+    print(
+        f"first tokens equal {len(same)}/{len(reqs)}, max |dlogprob| {max(same):.3g}, gaps {ties}"
+    )
+    assert len(ties) <= 1
+    assert max(same) < 0.25
+    assert all(gap < 0.25 for gap in ties)

@@ -8,7 +8,9 @@ checks the kernel once per shape against the reference, sweeps at most 8 launch 
 (BLOCK_N, num_warps, num_stages x two split counts), times each with
 ``triton.testing.do_bench`` (median) and prints the best per shape with its bandwidth (KV cache
 bytes read once per sequence + query and output bytes) as a fraction of the H200's 4.15e12
-B/s. Writes ``$OUT/mla_decode.json`` when ``OUT`` is set.
+B/s. Writes ``$OUT/mla_decode.json`` when ``OUT`` is set. ``MLA_HEADS`` and ``MLA_BATCHES``
+(comma-separated) narrow the sweep, e.g. ``MLA_HEADS=128 MLA_BATCHES=256`` for issue 17's
+128-head target alone.
 """
 
 from __future__ import annotations
@@ -128,8 +130,10 @@ def main() -> None:
     torch.manual_seed(0)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for heads in (16, 128):
-        for batch in (1, 16, 64, 256):
+    heads_list = [int(h) for h in os.environ.get("MLA_HEADS", "16,128").split(",")]
+    batches = [int(b) for b in os.environ.get("MLA_BATCHES", "1,16,64,256").split(",")]
+    for heads in heads_list:
+        for batch in batches:
             for cache in ("bf16", "fp8", "fp8-dots")[: 3 if batch >= 64 else 2]:
                 row = bench_shape(batch, heads, cache, num_sms)
                 rows.append(row)

@@ -13,6 +13,7 @@ waits for the device and reads the graph's staged inputs back: token ids must li
 replay that breaks one is printed with its set, padded size, rows and the offending values,
 and the script exits 1: the bad input is named before the kernel that would trip on it runs.
 After each replay the host waits again, so a fault is raised at the replay that caused it.
+On the CPU (emulated graphs, tests/unit/test_graph_replay.py) the checks run without waits.
 
 Switches (environment): ``DIAG_NO_MTP_GRAPHS=1`` leaves the MTP passes eager (only ``decode``
 graphs); ``DIAG_LADDER_MAX=N`` captures no graph past N rows (e.g. 512: batch 256's 1,024
@@ -38,6 +39,11 @@ from libs.engine.scheduler import ScheduledSeq
 
 NO_MTP_GRAPHS = os.environ.get("DIAG_NO_MTP_GRAPHS") == "1"
 LADDER_MAX = int(os.environ.get("DIAG_LADDER_MAX", "0"))
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _bad_inputs(r: ModelRunner, inputs: torch.Tensor, n: int) -> list[str]:
@@ -86,7 +92,7 @@ def _checked_replay(orig: Callable[..., Any]) -> Callable[..., Any]:
 
         class Checked:
             def replay(_self) -> None:
-                torch.cuda.synchronize()
+                _sync()
                 if g.inputs is not None:
                     bad = _bad_inputs(self, g.inputs, n)
                     if bad:
@@ -100,7 +106,7 @@ def _checked_replay(orig: Callable[..., Any]) -> Callable[..., Any]:
                 if x is not None and not torch.isfinite(x).all():
                     print(f"NON-FINITE x_in: set {name!r}, {n} rows", flush=True)
                 graph.replay()
-                torch.cuda.synchronize()
+                _sync()
 
         g.graph = Checked()
         try:

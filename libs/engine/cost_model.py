@@ -39,7 +39,7 @@ class StepShape:
     @cached_property
     def pairs(self) -> float:
         """(query, key) pairs the step's attention computes (causal within a chunk)."""
-        return sum(_pairs(q, ctx) for q, ctx in self.seqs)
+        return sum(_pairs(float(q), ctx) for q, ctx in self.seqs)
 
     @cached_property
     def context(self) -> int:
@@ -47,8 +47,10 @@ class StepShape:
         return sum(ctx for _, ctx in self.seqs)
 
 
-def _pairs(q: int, ctx: int) -> float:
-    return q * ctx - q * (q - 1) / 2
+def _pairs(q: Num, ctx: int) -> Num:
+    """(query, key) pairs of ``q`` new tokens ending at context ``ctx`` (causal among them)."""
+    out: Num = q * ctx - q * (q - 1) / 2
+    return out
 
 
 @dataclass
@@ -173,7 +175,7 @@ class CostModel:
         totals in one pass: speculative decoding prices every count of drafts it might add to
         a step this way."""
         q = qs.astype(np.float64)
-        tokens, pairs = shape.tokens + q, shape.pairs + (q * ctx - q * (q - 1) / 2)
+        tokens, pairs = shape.tokens + q, shape.pairs + _pairs(q, ctx)
         flops = self._flops(len(shape.seqs) + 1, tokens, pairs)
         out: np.ndarray = self.scale * self._time(flops, self._bytes(tokens, shape.context + ctx))
         return out

@@ -78,7 +78,11 @@ class _Graph:
     depth), so the copy being refilled may belong to a transfer still queued behind the
     device's work: ``sent`` holds each copy's last transfer (an event), waited on first.
     ``x_in``: a per-row input the caller copies in (the MTP layer's hidden states);
-    ``outputs``: what the graph writes, overwritten by its next replay.
+    ``outputs``: what the graph writes, overwritten by its next replay; ``run``: the closure
+    the graph was captured from. A CUDA graph keeps no tensor alive: the closure holds the
+    buffers only the graph uses (the int32 lengths and block table it converts ``inputs``
+    into), and were it dropped their memory would go back to the allocator while every
+    replay still writes it -- into whatever tensor was given that memory next.
     """
 
     graph: Any  # torch.cuda.CUDAGraph, or _EagerReplay under emulate_graphs()
@@ -86,6 +90,7 @@ class _Graph:
     staging: list[torch.Tensor]
     x_in: torch.Tensor | None
     outputs: tuple[torch.Tensor, ...]
+    run: Callable[[], tuple[torch.Tensor, ...]]
     steps: int = 0
     sent: list[torch.cuda.Event | None] = field(default_factory=lambda: [None, None])
 
@@ -601,8 +606,12 @@ class ModelRunner:
         if gs.x_in is not None:
             x_in = torch.zeros(bg, gs.x_in[0], dtype=gs.x_in[1], device=dev)
         if not gs.rows:
-            graph, outputs = self._record(lambda: gs.body(x_in))
-            return _Graph(graph, None, [], x_in, outputs)
+
+            def run_x() -> tuple[torch.Tensor, ...]:
+                return gs.body(x_in)
+
+            graph, outputs = self._record(run_x)
+            return _Graph(graph, None, [], x_in, outputs, run_x)
         mb = self.max_blocks
         inputs = torch.zeros(bg * (4 + mb), dtype=torch.int64, device=dev)
         inputs[2 * bg : 3 * bg] = self.cache.scratch_slot
@@ -628,7 +637,7 @@ class ModelRunner:
             return gs.body(ids, positions, meta, x_in)
 
         graph, outputs = self._record(run)
-        return _Graph(graph, inputs, staging, x_in, outputs)
+        return _Graph(graph, inputs, staging, x_in, outputs, run)
 
     def _record(
         self, run: Callable[[], tuple[torch.Tensor, ...]]

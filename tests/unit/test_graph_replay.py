@@ -82,3 +82,41 @@ def test_mtp_passes_through_graphs_draft_what_the_eager_passes_draft(tiny_mtp) -
     replays, stats = info["replays"], info["spec"].stats
     assert replays["decode"] > 0 and replays["mtp"] > 0 and replays["mtp_head"] > 0
     assert stats.verified > 0 and stats.accepted == stats.verified
+
+
+def test_every_tensor_a_graph_touches_outlives_its_capture(tiny_mtp, monkeypatch) -> None:
+    """A CUDA graph holds no tensor: what it reads and writes at replay must be kept alive by
+    the runner, or its memory goes back to the allocator and each replay writes into whatever
+    tensor gets it next. Recorded here as on CUDA (the closure dropped after the capture);
+    every tensor the closures reached must still be alive afterwards, in every graph set."""
+    import gc
+    import weakref
+    from collections import Counter
+
+    from libs.engine.runner import ModelRunner
+
+    reached: list[tuple[str, weakref.ref[torch.Tensor]]] = []
+
+    def tensors(obj: object) -> list[torch.Tensor]:
+        if isinstance(obj, torch.Tensor):
+            return [obj]
+        if isinstance(obj, (list, tuple)):
+            return [t for o in obj for t in tensors(o)]
+        attrs = getattr(obj, "__dict__", {})
+        return [v for v in attrs.values() if isinstance(v, torch.Tensor)]
+
+    def record_as_cuda(self: ModelRunner, run):  # keeps only what a CUDA graph keeps
+        outputs = run()
+        for cell in run.__closure__ or ():
+            for t in tensors(cell.cell_contents):
+                reached.append((run.__qualname__, weakref.ref(t)))
+        return object(), outputs
+
+    monkeypatch.setattr(ModelRunner, "_record", record_as_cuda)
+    eng = make(tiny_mtp, 2, **{**KERNELS, "max_running": 2})
+    eng.runner.emulate_graphs()  # decode, mtp and mtp_head sets, ladder 1, 2 (4, 6 for decode)
+    gc.collect()
+    assert {name for name in eng.runner.graph_sets} == {"decode", "mtp", "mtp_head"}
+    assert len(reached) > 10
+    dead = Counter(name for name, ref in reached if ref() is None)
+    assert not dead, f"tensors freed while their graphs still use them, by closure: {dead}"

@@ -539,6 +539,14 @@ class SpecDecoder:
             self._pending = None
             toks = torch.cat([t for t, _, _ in picked]).tolist()
             probs = torch.cat([c for _, c, _ in picked]).tolist()
+            vocab = self.model.cfg.vocab_size
+            if toks and not 0 <= min(toks) <= max(toks) < vocab:
+                # The head's argmax cannot leave the vocabulary: memory was overwritten.
+                raise RuntimeError(
+                    f"the MTP head drafted token ids outside [0, {vocab}) "
+                    f"(min {min(toks)}, max {max(toks)}): its outputs were overwritten on the "
+                    "device before they were read"
+                )
             drafts: list[list[int]] = [[] for _ in ids]
             confs: list[list[float]] = [[] for _ in ids]
             at = 0
@@ -761,8 +769,15 @@ class SpecDecoder:
             )
         if not catch:
             return
+        # Drafts follow a sampled token: a prompt chunk that samples none (more of the prompt
+        # to come) gets its MTP KV, not drafts that the next step would throw away.
+        sampled = {s.request_id for s in plan.seqs if s.sample}
         want = [
-            s for s in catch if self.num_tokens and _draftable(scheduler.requests[s.request_id])
+            s
+            for s in catch
+            if self.num_tokens
+            and s.request_id in sampled
+            and _draftable(scheduler.requests[s.request_id])
         ]
         first = {s.request_id: s.start for s in catch}
         # A decode's catch-up (its accepted drafts and the bonus token, at most 1 + K) runs as

@@ -119,6 +119,26 @@ def test_greedy_equal_through_chunks_and_preemption(tiny_mtp, kw) -> None:
     eng.blocks.check()
 
 
+def test_a_prompt_chunk_that_samples_nothing_gets_no_drafts(tiny_mtp) -> None:
+    """A prompt prefilled in chunks: each chunk's MTP KV is written, and drafts come only with
+    the sampled token of its last chunk (earlier ones would be thrown away unverified)."""
+    eng = make(variant(tiny_mtp, 0.0), 3, max_tokens_per_step=16, overlap=False)
+    eng.add_request("a", prompt(40, 5), SamplingParams(max_tokens=8, ignore_eos=True))
+    for _ in range(2):  # 16 + 16 of the 40 prompt tokens
+        assert not [ev for ev in eng.step() if ev.token_id is not None]
+        assert "a" not in eng.speculative.drafts
+    assert [ev.token_id is not None for ev in eng.step()] == [True]  # the last 8, a token
+    drafts, confidences = eng.speculative.drafts["a"]
+    assert len(drafts) == 3 and len(confidences) == 3
+    # Drafts outside the vocabulary (memory overwritten on the device) are named on the host
+    # before a verification step would feed them to an embedding lookup.
+    eng.step()
+    picked, _ = eng.speculative._pending
+    picked[0][0].fill_(eng.model_config.vocab_size + 5)
+    with pytest.raises(RuntimeError, match="drafted token ids outside"):
+        eng.speculative.drafts
+
+
 def test_prefix_hits_carry_the_mtp_cache(tiny_mtp) -> None:
     """A second request on a cached prefix drafts as well as the first (the MTP layer's KV
     lives in the same blocks) and decodes the same tokens."""

@@ -47,7 +47,6 @@ speed-up can be measured without trained weights.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -633,16 +632,18 @@ class SpecDecoder:
             if not j:
                 continue
             self.drafts[seq.request_id] = (drafts[:j], confs[:j])  # kept for run()'s accounting
-            seqs[i] = dataclasses.replace(
-                seq,
-                num_tokens=1 + j,
-                token_ids=seq.token_ids + tuple(drafts[:j]),
-                block_table=tuple(req.blocks),
+            seqs[i] = ScheduledSeq(  # built directly: dataclasses.replace takes twice as long
+                seq.request_id,
+                seq.start,
+                1 + j,
+                seq.token_ids + tuple(drafts[:j]),
+                tuple(req.blocks),
+                seq.sample,
+                seq.sample_position,
                 num_drafts=j,
             )
-        shape = StepShape()
-        for s in seqs:
-            shape = shape.add(s.num_tokens, s.start + s.num_tokens)
+        # One pass (StepShape.add copies the tuple: O(batch^2) seq by seq).
+        shape = StepShape(tuple((s.num_tokens, s.start + s.num_tokens) for s in seqs))
         return StepPlan(tuple(seqs), plan.preempted, shape)
 
     # -- 2. verify --------------------------------------------------------------------------------

@@ -246,7 +246,9 @@ class Scheduler:
     # -- schedule -----------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         budget = self.config.max_tokens_per_step
-        shape = StepShape()
+        # (new tokens, context after) per seq: the step's shape, made a StepShape only where a
+        # prompt chunk is priced and at the end (StepShape.add copies: O(batch^2) seq by seq).
+        shape: list[tuple[int, int]] = []
         seqs: list[ScheduledSeq] = []
         preempted: list[str] = []
         scheduled: set[str] = set()
@@ -261,7 +263,7 @@ class Scheduler:
                 continue  # the request itself was preempted
             seqs.append(self._seq(req, n))
             scheduled.add(req.request_id)
-            shape = shape.add(n, req.num_computed + n)
+            shape.append((n, req.num_computed + n))
             budget -= n
 
         while (
@@ -281,16 +283,18 @@ class Scheduler:
             self.running.append(req)
             seqs.append(self._seq(req, n))
             scheduled.add(req.request_id)
-            shape = shape.add(n, req.num_computed + n)
+            shape.append((n, req.num_computed + n))
             budget -= n
-        return StepPlan(tuple(seqs), tuple(preempted), shape)
+        return StepPlan(tuple(seqs), tuple(preempted), StepShape(tuple(shape)))
 
-    def _fit(self, shape: StepShape, req: Request, budget: int) -> int:
+    def _fit(self, shape: list[tuple[int, int]], req: Request, budget: int) -> int:
         remaining = min(len(req.token_ids) - req.num_computed, budget)
         if self.config.time_budget_s is None or remaining <= 1:
             return remaining
-        n = self.cost.max_chunk(shape, req.num_computed, remaining, self.config.time_budget_s)
-        if n == 0 and not shape.seqs:
+        n = self.cost.max_chunk(
+            StepShape(tuple(shape)), req.num_computed, remaining, self.config.time_budget_s
+        )
+        if n == 0 and not shape:
             n = min(remaining, self.bm.block_size)  # always make progress
         return n
 

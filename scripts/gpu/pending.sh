@@ -3,11 +3,12 @@
 # (each under the device tool's 10-minute limit). Build the bundle here first
 # (ENGINE_ONLY=1 bash scripts/gpu/bundle.sh: 26 MB, carry [".gpu-bundle"]), then on the device:
 #
-#   OUT=$OUT bash scripts/gpu/pending.sh 1   # issue 19: batch 256's crash, checked replay by
-#                                            # replay (diag_spec.py), then spec at acceptance 0.5
-#   OUT=$OUT bash scripts/gpu/pending.sh 2   # GPU tests changed since, the 128-head MLA kernel,
-#                                            # v3-slice
-#   OUT=$OUT bash scripts/gpu/pending.sh 3   # bench engine v2-lite bf16 (its JSON) + batch-invariant cost
+#   OUT=$OUT bash scripts/gpu/pending.sh 1   # issue 19: bench spec at batch 256 (both levels);
+#                                            # if it fails, diag_spec.py replay by replay
+#   OUT=$OUT bash scripts/gpu/pending.sh 2   # issue 19: bench spec at batch 1/16/64, both levels
+#   OUT=$OUT bash scripts/gpu/pending.sh 3   # GPU tests changed since, the MLA kernel (128 heads,
+#                                            # e4m3 dots) at batch 64/256, v3-slice
+#   OUT=$OUT bash scripts/gpu/pending.sh 4   # bench engine v2-lite bf16 (its JSON) + batch-invariant cost
 #
 # Every step's output lands in $OUT (a log per step); copy results to bench/results/ under the
 # names docs/benchmarks.md uses.
@@ -15,7 +16,7 @@ set -uo pipefail
 source .gpu-bundle/activate
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:?set OUT to a result folder}
-part=${1:?which part: 1, 2 or 3}
+part=${1:?which part: 1, 2, 3 or 4}
 bench_engine() { timeout "$1" python3 -m deepserve.cli bench engine "${@:2}" 2>&1 | tail -30; }
 bench_spec() {
   timeout "$1" python3 -c 'import argparse,sys; from deepserve.bench import spec; \
@@ -30,23 +31,30 @@ diag() {  # diag <seconds> <log name> [ENV=VALUE...]: batch 256, every graph rep
 }
 case "$part" in
   1)
-    diag 150 diag-b256
-    diag 120 diag-b256-ladder512 DIAG_LADDER_MAX=512
-    diag 120 diag-b256-no-mtp-graphs DIAG_NO_MTP_GRAPHS=1
-    bench_spec 200 --batches 1,16,64 --acceptance 0.5 --json "$OUT/spec-0.5-cuda-h200.json" \
-      | tee "$OUT/spec-0.5.txt"
+    bench_spec 330 --batches 256 --acceptance 0.8,0.5 --json "$OUT/spec-b256-cuda-h200.json" \
+      | tee "$OUT/spec-b256.txt"
+    if [ ! -s "$OUT/spec-b256-cuda-h200.json" ]; then
+      diag 90 diag-b256
+      diag 80 diag-b256-ladder512 DIAG_LADDER_MAX=512
+      diag 80 diag-b256-no-mtp-graphs DIAG_NO_MTP_GRAPHS=1
+    fi
     ;;
   2)
+    bench_spec 520 --batches 1,16,64 --acceptance 0.8,0.5 --json "$OUT/spec-cuda-h200.json" \
+      | tee "$OUT/spec.txt"
+    ;;
+  3)
     timeout 300 python3 -m pytest -q -s tests/gpu/test_batch_invariant_gpu.py \
       tests/gpu/test_speculative_gpu.py tests/gpu/test_engine_gpu.py 2>&1 | tail -30 \
       | tee "$OUT/gpu-tests.txt"
-    MLA_HEADS=128 MLA_BATCHES=64,256 OUT=$OUT timeout 120 python3 scripts/gpu/bench_mla_decode.py \
-      2>&1 | tail -12 | tee "$OUT/mla-128.txt"
+    # 16 and 128 heads at batch 64 / 256: the 128-head target and the e4m3-dots variant's timing
+    MLA_BATCHES=64,256 OUT=$OUT timeout 150 python3 scripts/gpu/bench_mla_decode.py \
+      2>&1 | tail -16 | tee "$OUT/mla.txt"
     bench_engine 170 --preset v3-slice --device cuda --decode-steps 16 --no-transformers \
       --prefill-tokens 16384 --decode-batches 256 --json "$OUT/engine-v3-slice-cuda-h200.json" \
       | tee "$OUT/v3.txt"
     ;;
-  3)
+  4)
     bench_engine 330 --preset v2-lite --device cuda --decode-steps 32 --prefill-tokens 4096,16384 \
       --decode-batches 1,16,64,256 --transformers-batches 64 --transformers-steps 8 \
       --json "$OUT/engine-cuda-h200.json" | tee "$OUT/engine.txt"
@@ -54,5 +62,5 @@ case "$part" in
       --prefill-tokens 4096,16384 --decode-batches 1,64,256 \
       --json "$OUT/engine-v2-lite-batch-invariant-cuda-h200.json" | tee "$OUT/invariant.txt"
     ;;
-  *) echo "part must be 1, 2 or 3" >&2; exit 2 ;;
+  *) echo "part must be 1, 2, 3 or 4" >&2; exit 2 ;;
 esac

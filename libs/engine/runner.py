@@ -198,7 +198,7 @@ class ModelRunner:
         cuda = self.device.type == "cuda"
         started = _timing_event() if cuda else None
         if started is not None:
-            started.record()
+            started.record(torch.cuda.current_stream(self.device))
         sampling = [s for s in plan.seqs if s.sample]
         logits = self._forward(plan, prev)
         masks = masks_fn() if masks_fn is not None else None
@@ -226,7 +226,7 @@ class ModelRunner:
                 logprobs = (lp, vals, ids)
         if cuda:
             done = _timing_event()
-            done.record()
+            done.record(torch.cuda.current_stream(self.device))
         return Launched(
             plan,
             sampling,
@@ -586,7 +586,7 @@ class ModelRunner:
         g.inputs.copy_(host, non_blocking=True)
         if self.device.type == "cuda":
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            done.record()
+            done.record(torch.cuda.current_stream(self.device))  # where the copy went
             g.sent[copy] = done
         fix = np.flatnonzero(ids == PLACEHOLDER).tolist()
         if fix:

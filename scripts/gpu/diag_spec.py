@@ -8,12 +8,14 @@ Run from the repository root, with the bench's own arguments, e.g.::
 
 Before each replay of a captured graph (any set: ``decode``, ``mtp``, ``mtp_head``) the host
 waits for the device and reads the graph's staged inputs back: token ids must lie in
-[0, vocabulary), positions in [0, max_model_len), slots in [0, scratch slot], lengths in
+[0, vocabulary), positions in [0, max_blocks x block size), slots in [0, scratch slot], lengths in
 [0, max_blocks x block size], the pages a row's length covers in [0, cache blocks). The first
 replay that breaks one is printed with its set, padded size, rows and the offending values,
 and the script exits 1: the bad input is named before the kernel that would trip on it runs.
 After each replay the host waits again, so a fault is raised at the replay that caused it.
 On the CPU (emulated graphs, tests/unit/test_graph_replay.py) the checks run without waits.
+The waits also take the host's lead over the device away, so a clean run rules out inputs
+overwritten in memory but not a race between the host and transfers still queued.
 
 Switches (environment): ``DIAG_NO_MTP_GRAPHS=1`` leaves the MTP passes eager (only ``decode``
 graphs); ``DIAG_LADDER_MAX=N`` captures no graph past N rows (e.g. 512: batch 256's 1,024

@@ -34,9 +34,9 @@ case "$part" in
     bench_spec 330 --batches 256 --acceptance 0.8,0.5 --json "$OUT/spec-b256-cuda-h200.json" \
       | tee "$OUT/spec-b256.txt"
     if [ ! -s "$OUT/spec-b256-cuda-h200.json" ]; then
-      diag 90 diag-b256
-      diag 80 diag-b256-ladder512 DIAG_LADDER_MAX=512
-      diag 80 diag-b256-no-mtp-graphs DIAG_NO_MTP_GRAPHS=1
+      diag 70 diag-b256
+      diag 60 diag-b256-ladder512 DIAG_LADDER_MAX=512
+      diag 60 diag-b256-no-mtp-graphs DIAG_NO_MTP_GRAPHS=1
     fi
     ;;
   2)
@@ -44,13 +44,13 @@ case "$part" in
       | tee "$OUT/spec.txt"
     ;;
   3)
-    timeout 300 python3 -m pytest -q -s tests/gpu/test_batch_invariant_gpu.py \
+    timeout 240 python3 -m pytest -q -s tests/gpu/test_batch_invariant_gpu.py \
       tests/gpu/test_speculative_gpu.py tests/gpu/test_engine_gpu.py 2>&1 | tail -30 \
       | tee "$OUT/gpu-tests.txt"
     # 16 and 128 heads at batch 64 / 256: the 128-head target and the e4m3-dots variant's timing
-    MLA_BATCHES=64,256 OUT=$OUT timeout 150 python3 scripts/gpu/bench_mla_decode.py \
+    MLA_BATCHES=64,256 OUT=$OUT timeout 140 python3 scripts/gpu/bench_mla_decode.py \
       2>&1 | tail -16 | tee "$OUT/mla.txt"
-    bench_engine 170 --preset v3-slice --device cuda --decode-steps 16 --no-transformers \
+    bench_engine 160 --preset v3-slice --device cuda --decode-steps 16 --no-transformers \
       --prefill-tokens 16384 --decode-batches 256 --json "$OUT/engine-v3-slice-cuda-h200.json" \
       | tee "$OUT/v3.txt"
     ;;

@@ -45,7 +45,8 @@ case "$part" in
     ;;
   3)
     timeout 240 python3 -m pytest -q -s tests/gpu/test_batch_invariant_gpu.py \
-      tests/gpu/test_speculative_gpu.py tests/gpu/test_engine_gpu.py 2>&1 | tail -30 \
+      tests/gpu/test_speculative_gpu.py tests/gpu/test_engine_gpu.py \
+      tests/gpu/test_graph_staging_gpu.py 2>&1 | tail -30 \
       | tee "$OUT/gpu-tests.txt"
     # 16 and 128 heads at batch 64 / 256: the 128-head target and the e4m3-dots variant's timing
     MLA_BATCHES=64,256 OUT=$OUT timeout 140 python3 scripts/gpu/bench_mla_decode.py \

@@ -123,6 +123,13 @@ class _EagerReplay:
                 out.copy_(new)
 
 
+def staged_rows(arr: np.ndarray, max_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """Views of a row graph's flat inputs (staging copy or read back): the [4, rows] columns
+    (ids, positions, slots, lengths) and the [rows, max_blocks] block table."""
+    bg = arr.shape[0] // (4 + max_blocks)
+    return arr[: bg * 4].reshape(4, bg), arr[bg * 4 :].reshape(bg, max_blocks)
+
+
 def _fill_page_tables(
     table: np.ndarray, seqs: Sequence[ScheduledSeq], pages: np.ndarray
 ) -> np.ndarray:
@@ -564,16 +571,13 @@ class ModelRunner:
         padding rows: length 0, the cache's scratch slot. A row's table entries past its own
         pages keep stale values: the kernel reads only the pages its length covers."""
         assert g.inputs is not None
-        bg = g.inputs.shape[0] // (4 + self.max_blocks)
-        bs, mb = self.block_size, self.max_blocks
+        bs = self.block_size
         n = len(seqs)
         copy = g.steps % 2
         if (sent := g.sent[copy]) is not None:
             sent.synchronize()  # its last transfer has read it
         host = g.staging[copy]
-        arr = host.numpy()
-        cols = arr[: bg * 4].reshape(4, bg)  # ids, positions, slots, lengths
-        table = arr[bg * 4 :].reshape(bg, mb)
+        cols, table = staged_rows(host.numpy(), self.max_blocks)
         cols[:, n:] = 0
         cols[2, n:] = self.cache.scratch_slot
         starts = np.fromiter((s.start for s in seqs), np.int64, n)
@@ -592,7 +596,7 @@ class ModelRunner:
         if fix:
             assert prev is not None
             srcs = [prev.index[seqs[i].request_id] for i in fix]
-            self._fill_placeholders(g.inputs[:bg], fix, srcs, prev)
+            self._fill_placeholders(g.inputs[: cols.shape[1]], fix, srcs, prev)
 
     def _decode_body(
         self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, _: None

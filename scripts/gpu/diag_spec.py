@@ -36,7 +36,7 @@ import torch
 
 from deepserve.bench import spec
 from libs.engine import runner as runner_mod
-from libs.engine.runner import ModelRunner
+from libs.engine.runner import ModelRunner, staged_rows
 from libs.engine.scheduler import ScheduledSeq
 
 NO_MTP_GRAPHS = os.environ.get("DIAG_NO_MTP_GRAPHS") == "1"
@@ -51,10 +51,9 @@ def _sync() -> None:
 def _bad_inputs(r: ModelRunner, inputs: torch.Tensor, n: int) -> list[str]:
     """What is out of range in the first ``n`` staged rows of ``inputs`` (read back)."""
     bs, mb = r.block_size, r.max_blocks
-    bg = inputs.shape[0] // (4 + mb)
-    arr = inputs.cpu().numpy()
-    ids, pos, slots, lens = arr[: 4 * bg].reshape(4, bg)[:, :n]
-    table = arr[4 * bg :].reshape(bg, mb)[:n]
+    cols, table = staged_rows(inputs.cpu().numpy(), mb)
+    ids, pos, slots, lens = cols[:, :n]
+    table = table[:n]
     vocab = r.model.cfg.vocab_size
     blocks = r.cache.scratch_slot // bs
     out = []

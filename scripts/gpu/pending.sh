@@ -17,6 +17,10 @@ source .gpu-bundle/activate
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:?set OUT to a result folder}
 part=${1:?which part: 1, 2, 3 or 4}
+# Result names carry the card that made them (cuda-h200 or cuda-h100: a device call may get either).
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o 'H[0-9]00' | tr A-Z a-z)
+m=cuda-${gpu:-gpu}
+echo "device: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) -> $m"
 bench_engine() { timeout "$1" python3 -m deepserve.cli bench engine "${@:2}" 2>&1 | tail -30; }
 bench_spec() {
   timeout "$1" python3 -c 'import argparse,sys; from deepserve.bench import spec; \
@@ -31,16 +35,16 @@ diag() {  # diag <seconds> <log name> [ENV=VALUE...]: batch 256, every graph rep
 }
 case "$part" in
   1)
-    bench_spec 330 --batches 256 --acceptance 0.8,0.5 --json "$OUT/spec-b256-cuda-h200.json" \
+    bench_spec 330 --batches 256 --acceptance 0.8,0.5 --json "$OUT/spec-b256-$m.json" \
       | tee "$OUT/spec-b256.txt"
-    if [ ! -s "$OUT/spec-b256-cuda-h200.json" ]; then
+    if [ ! -s "$OUT/spec-b256-$m.json" ]; then
       diag 70 diag-b256
       diag 60 diag-b256-ladder512 DIAG_LADDER_MAX=512
       diag 60 diag-b256-no-mtp-graphs DIAG_NO_MTP_GRAPHS=1
     fi
     ;;
   2)
-    bench_spec 520 --batches 1,16,64 --acceptance 0.8,0.5 --json "$OUT/spec-cuda-h200.json" \
+    bench_spec 520 --batches 1,16,64 --acceptance 0.8,0.5 --json "$OUT/spec-$m.json" \
       | tee "$OUT/spec.txt"
     ;;
   3)
@@ -52,16 +56,16 @@ case "$part" in
     MLA_BATCHES=64,256 OUT=$OUT timeout 140 python3 scripts/gpu/bench_mla_decode.py \
       2>&1 | tail -16 | tee "$OUT/mla.txt"
     bench_engine 160 --preset v3-slice --device cuda --decode-steps 16 --no-transformers \
-      --prefill-tokens 16384 --decode-batches 256 --json "$OUT/engine-v3-slice-cuda-h200.json" \
+      --prefill-tokens 16384 --decode-batches 256 --json "$OUT/engine-v3-slice-$m.json" \
       | tee "$OUT/v3.txt"
     ;;
   4)
     bench_engine 330 --preset v2-lite --device cuda --decode-steps 32 --prefill-tokens 4096,16384 \
       --decode-batches 1,16,64,256 --transformers-batches 64 --transformers-steps 8 \
-      --json "$OUT/engine-cuda-h200.json" | tee "$OUT/engine.txt"
+      --json "$OUT/engine-$m.json" | tee "$OUT/engine.txt"
     bench_engine 240 --preset v2-lite --device cuda --batch-invariant --no-transformers \
       --prefill-tokens 4096,16384 --decode-batches 1,64,256 \
-      --json "$OUT/engine-v2-lite-batch-invariant-cuda-h200.json" | tee "$OUT/invariant.txt"
+      --json "$OUT/engine-v2-lite-batch-invariant-$m.json" | tee "$OUT/invariant.txt"
     ;;
   *) echo "part must be 1, 2, 3 or 4" >&2; exit 2 ;;
 esac

@@ -78,10 +78,12 @@ def test_logprobs_are_the_same_bits_in_any_batch_and_chunking(v2_lite) -> None:
 
 
 def test_invariant_engine_stays_close_to_the_default(v2_lite) -> None:
-    """Same model, other summation orders: the first greedy token agrees for all but at most one
-    request, a token picked by both has log probabilities within bf16 noise, and a token picked
-    by the invariant engine alone is a near tie in the default engine's top 5 (a different pick's
-    log probability is another token's: comparing it with the default's says nothing)."""
+    """Same model, other summation orders: a first greedy token picked by both engines has log
+    probabilities within bf16 noise, and a token picked by the invariant engine alone is a near
+    tie in the default engine's top 5 (a different pick's log probability is another token's:
+    comparing it with the default's says nothing). How many picks differ is not asserted: the
+    random-weight model's distributions are flat, and on an H100 two of five first tokens were
+    ties at bf16 resolution (gaps 1/16 and 1/64 nats)."""
     prompts = _prompts(v2_lite.model.cfg.vocab_size)
     reqs = {f"r{i}": (p, SP) for i, p in enumerate(prompts)}
     inv = serve(_engine(v2_lite, True), reqs)
@@ -96,6 +98,5 @@ def test_invariant_engine_stays_close_to_the_default(v2_lite) -> None:
             ties.append(ref_lp - ref_top_lps[ref_top_ids.index(tok)])
     worst = max(same, default=0.0)
     print(f"first tokens equal {len(same)}/{len(reqs)}, max |dlogprob| {worst:.3g}, gaps {ties}")
-    assert len(ties) <= 1
     assert worst < 0.25
     assert all(gap < 0.25 for gap in ties)

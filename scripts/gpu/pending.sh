@@ -9,6 +9,7 @@
 #   OUT=$OUT bash scripts/gpu/pending.sh 3   # GPU tests changed since, the MLA kernel (128 heads,
 #                                            # e4m3 dots) at batch 64/256, v3-slice
 #   OUT=$OUT bash scripts/gpu/pending.sh 4   # bench engine v2-lite bf16 (its JSON) + batch-invariant cost
+#   OUT=$OUT bash scripts/gpu/pending.sh 5   # issue 19: the drafting depth chooser, phases, depths 1 and 2
 #
 # Every step's output lands in $OUT (a log per step); copy results to bench/results/ under the
 # names docs/benchmarks.md uses.
@@ -16,7 +17,7 @@ set -uo pipefail
 source .gpu-bundle/activate
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:?set OUT to a result folder}
-part=${1:?which part: 1, 2, 3 or 4}
+part=${1:?which part: 1 to 5}
 # Result names carry the card that made them (cuda-h200 or cuda-h100: a device call may get either).
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o 'H[0-9]00' | tr A-Z a-z)
 m=cuda-${gpu:-gpu}
@@ -67,5 +68,19 @@ case "$part" in
       --prefill-tokens 4096,16384 --decode-batches 1,64,256 \
       --json "$OUT/engine-v2-lite-batch-invariant-$m.json" | tee "$OUT/invariant.txt"
     ;;
-  *) echo "part must be 1, 2, 3 or 4" >&2; exit 2 ;;
+  5)
+    # The drafting depth chosen per batch size (DepthChooser), both levels, after a warm-up
+    # round; then where a speculative step's time goes (phases synchronized) and fixed depths
+    # 1 and 2 (the "all" schedule) against which the chooser can be read.
+    bench_spec 300 --batches 1,16,64,256 --acceptance 0.8,0.5 --json "$OUT/spec-$m.json" \
+      | tee "$OUT/spec.txt"
+    timeout 120 python3 scripts/gpu/spec_phases.py --preset v2-lite --device cuda \
+      --batches 1,64,256 --acceptance 0.8 --speculative-tokens 3 --prompt-tokens 256 \
+      --max-tokens 48 --warmup-tokens 0 2>&1 | grep -v "^\s*$" | tail -12 | tee "$OUT/phases.txt"
+    for k in 1 2; do
+      bench_spec 70 --batches 64,256 --acceptance 0.8 --speculative-tokens $k \
+        --json "$OUT/spec-k$k-$m.json" | tee "$OUT/spec-k$k.txt"
+    done
+    ;;
+  *) echo "part must be 1 to 5" >&2; exit 2 ;;
 esac

@@ -11,10 +11,7 @@ preset without MTP layers (v2-lite) gets one, as V3 has.
 Per batch size and mode -- ``off`` (one token a step: CUDA graphs and overlap where the engine
 uses them), ``all`` (every draft verified) and ``confidence`` (drafts chosen by calibrated
 confidence against the step-time model) -- ``--batch`` requests of ``--prompt-tokens`` decode
-``--max-tokens`` greedy tokens together, after an untimed round of the same batch
-(``--warmup-tokens``: the engine's kernels are tuned and its online estimates -- acceptance by
-confidence, the step-time calibration, the drafting depth per batch size -- have settled, as in a
-running service); after their prefill step the decode phase is timed
+``--max-tokens`` greedy tokens together; after their prefill step the decode phase is timed
 (wall clock, synchronized at the end): output tokens per second over the batch and per request,
 and the drafting counters (verified, accepted, tokens per verification). Ratios against ``off``
 in the same run.
@@ -54,14 +51,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-tokens", type=int, default=3, help="drafts per step (K)")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=48, help="output tokens per request")
-    p.add_argument(
-        "--warmup-tokens",
-        type=int,
-        default=48,
-        help="a first, untimed round of the same batch decoding this many tokens per request "
-        "(0: none), so the timed round sees a running engine: kernels tuned, acceptance and "
-        "drafting depth learnt",
-    )
     p.add_argument("--json", dest="json_out", default=None, help="write the result JSON here")
 
 
@@ -93,13 +82,6 @@ def _run(loaded: LoadedModel, args: argparse.Namespace, batch: int, mode: str) -
     )
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(batch)
-    if args.warmup_tokens > 0:  # not timed: the engine's learners and kernels settle
-        warm = SamplingParams(max_tokens=args.warmup_tokens, ignore_eos=True)
-        for i in range(batch):
-            prompt = torch.randint(3, vocab, (args.prompt_tokens,), generator=g).tolist()
-            engine.add_request(f"w{i}", prompt, warm)
-        while engine.has_unfinished():
-            engine.step()
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     first: dict[str, float] = {}
     last: dict[str, float] = {}
@@ -109,8 +91,6 @@ def _run(loaded: LoadedModel, args: argparse.Namespace, batch: int, mode: str) -
         engine.add_request(f"r{i}", prompt, sp)
     t_start = None
     steps = 0
-    stats0 = None
-    passes0: list[int] = []
     while engine.has_unfinished():
         events = engine.step()
         now = time.perf_counter()
@@ -124,9 +104,7 @@ def _run(loaded: LoadedModel, args: argparse.Namespace, batch: int, mode: str) -
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
             t_start = time.perf_counter()  # every prompt is in: the decode phase from here
-            spec_dec = engine.speculative
-            stats0 = dataclasses.replace(spec_dec.stats) if spec_dec else None
-            passes0 = list(spec_dec.passes) if spec_dec else []
+            stats0 = dataclasses.replace(engine.speculative.stats) if engine.speculative else None
             continue
         if t_start is not None:
             steps += 1
@@ -163,15 +141,6 @@ def _run(loaded: LoadedModel, args: argparse.Namespace, batch: int, mode: str) -
             "tokens_per_verification": (s.emitted - s0.emitted) / verifications
             if verifications
             else 0.0,
-            # Drafting passes of the timed round by depth (0..K): the depths the engine chose.
-            "passes_by_depth": [
-                a - b
-                for a, b in zip(
-                    engine.speculative.passes,
-                    passes0 or [0] * len(engine.speculative.passes),
-                    strict=True,
-                )
-            ],
         }
     del engine
     gc.collect()
@@ -214,8 +183,7 @@ def main(args: argparse.Namespace) -> int:
                         f"  x{r['speedup']:.2f} (user x{r['per_user_speedup']:.2f})  accepted "
                         f"{r['acceptance']:.2f}, verified/req-step "
                         f"{r['verified_per_verification']:.2f}, emitted/req-step "
-                        f"{r['tokens_per_verification']:.2f}, passes by depth "
-                        f"{r['passes_by_depth']}"
+                        f"{r['tokens_per_verification']:.2f}"
                         if mode != "off"
                         else ""
                     ),

@@ -107,70 +107,6 @@ class AcceptanceModel:
                 break  # the drafts after a rejection say nothing: they were not reached
 
 
-class DepthChooser:
-    """How many drafts per request the next drafting pass makes (0 to K), learnt per batch size
-    from measured cycles, as a bandit over the depths.
-
-    A cycle runs from one drafting pass to the next: the pass at depth ``d``, the host's
-    scheduling, the step that verifies those drafts and its commit. Its sample is the tokens
-    that step emitted over the cycle's wall time (the measured throughput of depth ``d``, all
-    costs in: drafting, verification, the host's share). Per batch size (half-octave buckets of
-    the requests drafted for), each depth keeps an exponential moving average of its samples.
-    Until every depth has ``MIN_SAMPLES`` the deepest untried one is chosen (the engine starts
-    as plain K-draft speculation); after that the best, and every ``RETRY_EVERY`` cycles of the
-    bucket the depth measured longest ago (what pays changes with context lengths and
-    acceptance). Depth 0 is one token a step: when drafting costs more than it gains (a large
-    batch whose verification rows are compute-bound, low acceptance) the engine stops paying
-    for it, keeping only the MTP layer's KV current (its catch-up over the step's positions)."""
-
-    ALPHA = 0.3
-    MIN_SAMPLES = 2
-    RETRY_EVERY = 16
-
-    def __init__(self, max_depth: int) -> None:
-        self.max_depth = max_depth
-        # bucket -> per depth [rate EMA, samples, cycle of the last sample]
-        self._arms: dict[int, list[list[float]]] = {}
-        self._cycles: dict[int, int] = {}
-
-    @staticmethod
-    def bucket(n: int) -> int:
-        return int(2 * math.log2(max(n, 1)))
-
-    def _bucket_arms(self, n: int) -> tuple[int, list[list[float]]]:
-        b = self.bucket(n)
-        arms = self._arms.get(b)
-        if arms is None:
-            arms = self._arms[b] = [[0.0, 0, -1] for _ in range(self.max_depth + 1)]
-        return b, arms
-
-    def choose(self, n: int) -> int:
-        """The depth of the drafting pass for ``n`` requests."""
-        b, arms = self._bucket_arms(n)
-        cycle = self._cycles[b] = self._cycles.get(b, 0) + 1
-        for d in range(self.max_depth, -1, -1):
-            if arms[d][1] < self.MIN_SAMPLES:
-                return d
-        if cycle % self.RETRY_EVERY == 0:
-            return min(range(self.max_depth + 1), key=lambda d: arms[d][2])
-        return max(range(self.max_depth + 1), key=lambda d: (arms[d][0], d))
-
-    def observe(self, n: int, depth: int, tokens: int, seconds: float) -> None:
-        """A cycle drafted at ``depth`` for ``n`` requests emitted ``tokens`` in ``seconds``."""
-        if seconds <= 0 or not 0 <= depth <= self.max_depth:
-            return
-        b, arms = self._bucket_arms(n)
-        arm, rate = arms[depth], tokens / seconds
-        arm[0] = rate if not arm[1] else (1 - self.ALPHA) * arm[0] + self.ALPHA * rate
-        arm[1] += 1
-        arm[2] = self._cycles.get(b, 0)
-
-    def rates(self, n: int) -> list[float | None]:
-        """Per depth, its measured tokens per second at ``n`` requests (None: not yet)."""
-        _, arms = self._bucket_arms(n)
-        return [a[0] if a[1] else None for a in arms]
-
-
 def choose_drafts(
     confidences: Sequence[Sequence[float]],
     limits: Sequence[int],
@@ -540,14 +476,11 @@ class SpecDecoder:
         # so the host schedules the next step (and the caller handles this step's events)
         # while the device drafts.
         self._pending: tuple[list[_Depth], list[str]] | None = None
-        # Drafts made per request by the next drafting pass: K, or with the confidence schedule
-        # what DepthChooser measured to pay at the batch size (0: one token a step).
+        # Drafts made per request and step: K, or with the confidence schedule one more than
+        # the most it verified for a request last time (each draft past the first costs an
+        # MTP pass and a vocabulary projection; a schedule that declines them all then pays
+        # for one draft, not K).
         self.depth = num_tokens
-        self.depths = DepthChooser(num_tokens)
-        # The drafting pass in flight: (its start, its depth, requests drafted for), until the
-        # step verifying its drafts is committed and the next pass starts (DepthChooser).
-        self._cycle: tuple[float, int, int] | None = None
-        self.passes = [0] * (num_tokens + 1)  # drafting passes made at each depth, since start
         # Per request while it runs (drafted, verified, accepted...; dropped when it ends).
         self.per_request: dict[str, SpecStats] = {}
         self._shared = torch.Generator(device=runner.device)
@@ -687,6 +620,8 @@ class SpecDecoder:
         counts = choose_drafts(
             [c[3] for c in cands], [c[4] for c in cands], self.acceptance, seconds, self.schedule
         )
+        if self.schedule == "confidence":
+            self.depth = min(self.num_tokens, max(counts) + 1)
         seqs = list(plan.seqs)
         for (i, seq, drafts, confs, _), j in zip(cands, counts, strict=True):
             req = scheduler.requests[seq.request_id]
@@ -803,27 +738,11 @@ class SpecDecoder:
         return SpecStep(sampled, time.perf_counter() - t0, hidden, rows, lps)
 
     # -- 3. catch up and draft ------------------------------------------------------------------
-    def _end_cycle(self, plan: StepPlan, step: SpecStep, now: float) -> None:
-        """The cycle that began with the last drafting pass ends as the next begins: its
-        throughput goes to :attr:`depths` when the step in it only decoded (a prompt chunk's
-        time would be charged to the depth). A depth-0 pass starts a cycle too (below)."""
-        cycle, self._cycle = self._cycle, None
-        if cycle is None:
-            return
-        start, depth, n = cycle
-        if all(s.sample and s.num_tokens == 1 + s.num_drafts for s in plan.seqs):
-            got = step.sampled.values()
-            tokens = sum(len(t) if isinstance(t, list) else 1 for t in got)
-            self.depths.observe(n, depth, tokens, now - start)
-
     def draft(self, plan: StepPlan, step: SpecStep, scheduler: Scheduler) -> None:
         """After the scheduler committed ``step``: the MTP layer over every position that became
-        final (its KV), then up to K drafts (:attr:`depth`) for each running request that may
-        be drafted for. The drafts stay on the device until :attr:`drafts` is read (the next
-        step's add_drafts)."""
+        final (its KV), then K drafts for each running request that may be drafted for. The
+        drafts stay on the device until :attr:`drafts` is read (the next step's add_drafts)."""
         self._settle()
-        now = time.perf_counter()
-        self._end_cycle(plan, step, now)
         runner = self.runner
         catch: list[ScheduledSeq] = []
         for seq in plan.seqs:
@@ -883,12 +802,6 @@ class SpecDecoder:
         x = self._block(catch, step.hidden[h_index])
         if not want:
             return
-        if self.schedule == "confidence":
-            self.depth = self.depths.choose(len(want))
-        self._cycle = (now, self.depth, len(want))
-        self.passes[self.depth] += 1
-        if not self.depth:
-            return  # one token a step next: the MTP layer's KV is current, nothing drafted
         # A request's rows stay contiguous and in order: its last row ends its last piece.
         last = {s.request_id: r + s.num_tokens - 1 for s, r in _offsets(catch, 0)}
         index = runner._to_device(np.asarray([last[s.request_id] for s in want], dtype=np.int64))

@@ -83,8 +83,8 @@ def main() -> int:
                     if k in ms
                 )
                 print(
-                    f"acceptance {level:.2f} batch {b:4d} {mode:10s} {r['output_tokens_per_s']:9.1f}"
-                    f" tok/s (synchronized)  ms/step: {line}"
+                    f"acceptance {level:.2f} batch {b:4d} {mode:10s} "
+                    f"{r['output_tokens_per_s']:9.1f} tok/s (synchronized)  ms/step: {line}"
                     + (f"  rows/step {sum(rows) / len(rows):.0f}" if rows else ""),
                     flush=True,
                 )

@@ -10,6 +10,7 @@
 #                                            # e4m3 dots) at batch 64/256, v3-slice
 #   OUT=$OUT bash scripts/gpu/pending.sh 4   # bench engine v2-lite bf16 (its JSON) + batch-invariant cost
 #   OUT=$OUT bash scripts/gpu/pending.sh 5   # issue 19: a speculative step's phases; the relaxed invariant test
+#   OUT=$OUT bash scripts/gpu/pending.sh 6   # issue 17: bf16 / FP8 weights / FP8 weights + KV side by side
 #
 # Every step's output lands in $OUT (a log per step); copy results to bench/results/ under the
 # names docs/benchmarks.md uses.
@@ -17,7 +18,7 @@ set -uo pipefail
 source .gpu-bundle/activate
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:?set OUT to a result folder}
-part=${1:?which part: 1 to 5}
+part=${1:?which part: 1 to 6}
 # Result names carry the card that made them (cuda-h200 or cuda-h100: a device call may get either).
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o 'H[0-9]00' | tr A-Z a-z)
 m=cuda-${gpu:-gpu}
@@ -77,5 +78,14 @@ case "$part" in
     timeout 150 python3 -m pytest -q -s tests/gpu/test_batch_invariant_gpu.py 2>&1 | tail -8 \
       | tee "$OUT/gpu-invariant.txt"
     ;;
-  *) echo "part must be 1 to 5" >&2; exit 2 ;;
+  6)
+    # Issue 17 item 2 at the current code: bf16 and FP8 weights (and FP8 KV) side by side.
+    b() { bench_engine 130 --preset v2-lite --device cuda --prefill-tokens 16384 \
+      --decode-batches 64,256 --no-transformers "$@"; }
+    b --weights bf16 --no-quality --json "$OUT/engine-v2-lite-bf16-$m.json" | tee "$OUT/bf16.txt"
+    b --weights fp8 --json "$OUT/engine-v2-lite-fp8w-$m.json" | tee "$OUT/fp8w.txt"
+    b --weights fp8 --kv-cache-dtype fp8 --no-quality --json "$OUT/engine-v2-lite-fp8w-fp8kv-$m.json" \
+      | tee "$OUT/fp8w-fp8kv.txt"
+    ;;
+  *) echo "part must be 1 to 6" >&2; exit 2 ;;
 esac

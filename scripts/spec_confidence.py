@@ -2,8 +2,9 @@
 of accepted and of rejected drafts, and how the confidence schedule's AcceptanceModel binned them.
 
 Run from the repository root: ``PYTHONPATH=$PWD python3 scripts/spec_confidence.py [preset]
-[wrong fraction]`` (default tiny, 0.5; CPU). Eight greedy requests of 32 random prompt tokens
-decode 24 tokens each with K = 3.
+[wrong fraction] [flat|confident]`` (default tiny, 0.5, flat: the test model's head as it is, or
+made confident, ``make_mtp_test_model(confident=True)``; CPU). Eight greedy requests of 32 random
+prompt tokens decode 24 tokens each with K = 3.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from libs.engine.speculative import make_mtp_test_model
 def main() -> None:
     preset = sys.argv[1] if len(sys.argv) > 1 else "tiny"
     wrong = float(sys.argv[2]) if len(sys.argv) > 2 else 0.5
+    confident = len(sys.argv) > 3 and sys.argv[3] == "confident"
     loaded = spec._loaded(preset, "cpu")
-    make_mtp_test_model(loaded.model, 0.0, wrong, seed=1)
+    make_mtp_test_model(loaded.model, 0.0, wrong, seed=1, confident=confident)
     cfg = EngineConfig(
         model=preset,
         device="cpu",

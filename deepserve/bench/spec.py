@@ -6,7 +6,11 @@ The weights are the preset's random ones turned into the MTP test model
 0, so its next token is a function of the current one, and an MTP head that computes that same
 function, then perturbed (a fraction of the vocabulary remapped) to each ``--acceptance`` level.
 Every kernel of the main model still runs at full size, so step times are the real ones. A
-preset without MTP layers (v2-lite) gets one, as V3 has.
+preset without MTP layers (v2-lite) gets one, as V3 has. ``--head confident`` (the default)
+plants the main model's successor function in its vocabulary projection so that the MTP head's
+confidence separates right drafts (~0.9) from wrong ones (well under a half), as a trained
+head's does; ``--head flat`` keeps the random projection, whose confidences are all alike
+(the confidence schedule then has nothing to go on).
 
 Per batch size and mode -- ``off`` (one token a step: CUDA graphs and overlap where the engine
 uses them), ``all`` (every draft verified) and ``confidence`` (drafts chosen by calibrated
@@ -51,6 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-tokens", type=int, default=3, help="drafts per step (K)")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=48, help="output tokens per request")
+    p.add_argument(
+        "--head",
+        choices=("confident", "flat"),
+        default="confident",
+        help="the MTP test model's head: confident (its confidence separates right drafts from "
+        "wrong ones, as a trained head's does) or flat (random weights: one confidence for all)",
+    )
     p.add_argument("--json", dest="json_out", default=None, help="write the result JSON here")
 
 
@@ -125,6 +136,14 @@ def _run(loaded: LoadedModel, args: argparse.Namespace, batch: int, mode: str) -
         "output_tokens_per_s": decoded / elapsed if elapsed > 0 else 0.0,
         "per_user_tokens_per_s": sum(per_user) / len(per_user) if per_user else 0.0,
     }
+    cost = engine.scheduler.cost
+    if cost.rows_sizes is not None and cost.rows_seconds is not None:
+        # The decode graphs' measured times that priced verification rows (CUDA only).
+        out["decode_ms_by_rows"] = {
+            int(r): round(float(t) * 1e3, 4)
+            for r, t in zip(cost.rows_sizes, cost.rows_seconds, strict=True)
+        }
+        out["decode_rows_scale"] = cost.rows_scale
     # Replays per graph set (decode, the MTP passes): zero where a step ran eagerly.
     sets = getattr(engine.runner, "graph_sets", {})
     out["graph_replays"] = {n: sum(g.steps for g in gs.graphs.values()) for n, gs in sets.items()}
@@ -155,7 +174,9 @@ def main(args: argparse.Namespace) -> int:
     loaded = _loaded(args.preset, args.device)
     rows: list[dict[str, Any]] = []
     for level in levels:
-        make_mtp_test_model(loaded.model, 0.0, 1.0 - level, seed=1)
+        make_mtp_test_model(
+            loaded.model, 0.0, 1.0 - level, seed=1, confident=args.head == "confident"
+        )
         for b in batches:
             base = None
             for mode in MODES:
@@ -195,6 +216,7 @@ def main(args: argparse.Namespace) -> int:
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "host": platform.node(),
         "speculative_tokens": args.speculative_tokens,
+        "head": args.head,
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
         "rows": rows,

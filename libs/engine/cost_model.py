@@ -72,6 +72,14 @@ class CostModel:
     scale: float = 1.0
     alpha: float = 0.3
     samples: int = field(default=0)
+    # Measured decode steps (set_rows_table): the seconds of a step of r single-token rows,
+    # by the padded row counts the CUDA graphs run at, without attention over context; and
+    # its own calibration factor, learnt from measured steps of decode rows.
+    rows_sizes: np.ndarray | None = None
+    rows_seconds: np.ndarray | None = None
+    rows_scale: float = 1.0
+    rows_samples: int = 0
+    max_rows_q: int = 1  # the most tokens a sequence of a "decode rows" step has (1 + K)
 
     @classmethod
     def for_model(
@@ -180,11 +188,53 @@ class CostModel:
         out: np.ndarray = self.scale * self._time(flops, self._bytes(tokens, shape.context + ctx))
         return out
 
+    # -- measured decode rows ----------------------------------------------------------------------
+    def set_rows_table(self, seconds_by_rows: dict[int, float]) -> None:
+        """A step of ``r`` decode rows takes ``seconds_by_rows[r']`` for the smallest measured
+        ``r' >= r`` (the graph it replays), plus its attention over context."""
+        if not seconds_by_rows:
+            return
+        sizes = sorted(seconds_by_rows)
+        self.rows_sizes = np.asarray(sizes, dtype=np.int64)
+        self.rows_seconds = np.asarray([seconds_by_rows[r] for r in sizes], dtype=np.float64)
+
+    def _rows_raw(self, rows: np.ndarray, context: np.ndarray) -> np.ndarray | None:
+        """Measured-table time of ``rows`` decode rows reading ``context`` cached tokens in all
+        (each row its own: a step's ``pairs``; None where the table does not reach)."""
+        if self.rows_sizes is None or self.rows_seconds is None:
+            return None
+        if rows.size == 0 or int(rows.max()) > int(self.rows_sizes[-1]):
+            return None
+        graph = self.rows_seconds[np.searchsorted(self.rows_sizes, rows)]
+        out: np.ndarray = graph + context * (self.kv_bytes_per_token / self.byte_rate)
+        return out
+
+    def rows_seconds_for(self, rows: np.ndarray, context: np.ndarray) -> np.ndarray | None:
+        """Estimated seconds of steps of only decode rows (``rows[i]`` rows reading
+        ``context[i]`` cached tokens) from the measured table, calibrated by the decode steps
+        observed since; None without a table that reaches every count."""
+        raw = self._rows_raw(np.asarray(rows), np.asarray(context, dtype=np.float64))
+        if raw is None:
+            return None
+        return np.asarray(self.rows_scale * raw, dtype=np.float64)
+
     def observe(self, shape: StepShape, measured_s: float) -> None:
-        """Fold one measured step time into the calibration factor."""
+        """Fold one measured step time into the calibration factor (and, for a step of decode
+        rows only -- single tokens and speculative verification, ``q <= max_rows_q`` -- into
+        the measured table's)."""
         raw = self.raw_seconds(shape)
         if raw <= 0 or measured_s <= 0:
             return
+        if shape.seqs and max(q for q, _ in shape.seqs) <= self.max_rows_q:
+            rows_raw = self._rows_raw(np.array([shape.tokens]), np.array([shape.pairs]))
+            if rows_raw is not None and rows_raw[0] > 0:
+                r = min(max(measured_s / float(rows_raw[0]), 1e-3), 1e3)
+                self.rows_scale = (
+                    r
+                    if self.rows_samples == 0
+                    else (1 - self.alpha) * self.rows_scale + self.alpha * r
+                )
+                self.rows_samples += 1
         ratio = min(max(measured_s / raw, 1e-3), 1e3)
         self.scale = (
             ratio if self.samples == 0 else (1 - self.alpha) * self.scale + self.alpha * ratio

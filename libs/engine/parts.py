@@ -223,6 +223,23 @@ def build_parts(
         batch_invariant=config.batch_invariant,
     )
     runner.capture_all()
+    if config.speculative_tokens:
+        # Speculative decoding prices verification rows by the decode graphs' measured times
+        # (each draft verified is one more row); None on the CPU: the analytic model prices them.
+        try:
+            measured = runner.time_decode_graphs()
+        except Exception:  # the analytic model still prices them: log, do not fail the engine
+            log.exception(
+                "engine: timing the decode graphs failed; verification priced analytically"
+            )
+            measured = None
+        if measured:
+            cost.set_rows_table(measured)
+            cost.max_rows_q = 1 + config.speculative_tokens
+            log.info(
+                "engine: decode step by rows (measured): %s",
+                ", ".join(f"{r}: {s * 1e3:.2f} ms" for r, s in sorted(measured.items())),
+            )
     return EngineParts(
         loaded.model_id, cfg, spec, cache, num_blocks, cost, runner, device, loaded, runtime
     )

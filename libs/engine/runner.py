@@ -475,6 +475,32 @@ class ModelRunner:
             for gs in self.graph_sets.values():
                 self._capture_set(gs)
 
+    def time_decode_graphs(self, replays: int = 3) -> dict[int, float] | None:
+        """Seconds of one replay of each captured decode graph, by its rows, measured now on
+        the device (None without captured CUDA graphs). The rows are padding rows (length 0,
+        the scratch slot) with random token ids, so the experts are routed to as by a real
+        batch; the attention over context is not in these times (the cost model adds it)."""
+        gs = self.graph_sets.get("decode")
+        if not self.cuda_graphs or self._emulated or gs is None or not gs.graphs:
+            return None
+        g0 = torch.Generator(device=self.device)
+        g0.manual_seed(0)
+        vocab = self.model.cfg.vocab_size
+        out: dict[int, float] = {}
+        for bg, g in sorted(gs.graphs.items()):
+            assert g.inputs is not None
+            ids = torch.randint(3, vocab, (bg,), generator=g0, device=self.device)
+            g.inputs[:bg].copy_(ids)
+            g.graph.replay()  # warm
+            start, end = _timing_event(), _timing_event()
+            start.record(torch.cuda.current_stream(self.device))
+            for _ in range(replays):
+                g.graph.replay()
+            end.record(torch.cuda.current_stream(self.device))
+            end.synchronize()
+            out[bg] = start.elapsed_time(end) / 1e3 / replays
+        return out
+
     def emulate_graphs(self) -> None:
         """For tests on the CPU: the graph paths on, each graph a closure that a replay runs
         eagerly over the same static buffers (inputs staged, padding rows, outputs read back

@@ -11,6 +11,7 @@
 #   OUT=$OUT bash scripts/gpu/pending.sh 4   # bench engine v2-lite bf16 (its JSON) + batch-invariant cost
 #   OUT=$OUT bash scripts/gpu/pending.sh 5   # issue 19: a speculative step's phases; the relaxed invariant test
 #   OUT=$OUT bash scripts/gpu/pending.sh 6   # issue 17: bf16 / FP8 weights / FP8 weights + KV side by side
+#   OUT=$OUT bash scripts/gpu/pending.sh 7   # issue 19: confident test head, verification priced by measured graphs
 #
 # Every step's output lands in $OUT (a log per step); copy results to bench/results/ under the
 # names docs/benchmarks.md uses.
@@ -18,7 +19,7 @@ set -uo pipefail
 source .gpu-bundle/activate
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:?set OUT to a result folder}
-part=${1:?which part: 1 to 6}
+part=${1:?which part: 1 to 7}
 # Result names carry the card that made them (cuda-h200 or cuda-h100: a device call may get either).
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o 'H[0-9]00' | tr A-Z a-z)
 m=cuda-${gpu:-gpu}
@@ -87,5 +88,13 @@ case "$part" in
     b --weights fp8 --kv-cache-dtype fp8 --no-quality --json "$OUT/engine-v2-lite-fp8w-fp8kv-$m.json" \
       | tee "$OUT/fp8w-fp8kv.txt"
     ;;
-  *) echo "part must be 1 to 6" >&2; exit 2 ;;
+  7)
+    # Issue 19 after the confident test head and verification priced by the decode graphs'
+    # measured times: both levels, every batch; then the flat head at batch 64 and 256.
+    bench_spec 220 --batches 1,16,64,256 --acceptance 0.8,0.5 --json "$OUT/spec-$m.json" \
+      | tee "$OUT/spec.txt"
+    bench_spec 60 --batches 64,256 --acceptance 0.5 --head flat \
+      --json "$OUT/spec-flat-head-$m.json" | tee "$OUT/spec-flat.txt"
+    ;;
+  *) echo "part must be 1 to 7" >&2; exit 2 ;;
 esac

@@ -32,16 +32,16 @@ def test_bench_spec_reports_every_mode_and_consistent_counters(tmp_path: Path) -
         assert set(r["graph_replays"]) >= {"decode"}  # none replayed on the CPU
         if r["mode"] == "off":
             continue
-        assert 0 < r["accepted"] <= r["verified"] <= r["drafted"]
+        # (a single short request can meet only remapped tokens: none accepted)
+        assert 0 <= r["accepted"] <= r["verified"] <= r["drafted"] and r["verified"] > 0
         assert r["acceptance"] == r["accepted"] / r["verified"]
         # Each verification emits its accepted drafts plus one token of its own.
         assert 1 <= r["tokens_per_verification"] <= 1 + r["verified_per_verification"] + 1e-9
         assert r["speedup"] > 0 and r["per_user_speedup"] > 0
-    by_level = {
-        lvl: [
-            r["acceptance"] for r in rows if r.get("target_acceptance") == lvl and "accepted" in r
-        ]
-        for lvl in (0.9, 0.5)
-    }
+    pooled = {}
+    for lvl in (0.9, 0.5):
+        spec_rows = [r for r in rows if r.get("target_acceptance") == lvl and "accepted" in r]
+        pooled[lvl] = sum(r["accepted"] for r in spec_rows) / sum(r["verified"] for r in spec_rows)
     # A head with less of the vocabulary remapped is accepted more often.
-    assert min(by_level[0.9]) > max(by_level[0.5])
+    assert pooled[0.9] > pooled[0.5] + 0.1
+    assert result["head"] == "confident"  # the default: confidence separates right from wrong

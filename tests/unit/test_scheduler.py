@@ -131,3 +131,27 @@ def test_a_prompt_chunk_out_of_time_does_not_stall_later_decodes() -> None:
         plan = s.schedule()
         assert {q.request_id for q in plan.seqs} >= {"d1", "d2"}
         drive(s, plan)
+
+
+def test_measured_decode_rows_price_verification_by_the_graph_each_count_replays() -> None:
+    """A table of measured decode steps by padded rows: a count of rows costs the graph that
+    holds it (the next measured size up) plus its attention; beyond the table there is no
+    estimate; steps of decode rows calibrate it, a prompt chunk does not."""
+    cm = cost()
+    assert cm.rows_seconds_for(np.array([4]), np.array([0])) is None  # no table yet
+    cm.set_rows_table({1: 0.010, 4: 0.012, 16: 0.020})
+    cm.max_rows_q = 4
+    got = cm.rows_seconds_for(np.array([1, 2, 4, 5, 16]), np.zeros(5))
+    assert got is not None and list(np.round(got, 6)) == [0.010, 0.012, 0.012, 0.020, 0.020]
+    reading = cm.rows_seconds_for(np.array([4]), np.array([100_000]))
+    assert reading is not None and reading[0] > 0.012  # attention over context adds
+    assert cm.rows_seconds_for(np.array([17]), np.array([0])) is None
+    # Steps measured at twice the table: the table's own factor follows, the analytic one too.
+    decode = StepShape(((1, 1), (4, 1), (1, 1)))  # a verification of 3 drafts beside 2 decodes
+    for _ in range(20):
+        cm.observe(decode, 2 * 0.020)
+    assert cm.rows_scale == pytest.approx(2.0, rel=0.02)
+    again = cm.rows_seconds_for(np.array([4]), np.array([0]))
+    assert again is not None and again[0] == pytest.approx(0.024, rel=0.02)
+    cm.observe(StepShape(((512, 512),)), 0.5)  # a prompt chunk: not a decode-rows step
+    assert cm.rows_scale == pytest.approx(2.0, rel=0.02)

@@ -659,3 +659,53 @@ def test_kernel_path_catch_up_rows_give_the_one_token_engines_tokens(tiny_mtp) -
     assert run(eng, reqs) == want
     stats = eng.speculative.stats
     assert stats.verified > 0 and stats.accepted == stats.verified
+
+
+def test_a_confident_head_separates_right_drafts_from_wrong_ones(tiny_mtp) -> None:
+    """make_mtp_test_model(confident=True): right drafts come with high confidence, wrong ones
+    with low, acceptance stays about 1 - wrong_fraction, and the main model's greedy output is
+    still what speculation must reproduce."""
+    model = copy.deepcopy(tiny_mtp.model)
+    make_mtp_test_model(model, 0.0, 0.5, seed=1, confident=True)
+    loaded = LoadedModel(model, "tiny-confident", tiny_mtp.source)
+    reqs = {
+        f"r{i}": (prompt(20, i), SamplingParams(max_tokens=16, ignore_eos=True)) for i in range(6)
+    }
+    want = run(make(loaded, 0), reqs)
+    eng = make(loaded, 3)
+    seen: list[tuple[list[float], int]] = []
+    spec = eng.speculative
+    assert spec is not None
+    observe = spec.acceptance.observe
+    spec.acceptance.observe = lambda c, n: (seen.append((list(c), n)), observe(c, n))[1]
+    assert run(eng, reqs) == want
+    right = [c for cs, n in seen for c in cs[:n]]
+    wrong = [cs[n] for cs, n in seen if n < len(cs)]
+    assert len(right) > 20 and len(wrong) > 20
+    assert min(right) > 0.5 > max(wrong)
+    first = [n > 0 for cs, n in seen]  # the first draft: right unless its token was remapped
+    assert 0.3 < sum(first) / len(first) < 0.7
+
+
+def test_measured_step_times_make_the_confidence_schedule_skip_unlikely_drafts(tiny_mtp) -> None:
+    """With verification rows priced by a measured table where each row costs a tenth of a
+    step, the confidence schedule verifies the confident drafts and leaves the unconfident ones
+    (what verify-all pays for), for the same tokens."""
+    model = copy.deepcopy(tiny_mtp.model)
+    make_mtp_test_model(model, 0.0, 0.5, seed=1, confident=True)
+    loaded = LoadedModel(model, "tiny-confident", tiny_mtp.source)
+    reqs = {
+        f"r{i}": (prompt(20, i), SamplingParams(max_tokens=24, ignore_eos=True)) for i in range(4)
+    }
+    want = run(make(loaded, 0), reqs)
+    stats = {}
+    for schedule in ("all", "confidence"):
+        eng = make(loaded, 3, speculative_schedule=schedule)
+        eng.scheduler.cost.set_rows_table({r: 0.01 * (10 + r) / 10 for r in range(1, 65)})
+        eng.scheduler.cost.max_rows_q = 4
+        assert run(eng, reqs) == want
+        assert eng.speculative is not None
+        stats[schedule] = eng.speculative.stats
+    every, chosen = stats["all"], stats["confidence"]
+    assert chosen.verified < 0.75 * every.verified
+    assert chosen.accepted / chosen.verified > every.accepted / every.verified + 0.15

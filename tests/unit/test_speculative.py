@@ -661,16 +661,21 @@ def test_kernel_path_catch_up_rows_give_the_one_token_engines_tokens(tiny_mtp) -
     assert stats.verified > 0 and stats.accepted == stats.verified
 
 
+def _confident(tiny_mtp, requests: int, max_tokens: int) -> tuple[LoadedModel, dict]:
+    """The tiny MTP test model with a confident head, half its vocabulary remapped, and
+    ``requests`` greedy requests of 20 prompt tokens."""
+    model = copy.deepcopy(tiny_mtp.model)
+    make_mtp_test_model(model, 0.0, 0.5, seed=1, confident=True)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    reqs = {f"r{i}": (prompt(20, i), sp) for i in range(requests)}
+    return LoadedModel(model, "tiny-confident", tiny_mtp.source), reqs
+
+
 def test_a_confident_head_separates_right_drafts_from_wrong_ones(tiny_mtp) -> None:
     """make_mtp_test_model(confident=True): right drafts come with high confidence, wrong ones
     with low, acceptance stays about 1 - wrong_fraction, and the main model's greedy output is
     still what speculation must reproduce."""
-    model = copy.deepcopy(tiny_mtp.model)
-    make_mtp_test_model(model, 0.0, 0.5, seed=1, confident=True)
-    loaded = LoadedModel(model, "tiny-confident", tiny_mtp.source)
-    reqs = {
-        f"r{i}": (prompt(20, i), SamplingParams(max_tokens=16, ignore_eos=True)) for i in range(6)
-    }
+    loaded, reqs = _confident(tiny_mtp, requests=6, max_tokens=16)
     want = run(make(loaded, 0), reqs)
     eng = make(loaded, 3)
     seen: list[tuple[list[float], int]] = []
@@ -691,12 +696,7 @@ def test_measured_step_times_make_the_confidence_schedule_skip_unlikely_drafts(t
     """With verification rows priced by a measured table where each row costs a tenth of a
     step, the confidence schedule verifies the confident drafts and leaves the unconfident ones
     (what verify-all pays for), for the same tokens."""
-    model = copy.deepcopy(tiny_mtp.model)
-    make_mtp_test_model(model, 0.0, 0.5, seed=1, confident=True)
-    loaded = LoadedModel(model, "tiny-confident", tiny_mtp.source)
-    reqs = {
-        f"r{i}": (prompt(20, i), SamplingParams(max_tokens=24, ignore_eos=True)) for i in range(4)
-    }
+    loaded, reqs = _confident(tiny_mtp, requests=4, max_tokens=24)
     want = run(make(loaded, 0), reqs)
     stats = {}
     for schedule in ("all", "confidence"):

@@ -189,11 +189,13 @@ class CostModel:
         return out
 
     # -- measured decode rows ----------------------------------------------------------------------
-    def set_rows_table(self, seconds_by_rows: dict[int, float]) -> None:
+    def set_rows_table(self, seconds_by_rows: dict[int, float], max_q: int) -> None:
         """A step of ``r`` decode rows takes ``seconds_by_rows[r']`` for the smallest measured
-        ``r' >= r`` (the graph it replays), plus its attention over context."""
+        ``r' >= r`` (the graph it replays), plus its attention over context. ``max_q``: the
+        most rows one sequence of such a step has (1 + K with speculative verification)."""
         if not seconds_by_rows:
             return
+        self.max_rows_q = max_q
         sizes = sorted(seconds_by_rows)
         self.rows_sizes = np.asarray(sizes, dtype=np.int64)
         self.rows_seconds = np.asarray([seconds_by_rows[r] for r in sizes], dtype=np.float64)
@@ -228,18 +230,18 @@ class CostModel:
         if shape.seqs and max(q for q, _ in shape.seqs) <= self.max_rows_q:
             rows_raw = self._rows_raw(np.array([shape.tokens]), np.array([shape.pairs]))
             if rows_raw is not None and rows_raw[0] > 0:
-                r = min(max(measured_s / float(rows_raw[0]), 1e-3), 1e3)
-                self.rows_scale = (
-                    r
-                    if self.rows_samples == 0
-                    else (1 - self.alpha) * self.rows_scale + self.alpha * r
+                self.rows_scale = self._fold(
+                    self.rows_scale, self.rows_samples, measured_s / float(rows_raw[0])
                 )
                 self.rows_samples += 1
-        ratio = min(max(measured_s / raw, 1e-3), 1e3)
-        self.scale = (
-            ratio if self.samples == 0 else (1 - self.alpha) * self.scale + self.alpha * ratio
-        )
+        self.scale = self._fold(self.scale, self.samples, measured_s / raw)
         self.samples += 1
+
+    def _fold(self, factor: float, samples: int, ratio: float) -> float:
+        """A calibration factor after one more measured / estimated ``ratio`` (clamped): the
+        first sample as it is, then an exponential moving average."""
+        ratio = min(max(ratio, 1e-3), 1e3)
+        return ratio if samples == 0 else (1 - self.alpha) * factor + self.alpha * ratio
 
     def max_chunk(self, shape: StepShape, ctx_before: int, remaining: int, budget_s: float) -> int:
         """Largest q <= remaining such that adding (q, ctx_before + q) keeps the step in budget."""

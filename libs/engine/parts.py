@@ -234,8 +234,7 @@ def build_parts(
             )
             measured = None
         if measured:
-            cost.set_rows_table(measured)
-            cost.max_rows_q = 1 + config.speculative_tokens
+            cost.set_rows_table(measured, 1 + config.speculative_tokens)
             log.info(
                 "engine: decode step by rows (measured): %s",
                 ", ".join(f"{r}: {s * 1e3:.2f} ms" for r, s in sorted(measured.items())),

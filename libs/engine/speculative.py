@@ -454,11 +454,11 @@ def make_mtp_test_model(
             m.shared_head.norm.weight.mul_(sharpness)
 
 
-@torch.no_grad()
 def _plant_successors(model: DeepseekForCausalLM, seed: int) -> None:
     """Replace ``model.lm_head`` so that, with the decoder layers' outputs at zero, the next
     token after ``t`` is ``pi(t)`` for a random permutation ``pi``: row ``pi(t)`` is ``t``'s
-    final hidden state's direction at the original rows' mean norm (see make_mtp_test_model)."""
+    final hidden state's direction at the original rows' mean norm (see make_mtp_test_model,
+    whose inference mode this runs under)."""
     w = model.lm_head.weight
     vocab = w.shape[0]
     scale = float(w.float().norm(dim=-1).mean())

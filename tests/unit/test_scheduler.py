@@ -139,8 +139,7 @@ def test_measured_decode_rows_price_verification_by_the_graph_each_count_replays
     estimate; steps of decode rows calibrate it, a prompt chunk does not."""
     cm = cost()
     assert cm.rows_seconds_for(np.array([4]), np.array([0])) is None  # no table yet
-    cm.set_rows_table({1: 0.010, 4: 0.012, 16: 0.020})
-    cm.max_rows_q = 4
+    cm.set_rows_table({1: 0.010, 4: 0.012, 16: 0.020}, 4)
     got = cm.rows_seconds_for(np.array([1, 2, 4, 5, 16]), np.zeros(5))
     assert got is not None and list(np.round(got, 6)) == [0.010, 0.012, 0.012, 0.020, 0.020]
     reading = cm.rows_seconds_for(np.array([4]), np.array([100_000]))

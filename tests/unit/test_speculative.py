@@ -701,8 +701,7 @@ def test_measured_step_times_make_the_confidence_schedule_skip_unlikely_drafts(t
     stats = {}
     for schedule in ("all", "confidence"):
         eng = make(loaded, 3, speculative_schedule=schedule)
-        eng.scheduler.cost.set_rows_table({r: 0.01 * (10 + r) / 10 for r in range(1, 65)})
-        eng.scheduler.cost.max_rows_q = 4
+        eng.scheduler.cost.set_rows_table({r: 0.01 * (10 + r) / 10 for r in range(1, 65)}, 4)
         assert run(eng, reqs) == want
         assert eng.speculative is not None
         stats[schedule] = eng.speculative.stats

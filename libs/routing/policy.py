@@ -53,8 +53,10 @@ for the balancer's metrics; saying it changes no choice. Prefill: ``only_candida
 instance serves the request's bucket), ``load_cap`` (without the cap an instance above it
 would have won), ``cache_hit`` (the winner holds the longest leading run of the prompt among
 the candidates, longer than another's: a prefix set it apart), ``least_load`` (otherwise: equal
-or no prefixes, or a shorter queue beat a longer prefix). Decode: ``only_candidate`` or
-``least_load``.
+or no prefixes, or a shorter queue beat a longer prefix). Decode: ``only_candidate``,
+``least_load``, or ``same_engine``: the chosen prefill instance is aggregated (it heartbeats
+as a decode instance too, under the same id), so it decodes the request itself and its KV
+never moves -- whatever the other decode instances' load.
 """
 
 from __future__ import annotations
@@ -80,8 +82,9 @@ ONLY_CANDIDATE = "only_candidate"
 LOAD_CAP = "load_cap"
 CACHE_HIT = "cache_hit"
 LEAST_LOAD = "least_load"
+SAME_ENGINE = "same_engine"  # decode: the chosen prefill instance is aggregated (both roles)
 PREFILL_REASONS = (ONLY_CANDIDATE, LOAD_CAP, CACHE_HIT, LEAST_LOAD)
-DECODE_REASONS = (ONLY_CANDIDATE, LEAST_LOAD)
+DECODE_REASONS = (ONLY_CANDIDATE, LEAST_LOAD, SAME_ENGINE)
 ANY_BUCKET = "any"  # bucket label of prefill instances no assignment has placed yet
 
 
@@ -299,8 +302,12 @@ class RoutingPolicy:
         p, reason = self._pick_prefill(
             self._of_bucket(pre, bucket, model), request_id, prompt_tokens, block_hashes
         )
-        d = min(dec, key=lambda e: self._decode_key(e, request_id))
-        decode_reason = ONLY_CANDIDATE if len(dec) == 1 else LEAST_LOAD
+        same = [e for e in dec if e.instance.instance_id == p.instance.instance_id]
+        if same:  # an aggregated instance decodes what it prefilled: its KV never moves
+            d, decode_reason = same[0], SAME_ENGINE
+        else:
+            d = min(dec, key=lambda e: self._decode_key(e, request_id))
+            decode_reason = ONLY_CANDIDATE if len(dec) == 1 else LEAST_LOAD
         resident = p.instance.resident_run(block_hashes)
         to_compute = max(prompt_tokens - resident * self.block_size, 0)
         p.sent_requests += 1

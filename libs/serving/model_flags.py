@@ -22,6 +22,8 @@ class ModelFlags:
     block_size: int = 128
     weights_seed: int = 0
     max_tokens_per_step: int = 32768
+    # Seconds one engine step may take by the cost model (prompt chunks are cut to fit it).
+    step_time_budget_s: float = 1.0
     fake_step_ms: float = 2.0  # --model fake: cost of one step
     fake_token_us: float = 2.0  # --model fake: and of each token computed in it
     kv_cache_dtype: str = "auto"  # or fp8 (both instances of a prefill -> decode pair must agree)
@@ -71,6 +73,8 @@ class ModelFlags:
                     f"--gpu-memory-fraction applies to CUDA devices, not --device {self.device}; "
                     "on CPU size the cache with --num-kv-blocks"
                 )
+        if not self.step_time_budget_s > 0:
+            raise ValueError(f"--step-time-budget must be positive, got {self.step_time_budget_s}")
         for name in ("num_kv_blocks", "block_size", "max_tokens_per_step"):
             if getattr(self, name) <= 0:
                 raise ValueError(
@@ -90,6 +94,7 @@ class ModelFlags:
             # The fraction sizes the cache once the weights are loaded (libs/engine/parts.py).
             num_kv_blocks=self.num_kv_blocks if fraction is None else None,
             max_tokens_per_step=self.max_tokens_per_step,
+            time_budget_s=self.step_time_budget_s,
             kv_cache_dtype="fp8" if self.kv_cache_dtype == "fp8" else None,
             expert_dtype="fp4" if self.experts == "fp4" else "auto",
             weight_dtype=self.weights,
@@ -102,7 +107,13 @@ class ModelFlags:
         return config
 
 
-def add_model_flags(parser: argparse.ArgumentParser) -> None:
+def add_model_flags(
+    parser: argparse.ArgumentParser,
+    *,
+    max_tokens_per_step: int = 32768,
+    step_time_budget: float = 1.0,
+) -> None:
+    """The engine flags; a service whose steps mix roles passes its own step defaults."""
     flag(
         parser,
         "--model",
@@ -134,8 +145,16 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         parser,
         "--max-tokens-per-step",
         type=int,
-        default=32768,
-        help="token budget of one engine step",
+        default=max_tokens_per_step,
+        help="token budget of one engine step (it also sizes the activation reserve)",
+    )
+    flag(
+        parser,
+        "--step-time-budget",
+        type=float,
+        default=step_time_budget,
+        help="seconds one engine step may take by the calibrated cost model: prompt chunks "
+        "are cut to fit it (beside running decodes it bounds the time between their tokens)",
     )
     flag(
         parser,
@@ -211,6 +230,7 @@ def model_flags_from(args: argparse.Namespace) -> ModelFlags:
         block_size=args.block_size,
         weights_seed=args.weights_seed,
         max_tokens_per_step=args.max_tokens_per_step,
+        step_time_budget_s=args.step_time_budget,
         fake_step_ms=args.fake_step_ms,
         fake_token_us=args.fake_token_us,
         kv_cache_dtype=args.kv_cache_dtype,

@@ -67,7 +67,9 @@ KV_BYTES = Counter("deepserve_decode_kv_bytes_total", "KV frame bytes received")
 KV_BLOCKS = Counter(
     "deepserve_decode_kv_blocks_total",
     "prompt blocks of accepted requests by where they came from",
-    ["source"],  # resident (already here), peer (copied from prefill's pool), bytes (a frame)
+    # resident (already here), peer (copied from prefill's pool), bytes (a frame), local (an
+    # aggregated instance's own prompt: never moved)
+    ["source"],
 )
 STORED_BLOCKS = Counter(
     "deepserve_decode_kvstore_blocks_put_total", "generated blocks written to the kvstore"
@@ -157,6 +159,24 @@ class DecodeHandler:
         REQUESTS.labels("accepted").inc()
         return kv_transfer_pb2.KVPushReply(accepted=True)
 
+    async def continue_here(
+        self, task: control_pb2.DecodeTask, stream: RequestStream, store_from_block: int
+    ) -> None:
+        """An aggregated instance's own request: the engine that computed the prompt goes on
+        generating it (``stream`` has yielded the first token, published by prefill as event
+        0), so nothing is handed over. Relays the rest like a pushed request, in the calling
+        task (an abort or drain of either role reaches it); at the end the blocks from
+        ``store_from_block`` on -- the prompt's the kvstore lacks and the generated ones --
+        go to the kvstore."""
+        rid = task.request_id
+        self._precheck(task)
+        me = asyncio.current_task()
+        assert me is not None
+        self._relays[rid] = me
+        REQUESTS.labels("local").inc()
+        KV_BLOCKS.labels("local").inc(-(-task.num_prompt_tokens // self.block_size))
+        await self._relay(task, stream, task.traceparent, store_from_block)
+
     def _precheck(self, task: control_pb2.DecodeTask) -> None:
         rid = task.request_id
         if not rid:
@@ -234,7 +254,11 @@ class DecodeHandler:
 
     # -- events -------------------------------------------------------------------------------
     async def _relay(
-        self, task: control_pb2.DecodeTask, stream: RequestStream, traceparent: str
+        self,
+        task: control_pb2.DecodeTask,
+        stream: RequestStream,
+        traceparent: str,
+        store_from_block: int | None = None,
     ) -> None:
         rid = task.request_id
         subject = task.events_subject or subjects.token_events(rid)
@@ -282,7 +306,7 @@ class DecodeHandler:
                 span.set_attribute("deepserve.completion_tokens", index)
                 LATENCY.observe(time.perf_counter() - t0)
                 if self.kvstore is not None:
-                    await self._write_back(task, index)
+                    await self._write_back(task, index, store_from_block)
             except EngineFailed as exc:
                 ERRORS.inc()
                 await self._send_error(
@@ -299,11 +323,14 @@ class DecodeHandler:
                 else:
                     self.sent.end(rid)
 
-    async def _write_back(self, task: control_pb2.DecodeTask, outputs: int) -> None:
+    async def _write_back(
+        self, task: control_pb2.DecodeTask, outputs: int, start_block: int | None = None
+    ) -> None:
         """Copy the finished request's new full blocks out of the engine, free its KV, and
         write the blocks to the kvstore in the background (if the write-behind has room)."""
         rid = task.request_id
-        start = task.num_prompt_tokens // self.block_size  # prefill stored the ones before
+        # A pushed request: prefill stored the prompt's full blocks; a local one says where.
+        start = task.num_prompt_tokens // self.block_size if start_block is None else start_block
         computed = task.num_prompt_tokens + outputs - 1  # the last token was never computed
         nbytes = max(0, computed // self.block_size - start) * self.bytes_per_block
         try:

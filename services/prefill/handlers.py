@@ -38,7 +38,7 @@ from opentelemetry import trace
 from prometheus_client import Counter, Histogram
 
 from libs.common import subjects
-from libs.common.errors import InstanceFailed, InvalidArgument, Unavailable
+from libs.common.errors import DeepserveError, InstanceFailed, InvalidArgument, Unavailable
 from libs.common.hashchain import chain_hashes
 from libs.common.sampling import SamplingParams
 from libs.common.telemetry import extract_context, inject_traceparent
@@ -118,6 +118,18 @@ class TaskMessage(Protocol):
     async def respond(self, data: bytes) -> None: ...
 
 
+class LocalDecode(Protocol):
+    """The decode role of an aggregated instance (same engine): where a request whose decode
+    target is this instance goes on after its first token, with no hand-over."""
+
+    @property
+    def address(self) -> str: ...
+
+    async def continue_here(
+        self, task: control_pb2.DecodeTask, stream: RequestStream, store_from_block: int
+    ) -> None: ...
+
+
 class PushFailed(InstanceFailed):
     """The decode instance did not take the KV (unreachable, refused, timed out)."""
 
@@ -136,6 +148,7 @@ class PrefillHandler:
         kvstore: KVStore | None = None,
         tracer: trace.Tracer | None = None,
         same_host_handoff: bool = True,
+        local: LocalDecode | None = None,
     ) -> None:
         self.loop = loop
         self.publish = publish
@@ -147,6 +160,7 @@ class PrefillHandler:
         self.max_model_len = max_model_len
         self.tracer = tracer or trace.get_tracer("prefill")
         self.same_host_handoff = same_host_handoff  # False: always bytes (tests, debugging)
+        self.local = local  # aggregated: this engine's own decode role
         self.rates = LoadOrCompute()
         self.draining = False
         self.aborted = RecentAborts()
@@ -266,16 +280,28 @@ class PrefillHandler:
             REQUESTS.labels("invalid").inc()
             await self._send(subject, error_event(rid, exc))
             return
-        # Only the first token here; min_tokens >= 1 keeps it from being EOS (decode does the rest).
-        first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-        stream, in_store = await self._add(task, prompt, first_only, arrived)
+        local = self.local is not None and task.decode_address == self.local.address
+        if local:  # this engine decodes it too: the whole request, its KV never moves
+            stream, in_store = await self._add(
+                task, prompt, params, arrived, hold_kv=self.kvstore is not None
+            )
+        else:
+            # Only the first token here; min_tokens >= 1 keeps it from being EOS (decode does
+            # the rest).
+            first_only = dataclasses.replace(
+                params, max_tokens=1, min_tokens=min(params.min_tokens, 1)
+            )
+            stream, in_store = await self._add(task, prompt, first_only, arrived)
         if stream is None:
             return
         ev = await stream.next()
         if ev is None or ev.token_id is None:  # aborted inside the engine: the loop is closing
             raise asyncio.CancelledError
         first = ev.token_id
-        reason = self._first_token_reason(ev.finish_reason, params.max_tokens, len(prompt))
+        if local:
+            reason = (ev.finish_reason or "stop") if ev.finished else None
+        else:
+            reason = self._first_token_reason(ev.finish_reason, params.max_tokens, len(prompt))
         await self._send(
             subject,
             control_pb2.TokenEvent(
@@ -289,11 +315,11 @@ class PrefillHandler:
                 logprobs=[ev.logprobs.to_proto()] if ev.logprobs is not None else [],
             ),
         )
-        if self.kvstore is not None:
+        if self.kvstore is not None and not (local and reason is None):
             await self._write_back(task, len(prompt) // self.block_size - in_store, in_store)
         if reason is not None:
             REQUESTS.labels("finished").inc()
-            return
+            return  # (a local request held for the write-back is freed by _forget)
         decode_task = control_pb2.DecodeTask(
             request_id=rid,
             token_ids=prompt + [first],
@@ -307,6 +333,15 @@ class PrefillHandler:
         )
         if ev.logprobs is not None:
             decode_task.first_logprobs.CopyFrom(ev.logprobs.to_proto())
+        if local:
+            assert self.local is not None
+            REQUESTS.labels("decoding_here").inc()
+            LATENCY.observe(time.perf_counter() - t0)
+            try:
+                await self.local.continue_here(decode_task, stream, in_store)
+            except DeepserveError as exc:  # decode's checks refuse what they refuse of a push
+                await self._send(subject, error_event(rid, exc, index=1))
+            return
         try:
             if self.loop.engine.speculative is not None:  # drafts for decode's first step
                 drafts = await self.loop.call(lambda e: e.take_drafts(rid))
@@ -352,6 +387,7 @@ class PrefillHandler:
         prompt: list[int],
         params: SamplingParams,
         arrived: float | None = None,
+        hold_kv: bool = True,
     ) -> tuple[RequestStream | None, int]:
         """Queue the prompt (with cached KV if any); returns its stream and how many leading
         blocks the kvstore holds already (new blocks from there on are worth storing)."""
@@ -367,7 +403,7 @@ class PrefillHandler:
                         params,
                         cache_salt=salt,
                         kv=cached,
-                        hold_kv=True,
+                        hold_kv=hold_kv,
                         arrival=arrived,
                     )
                     return stream, task.cached_blocks
@@ -375,7 +411,7 @@ class PrefillHandler:
                     ERRORS.labels("kv_import").inc()
                     log.warning("request %s: cached KV not usable (%s); computing it", rid, exc)
             stream = await self.loop.add(
-                rid, prompt, params, cache_salt=salt, hold_kv=True, arrival=arrived
+                rid, prompt, params, cache_salt=salt, hold_kv=hold_kv, arrival=arrived
             )
             return stream, max(task.cached_blocks, 0)
         except InvalidRequest as exc:

@@ -186,3 +186,29 @@ def test_handlers_answer_route_requests_from_heartbeats(clock: FakeClock) -> Non
         "",
     )
     assert control_pb2.RouteDecision.FromString(h.on_route(b"\xff\xff")).error
+
+
+def test_an_aggregated_instance_decodes_what_it_prefilled(clock: FakeClock) -> None:
+    """Two aggregated instances (each heartbeats as prefill and decode under one id) and a
+    decode-only one with more room: a request always stays on the engine that prefills it."""
+    from libs.routing.policy import SAME_ENGINE
+
+    p = RoutingPolicy(heartbeat_timeout=3.0, clock=clock)
+    for name in ("a1", "a2"):
+        p.observe(prefill(name))
+        p.observe(decode(name, free_kv_blocks=10, total_kv_blocks=100))
+    p.observe(decode("d-idle", free_kv_blocks=100, total_kv_blocks=100))
+    seen = set()
+    for i in range(20):
+        d = p.route("m", request_id=f"r{i}", prompt_tokens=200)
+        assert d.decode.instance_id == d.prefill.instance_id
+        assert d.decode_reason == SAME_ENGINE
+        seen.add(d.prefill.instance_id)
+    assert seen == {"a1", "a2"}  # both engines take work
+    # Excluded after a failure, the aggregated instance is left out of both roles.
+    d = p.route("m", exclude=["a1"], request_id="retry", prompt_tokens=200)
+    assert "a1" not in (d.prefill.instance_id, d.decode.instance_id)
+    # A prefill-only instance's requests still go to the decode with the most room.
+    p.observe(prefill("p-only"))
+    d = p.route("m", exclude=["a1", "a2"], request_id="r", prompt_tokens=200)
+    assert (d.prefill.instance_id, d.decode.instance_id) == ("p-only", "d-idle")

@@ -23,7 +23,14 @@ produced before the command ran (both go through ``call_soon_threadsafe``, which
 
 Who owns what: the stream dictionary lives on the asyncio thread; the engine and everything
 it holds live on the engine thread; :attr:`EngineLoop.stats` is an immutable snapshot the
-engine thread replaces after every iteration, safe to read from anywhere.
+engine thread replaces after every iteration, safe to read from anywhere (its
+``busy_fraction`` is filled in as it is read, so an idle engine's reads fall towards 0).
+
+What the heartbeat's load means: ``queued_tokens`` is what the engine will compute for its
+waiting requests -- a request's leading blocks already resident in this engine's prefix cache
+are not counted (:class:`WaitingWork` looks them up once per request, not per snapshot);
+``tokens_per_s`` is the measured compute rate, ``busy_fraction`` the share of the last
+:data:`BUSY_WINDOW_S` seconds the engine spent stepping (:class:`BusyMeter`).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -70,7 +78,9 @@ class EngineStats:
 
     running: int = 0
     waiting: int = 0
-    queued_tokens: int = 0  # prompt/recompute tokens of waiting requests not yet computed
+    # Tokens the engine will compute for its waiting requests: prompt/recompute tokens not
+    # computed yet, less each one's leading blocks resident in this engine's prefix cache.
+    queued_tokens: int = 0
     free_kv_blocks: int = 0
     total_kv_blocks: int = 0
     steps: int = 0
@@ -94,6 +104,9 @@ class EngineStats:
     spec_drafted: int = 0
     spec_verified: int = 0
     spec_accepted: int = 0
+    # Fraction of the last BUSY_WINDOW_S seconds of wall time the engine spent stepping, as of
+    # when this object was read from EngineLoop.stats (0..1).
+    busy_fraction: float = 0.0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -111,6 +124,90 @@ RATE_MIN_TOKENS = 256
 RESIDENT_SUMMARY = 8192  # digests per heartbeat: 64 KiB, i.e. 1M prompt tokens of prefixes
 RESIDENT_REFRESH_S = 0.5  # the summary is rebuilt at most this often (heartbeats: every 1 s)
 RESIDENT_DIGEST_BYTES = 8
+BUSY_WINDOW_S = 5.0  # the busy fraction's window
+
+
+class WaitingWork:
+    """Tokens an engine will compute for its waiting requests (engine thread only).
+
+    A waiting request that has not started computes its prompt less the leading full blocks
+    its prefix-cache lookup will find (:meth:`Scheduler._admit_prefix
+    <libs.engine.scheduler.Scheduler._admit_prefix>` does the same lookup on admission). The
+    lookup runs once per request, when it is first seen waiting, and is remembered until it
+    leaves the waiting queue, so a snapshot costs O(waiting) dictionary reads. The figure can
+    be off in two ways, both bounded by one stay in the queue: blocks evicted after the lookup
+    (counted as resident) and blocks another request computed after it (counted as work).
+    A request preempted back into the queue is looked up afresh.
+    """
+
+    def __init__(self) -> None:
+        self._resident: dict[str, int] = {}  # request id -> resident prompt tokens
+
+    def tokens(self, engine: Engine) -> int:
+        bm = engine.blocks
+        total, seen = 0, {}
+        for r in engine.scheduler.waiting:
+            if r.num_computed or r.blocks:  # holds KV already: it continues from there
+                total += len(r.token_ids) - r.num_computed
+                continue
+            resident = self._resident.get(r.request_id)
+            if resident is None:
+                hashes = r.full_block_hashes(bm.block_size, len(r.token_ids) - 1)
+                resident = len(bm.match_prefix(hashes)) * bm.block_size
+            seen[r.request_id] = resident
+            total += len(r.token_ids) - resident
+        self._resident = seen  # those that left the queue are forgotten
+        return total
+
+
+class BusyMeter:
+    """Fraction of wall time spent stepping over the last ``window`` seconds (since start,
+    while younger), a step in progress counted up to now. :meth:`begin` / :meth:`end` on the
+    engine thread, :meth:`fraction` from any thread."""
+
+    def __init__(
+        self, window: float = BUSY_WINDOW_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.window, self.clock = window, clock
+        self._lock = threading.Lock()
+        self._spans: deque[tuple[float, float]] = deque()  # finished steps (start, end)
+        self._sum = 0.0  # their total length
+        self._since: float | None = None  # the step in progress began then
+        self._started = clock()
+
+    def begin(self) -> None:
+        with self._lock:
+            self._since = self.clock()
+
+    def end(self, count: bool = True) -> None:
+        """The step begun ended (``count`` False: it was no step after all, e.g. an idle
+        EP poll)."""
+        with self._lock:
+            since, self._since = self._since, None
+            if since is None or not count:
+                return
+            now = self.clock()
+            self._spans.append((since, now))
+            self._sum += now - since
+            self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._spans and self._spans[0][1] <= now - self.window:
+            start, end = self._spans.popleft()
+            self._sum -= end - start
+
+    def fraction(self) -> float:
+        with self._lock:
+            now = self.clock()
+            low = now - self.window
+            self._trim(now)
+            busy = self._sum
+            if self._spans:
+                busy -= max(0.0, low - self._spans[0][0])  # its part before the window
+            if self._since is not None:
+                busy += now - max(self._since, low)
+            span = min(self.window, now - self._started)
+            return 0.0 if span <= 0 else min(1.0, max(0.0, busy / span))
 
 
 def resident_summary(engine: Engine, limit: int = RESIDENT_SUMMARY) -> tuple[bytes, ...]:
@@ -131,10 +228,12 @@ def engine_stats(
     steps: int = 0,
     tokens_per_s: float = 0.0,
     resident: tuple[bytes, ...] | None = None,
+    work: WaitingWork | None = None,
 ) -> EngineStats:
-    """Snapshot of ``engine``'s load; call on the engine thread only."""
+    """Snapshot of ``engine``'s load; call on the engine thread only. ``work``: the loop's
+    memory of waiting requests' resident prefixes (None: looked up now)."""
     sched = engine.scheduler
-    queued = sum(len(r.token_ids) - r.num_computed for r in sched.waiting)
+    queued = (work or WaitingWork()).tokens(engine)
     spec = engine.speculative.stats if engine.speculative is not None else SpecStats()
     return EngineStats(
         len(sched.running),
@@ -233,7 +332,9 @@ class EngineLoop:
             self._lockstep = Lockstep(engine, poll_s=poll_s)
         self._on_group_failed = on_group_failed
         self.group_failure: BaseException | None = None  # set once an EP group broke
-        self.stats = engine_stats(engine)
+        self._work = WaitingWork()
+        self.busy = BusyMeter()
+        self._stats = engine_stats(engine, work=self._work)
         self._cond = threading.Condition()
         self._commands: deque[_Command] = deque()
         self._stopping = False
@@ -245,6 +346,15 @@ class EngineLoop:
         self._resident_at = 0.0  # monotonic time the resident summary was last built
         if metrics is not None:
             metrics.attach(lambda: self.stats)
+
+    @property
+    def stats(self) -> EngineStats:
+        """The latest load snapshot, with the busy fraction as of now."""
+        return dataclasses.replace(self._stats, busy_fraction=self.busy.fraction())
+
+    @stats.setter
+    def stats(self, value: EngineStats) -> None:
+        self._stats = value
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -405,11 +515,14 @@ class EngineLoop:
                 stopping = self._stopping
             for fn, fut in commands:
                 self._apply(fn, fut)
+            self.busy.begin()
             try:
                 tick = lockstep.tick(stopping)
             except Exception as exc:  # noqa: BLE001 - any failure of a rank breaks the group
+                self.busy.end(count=False)
                 self._group_failed(exc)
                 return
+            self.busy.end(count=tick.stepped)
             if tick.stop:
                 self._shutdown()
                 return
@@ -442,10 +555,10 @@ class EngineLoop:
         now = time.monotonic()
         resident = None
         if now - self._resident_at < RESIDENT_REFRESH_S:
-            resident = self.stats.resident_prefixes
+            resident = self._stats.resident_prefixes
         else:
             self._resident_at = now
-        return engine_stats(self.engine, self._steps, self._rate, resident)
+        return engine_stats(self.engine, self._steps, self._rate, resident, self._work)
 
     def _apply(self, fn: Callable[[Engine], Any], fut: concurrent.futures.Future[Any]) -> None:
         if not fut.set_running_or_notify_cancel():
@@ -458,12 +571,15 @@ class EngineLoop:
             fut.set_result(result)
 
     def _step(self) -> list[TokenEvent]:
+        self.busy.begin()
         try:
             events = self.engine.step()
         except Exception as exc:
+            self.busy.end()
             log.exception("%s: engine step failed; failing every request in flight", self.name)
             self._fail_all(exc)
             return []
+        self.busy.end()
         self._count_step()
         return events
 
@@ -488,7 +604,7 @@ class EngineLoop:
     def _shutdown(self) -> None:
         sched = self.engine.scheduler
         events = [ev for rid in list(sched.requests) if (ev := self.engine.abort(rid)) is not None]
-        self.stats = engine_stats(self.engine, self._steps, self._rate)
+        self.stats = engine_stats(self.engine, self._steps, self._rate, work=self._work)
         if events:
             self._emit(events)
         with self._cond:  # commands that raced with close(): refuse them

@@ -4,7 +4,9 @@
 Where each value comes from -- the engine's own state, never an estimate:
 
 * gauges ``deepserve:num_requests_running`` / ``_waiting`` (the scheduler's queues) and
-  ``deepserve:kv_cache_usage_perc`` (blocks not free / all blocks, 0..1), and counters
+  ``deepserve:kv_cache_usage_perc`` (blocks not free / all blocks, 0..1),
+  ``deepserve:engine_busy_fraction`` (share of the last 5 s of wall time the engine spent
+  stepping, 0..1; deepserve's own, vLLM has none), and counters
   ``deepserve:num_preemptions_total``, ``deepserve:prefix_cache_queries_total`` /
   ``_hits_total`` (prompt tokens looked up in / found in this engine's own prefix cache), and
   with speculative decoding ``deepserve:spec_decode_num_drafts_total`` (requests whose drafts a
@@ -259,6 +261,12 @@ class _StateCollector(Collector):
                 "kv_cache_usage_perc",
                 "KV cache usage: blocks held by requests / all blocks (1 = full)",
                 s.kv_cache_usage,
+            ),
+            (
+                GaugeMetricFamily,
+                "engine_busy_fraction",
+                "Share of the last 5 s of wall time the engine spent stepping (1 = never idle)",
+                s.busy_fraction,
             ),
             (CounterMetricFamily, "num_preemptions", "Requests preempted", s.num_preemptions),
             (

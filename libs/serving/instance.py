@@ -262,6 +262,8 @@ def instance_status(
         draining=draining,
         block_size=block_size,
         resident_prefixes=resident,
+        compute_tokens_per_s=stats.tokens_per_s,
+        busy_fraction=stats.busy_fraction,
     )
 
 

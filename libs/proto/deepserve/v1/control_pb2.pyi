@@ -18,7 +18,7 @@ ROLE_PREFILL: Role
 ROLE_DECODE: Role
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("instance_id", "role", "model", "address", "running", "waiting", "queued_tokens", "free_kv_blocks", "total_kv_blocks", "bucket", "resident_prefixes", "sent_unix_ms", "draining", "block_size")
+    __slots__ = ("instance_id", "role", "model", "address", "running", "waiting", "queued_tokens", "free_kv_blocks", "total_kv_blocks", "bucket", "resident_prefixes", "sent_unix_ms", "draining", "block_size", "compute_tokens_per_s", "busy_fraction")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,8 @@ class InstanceStatus(_message.Message):
     SENT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: Role
     model: str
@@ -47,7 +49,9 @@ class InstanceStatus(_message.Message):
     sent_unix_ms: int
     draining: bool
     block_size: int
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., address: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., bucket: _Optional[str] = ..., resident_prefixes: _Optional[_Iterable[bytes]] = ..., sent_unix_ms: _Optional[int] = ..., draining: _Optional[bool] = ..., block_size: _Optional[int] = ...) -> None: ...
+    compute_tokens_per_s: float
+    busy_fraction: float
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., address: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., bucket: _Optional[str] = ..., resident_prefixes: _Optional[_Iterable[bytes]] = ..., sent_unix_ms: _Optional[int] = ..., draining: _Optional[bool] = ..., block_size: _Optional[int] = ..., compute_tokens_per_s: _Optional[float] = ..., busy_fraction: _Optional[float] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
     __slots__ = ("request_id", "model", "prompt_tokens", "cached_blocks", "block_hashes", "exclude")

@@ -1,0 +1,130 @@
+"""What an engine reports as its load: the tokens it will actually compute (resident prefixes
+excluded) and the share of time it spends stepping (the real scheduler and block manager; the
+fake engine's steps are sleeps)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from prometheus_client import CollectorRegistry
+
+from libs.common.sampling import SamplingParams
+from libs.engine.engine import EngineConfig
+from libs.proto.deepserve.v1 import control_pb2
+from libs.serving.engine_loop import BusyMeter, EngineLoop, WaitingWork, engine_stats
+from libs.serving.engine_metrics import PREFILL, EngineMetrics
+from libs.serving.fake_engine import FAKE_MODEL, build_fake_engine
+from libs.serving.instance import instance_status
+
+BS = 16
+ONE = SamplingParams(max_tokens=1, ignore_eos=True)
+
+
+def engine(step_s: float = 0.0, num_kv_blocks: int = 64):
+    return build_fake_engine(
+        EngineConfig(
+            model=FAKE_MODEL, block_size=BS, num_kv_blocks=num_kv_blocks, time_budget_s=None
+        ),
+        step_seconds=step_s,
+        token_seconds=0.0,
+    )
+
+
+def prompt(n: int, salt: int) -> list[int]:
+    return [(i * 7919 + salt * 104729) % 120000 + 3 for i in range(n)]
+
+
+def test_a_waiting_request_counts_only_the_tokens_not_resident() -> None:
+    eng = engine()
+    shared = prompt(96, 1)  # 6 full blocks, computed once and left in the prefix cache
+    eng.add_request("first", shared, ONE)
+    while eng.has_unfinished():
+        eng.step()
+    assert engine_stats(eng).queued_tokens == 0
+    eng.add_request("turn2", shared + prompt(20, 2), ONE)  # 96 resident + 20 new
+    eng.add_request("fresh", prompt(40, 3), ONE)  # nothing resident
+    work = WaitingWork()
+    assert engine_stats(eng, work=work).queued_tokens == 20 + 40
+    # What the engine then computes is what was reported.
+    before = eng.prefix_cache_hits
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.prefix_cache_hits - before == 96
+    assert engine_stats(eng, work=work).queued_tokens == 0
+
+
+def test_the_resident_run_is_looked_up_once_per_waiting_request() -> None:
+    eng = engine()
+    shared = prompt(64, 1)
+    eng.add_request("first", shared, ONE)
+    while eng.has_unfinished():
+        eng.step()
+    eng.add_request("next", shared + prompt(10, 2), ONE)
+    lookups = []
+    real = eng.blocks.match_prefix
+    eng.blocks.match_prefix = lambda h: lookups.append(len(h)) or real(h)  # type: ignore[method-assign]
+    work = WaitingWork()
+    for _ in range(5):  # stats are taken after every engine iteration
+        assert engine_stats(eng, work=work).queued_tokens == 10
+    assert lookups == [4]
+    eng.blocks.match_prefix = real  # type: ignore[method-assign]
+    while eng.has_unfinished():
+        eng.step()
+    assert engine_stats(eng, work=work).queued_tokens == 0
+    assert work._resident == {}  # forgotten once it left the queue
+
+
+def test_busy_meter_windows_wall_time() -> None:
+    now = [100.0]
+    meter = BusyMeter(window=5.0, clock=lambda: now[0])
+    now[0] = 110.0  # 10 s idle since start: nothing busy in the window
+    assert meter.fraction() == 0.0
+    for _ in range(10):  # 5 s of 0.4 s steps with 0.1 s gaps
+        meter.begin()
+        now[0] += 0.4
+        meter.end()
+        now[0] += 0.1
+    assert abs(meter.fraction() - 0.8) < 1e-9
+    meter.begin()  # a long step in progress counts up to now
+    now[0] += 2.0
+    assert abs(meter.fraction() - (2.0 + 3.0 * 0.8) / 5.0) < 1e-9
+    meter.end(count=False)  # an idle EP poll, not a step
+    now[0] += 5.0
+    assert meter.fraction() == 0.0
+
+
+async def test_busy_fraction_of_an_engine_that_sleeps_through_its_steps() -> None:
+    reg = CollectorRegistry()
+    metrics = EngineMetrics("m", PREFILL, reg)
+    loop = EngineLoop(engine(step_s=0.03, num_kv_blocks=256), metrics=metrics)
+    loop.start()
+    try:
+        await asyncio.sleep(0.3)  # idle
+        assert loop.stats.busy_fraction < 0.1
+        many = SamplingParams(max_tokens=40, ignore_eos=True)
+        streams = [await loop.add(f"r{i}", prompt(20, i), many) for i in range(2)]
+        await asyncio.sleep(1.0)  # stepping all along (0.03 s sleeps back to back)
+        busy = loop.stats.busy_fraction
+        assert 0.6 < busy <= 1.0, busy  # ~1.0 s busy of the ~1.3 s since start
+        scraped = reg.get_sample_value("deepserve:engine_busy_fraction", {"model_name": "m"})
+        assert scraped is not None and scraped > 0.6
+        beat = instance_status(
+            loop.stats,
+            instance_id="p1",
+            role=control_pb2.ROLE_PREFILL,
+            model="m",
+            address="",
+            draining=False,
+            block_size=BS,
+        )
+        assert beat.busy_fraction > 0.6
+        for s in streams:
+            async for _ in s:
+                pass
+        t0 = time.monotonic()
+        done = loop.stats.busy_fraction
+        await asyncio.sleep(0.5)  # idle again: the fraction falls without another step
+        assert loop.stats.busy_fraction < done - 0.05, (done, time.monotonic() - t0)
+    finally:
+        await loop.close()

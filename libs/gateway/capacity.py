@@ -6,13 +6,16 @@ the request back (bounded) when it does not, and reports the request's progress 
 
 Two resources gate a request:
 
-* **prefill queue**: the heartbeat's ``queued_tokens`` (prompt tokens waiting, not yet
-  computed) plus the uncached tokens this entrypoint sent there that heartbeats may not show
-  yet. A request fits an instance when that load plus its own uncached tokens stays within
-  ``prefill_queue_tokens`` (default 65,536 = two full 32K-token prefill steps, about 1 s of
-  v2-lite on an H200 at ~65K tokens/s), or when the queue is empty, so any prompt runs on an
-  idle instance. A limit in tokens, not seconds: it needs no measured rate to be right from
-  the first request, and it means the same on every replica.
+* **prefill queue**: the heartbeat's ``queued_tokens`` (the tokens the engine will compute
+  for its waiting requests: blocks resident in its prefix cache are not counted) plus the
+  uncached tokens this entrypoint sent there that heartbeats may not show yet. A request fits
+  an instance when that load plus its own uncached tokens is at most ``prefill_queue_seconds``
+  (default 2 s) of work at the instance's own measured rate (the heartbeat's
+  ``compute_tokens_per_s``), or when the queue is empty, so any prompt runs on an idle
+  instance. Until an instance has measured a rate (its first steps), the limit is
+  ``prefill_queue_tokens`` instead (default 65,536 = two full 32K-token prefill steps). A
+  limit in time, so a fast engine is not held back by a figure sized for a slow one and a
+  request waits only while the instance has that much work ahead of it.
 * **decode KV**: the heartbeat's ``free_kv_blocks`` (cached-but-unused blocks count as free)
   minus what this entrypoint's requests there will still take: blocks for prompt +
   ``max_tokens`` until the request's KV has landed there *and* a heartbeat shows it, then only
@@ -58,7 +61,8 @@ def blocks(tokens: int, block_size: int) -> int:
 @dataclass(frozen=True)
 class CapacityConfig:
     block_size: int = 128
-    prefill_queue_tokens: int = 65_536  # 0: prefill queues are not limited
+    prefill_queue_tokens: int = 65_536  # before a rate is measured; 0: not limited
+    prefill_queue_seconds: float = 2.0  # of work at the measured rate; 0: tokens only
     dead_after: float = 3.0  # an instance silent this long is not counted (nor waited for)
     rate_window: float = 10.0  # seconds of history behind the drain rates
 
@@ -68,6 +72,11 @@ class CapacityConfig:
         if self.prefill_queue_tokens < 0:
             raise ValueError(
                 f"prefill_queue_tokens must be >= 0 (0: no limit), got {self.prefill_queue_tokens}"
+            )
+        if not self.prefill_queue_seconds >= 0:
+            raise ValueError(
+                f"prefill_queue_seconds must be >= 0 (0: the token limit only), got "
+                f"{self.prefill_queue_seconds}"
             )
         if not self.dead_after > 0 or not self.rate_window > 0:
             raise ValueError("dead_after and rate_window must be > 0 seconds")
@@ -106,6 +115,8 @@ class Load:
     free_kv_blocks: int = 0
     total_kv_blocks: int = 0  # 0: not reported, not KV-gated
     draining: bool = False
+    tokens_per_s: float = 0.0  # the engine's measured compute rate (0: not measured yet)
+    busy_fraction: float = 0.0  # share of recent wall time the engine spent stepping
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -214,6 +225,15 @@ class Capacity:
             if key[1] not in bound:  # its beat count still settles tickets bound to it
                 del self._inst[key]
 
+    def live(self, role: str) -> list[Load]:
+        """Every instance of ``role`` heard within ``dead_after`` (draining ones too)."""
+        now = self.clock()
+        return [
+            e.load
+            for (r, _), e in sorted(self._inst.items())
+            if r == role and now - e.seen <= self.config.dead_after
+        ]
+
     def candidates(self, role: str, model: str = "", exclude: Iterable[str] = ()) -> list[Load]:
         """Live, not draining, serving ``model`` (decode: with an address), not excluded."""
         now, excluded = self.clock(), frozenset(exclude)
@@ -265,13 +285,31 @@ class Capacity:
                 mine += max(need - blocks(t.need.prompt_tokens + t.generated, bs), 0)
         return load.free_kv_blocks - mine
 
+    def prefill_limit(self, load: Load) -> int:
+        """Tokens a prefill instance may have queued (0: no limit): ``prefill_queue_seconds``
+        at its measured rate, or ``prefill_queue_tokens`` while it has measured none."""
+        seconds = self.config.prefill_queue_seconds
+        if seconds and load.tokens_per_s > 0:
+            return max(1, int(seconds * load.tokens_per_s))
+        return self.config.prefill_queue_tokens
+
     def _prefill_fits(self, load: Load, need: Need) -> bool:
         if load.total_kv_blocks and need.prefill_blocks(self.config.block_size) > (
             load.total_kv_blocks
         ):
             return False
-        queued, limit = self.prefill_load(load), self.config.prefill_queue_tokens
+        queued, limit = self.prefill_load(load), self.prefill_limit(load)
         return not limit or queued == 0 or queued + need.uncached_tokens <= limit
+
+    def _describe_queue(self, load: Load) -> str:
+        """A prefill queue and its limit, for messages."""
+        queued, rate = self.prefill_load(load), load.tokens_per_s
+        if self.config.prefill_queue_seconds and rate > 0:
+            return (
+                f"{queued} tokens = {queued / rate:.2f}s at its measured {rate:.0f} tokens/s, "
+                f"limit {self.config.prefill_queue_seconds:g}s"
+            )
+        return f"{queued} tokens, limit {self.config.prefill_queue_tokens}"
 
     def fit(self, need: Need, model: str = "", exclude: Iterable[str] = ()) -> Fit:
         """Which live instances can take ``need`` now, and what is short if none can."""
@@ -290,10 +328,10 @@ class Capacity:
         missing = PREFILL if not pre else DECODE if not dec else ""
         short = []
         if pre and not p_ok:
-            least = min(self.prefill_load(p) for p in pre)
+            least = min(pre, key=self.prefill_load)
             short.append(
-                f"prefill queues are full (the shortest holds {least} tokens, limit "
-                f"{self.config.prefill_queue_tokens}; this prompt adds {need.uncached_tokens})"
+                f"prefill queues are full (the shortest holds {self._describe_queue(least)}; "
+                f"this prompt adds {need.uncached_tokens})"
             )
         if dec and not d_ok:
             most = max(_int(r) for r in rooms.values())
@@ -369,17 +407,21 @@ class Capacity:
     ) -> float | None:
         """Seconds until ``need`` would fit after the requests ``ahead`` of it took theirs, at
         the measured drain rates; None when something is short but no rate is measured yet."""
-        now, bs, limit = self.clock(), self.config.block_size, self.config.prefill_queue_tokens
+        now, bs = self.clock(), self.config.block_size
         pre, dec = self.candidates(PREFILL, model), self.candidates(DECODE, model)
         waits: list[float | None] = [0.0]
-        if pre and limit:
+        limits = [self.prefill_limit(p) for p in pre]
+        if pre and 0 not in limits:
             loads = [self.prefill_load(p) for p in pre]
             tokens = need.uncached_tokens + sum(a.uncached_tokens for a in ahead)
-            # Its own excess on the emptiest queue, or everyone's over all queues.
+            # Its own excess on the queue nearest its limit, or everyone's over all queues.
             excess = max(
-                min(loads) + need.uncached_tokens - limit, sum(loads) + tokens - limit * len(pre)
+                min(q - lim for q, lim in zip(loads, limits, strict=True)) + need.uncached_tokens,
+                sum(loads) + tokens - sum(limits),
             )
-            waits.append(_at(excess, self.prefill_rate.per_second(now)))
+            # The rate measured here; before one is, the instances' own compute rates.
+            rate = self.prefill_rate.per_second(now) or sum(p.tokens_per_s for p in pre)
+            waits.append(_at(excess, rate))
         rooms = [self.decode_room(d) for d in dec]
         if dec and None not in rooms:
             known = [_int(r) for r in rooms]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from libs.gateway.capacity import DECODE, PREFILL, Load
+from libs.gateway.capacity import DECODE, PREFILL, ROLES, Capacity, Load
 from libs.proto.deepserve.v1 import control_pb2
 
 ADMISSIONS = Counter(
@@ -22,6 +22,19 @@ ADMISSION_WAIT = Histogram(
 )
 ADMISSION_WAITING = Gauge(
     "deepserve_entrypoint_admission_waiting", "requests waiting for capacity now"
+)
+ENGINE_BUSY = Gauge(
+    "deepserve_entrypoint_engine_busy_fraction",
+    "share of the last 5 s each live instance's engine spent stepping, from its latest "
+    "heartbeat (instances silent past --instance-dead-after are dropped)",
+    ["role", "instance"],
+)
+QUEUED_BUSY = Histogram(
+    "deepserve_entrypoint_admission_queued_busy_fraction",
+    "when a request starts waiting at admission: the least busy live instance's busy fraction, "
+    "per role (a request should wait only while the engines are busy)",
+    ["role"],
+    buckets=(0.1, 0.25, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0),
 )
 
 _ROLE_NAMES = {control_pb2.ROLE_PREFILL: PREFILL, control_pb2.ROLE_DECODE: DECODE}
@@ -41,14 +54,39 @@ def load_from_status(status: control_pb2.InstanceStatus) -> Load:
         free_kv_blocks=status.free_kv_blocks,
         total_kv_blocks=status.total_kv_blocks,
         draining=status.draining,
+        tokens_per_s=status.compute_tokens_per_s,
+        busy_fraction=status.busy_fraction,
     )
 
 
 class AdmissionMetrics:
-    """Admission decisions as Prometheus metrics."""
+    """Admission decisions, and the busy fraction of the engines admitted to (from
+    ``capacity``'s heartbeats), as Prometheus metrics."""
+
+    def __init__(self, capacity: Capacity | None = None) -> None:
+        self.capacity = capacity
+        self._shown: set[tuple[str, str]] = set()  # (role, instance) series exported
 
     def on_admission(self, result: str, waited: float | None, waiting: int) -> None:
         ADMISSIONS.labels(result).inc()
         if waited is not None:
             ADMISSION_WAIT.labels(result).observe(waited)
         ADMISSION_WAITING.set(waiting)
+        if result == "queued" and self.capacity is not None:
+            for role in ROLES:
+                live = self.capacity.live(role)
+                if live:
+                    QUEUED_BUSY.labels(role).observe(min(i.busy_fraction for i in live))
+
+    def on_heartbeat(self) -> None:
+        """After a heartbeat was observed: the busy gauges of the live instances."""
+        if self.capacity is None:
+            return
+        shown = set()
+        for role in ROLES:
+            for load in self.capacity.live(role):
+                ENGINE_BUSY.labels(role, load.instance_id).set(load.busy_fraction)
+                shown.add((role, load.instance_id))
+        for key in self._shown - shown:
+            ENGINE_BUSY.remove(*key)
+        self._shown = shown

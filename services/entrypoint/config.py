@@ -96,8 +96,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=65536,
         help="prompt tokens a prefill instance may have queued, counting a new request's "
-        "uncached ones (an idle instance takes any prompt; 0: no limit). 65536 = two 32K "
-        "prefill steps, about 1 s of v2-lite on an H200",
+        "uncached ones, until its heartbeat carries a measured compute rate (then "
+        "--prefill-queue-seconds applies; an idle instance takes any prompt; 0: no limit). "
+        "65536 = two 32K prefill steps, about 1 s of v2-lite on an H200",
+    )
+    flag(
+        parser,
+        "--prefill-queue-seconds",
+        type=float,
+        default=2.0,
+        help="seconds of work a prefill instance may have queued, counting a new request's "
+        "uncached tokens, at the instance's own measured rate (tokens it will compute, its "
+        "resident prefixes excluded; an idle instance takes any prompt; 0: the token limit "
+        "alone)",
     )
     flag(
         parser,
@@ -175,6 +186,7 @@ def config_from(args: argparse.Namespace) -> EntrypointConfig:
             retry_after_ms=args.retry_after_ms,
             capacity_admission=args.capacity_admission,
             prefill_queue_tokens=args.prefill_queue_tokens,
+            prefill_queue_seconds=args.prefill_queue_seconds,
             max_attempts=args.max_attempts,
             instance_dead_after=args.instance_dead_after,
             salt_secret=args.cache_salt_secret.encode(),

@@ -207,7 +207,8 @@ class HandlerConfig:
     task_ack_timeout: float = 1.0
     # Admission (libs/gateway/admission.py): a request starts when fewer than max_inflight
     # run (0 = no cap) and, with capacity_admission, some prefill instance can queue its
-    # uncached tokens within prefill_queue_tokens (0 = no limit) and some decode instance has
+    # uncached tokens within prefill_queue_seconds of work at its measured rate (within
+    # prefill_queue_tokens, 0 = no limit, until it has measured one) and some decode instance has
     # KV blocks for prompt + max_tokens, as heartbeats (fed to on_status) and this
     # entrypoint's own reservations say. Otherwise up to max_waiting requests wait up to
     # admit_wait seconds; the rest get RESOURCE_EXHAUSTED at once with a retry hint from the
@@ -220,6 +221,7 @@ class HandlerConfig:
     retry_after_ms: int = 500
     capacity_admission: bool = False
     prefill_queue_tokens: int = 65_536
+    prefill_queue_seconds: float = 2.0
     # Failures: attempts per request; an instance whose heartbeat (every 1 s) is silent longer
     # than instance_dead_after counts as dead, checked every liveness_poll seconds of silence,
     # so a kill -9 is noticed within instance_dead_after + liveness_poll (3.5 s by default).
@@ -241,6 +243,10 @@ class HandlerConfig:
         for name in ("max_inflight", "max_waiting", "retry_after_ms", "prefill_queue_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.prefill_queue_seconds >= 0:
+            raise ValueError(
+                f"prefill_queue_seconds must be >= 0, got {self.prefill_queue_seconds}"
+            )
         if self.admit_wait < 0:
             raise ValueError(f"admit_wait must be >= 0 seconds, got {self.admit_wait}")
         if self.max_attempts < 1:
@@ -338,19 +344,21 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                 CapacityConfig(
                     block_size=config.limits.block_size,
                     prefill_queue_tokens=config.prefill_queue_tokens,
+                    prefill_queue_seconds=config.prefill_queue_seconds,
                     dead_after=config.instance_dead_after,
                 )
             )
             if config.capacity_admission
             else None
         )
+        self.admission_metrics = AdmissionMetrics(self.capacity)
         self.admission = Admission(
             config.max_inflight,
             config.max_waiting,
             config.admit_wait,
             config.retry_after_ms,
             capacity=self.capacity,
-            observer=AdmissionMetrics(),
+            observer=self.admission_metrics,
         )
         self._background: set[asyncio.Task[None]] = set()
 
@@ -364,6 +372,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             log.debug("ignoring a heartbeat: %s", exc)
             return
         self.capacity.observe(load)
+        self.admission_metrics.on_heartbeat()
         if status.role == control_pb2.ROLE_PREFILL:
             self._resident[status.instance_id] = frozenset(status.resident_prefixes)
         self.admission.wake()

@@ -74,6 +74,60 @@ def test_prefill_fits_within_its_queue_limit_and_an_idle_instance_takes_any_prom
     assert cap.fit(Need(100_000, 100_000, 1)).ok  # larger than the limit, but nothing queued
 
 
+def test_a_measured_rate_turns_the_queue_limit_into_seconds_of_work() -> None:
+    """The H100 agent run: prefill queues held ~59K tokens against a 65,536-token limit, so
+    requests waited and were refused while the engine, at ~63K tokens/s, was idle most of the
+    time. With its rate measured, the limit is 2 s of work there: 126K tokens."""
+    clock = Clock()
+    measured = Load(
+        "p1", PREFILL, MODEL, queued_tokens=59_088, total_kv_blocks=4096, tokens_per_s=63_000
+    )
+    cap = capacity(clock, 65_536, measured, decode(free=10_000, total=10_000))
+    assert cap.prefill_limit(measured) == 126_000
+    assert cap.fit(Need(8000, 8000, 1)).ok  # 67K queued: ~1.07 s of work, admitted
+    assert cap.fit(Need(66_000, 66_000, 1)).ok  # 125K: just under 2 s
+    late = cap.fit(Need(67_000, 67_000, 1))  # 126,088 tokens: past 2 s of work, held
+    assert not late.ok and late.full == ("p1",)
+    assert "holds 59088 tokens = 0.94s at its measured 63000 tokens/s, limit 2s" in late.short
+    # The same queue without a measured rate: the token limit holds the first one back.
+    cap.observe(prefill(queued=59_088))
+    unmeasured = cap.fit(Need(8000, 8000, 1))
+    assert not unmeasured.ok and "59088 tokens, limit 65536" in unmeasured.short
+    # A slow engine's 2 s are fewer tokens than the token limit: it holds sooner.
+    slow = Load("p1", PREFILL, MODEL, queued_tokens=30_000, tokens_per_s=10_000)
+    cap.observe(slow)
+    assert cap.prefill_limit(slow) == 20_000 and not cap.fit(Need(100, 100, 1)).ok
+    # 0 s: the token limit alone, rate or not.
+    tokens_only = Capacity(CapacityConfig(block_size=BS, prefill_queue_seconds=0), clock)
+    assert tokens_only.prefill_limit(measured) == 65_536
+
+
+async def test_a_request_waits_only_past_the_instances_measured_seconds() -> None:
+    clock = Clock()
+    rate = 10_000.0
+    cap = capacity(
+        clock,
+        65_536,
+        Load("p1", PREFILL, MODEL, queued_tokens=15_000, tokens_per_s=rate),
+        decode(free=10_000, total=10_000),
+    )
+    adm = admission(cap, admit_wait=5.0)
+    first = await adm.acquire(Need(4000, 4000, 1), MODEL)  # 1.9 s of work with it: at once
+    assert first.waited == 0
+    waiter = asyncio.ensure_future(adm.acquire(Need(4000, 4000, 1), MODEL))
+    await asyncio.sleep(0.02)
+    assert not waiter.done() and adm.waiting == 1  # 2.3 s: waits
+    cap.observe(Load("p1", PREFILL, MODEL, queued_tokens=2000, tokens_per_s=rate))
+    adm.wake()
+    assert (await asyncio.wait_for(waiter, 1)).ticket is not None
+    # Before this entrypoint measured a drain rate, the retry hint comes from the instances'
+    # own: 25K queued + the second request (one heartbeat since it was sent) + 1K, less 20K.
+    cap.observe(Load("p1", PREFILL, MODEL, queued_tokens=25_000, tokens_per_s=rate))
+    assert cap.drain_seconds(Need(1000, 1000, 1)) == pytest.approx(
+        (25_000 + 4000 + 1000 - 20_000) / rate
+    )
+
+
 def test_decode_needs_blocks_for_prompt_plus_max_tokens() -> None:
     cap = capacity(Clock(), 0, prefill(), decode(free=100))
     need = agent_turn()

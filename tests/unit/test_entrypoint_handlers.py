@@ -477,6 +477,55 @@ async def test_prefill_queue_counts_only_what_no_instance_holds() -> None:
     assert outcomes == {"held": (1, False), "cold": (0, True)}
 
 
+async def test_a_prefill_heartbeat_with_a_measured_rate_admits_by_seconds_of_work() -> None:
+    """The same queue (30 tokens, limit 8 tokens) holds a request back while the instance has
+    measured no rate, and admits it once its heartbeat says it computes 100 tokens/s (30 + 20
+    tokens = 0.5 s, within --prefill-queue-seconds 1); the entrypoint exports the instances'
+    busy fractions, and the least busy one's whenever a request starts waiting."""
+    from prometheus_client import REGISTRY
+
+    def sample(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    queued_busy = "deepserve_entrypoint_admission_queued_busy_fraction_bucket"
+    outcomes = {}
+    for name, rate in (("unmeasured", 0.0), ("measured", 100.0)):
+        bus = FakeBus(lambda task: [])
+        h = make(
+            bus,
+            capacity_admission=True,
+            prefill_queue_tokens=8,
+            prefill_queue_seconds=1.0,
+            admit_wait=0.1,
+            max_waiting=4,
+        )
+        h.on_status(
+            control_pb2.InstanceStatus(
+                instance_id="p1",
+                role=control_pb2.ROLE_PREFILL,
+                model="tiny",
+                queued_tokens=30,
+                compute_tokens_per_s=rate,
+                busy_fraction=0.9,
+            )
+        )
+        beat(h, "d1", control_pb2.ROLE_DECODE, 100)
+        assert sample(
+            "deepserve_entrypoint_engine_busy_fraction", role="prefill", instance="p1"
+        ) == pytest.approx(0.9)
+        before = sample(queued_busy, role="prefill", le="0.85")
+        before_all = sample(queued_busy, role="prefill", le="0.9")
+        call = asyncio.ensure_future(collect_with(h, req(list(range(1, 21))), FakeContext()))
+        done, _ = await asyncio.wait([call], timeout=1.0)
+        outcomes[name] = (len(bus.tasks()), bool(done) and call.exception() is not None)
+        if name == "unmeasured":  # it waited: seen with the prefill 0.9 busy
+            assert sample(queued_busy, role="prefill", le="0.85") == before
+            assert sample(queued_busy, role="prefill", le="0.9") == before_all + 1
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+    assert outcomes == {"unmeasured": (0, True), "measured": (1, False)}
+
+
 async def test_cache_names_are_keyed_by_a_secret_not_the_tenant_name() -> None:
     """Nobody without the secret can compute a tenant's block names (no offline prefix
     oracle); another secret renames every block."""

@@ -20,7 +20,7 @@ deepserve usage --nats-url URL [--tenant T] [--since ISO] [--json]
                 [--price off-peak|peak|schedule|IN,CACHED,OUT]
 deepserve up [--port 8000] [--prefill N] [--decode N] [--model M] [--model-name NAME]
              [--device cpu|cuda [--gpus 0,1] [--gpu-memory-fraction F]] [--run-dir .run]
-             [--no-restart] [--ep N [--ep-timeout S]]
+             [--mode auto|aggregated|disaggregated] [--no-restart] [--ep N [--ep-timeout S]]
 """
 
 from __future__ import annotations
@@ -482,6 +482,16 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="--device cuda: share of its GPU each engine may use (default: 0.90 / engines "
         "on that GPU)",
     )
+    p.add_argument(
+        "--mode",
+        choices=("auto", "aggregated", "disaggregated"),
+        default="auto",
+        help="aggregated: one engine per GPU (CPU: max(--prefill, --decode) engines) does "
+        "prefill and decode (one copy of the weights, one KV pool, no KV hand-over); "
+        "disaggregated: separate prefill and decode engines (sharing a GPU: under CUDA MPS "
+        "when available); auto: aggregated where the roles would share a GPU, else "
+        "disaggregated",
+    )
     p.add_argument("--run-dir", default=".run", help="logs, NATS/Redis/kvstore data")
     _speculative_flag(
         p,
@@ -535,6 +545,7 @@ def _up(args: argparse.Namespace) -> int:
         ep_timeout=args.ep_timeout,
         speculative_tokens=args.speculative_tokens,
         batch_invariant=args.batch_invariant,
+        mode=args.mode,
     )
 
 

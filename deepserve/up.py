@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import secrets
 import shutil
@@ -54,16 +53,20 @@ from pathlib import Path
 from typing import IO, Any, Self
 
 from deepserve import procs
-from libs.common.config import parse_gpu_indices
+from deepserve.placement import (
+    choose_mode,
+    parse_gpus,
+    place_aggregated,
+    place_engines,
+    shared_gpus,
+    visible_gpus,
+)
 from libs.common.grpc_auth import call_metadata
 from libs.common.redact import redact, redact_text
 from libs.engine.tokenizer import model_vocab_size
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
-# Of each GPU, the share split among the engines placed on it. The rest is for what the
-# fraction does not count: each process's CUDA context and library workspaces (~0.5-1 GiB).
-GPU_MEMORY_SHARE = 0.90
 
 
 class StackError(RuntimeError):
@@ -72,10 +75,12 @@ class StackError(RuntimeError):
 
 # Which service needs which secret (docs/security.md): the entrypoint keys the tenants' cache
 # salts; prefill and decode sign and check KV frames; the internal APIs need the service token.
+ENGINE_SERVICES = ("prefill", "decode", "aggregated")  # the services that run an engine
 SERVICE_SECRETS = {
     "entrypoint": ("DEEPSERVE_CACHE_SALT_SECRET", "DEEPSERVE_SERVICE_TOKEN"),
     "prefill": ("DEEPSERVE_KV_MAC_KEY", "DEEPSERVE_SERVICE_TOKEN"),
     "decode": ("DEEPSERVE_KV_MAC_KEY", "DEEPSERVE_SERVICE_TOKEN"),
+    "aggregated": ("DEEPSERVE_KV_MAC_KEY", "DEEPSERVE_SERVICE_TOKEN"),
     "kvstore": ("DEEPSERVE_SERVICE_TOKEN",),
     "recipe": ("DEEPSERVE_SERVICE_TOKEN",),
 }
@@ -196,8 +201,14 @@ def healthz(port: int, timeout: float = 1.0) -> tuple[bool, str]:
         return False, str(exc)
 
 
-async def _await_heartbeats(nats_url: str, instance_ids: set[str], timeout: float) -> set[str]:
-    """Instance ids not heard on ``ds.heartbeat.>`` within ``timeout`` (empty: all heard)."""
+async def _await_heartbeats(
+    nats_url: str,
+    instance_ids: set[str],
+    timeout: float,
+    kv_blocks: dict[str, tuple[int, int]] | None = None,
+) -> set[str]:
+    """Instance ids not heard on ``ds.heartbeat.>`` within ``timeout`` (empty: all heard);
+    ``kv_blocks`` gets each one's (KV blocks, block size) as its heartbeat says."""
     import nats
 
     from libs.common import subjects
@@ -209,6 +220,8 @@ async def _await_heartbeats(nats_url: str, instance_ids: set[str], timeout: floa
     async def on_msg(msg: Any) -> None:
         status = control_pb2.InstanceStatus.FromString(msg.data)
         missing.discard(status.instance_id)
+        if kv_blocks is not None and status.instance_id in instance_ids:
+            kv_blocks[status.instance_id] = (status.total_kv_blocks, status.block_size)
         if not missing:
             done.set()
 
@@ -222,151 +235,6 @@ async def _await_heartbeats(nats_url: str, instance_ids: set[str], timeout: floa
     finally:
         await nc.close()
     return missing
-
-
-# -- engine placement --------------------------------------------------------------------------
-@dataclass(frozen=True)
-class EnginePlacement:
-    """Where one prefill/decode instance runs, as the flags its process gets."""
-
-    name: str  # "prefill-0", "decode-1", ...
-    device: str  # "cpu", "cuda:<i>", or "cuda" for an EP group (its ranks on ep_gpus)
-    gpu_memory_fraction: float | None = None  # None: not on a GPU (else: of each GPU)
-    ep_gpus: tuple[int, ...] = ()  # an EP group on CUDA: rank k on cuda:<ep_gpus[k]>
-
-    def flags(self) -> list[str]:
-        out = ["--device", self.device]
-        if self.ep_gpus:
-            out += ["--ep-gpus", ",".join(map(str, self.ep_gpus))]
-        if self.gpu_memory_fraction is not None:
-            out += ["--gpu-memory-fraction", repr(self.gpu_memory_fraction)]
-        return out
-
-
-def place_engines(
-    prefill: int,
-    decode: int,
-    gpus: Sequence[int] = (),
-    *,
-    fraction: float | None = None,
-    share: float = GPU_MEMORY_SHARE,
-    ep: Mapping[str, int] | None = None,
-) -> list[EnginePlacement]:
-    """Deal the engines over ``gpus`` round robin, roles interleaved.
-
-    The order is prefill-0, decode-0, prefill-1, decode-1, ... (the extra instances of the
-    larger role last); the k-th engine goes to ``gpus[k % len(gpus)]``. So with one GPU every
-    engine shares it; with two GPUs and as many prefill as decode instances, prefill runs on
-    the first and decode on the second; with as many GPUs as engines, each has its own.
-    Each engine gets ``fraction`` of its GPU if given, else ``share`` / (engines on that
-    GPU), rounded down to 1e-4. No ``gpus``: every engine on the CPU, no fraction.
-    Raises ValueError for counts below one, a fraction outside (0, 1], or engines on one
-    GPU whose fractions add up to more than 1.
-
-    ``ep``: ranks per engine name (absent: 1). When an engine has more than one, GPUs are
-    dealt in units of its rank count and nobody shares one: in the same order each engine
-    takes the next ``ep`` GPUs (device ``cuda``, ``ep_gpus`` its ranks' GPUs; an engine of
-    one rank ``cuda:<i>``), each with ``fraction`` or ``share`` of them. NCCL refuses two
-    ranks of a group on one GPU, and ranks of co-located groups would wait on each other's
-    steps, so ValueError when the GPUs are fewer than the ranks that need them.
-    """
-    if prefill < 1 or decode < 1:
-        raise ValueError(
-            f"need at least one prefill and one decode instance, got {prefill}/{decode}"
-        )
-    if fraction is not None and not 0 < fraction <= 1:
-        raise ValueError(f"--gpu-memory-fraction must lie in (0, 1], got {fraction}")
-    names = [f"prefill-{i}" for i in range(prefill)], [f"decode-{i}" for i in range(decode)]
-    order = [n for i in range(max(prefill, decode)) for role in names for n in role[i : i + 1]]
-    if not gpus:
-        return [EnginePlacement(name, "cpu") for name in order]
-    widths = {name: (ep or {}).get(name, 1) for name in order}
-    if max(widths.values()) > 1:
-        return _place_ep(order, widths, gpus, fraction if fraction is not None else share)
-    gpu_of = {name: gpus[k % len(gpus)] for k, name in enumerate(order)}
-    per_gpu = {g: list(gpu_of.values()).count(g) for g in gpus}
-    if fraction is not None:
-        crowded = {g: n for g, n in per_gpu.items() if n * fraction > 1}
-        if crowded:
-            g, n = next(iter(crowded.items()))
-            raise ValueError(
-                f"--gpu-memory-fraction {fraction:g} x {n} engines on cuda:{g} is more than "
-                f"the whole GPU; use at most {_round_down(1 / n):g}"
-            )
-    return [
-        EnginePlacement(
-            name,
-            f"cuda:{gpu_of[name]}",
-            fraction if fraction is not None else _round_down(share / per_gpu[gpu_of[name]]),
-        )
-        for name in order
-    ]
-
-
-def _place_ep(
-    order: Sequence[str], widths: Mapping[str, int], gpus: Sequence[int], fraction: float
-) -> list[EnginePlacement]:
-    """GPUs of their own for every engine, ``widths[name]`` each (see :func:`place_engines`)."""
-    need = sum(widths.values())
-    if need > len(gpus):
-        ranks = " + ".join(f"{widths[n]} ({n})" for n in order)
-        raise ValueError(
-            f"--ep on --device cuda: each rank needs a GPU of its own (NCCL refuses two ranks "
-            f"on one), and these engines have {need} ranks = {ranks}, but the GPUs are "
-            f"{len(gpus)} ({','.join(map(str, gpus))}); pass more --gpus or fewer "
-            "--ep / --prefill / --decode"
-        )
-    out, at = [], 0
-    for name in order:
-        mine = tuple(gpus[at : at + widths[name]])
-        at += widths[name]
-        if len(mine) == 1:
-            out.append(EnginePlacement(name, f"cuda:{mine[0]}", fraction))
-        else:
-            out.append(EnginePlacement(name, "cuda", fraction, ep_gpus=mine))
-    return out
-
-
-def _round_down(x: float) -> float:
-    """To 1e-4, down (0.9 / 7 -> 0.1285), so the shares never add up to more than intended;
-    the 1e-9 keeps 0.45 from becoming 0.4499 through float error."""
-    return math.floor(x * 1e4 + 1e-9) / 1e4
-
-
-def parse_gpus(text: str) -> list[int]:
-    """``"0,1"`` -> ``[0, 1]``; ValueError with the flag's name for anything else."""
-    gpus = list(parse_gpu_indices(text, "--gpus"))
-    if not gpus:
-        raise ValueError(f"--gpus must list GPU indices such as 0 or 0,1; got {text!r}")
-    if len(set(gpus)) != len(gpus):
-        raise ValueError(f"--gpus names a GPU twice: {text!r}")
-    return gpus
-
-
-def visible_gpus(asked: Sequence[int] | None = None) -> list[int]:
-    """``asked`` (default: every visible CUDA device), checked against what torch sees.
-
-    Imports torch (only called for ``device="cuda"``); ``torch.cuda.device_count()`` creates
-    no CUDA context, so the supervisor takes no GPU memory.
-    """
-    import torch
-
-    count = torch.cuda.device_count()
-    if count == 0:
-        raise ValueError(
-            "--device cuda: no CUDA device is visible to torch "
-            f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES="
-            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
-        )
-    if asked is None:
-        return list(range(count))
-    missing = [g for g in asked if g >= count]
-    if missing:
-        raise ValueError(
-            f"--gpus {','.join(map(str, asked))}: no GPU {','.join(map(str, missing))}; "
-            f"{count} visible (0..{count - 1})"
-        )
-    return list(asked)
 
 
 def default_model_name(model: str) -> str:
@@ -407,6 +275,7 @@ class Stack:
         restart: RestartPolicy | bool = False,
         ep: int | Mapping[str, int] = 1,
         ep_timeout: float | None = None,
+        mode: str = "disaggregated",
     ) -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(
@@ -422,13 +291,24 @@ class Stack:
                 raise ValueError(f"--ep must be >= 1, got {n}")
         names = [("prefill", f"prefill-{i}") for i in range(prefill)]
         names += [("decode", f"decode-{i}") for i in range(decode)]
-        self.placements = place_engines(
-            prefill,
-            decode,
-            visible_gpus(gpus or None) if device == "cuda" else (),
-            fraction=gpu_memory_fraction,
-            ep={name: self.ep_of(name, service) for service, name in names},
-        )
+        on = visible_gpus(gpus or None) if device == "cuda" else []
+        widest = max(self.ep_of(name, service) for service, name in names)
+        self.mode = choose_mode(mode, device, on, prefill, decode, widest)
+        if self.mode == "aggregated":  # one engine per GPU (CPU: as many as the larger role)
+            self.placements = place_aggregated(
+                max(prefill, decode), on, fraction=gpu_memory_fraction
+            )
+        else:
+            self.placements = place_engines(
+                prefill,
+                decode,
+                on,
+                fraction=gpu_memory_fraction,
+                ep={name: self.ep_of(name, service) for service, name in names},
+            )
+        self.mps = ""  # what became of MPS for engines sharing a GPU ("": not asked)
+        self._mps_env: dict[str, str] = {}
+        self.kv_blocks: dict[str, tuple[int, int]] = {}  # instance -> (KV blocks, block size)
         self.vocab_size = model_vocab_size(model)  # ValueError for a model nobody can load
         self.run_dir = Path(run_dir).resolve()
         self.prefill, self.decode = prefill, decode
@@ -519,16 +399,28 @@ class Stack:
         kv_addr = self.kvstore_address = f"{HOST}:{kv_port}"
         model_args = ["--model", self.model, "--model-name", self.model_name]
         placed = {p.name: p.flags() for p in self.placements}  # --device [--gpu-memory-...]
-        engines = [
-            self._plan_engine(f"prefill-{i}", "prefill", 0, [*model_args, *placed[f"prefill-{i}"]])
-            for i in range(self.prefill)
-        ]
-        engines += [
-            self._plan_engine(
-                f"decode-{i}", "decode", procs.free_port(), [*model_args, *placed[f"decode-{i}"]]
-            )
-            for i in range(self.decode)
-        ]
+        if self.mode == "aggregated":
+            engines = [
+                self._plan_engine(p.name, "aggregated", procs.free_port(), [*model_args, *f])
+                for p, f in ((p, placed[p.name]) for p in self.placements)
+            ]
+        else:
+            engines = [
+                self._plan_engine(
+                    f"prefill-{i}", "prefill", 0, [*model_args, *placed[f"prefill-{i}"]]
+                )
+                for i in range(self.prefill)
+            ]
+            engines += [
+                self._plan_engine(
+                    f"decode-{i}",
+                    "decode",
+                    procs.free_port(),
+                    [*model_args, *placed[f"decode-{i}"]],
+                )
+                for i in range(self.decode)
+            ]
+            self._start_mps()
         stages.append(engines)
         ep_port = procs.free_port()
         self.grpc_address = f"{HOST}:{ep_port}"
@@ -658,6 +550,8 @@ class Stack:
         # URLs that may carry credentials travel in the environment, not on the command line
         # (which every user of the host can read).
         env["NATS_URL"] = self.nats_url
+        if c.service in ENGINE_SERVICES:
+            env.update(self._mps_env)  # the engines reach this stack's MPS daemon, if any
         if c.service == "kvstore":
             env["REDIS_URL"] = self.redis_url
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -709,10 +603,12 @@ class Stack:
                     f"{log_tail(c.log_path)}"
                 )
             time.sleep(0.2)
-        engines = {i for c in stage if c.service in ("prefill", "decode") for i in c.rank_ids}
+        engines = {i for c in stage if c.service in ENGINE_SERVICES for i in c.rank_ids}
         if engines:
             missing = asyncio.run(
-                _await_heartbeats(self.nats_url, engines, max(5.0, deadline - time.monotonic()))
+                _await_heartbeats(
+                    self.nats_url, engines, max(5.0, deadline - time.monotonic()), self.kv_blocks
+                )
             )
             if missing:
                 raise StackError(f"no heartbeat on NATS from {', '.join(sorted(missing))}")
@@ -802,8 +698,12 @@ class Stack:
             "grpc_address": self.grpc_address,  # the entrypoint's Generate
             "kvstore_address": self.kvstore_address,
             "decode_addresses": {
-                c.name: f"{HOST}:{c.grpc_port}" for c in self.children if c.service == "decode"
+                c.name: f"{HOST}:{c.grpc_port}"
+                for c in self.children
+                if c.service in ("decode", "aggregated")
             },
+            "mode": self.mode,
+            "mps": self.mps,
             "nats_url": self.nats_url,
             "redis_url": self.redis_url,
             "supervisor_pid": os.getpid(),
@@ -840,6 +740,56 @@ class Stack:
             f.write(json.dumps(state, indent=2))
         tmp.replace(self.run_dir / "stack.json")
 
+    # -- MPS -----------------------------------------------------------------------------
+    def _start_mps(self) -> None:
+        """Disaggregated engines sharing a GPU: start a CUDA MPS control daemon of this stack's
+        own (pipe and log directories under the run dir, so it neither meets nor stops
+        anyone else's), so their kernels run side by side instead of time-slicing. Says what
+        happened in :attr:`mps` (shown by ``up`` and in stack.json)."""
+        shared = shared_gpus(self.placements)
+        if not shared:
+            return
+        gpus = ",".join(map(str, shared))
+        control = shutil.which("nvidia-cuda-mps-control")
+        if control is None:
+            self.mps = f"not available (no nvidia-cuda-mps-control): engines time-slice GPU {gpus}"
+            return
+        env = {
+            "CUDA_MPS_PIPE_DIRECTORY": str(self.run_dir / "mps" / "pipe"),
+            "CUDA_MPS_LOG_DIRECTORY": str(self.run_dir / "mps" / "log"),
+        }
+        for d in env.values():
+            Path(d).mkdir(parents=True, exist_ok=True)
+        try:
+            subprocess.run(
+                [control, "-d"],
+                env={**self.env, **env},
+                check=True,
+                timeout=30,
+                capture_output=True,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            self.mps = f"could not start ({exc}): engines time-slice GPU {gpus}"
+            return
+        self._mps_env = env
+        self.mps = f"started for GPU {gpus} (pipe {env['CUDA_MPS_PIPE_DIRECTORY']})"
+
+    def _stop_mps(self) -> None:
+        control = shutil.which("nvidia-cuda-mps-control")
+        if not self._mps_env or control is None:
+            return
+        try:
+            subprocess.run(
+                [control],
+                input=b"quit\n",
+                env={**self.env, **self._mps_env},
+                timeout=30,
+                capture_output=True,
+            )
+        except (OSError, subprocess.SubprocessError):
+            pass  # its daemon exits with the machine; nothing else depends on it
+        self._mps_env = {}
+
     # -- stop --------------------------------------------------------------------------
     def stop(self) -> None:
         """Drain and stop everything started; afterwards no process of the stack runs."""
@@ -872,6 +822,7 @@ class Stack:
         for proc in (self.redis_proc, self.nats_proc):
             if proc is not None:
                 procs.stop(proc)
+        self._stop_mps()
         leftover = [c.name for c in self.children if c.proc is not None and c.proc.poll() is None]
         leftover += [
             name
@@ -905,6 +856,22 @@ def _serve(stack: Stack, stop_requested: Sequence[int]) -> str:
     return ""
 
 
+def chosen(stack: Stack) -> list[str]:
+    """What ``up`` chose, for the operator: mode, engines per GPU, each engine's KV room."""
+    per_device: dict[str, list[str]] = {}
+    for p in stack.placements:
+        per_device.setdefault(p.device, []).append(p.name)
+    out = [
+        f"mode {stack.mode}: "
+        + "; ".join(f"{d}: {len(n)} engine(s) ({', '.join(n)})" for d, n in per_device.items())
+    ]
+    if stack.mps:
+        out.append(f"MPS {stack.mps}")
+    for iid, (n, bs) in sorted(stack.kv_blocks.items()):
+        out.append(f"{iid}: {n} KV blocks of {bs} tokens ({n * bs:,} tokens)")
+    return out
+
+
 def _signal_group(c: Child, sig: signal.Signals) -> None:
     """Signal the child's process group (it leads its own session)."""
     assert c.proc is not None
@@ -919,11 +886,11 @@ class _Interrupted(BaseException):
 
 
 def engine_args(speculative_tokens: int, batch_invariant: bool) -> dict[str, list[str]] | None:
-    """The engine flags ``deepserve up`` gives prefill and decode alike (None: none)."""
+    """The engine flags ``deepserve up`` gives every engine alike (None: none)."""
     args = ["--speculative-tokens", str(speculative_tokens)] if speculative_tokens else []
     if batch_invariant:
         args.append("--batch-invariant")
-    return {s: list(args) for s in ("prefill", "decode")} if args else None
+    return {s: list(args) for s in ENGINE_SERVICES} if args else None
 
 
 def run_up(
@@ -943,6 +910,7 @@ def run_up(
     ep_timeout: float | None = None,
     speculative_tokens: int = 0,
     batch_invariant: bool = False,
+    mode: str = "auto",
 ) -> int:
     """``deepserve up``: start the stack, print its URL, serve until SIGINT/SIGTERM, stop it.
 
@@ -969,6 +937,7 @@ def run_up(
             # Prefill fills the MTP layer's KV that decode drafts from, and a continuation is
             # exact only if both engines are batch-invariant: both get these flags.
             extra_args=engine_args(speculative_tokens, batch_invariant),
+            mode=mode,
         )
     except ValueError as exc:
         print(f"deepserve up: {exc}", file=sys.stderr)
@@ -998,8 +967,13 @@ def run_up(
         )
         if ep > 1:
             where += f"; {ep} expert-parallel ranks each"
+        engines = (
+            f"{len(stack.placements)} aggregated (prefill + decode in one engine)"
+            if stack.mode == "aggregated"
+            else f"{prefill} prefill + {decode} decode"
+        )
         print(
-            f"deepserve: starting {prefill} prefill + {decode} decode ({model}: {where}); "
+            f"deepserve: starting {engines} ({model}: {where}); mode {stack.mode}; "
             f"logs in {stack.run_dir / 'logs'}",
             flush=True,
         )
@@ -1014,6 +988,8 @@ def run_up(
         finally:
             starting = False
         print(f"deepserve is up: {stack.api_url}  (model {model_name})", flush=True)
+        for line in chosen(stack):
+            print(f"  {line}", flush=True)
         print(
             f"  gRPC Generate: {stack.grpc_address}   NATS: {redact(stack.nats_url)}   "
             f"Redis: {redact(stack.redis_url)}",

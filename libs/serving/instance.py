@@ -62,6 +62,7 @@ class InstanceRuntime:
         heartbeat_interval: float,
         ep: EPFlags | None = None,
         stats_interval: float = 10.0,
+        heartbeat_role: str = "",
     ) -> None:
         self.ctx, self.model, self.heartbeat_interval = ctx, model, heartbeat_interval
         self.stats_interval = stats_interval
@@ -74,9 +75,12 @@ class InstanceRuntime:
         self.loop: EngineLoop | None = None
         self.nc: Client | None = None
         self._ready = False
-        self._hb_subject = subjects.heartbeat(self.service, self.instance_id)
+        # The heartbeat's subject names the role it reports (default: the service's name).
+        self._hb_subject = subjects.heartbeat(heartbeat_role or self.service, self.instance_id)
         self._hb_stop = asyncio.Event()
-        self._hb: asyncio.Task[None] | None = None
+        self._hb: list[asyncio.Task[None]] = []
+        # An aggregated instance heartbeats once per role: (subject, status) of the others.
+        self._more_beats: list[tuple[str, Callable[[], control_pb2.InstanceStatus]]] = []
 
     def healthy(self) -> tuple[bool, str]:
         if self.loop is None:
@@ -196,16 +200,30 @@ class InstanceRuntime:
             return None
         return built.result()
 
-    async def ready(self, status: Callable[[], control_pb2.InstanceStatus]) -> None:
-        """Subscriptions are in place: confirm them with the server, start heartbeats, go ready."""
+    async def ready(
+        self,
+        status: Callable[[], control_pb2.InstanceStatus],
+        more_roles: Sequence[tuple[str, Callable[[], control_pb2.InstanceStatus]]] = (),
+    ) -> None:
+        """Subscriptions are in place: confirm them with the server, start heartbeats, go ready.
+
+        ``more_roles``: (role, status) of further roles this instance serves with the same
+        engine (an aggregated instance is a prefill and a decode target): each heartbeats on
+        its own role's subject under the same instance id."""
         assert self.nc is not None
         await self.nc.flush()
         self._ready = True
-        self._hb = asyncio.create_task(
-            heartbeat_loop(
-                self.nc, self._hb_subject, status, self._hb_stop, self.log, self.heartbeat_interval
+        self._more_beats = [
+            (subjects.heartbeat(role, self.instance_id), fn) for role, fn in more_roles
+        ]
+        for subject, fn in [(self._hb_subject, status), *self._more_beats]:
+            self._hb.append(
+                asyncio.create_task(
+                    heartbeat_loop(
+                        self.nc, subject, fn, self._hb_stop, self.log, self.heartbeat_interval
+                    )
+                )
             )
-        )
 
     async def leave(
         self,
@@ -219,18 +237,24 @@ class InstanceRuntime:
         handler.draining = True
         if before_drain is not None:
             await before_drain()
-        await publish_status(self.nc, self._hb_subject, handler.status(), self.log)
+        await self._publish_all(handler)
         await handler.drain(self.drain_seconds)
         for sub in subscriptions:
             await sub.unsubscribe()
         self._hb_stop.set()
-        if self._hb is not None:
-            await self._hb
-        await publish_status(self.nc, self._hb_subject, handler.status(), self.log)
+        for t in self._hb:
+            await t
+        await self._publish_all(handler)
         try:
             await self.nc.flush(timeout=2)
         except Exception as exc:  # noqa: BLE001 - leaving anyway; the balancer times the instance out
             self.log.warning("NATS flush on exit failed: %s", exc)
+
+    async def _publish_all(self, handler: Drainable) -> None:
+        assert self.nc is not None
+        await publish_status(self.nc, self._hb_subject, handler.status(), self.log)
+        for subject, fn in self._more_beats:
+            await publish_status(self.nc, subject, fn(), self.log)
 
 
 def instance_status(

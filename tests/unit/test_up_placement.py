@@ -9,13 +9,15 @@ from collections.abc import Sequence
 import pytest
 
 from deepserve import up
-from deepserve.up import (
+from deepserve.placement import (
     EnginePlacement,
-    Stack,
-    default_model_name,
+    choose_mode,
     parse_gpus,
+    place_aggregated,
     place_engines,
+    shared_gpus,
 )
+from deepserve.up import Stack, chosen, default_model_name
 from libs.engine.parts import (
     kv_blocks_for_fraction,
     step_activation_bytes,
@@ -270,3 +272,44 @@ def test_activation_reserve_grows_with_the_step_and_the_context() -> None:
         step_tokens=32768,
     )
     assert 6000 < blocks < 7500
+
+
+# -- modes -------------------------------------------------------------------------------------
+def test_auto_aggregates_exactly_where_the_roles_would_share_a_gpu() -> None:
+    assert choose_mode("auto", "cuda", [0], 1, 1) == "aggregated"  # one H100: one engine
+    assert choose_mode("auto", "cuda", [0, 1, 2], 2, 2) == "aggregated"
+    assert choose_mode("auto", "cuda", [0, 1], 1, 1) == "disaggregated"  # a GPU per role
+    assert choose_mode("auto", "cpu", [], 1, 1) == "disaggregated"
+    assert choose_mode("auto", "cuda", [0, 1], 1, 1, ep=2) == "disaggregated"
+    assert choose_mode("disaggregated", "cuda", [0], 1, 1) == "disaggregated"
+    with pytest.raises(ValueError, match="--mode aggregated .* expert parallelism"):
+        choose_mode("aggregated", "cuda", [0, 1], 1, 1, ep=2)
+    with pytest.raises(ValueError, match="--mode must be one of"):
+        choose_mode("both", "cpu", [], 1, 1)
+
+
+def test_aggregated_is_one_engine_per_gpu_with_the_whole_share() -> None:
+    assert devices(place_aggregated(1, [0])) == {"aggregated-0": ("cuda:0", 0.9)}
+    assert devices(place_aggregated(5, [2, 3], fraction=0.8)) == {
+        "aggregated-0": ("cuda:2", 0.8),
+        "aggregated-1": ("cuda:3", 0.8),
+    }
+    assert devices(place_aggregated(2)) == {
+        "aggregated-0": ("cpu", None),
+        "aggregated-1": ("cpu", None),
+    }
+    assert shared_gpus(place_aggregated(1, [0])) == []
+    assert shared_gpus(place_engines(1, 1, [0])) == [0]  # where MPS is started
+
+
+def test_up_on_one_gpu_starts_one_aggregated_engine_and_says_so(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(up, "visible_gpus", lambda asked=None: [0])
+    stack = Stack(tmp_path, device="cuda", mode="auto")
+    assert stack.mode == "aggregated"
+    assert [(p.name, p.device) for p in stack.placements] == [("aggregated-0", "cuda:0")]
+    stack.kv_blocks["aggregated-0-x"] = (1000, 128)
+    lines = chosen(stack)
+    assert lines[0] == "mode aggregated: cuda:0: 1 engine(s) (aggregated-0)"
+    assert lines[-1] == "aggregated-0-x: 1000 KV blocks of 128 tokens (128,000 tokens)"
+    forced = Stack(tmp_path, device="cuda", mode="disaggregated")
+    assert [p.name for p in forced.placements] == ["prefill-0", "decode-0"]

@@ -12,7 +12,10 @@ histograms: what happened during it, as differences) and every ``interval`` seco
   engine-side means of the latency histograms;
 * ``prefix_hit_rate`` (prompt tokens found in the engine's own cache / looked up),
   ``preemptions``, ``prompt_tokens``, ``generation_tokens``;
-* ``running`` / ``waiting`` (mean and max of the samples) and ``kv_usage`` (mean and max).
+* ``running`` / ``waiting`` (mean and max of the samples), ``kv_usage`` and ``busy`` (the
+  engine's share of wall time spent stepping; mean and max).
+
+Aggregated instances (one engine, both roles) are read like any other engine.
 
 No engine code here: only the metric names of ``libs/serving/engine_metrics.py``.
 """
@@ -29,7 +32,13 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 P = "deepserve:"
-GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+ENGINE_SERVICES = ("prefill", "decode", "aggregated")
+GAUGES = (
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_cache_usage_perc",
+    "engine_busy_fraction",
+)
 HISTOGRAMS = (
     "engine_step_duration_seconds",
     "engine_step_batch_size",
@@ -106,6 +115,7 @@ class Instance:
             "running": spread("num_requests_running"),
             "waiting": spread("num_requests_waiting"),
             "kv_usage": spread("kv_cache_usage_perc"),
+            "busy": spread("engine_busy_fraction"),  # share of wall time spent stepping
         }
         return out
 
@@ -176,7 +186,7 @@ def targets_from(spec: str, stack_json: str = "") -> dict[str, str]:
 
         state = json.loads(Path(stack_json).read_text())
         for name, svc in state.get("services", {}).items():
-            if svc.get("service") in ("prefill", "decode") and svc.get("ops_port"):
+            if svc.get("service") in ENGINE_SERVICES and svc.get("ops_port"):
                 out[name] = f"http://127.0.0.1:{svc['ops_port']}/metrics"
     for name, url in out.items():
         if not url.startswith(("http://", "https://")):
@@ -194,11 +204,12 @@ def summary_lines(view: dict[str, Any]) -> list[str]:
     for name, r in view.items():
         if name == "scrape_errors":
             continue
-        kv = r["kv_usage"]
+        kv, busy = r["kv_usage"], r.get("busy")
         lines.append(
             f"{name:12s} steps {r['steps']:6d}  step {f(r['step_ms'], '.1f')} ms  "
             f"batch {f(r['batch'], '.1f')}  ttft {f(r['ttft_ms'], '.1f')} ms  "
             f"itl {f(r['itl_ms'], '.1f')} ms  prefix hit {f(r['prefix_hit_rate'], '.2f')}  "
-            f"kv max {f(kv and kv['max'], '.2f')}  preempt {r['preemptions']}"
+            f"kv max {f(kv and kv['max'], '.2f')}  preempt {r['preemptions']}  "
+            f"busy {f(busy and busy['mean'], '.2f')}"
         )
     return lines

@@ -77,6 +77,10 @@ ldd "$redis" | awk '/=> \//{print $3}' | while read -r lib; do
   case "$(basename "$lib")" in
     libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*) ;;
     libstdc++.so*|libgcc_s.so*) ;;  # torch's image has its own; a second copy could clash
+    # In every Debian/Ubuntu base with Python and apt (Python's ssl and lzma modules, apt's
+    # and systemd's libraries): 9 MB the carry limit (64 MiB with the tree) cannot spare.
+    libssl.so*|libcrypto.so*|libsystemd.so*|libgcrypt.so*|libgpg-error.so*|libzstd.so*) ;;
+    liblzma.so*|libcap.so*) ;;
     *) cp -L "$lib" "$out/lib/" ;;
   esac
 done

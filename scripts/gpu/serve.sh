@@ -36,6 +36,7 @@ until grep -q '^deepserve is up' "$OUT/logs/up.log"; do
   sleep 2
 done
 echo "stack up in $(( $(date +%s) - t0 )) s"
+grep -E '^(deepserve: starting|  mode|  MPS|  [a-z]+-[0-9].*KV blocks)' "$OUT/logs/up.log" || true
 
 snapshot() {  # /metrics of every service, from the supervisor's state file
   python3 - "$RUN/stack.json" "$1" <<'EOF'
@@ -73,6 +74,7 @@ for spec in "$@"; do
   timeout "${BENCH_TIMEOUT:-300}" python3 -m deepserve.cli bench serve --url "http://127.0.0.1:$PORT/v1" \
     --model "deepseek-$MODEL" --trace "$trace" --sessions "$n" --concurrency "$n" --gpus 1 \
     --engine-json "$ENGINE_JSON" --json "$OUT/serve-$tag.json" --plot "$OUT/extra/serve-$tag.png" \
+    --stack-json "$RUN/stack.json" \
     ${BENCH_ARGS:-} || status=$?
   if [ -n "$prof" ]; then wait "$prof" || true; fi  # not a bare wait: that waits for up too
   snapshot "$OUT/logs/metrics-$tag"

@@ -78,6 +78,8 @@ from libs.common.errors import InvalidArgument
 from libs.common.sampling import MAX_CONSTRAINT_BYTES, Constraint
 
 from .api import invalid
+from .fields import parallel_calls
+from .schemas import ANNOTATIONS, embed, response_schema, tool_parameters
 
 DSML = "｜DSML｜"
 # The DSML token's id in the DeepSeek V4 vocabulary (the only one this encoding serves: a
@@ -90,18 +92,33 @@ _PARAM_END = f"</{DSML}parameter>\n"
 TEXT_LIMIT: int | None = None  # characters per free string; None: unbounded
 
 
-def output_constraint(conv: dr.ConversationRequest, thinking: bool) -> Constraint | None:
+def output_constraint(
+    conv: dr.ConversationRequest,
+    thinking: bool,
+    body: dict[str, Any] | None = None,
+    protocol: str = "",
+) -> Constraint | None:
     """The constraint to send with ``conv``; None where the engine cannot enforce the
-    request's (see the module docstring). ``thinking``: the output begins with reasoning."""
+    request's (see the module docstring). ``thinking``: the output begins with reasoning.
+    ``body``: the decoded request, whose schemas are used as sent (``schemas.py``: the library
+    drops their keywords); ``protocol``: its protocol's name."""
     oc = conv.inference_options.output_constraint
     if oc is None or thinking:
         return None
+    body = body or {}
     if oc.kind == "json":
-        kind, spec = ("json_schema", oc.schema) if oc.schema else ("json", "")
+        raw = response_schema(body, protocol) if oc.schema else None
+        kind, spec = ("json_schema", raw or oc.schema) if oc.schema else ("json", "")
     elif oc.kind == "regex":
         kind, spec = "regex", oc.schema
     elif oc.kind == "tool_call_required":
-        grammar = tool_call_grammar(json.loads(oc.schema), TEXT_LIMIT)
+        tools = json.loads(oc.schema)
+        params = tool_parameters(body)
+        for tool in tools:
+            fn = tool.get("function", tool) if isinstance(tool, dict) else None
+            if isinstance(fn, dict) and fn.get("name") in params:
+                fn["parameters"] = params[fn["name"]]
+        grammar = tool_call_grammar(tools, TEXT_LIMIT, parallel_calls(body))
         if not grammar or len(grammar.encode()) > MAX_CONSTRAINT_BYTES:
             return None  # no tool, or too many to enforce: the library's prefill stands
         return Constraint("ebnf", grammar)
@@ -122,11 +139,14 @@ def output_constraint(conv: dr.ConversationRequest, thinking: bool) -> Constrain
 
 
 # -- the DSML tool-call grammar -------------------------------------------------------------------
-def tool_call_grammar(tools: list[Any], text_limit: int | None = None) -> str:
+def tool_call_grammar(
+    tools: list[Any], text_limit: int | None = None, parallel: bool = True
+) -> str:
     """An xgrammar EBNF grammar for what follows the prefilled ``<｜DSML｜tool_calls>\\n``:
     one or more calls of ``tools`` (Chat Completions function tools, as the library lists them
     in ``OutputConstraint.schema``), then the block's end; "" when no tool has a name.
-    ``text_limit``: at most that many characters per free string (None: unbounded)."""
+    ``text_limit``: at most that many characters per free string (None: unbounded);
+    ``parallel`` false: exactly one call (``parallel_tool_calls: false``)."""
     rules: list[str] = []
     calls: list[str] = []
     for i, tool in enumerate(tools):
@@ -139,8 +159,9 @@ def tool_call_grammar(tools: list[Any], text_limit: int | None = None) -> str:
     if not calls:
         return ""
     rep = "*" if text_limit is None else f"{{0,{text_limit}}}"
+    more = ' ("\\n" call)*' if parallel else ""
     head = [
-        f'root ::= call ("\\n" call)* {_lit(_CALLS_END)}',
+        f"root ::= call{more} {_lit(_CALLS_END)}",
         f"call ::= {' | '.join(calls)}",
     ]
     return "\n".join(head + rules + _shared_rules(rep)) + "\n"
@@ -163,11 +184,14 @@ def _invoke_rules(rule: str, name: str, schema: Any) -> list[str]:
         return [f"{rule} ::= {begin} any_param* {end}"]
     required = schema.get("required")
     required = set(required) if isinstance(required, list) else set()
-    body, rules = [], []
+    defs = {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})}
+    body: list[str] = []
+    rules: list[str] = []
     for j, (pname, pschema) in enumerate(props.items()):
         head = _lit(f'<{DSML}parameter name="{pname}" string="')
         tail = _lit(_PARAM_END)
-        rules.append(f"{rule}p{j} ::= {head} {_value(pschema)} {tail}")
+        value = _Value(f"{rule}p{j}", defs, rules).of(pschema)
+        rules.append(f"{rule}p{j} ::= {head} {value} {tail}")
         body.append(f"{rule}p{j}" + ("" if pname in required else "?"))
     return [f"{rule} ::= {' '.join([begin, *body, end])}", *rules]
 
@@ -185,26 +209,103 @@ _BY_TYPE = {
 }
 
 
-def _value(schema: Any) -> str:
-    """The rest of a parameter's opening tag (``true">`` or ``false">``) and its value."""
-    if not isinstance(schema, dict):
-        return _ANY
-    values = schema.get("enum")
-    if "const" in schema:
-        values = [schema["const"]]
-    if isinstance(values, list) and values:
-        alts = [
-            f'"true\\">" {_lit(v)}'
-            if isinstance(v, str)
-            else _JSON + _lit(json.dumps(v, ensure_ascii=False))
-            for v in values
-        ]
-        return f"({' | '.join(dict.fromkeys(alts))})"
-    types = schema.get("type")
-    types = [types] if isinstance(types, str) else types
-    if not isinstance(types, list) or not types or any(t not in _BY_TYPE for t in types):
-        return _ANY
-    return f"({' | '.join(_BY_TYPE[t] for t in dict.fromkeys(types))})"
+class _Value:
+    """The rest of a parameter's opening tag (``true">`` or ``false">``) and its value, for
+    one parameter's schema; rules it needs go to ``rules``, named under ``rule``. Strings are
+    text (``minLength``/``maxLength`` bound it, ``pattern`` is a Regex over it); other types are
+    JSON, through xgrammar's grammar of the schema (``schemas.embed``) when the schema says
+    more than its type. ``$ref`` to the tool's ``$defs`` is followed; ``anyOf``/``oneOf`` at
+    the parameter's top are alternatives of each. What cannot be enforced is a 400 naming
+    the keyword (``tools``)."""
+
+    def __init__(self, rule: str, defs: dict[str, Any], rules: list[str]) -> None:
+        self.rule, self.defs, self.rules, self.n = rule, defs, rules, 0
+
+    def _name(self) -> str:
+        self.n += 1
+        return f"{self.rule}_{self.n}"
+
+    def of(self, schema: Any, depth: int = 0) -> str:
+        if not isinstance(schema, dict):
+            return _ANY
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and depth < 8:
+            target = self.defs.get(ref.rsplit("/", 1)[-1])
+            if isinstance(target, dict):
+                rest = {k: v for k, v in schema.items() if k != "$ref"}
+                return self.of({**target, **rest}, depth + 1)
+        values = schema.get("enum")
+        if "const" in schema:
+            values = [schema["const"]]
+        if isinstance(values, list) and values:
+            alts = [
+                f'"true\\">" {_lit(v)}'
+                if isinstance(v, str)
+                else _JSON + _lit(json.dumps(v, ensure_ascii=False))
+                for v in values
+            ]
+            return f"({' | '.join(dict.fromkeys(alts))})"
+        for key in ("anyOf", "oneOf"):
+            subs = schema.get(key)
+            if isinstance(subs, list) and subs and depth < 8:
+                base = {k: v for k, v in schema.items() if k != key}
+                return f"({' | '.join(self.of({**base, **s}, depth + 1) for s in subs)})"
+        types = schema.get("type")
+        types = [types] if isinstance(types, str) else types
+        keywords = set(schema) - ANNOTATIONS - {"type"}
+        if schema.get("enum") == []:  # no value at all: read, as before, as no bound
+            schema = {k: v for k, v in schema.items() if k != "enum"}
+            keywords.discard("enum")
+        if not isinstance(types, list) or not types or any(t not in _BY_TYPE for t in types):
+            return self._json(schema) if keywords else _ANY
+        alts = [self._string(schema) for t in types if t == "string"]
+        others = [t for t in dict.fromkeys(types) if t != "string"]
+        if others and keywords:
+            alts.append(self._json({**schema, "type": others}))
+        elif others:
+            alts += [_BY_TYPE[t] for t in others]
+        return f"({' | '.join(alts)})"
+
+    def _string(self, schema: dict[str, Any]) -> str:
+        if "format" in schema:
+            raise _refused("format")
+        lo, hi, pattern = schema.get("minLength"), schema.get("maxLength"), schema.get("pattern")
+        if pattern is not None:
+            if lo is not None or hi is not None:
+                raise _refused("minLength" if lo is not None else "maxLength", "with pattern")
+            if not isinstance(pattern, str):
+                raise _refused("pattern", "that is not a string")
+            return f'"true\\">" Regex({json.dumps(pattern, ensure_ascii=False)})'
+        if lo is None and hi is None:
+            return _TEXT
+        if not all(v is None or (isinstance(v, int) and v >= 0) for v in (lo, hi)):
+            raise _refused("minLength" if lo is not None else "maxLength", "not an integer >= 0")
+        name = self._name()
+        # one character per repetition ("<" never: see text_char), so the bound is exact
+        self.rules.append(f"{name} ::= [^<｜]{{{lo or 0},{'' if hi is None else hi}}}")
+        return f'"true\\">" {name}'
+
+    def _json(self, schema: dict[str, Any]) -> str:
+        try:
+            root, rules = embed(
+                {**schema, "$defs": self.defs} if self.defs else schema, self._name()
+            )
+        except (RuntimeError, ValueError) as exc:  # xgrammar's refusal of the schema
+            raise invalid(
+                f"a tool's parameter schema cannot be enforced: {str(exc).splitlines()[-1]}",
+                "tools",
+            ) from None
+        self.rules.extend(rules)
+        return _JSON + root
+
+
+def _refused(keyword: str, why: str = "") -> Exception:
+    return invalid(
+        f"JSON Schema keyword {keyword!r} {why + ' ' if why else ''}in a tool's string "
+        "parameter is not supported: tool-call strings are enforced as text; remove it",
+        "tools",
+        "unsupported_value",
+    )
 
 
 def _shared_rules(rep: str) -> list[str]:

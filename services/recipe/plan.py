@@ -19,6 +19,7 @@ import deepseek_recipe as dr
 
 from libs.proto.deepserve.v1 import common_pb2, generate_pb2
 
+from . import fields
 from .answer import Choice
 from .api import CHAT, RESPONSES, APIError, Protocol, conversion_error, invalid
 from .choices import choice_seed, read_n
@@ -114,14 +115,17 @@ class Planner:
     def convert(
         self, proto: Protocol, body: bytes, rid: str
     ) -> tuple[str, dr.ConversationRequest, list[Any], dict[str, Any]]:
-        """(model, conversation request, one chunk generator per choice, extra sampling
-        fields); APIError for what the caller got wrong."""
+        """(model, conversation request, one chunk generator per choice, the decoded body);
+        APIError for what the caller got wrong."""
         decoded = decode_body(body, self.model_name)
+        sent = fields.check(decoded, proto.name)  # max_completion_tokens folded in
         n = 1
-        if proto is CHAT and "n" in decoded:
+        if proto is CHAT and "n" in sent:
             # deepseek-recipe refuses n != 1: the recipe makes the choices itself.
-            n = read_n(decoded)
-            body = json.dumps({k: v for k, v in decoded.items() if k != "n"}).encode()
+            n = read_n(sent)
+            sent = {k: v for k, v in sent.items() if k != "n"}
+        if sent is not decoded:
+            body = json.dumps(sent).encode()
         if proto is CHAT:
             check_chat_logprobs(decoded)
         model = str(decoded["model"])
@@ -145,15 +149,15 @@ class Planner:
         # conv.inference_options.output_constraint: the engine enforces what constraints.py maps.
         if extra is not None:
             gens = [g.with_namespace_tool_map(extra[0]).with_echo(extra[1]) for g in gens]
-        return model, conv, gens, extra_sampling(decoded, proto.name)
+        return model, conv, gens, decoded
 
     def prompt_ids(self, conv: dr.ConversationRequest) -> list[int]:
         return self.encoder.encode(conv.conversation, max_prompt_tokens=self.max_context)
 
     def chat(self, proto: Protocol, body: bytes, rid: str, tenant: str) -> Plan:
-        model, conv, gens, extra = self.convert(proto, body, rid)
+        model, conv, gens, decoded = self.convert(proto, body, rid)
         prompt = self.prompt_ids(conv)
-        sampling = self.chat_sampling(conv, len(prompt), extra)
+        sampling = self.chat_sampling(conv, len(prompt), decoded, proto.name)
         encoder = self.encoder
 
         def choices() -> list[Choice]:
@@ -182,8 +186,11 @@ class Planner:
         )
 
     def chat_sampling(
-        self, conv: dr.ConversationRequest, prompt_len: int, extra: dict[str, Any]
+        self, conv: dr.ConversationRequest, prompt_len: int, body: dict[str, Any], protocol: str
     ) -> common_pb2.SamplingParams:
+        """The sampling settings of a converted request; ``body``: the decoded request (its
+        extra sampling fields and schemas as sent)."""
+        extra = extra_sampling(body, protocol)
         io = conv.inference_options
         try:
             max_tokens = conv.resolve_max_tokens(prompt_len, self.max_context)
@@ -200,14 +207,14 @@ class Planner:
         if io.logprobs:  # the library builds the protocol's logprobs from the events' pairs
             sp.logprobs = io.top_logprobs or 0
         thinking = self.encoder.parsing_options(conv).thinking_initial_stage is not None
-        constraint = output_constraint(conv, thinking)
+        constraint = output_constraint(conv, thinking, body, protocol)
         if constraint is not None:
             sp.constraint.kind, sp.constraint.spec = constraint.kind, constraint.spec
         return checked(sp, extra)
 
     # -- Completions -----------------------------------------------------------------------------
     def completion(self, proto: Protocol, body: bytes, rid: str) -> Plan:
-        decoded = decode_body(body, self.model_name)
+        decoded = fields.check(decode_body(body, self.model_name), proto.name)
         req = parse_completion(decoded, extra_sampling(decoded, proto.name))
         prompt, echo = self.completion_prompt(req)
         sampling = self.completion_sampling(req, len(prompt))

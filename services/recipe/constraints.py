@@ -45,14 +45,22 @@ What the tool-call grammar enforces, and what it decides (the library's parser a
 * ``type: string`` -> ``string="true"`` and free text without ``<`` (except ``<`` before a
   space, ``=`` or a digit, as in ``a < b``) or ``｜``: every added token (chat markup,
   ``｜DSML｜``, EOS) begins with ``<`` followed by another character or contains ``｜``, so the
-  text cannot spell markup nor run into the closing ``</｜DSML｜parameter>``; ``enum`` /
-  ``const`` -> those values (strings as ``string="true"`` text, others as JSON, as the
-  library renders them); ``integer``, ``number``, ``boolean``, ``null`` by JSON pattern;
-  ``object``, ``array`` -> any JSON object / array (nested schemas are not followed); no or
-  another type (``anyOf`` ...) -> either text or any JSON value. The parser splices a
-  ``string="false"`` value verbatim into the arguments, so only JSON may stand there. JSON is
-  written compactly, a space allowed after ``,`` and ``:`` (the library's rendering); JSON
-  strings exclude ``<`` and ``｜`` as text does (``\u003c`` spells ``<``);
+  text cannot spell markup nor run into the closing ``</｜DSML｜parameter>``;
+  ``minLength``/``maxLength`` bound it (then without any ``<``, one character a repetition),
+  ``pattern`` is an xgrammar ``Regex`` over it (with a length, or ``format``: a 400);
+  ``enum`` / ``const`` -> those values (strings as ``string="true"`` text, others as JSON, as
+  the library renders them); ``integer``, ``number``, ``boolean``, ``null`` by JSON pattern;
+  a non-string schema that says more than its type (ranges, ``items``, nested
+  ``properties``, ``minItems`` ...) -> xgrammar's own grammar of it (``schemas.embed``), so
+  its keywords hold at every depth; ``$ref`` into the tool's ``$defs`` is followed, a
+  top-level ``anyOf``/``oneOf`` is each alternative; no type and no keyword -> either text
+  or any JSON value. The schemas are the caller's (``schemas.tool_parameters``: the library
+  drops their keywords), and a keyword the grammar cannot enforce is a 400 naming it. The
+  parser splices a ``string="false"`` value verbatim into the arguments, so only JSON may
+  stand there. JSON is written compactly, a space allowed after ``,`` and ``:`` (the
+  library's rendering); JSON strings exclude ``<`` and ``｜`` as text does (``\u003c``
+  spells ``<``);
+* ``parallel_tool_calls: false`` -> exactly one call;
 * :data:`TEXT_LIMIT`: at most that many characters per text or JSON string (None: no limit;
   the tests set one so that a random-weight model finishes its strings).
 

@@ -11,6 +11,7 @@ from libs.common.grpc_auth import add_service_token_flag
 from libs.gateway.keylimits import KeyLimit, KeyLimitPolicy, key_id, parse_key_limits
 
 from .handlers import AppConfig
+from .pool import DEFAULT_QUEUE_BYTES
 
 SERVICE = "recipe"
 DESCRIPTION = """\
@@ -152,15 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
         p,
         "--encode-threads",
         type=int,
-        default=4,
-        help="threads that parse, render and tokenize requests (off the event loop)",
+        default=0,
+        help="threads that parse, render and tokenize requests (off the event loop); "
+        "0: one per core this process may use",
     )
     flag(
         p,
-        "--encode-queue",
+        "--encode-queue-bytes",
         type=int,
-        default=64,
-        help="requests waiting for an encode thread before a 429",
+        default=DEFAULT_QUEUE_BYTES,
+        help="bytes of request bodies admitted to the encode threads (running or waiting) "
+        "before a 429",
     )
     flag(
         p,
@@ -255,7 +258,7 @@ def config_from(args: argparse.Namespace) -> RecipeConfig:
             max_body_bytes=args.max_body_bytes,
             body_timeout=args.body_timeout,
             encode_threads=args.encode_threads,
-            encode_queue=args.encode_queue,
+            encode_queue_bytes=args.encode_queue_bytes,
             keys=KeyTable(keys),
             key_limits=key_limit_policy(
                 args.key_max_concurrency, args.key_tokens_per_min, args.key_limits, keys

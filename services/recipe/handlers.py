@@ -64,7 +64,7 @@ from .backend import Calls, GenerateBackend, GenerateCall, merged
 from .encoding import Encoder
 from .events import api_error
 from .plan import Plan, Planner
-from .pool import EncodePool
+from .pool import DEFAULT_QUEUE_BYTES, EncodePool
 from .usage import UsageSink
 
 log = logging.getLogger("recipe")
@@ -83,8 +83,9 @@ class AppConfig:
     # The whole body must arrive within this many seconds (32 MiB at 1 MB/s is 32 s); a client
     # that trickles it (slowloris) gets a 408 and the connection closes.
     body_timeout: float = 60.0
-    encode_threads: int = 4  # the EncodePool's threads (long prompts also use Rayon's pool)
-    encode_queue: int = 64  # jobs waiting for an encode thread before a 429
+    # the EncodePool's threads (long prompts also use Rayon's pool); 0: one per usable core
+    encode_threads: int = 0
+    encode_queue_bytes: int = DEFAULT_QUEUE_BYTES  # bodies in the pool before a 429
     retry_after_s: int = 1
     keys: KeyTable = field(default_factory=KeyTable)
     # Per API key: concurrency cap and token rate (--key-max-concurrency, --key-tokens-per-min,
@@ -104,10 +105,14 @@ class AppConfig:
             raise ValueError(f"--max-body-bytes must be positive, got {self.max_body_bytes}")
         if not self.body_timeout > 0:
             raise ValueError(f"--body-timeout must be > 0 seconds, got {self.body_timeout}")
-        if self.encode_threads <= 0:
-            raise ValueError(f"--encode-threads must be positive, got {self.encode_threads}")
-        if self.encode_queue < 0:
-            raise ValueError(f"--encode-queue must be >= 0, got {self.encode_queue}")
+        if self.encode_threads < 0:
+            raise ValueError(
+                f"--encode-threads must be >= 0 (0: every core), got {self.encode_threads}"
+            )
+        if self.encode_queue_bytes <= 0:
+            raise ValueError(
+                f"--encode-queue-bytes must be positive, got {self.encode_queue_bytes}"
+            )
 
 
 def tenant_label(tenant: str) -> str:
@@ -274,8 +279,8 @@ class Frontend:
         """The request's :class:`~.plan.Plan`, computed in the encode pool: parsing,
         conversion, rendering and tokenizing a large body takes seconds."""
         if proto is COMPLETIONS:
-            return await self.pool.run(lambda: self.planner.completion(proto, body, rid))
-        return await self.pool.run(lambda: self.planner.chat(proto, body, rid, tenant))
+            return await self.pool.run(lambda: self.planner.completion(proto, body, rid), len(body))
+        return await self.pool.run(lambda: self.planner.chat(proto, body, rid, tenant), len(body))
 
     # -- the request ------------------------------------------------------------------------------
     async def handle(self, request: Request, proto: Protocol) -> Response:
@@ -318,7 +323,8 @@ class Frontend:
                 _, conv, _, _ = self.planner.convert(MESSAGES, body, rid)
                 return len(self.planner.prompt_ids(conv))
 
-            response: Response = JSONResponse({"input_tokens": await self.pool.run(work)})
+            count = await self.pool.run(work, len(body))
+            response: Response = JSONResponse({"input_tokens": count})
         except APIError as err:
             response = error_response(MESSAGES, err, rid)
         except DeepserveError as exc:  # the encode pool is full
@@ -538,7 +544,7 @@ def build_app(
     caller then does not close -- fine for tests); ``usage``: where usage records go (None:
     nowhere); ``clock``: the key limits' clock (tests pass a fake)."""
     metrics = metrics or Metrics(CollectorRegistry())
-    pool = pool or EncodePool(cfg.encode_threads, cfg.encode_queue, cfg.retry_after_s * 1000)
+    pool = pool or EncodePool(cfg.encode_threads, cfg.encode_queue_bytes, cfg.retry_after_s * 1000)
     front = Frontend(cfg, encoder, backend, metrics, pool, usage, clock)
     created = int(time.time())
 

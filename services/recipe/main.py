@@ -85,7 +85,9 @@ async def serve(cfg: RecipeConfig, ctx: ServiceContext) -> int:
     ops_port = await ctx.start_ops(health, status_routes(board))
     ctx.stack.push_async_callback(backend.close)
     ctx.background(health.poll(), "health")
-    pool = EncodePool(cfg.app.encode_threads, cfg.app.encode_queue, cfg.app.retry_after_s * 1000)
+    pool = EncodePool(
+        cfg.app.encode_threads, cfg.app.encode_queue_bytes, cfg.app.retry_after_s * 1000
+    )
     ctx.stack.callback(pool.close)
     metrics = Metrics()  # the ops port's registry
     collector = StatusCollector(

@@ -170,7 +170,7 @@ async def test_healthz_answers_while_a_request_is_encoded(encoder: PromptEncoder
 
 async def test_full_encode_pool_is_429_in_the_protocols_shape(encoder: PromptEncoder) -> None:
     slow = SlowEncoder(encoder)
-    app = app_of(slow, FakeBackend(encoder), encode_threads=1, encode_queue=0)
+    app = app_of(slow, FakeBackend(encoder), encode_threads=1, encode_queue_bytes=1)
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://t"
     ) as http:

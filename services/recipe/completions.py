@@ -110,6 +110,12 @@ def read_prompt(body: dict[str, Any]) -> tuple[str | None, tuple[int, ...] | Non
             "prompt",
             "unsupported_value",
         )
+    if len(p) > 1:  # e.g. ["a", 5]: neither token ids nor prompts (it once meant "a")
+        raise invalid(
+            f"prompt must be a string, a list of token ids (integers) or a list of one of "
+            f"those; got a list mixing {', '.join(sorted({type(x).__name__ for x in p}))}",
+            "prompt",
+        )
     only = p[0]
     if isinstance(only, str):
         return only, None

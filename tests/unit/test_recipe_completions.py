@@ -201,6 +201,8 @@ def test_completion_stream(oai: openai.OpenAI, client: TestClient, encoder: Prom
         ({"prompt": []}, "prompt"),
         ({"prompt": {"text": "x"}}, "prompt"),
         ({"prompt": [1, "x"]}, "prompt"),
+        ({"prompt": ["a", 5]}, "prompt"),  # once silently "a"
+        ({"prompt": [[1], 5]}, "prompt"),
         ({"prompt": [1, True]}, "prompt"),
         ({"prompt": [10**9]}, "prompt"),
         ({"prompt": [-1]}, "prompt"),

@@ -9,7 +9,7 @@ import re
 
 from deepserve.up import SERVICE_SECRETS
 
-SERVICES = ("recipe", "entrypoint", "balancer", "prefill", "decode", "kvstore")
+SERVICES = ("recipe", "entrypoint", "balancer", "prefill", "decode", "aggregated", "kvstore")
 SECRET_ENVS = {  # docs/security.md: the secrets and their environment twins
     "DEEPSERVE_SERVICE_TOKEN",
     "DEEPSERVE_CACHE_SALT_SECRET",

@@ -25,6 +25,7 @@ ENGINES = {
     "decode": "decode",
     "prefill-gpu": "prefill",
     "decode-gpu": "decode",
+    "aggregated-gpu": "aggregated",
 }
 BACKENDS = {"nats", "redis", "seaweedfs"}
 # What a deepserve container may carry besides its flags' twins: boto3's S3 credentials.
@@ -163,14 +164,15 @@ def test_gpu_profile_reserves_a_gpu_for_each_engine() -> None:
         device = flag_value(_args(svc), "--device")
         reservation = svc.get("deploy", {}).get("resources", {}).get("reservations", {})
         if name.endswith("-gpu"):
-            assert svc["profiles"] == ["gpu"]
+            # The aggregated engine is the other choice for the same GPUs: its own profile.
+            assert svc["profiles"] == ["aggregated" if name == "aggregated-gpu" else "gpu"]
             assert device == "cuda"
             assert reservation["devices"] == [
                 {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
             ]
             assert "CUDA" in svc["image"]
-            base = services[_service_of(name)]
-            assert _env(svc) == _env(base), f"{name} configured like {_service_of(name)}"
+            like = "decode" if name == "aggregated-gpu" else _service_of(name)
+            assert _env(svc) == _env(services[like]), f"{name} configured like {like}"
         else:
             assert "profiles" not in svc and device == "cpu" and not reservation
 

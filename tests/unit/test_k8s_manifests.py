@@ -405,13 +405,14 @@ def test_gpus_on_engines_only() -> None:
     for name, dep in _deployments().items():
         c = _container(dep)
         gpus = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
-        assert (gpus is not None) == (name in ("prefill", "decode")), name
+        assert (gpus is not None) == (name in ("prefill", "decode", "aggregated")), name
         if gpus is not None:
             assert _flag_value(c["args"], "--device").startswith("cuda")
 
 
-def test_decode_advertises_its_pod_ip() -> None:
-    c = _container(_deployments()["decode"])
+@pytest.mark.parametrize("name", ["decode", "aggregated"])
+def test_kv_receivers_advertise_their_pod_ip(name: str) -> None:
+    c = _container(_deployments()[name])
     assert "--host" not in c["args"]
     host = [e for e in c["env"] if e["name"] == "DEEPSERVE_HOST"]
     assert host == [

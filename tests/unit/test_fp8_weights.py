@@ -234,3 +234,20 @@ def test_tiny_preset_with_fp8_weights_generates_close_to_bf16() -> None:
     q = bench_quality(args, {"weight_dtype": "fp8"})
     # Weight and activation rounding on random weights (measured: rel ~0.08, top-1 0.9).
     assert 0 < q["relative_error"] < 0.15 and q["top1_agreement"] >= 0.6, q
+
+
+def test_a_stacked_weight_quantized_in_chunks_equals_it_whole(monkeypatch) -> None:
+    """Quantizing experts a few at a time (what bounds the fp32 working copy of a V3-width
+    expert stack) gives the very bytes and scales of one pass over the whole stack."""
+    import torch
+
+    from libs.engine.kernels import fp8_gemm
+
+    w = torch.randn(5, 3, 200, 300, generator=torch.Generator().manual_seed(0)) * 0.05
+    whole = fp8_gemm.quantize_fp8_blocks(w)
+    monkeypatch.setattr(fp8_gemm, "QUANTIZE_CHUNK_BYTES", 2 * 256 * 384 * 4)  # 2 matrices a chunk
+    parts = fp8_gemm.quantize_fp8_blocks(w)
+    assert parts.q.shape == whole.q.shape == (5, 3, 200, 300)
+    assert parts.scale.shape == whole.scale.shape == (5, 3, 2, 3)
+    assert torch.equal(parts.q.view(torch.uint8), whole.q.view(torch.uint8))
+    assert torch.equal(parts.scale, whole.scale)

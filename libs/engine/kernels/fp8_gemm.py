@@ -17,6 +17,7 @@ dequantized to fp32 and multiplied; correct, not fast -- the CPU path).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -58,9 +59,32 @@ def _expand(scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return s.repeat_interleave(FP8_BLOCK, -1)[..., :cols]
 
 
+# The fp32 working copy quantize_fp8_blocks makes at most at once: a stacked expert weight of
+# DeepSeek-V3's width (256 x 4096 x 7168) is 28 GiB in fp32, twice that with the scaled tiles,
+# more than an 80 GB card has beside the weights; matrix by matrix it stays under this bound.
+QUANTIZE_CHUNK_BYTES = 1 << 30
+
+
 def quantize_fp8_blocks(w: torch.Tensor) -> Fp8Weight:
     """``w [..., N, K]`` to e4m3 with one ``amax / 448`` scale per 128x128 tile (all-zero
-    tiles: scale 1). Round to nearest even; ``q * scale`` never exceeds the tile's amax."""
+    tiles: scale 1). Round to nearest even; ``q * scale`` never exceeds the tile's amax.
+    A stacked weight is quantized a few matrices at a time (``QUANTIZE_CHUNK_BYTES`` of fp32
+    work), so the transient memory does not grow with the number of experts."""
+    *lead, n, k = w.shape
+    count = math.prod(lead)
+    per = max(1, QUANTIZE_CHUNK_BYTES // max(1, _blocks(n) * _blocks(k) * FP8_BLOCK**2 * 4))
+    if count > per:
+        flat = w.reshape(count, n, k)
+        q = torch.empty(count, n, k, dtype=FP8_DTYPE, device=w.device)
+        scale = torch.empty(count, _blocks(n), _blocks(k), dtype=torch.float32, device=w.device)
+        for i in range(0, count, per):
+            part = _quantize_blocks(flat[i : i + per])
+            q[i : i + per], scale[i : i + per] = part.q, part.scale
+        return Fp8Weight(q.view(*lead, n, k), scale.view(*lead, _blocks(n), _blocks(k)))
+    return _quantize_blocks(w)
+
+
+def _quantize_blocks(w: torch.Tensor) -> Fp8Weight:
     *lead, n, k = w.shape
     nb, kb = _blocks(n), _blocks(k)
     wf = torch.zeros(*lead, nb * FP8_BLOCK, kb * FP8_BLOCK, dtype=torch.float32, device=w.device)

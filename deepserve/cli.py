@@ -564,8 +564,20 @@ def _add_usage(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--json", action="store_true", help="print the totals as JSON")
 
 
+def version() -> str:
+    """The installed distribution's version (pyproject.toml), or "unknown" from a bare tree."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("deepserve")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deepserve")
+    parser.add_argument("--version", action="version", version=f"deepserve {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_bench(sub)

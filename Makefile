@@ -3,18 +3,24 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+SERVE_STAMP := $(VENV)/.serve-stamp
 PYTEST_ARGS ?=
 
 .PHONY: setup up test test-gpu test-container image lint clean
 
 setup: $(STAMP)
 
-# Idempotent: re-runs only when the project's dependency list changes.
+# Idempotent: re-runs only when the project's dependency list changes. The full setup (test
+# extras, Chromium) covers serving too; `make up` alone installs only what serving needs.
 $(STAMP): pyproject.toml scripts/setup.sh scripts/install-torch.sh
-	bash scripts/setup.sh $(VENV)
-	touch $(STAMP)
+	bash scripts/setup.sh $(VENV) test
+	touch $(STAMP) $(SERVE_STAMP)
 
-up: setup
+$(SERVE_STAMP): pyproject.toml scripts/setup.sh scripts/install-torch.sh
+	bash scripts/setup.sh $(VENV) serve
+	touch $(SERVE_STAMP)
+
+up: $(SERVE_STAMP)
 	$(VENV)/bin/deepserve up
 
 test: setup

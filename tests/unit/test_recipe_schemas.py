@@ -18,7 +18,13 @@ from services.recipe.encoding import PromptEncoder
 
 from .recipe_fakes import MODEL, FakeBackend
 from .test_recipe import make_app
-from .test_recipe_constraints import EngineBackend, engine  # noqa: F401 (a fixture)
+from .test_recipe_constraints import (  # noqa: F401 (engine, grammars: fixtures)
+    EngineBackend,
+    engine,
+    follows,
+    grammars,
+    rendered_calls,
+)
 
 USER: Any = [{"role": "user", "content": "give me JSON"}]
 BOUNDED: Any = {
@@ -151,3 +157,36 @@ def test_random_model_follows_every_bound(encoder: PromptEncoder, engine: Any) -
         )
         assert answer.choices[0].finish_reason == "stop", answer
         jsonschema.validate(json.loads(answer.choices[0].message.content or ""), BOUNDED)
+
+
+def test_auto_tools_beside_a_structured_answer_enforce_both(
+    client: TestClient,
+    backend: FakeBackend,
+    encoder: PromptEncoder,
+    grammars: Any,  # noqa: F811
+) -> None:
+    """The OpenAI Agents SDK's request for an agent with tools and an output_type: strict tools,
+    tool_choice auto, a strict json_schema. deepseek-recipe refuses strict tools beside a
+    response_format and keeps only the tools under auto; the recipe sends the library the tools
+    unflagged and enforces "the JSON answer, or tool calls"."""
+    tool = {"type": "function", "function": {**TOOL["function"], "name": "get_weather"}}
+    fmt = {"type": "json_schema", "json_schema": STRICT}
+    body = {"model": MODEL, "messages": USER, "tools": [tool], "response_format": fmt}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    c = SamplingParams.from_proto(backend.requests[-1].sampling).constraint
+    assert c is not None and c.kind == "ebnf"
+    answer = {
+        "city": "Paris",
+        "code": "PAR",
+        "unit": "c",
+        "days": 3,
+        "tags": ["a"],
+        "where": {"zone": 1},
+    }
+    assert follows(grammars, encoder, c, json.dumps(answer))
+    assert not follows(grammars, encoder, c, json.dumps({**answer, "days": 9}))
+    assert not follows(grammars, encoder, c, json.dumps({**answer, "city": "x" * 13}))
+    call = rendered_calls(encoder, [("get_weather", answer)])
+    assert not follows(grammars, encoder, c, call)  # the block must open first
+    assert follows(grammars, encoder, c, "\n\n<｜DSML｜tool_calls>\n" + call)

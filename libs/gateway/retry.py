@@ -7,12 +7,16 @@ instance that stopped heartbeating), :func:`decide` picks:
 * ``FRESH`` -- nothing reached the client yet: run the request again on other instances
   (the kvstore still holds the blocks the failed prefill wrote, so the prompt is not
   recomputed from scratch);
-* ``CONTINUE`` -- tokens were sent: resend ``prompt + tokens sent`` as the new prompt with
-  ``max_tokens`` reduced by what was sent. Exact when the next tokens depend only on the
-  tokens before them: greedy decoding, or seeded sampling (draws are keyed by (seed,
-  position), ``libs/engine/sampler.py``), so the client sees the uninterrupted completion;
+* ``CONTINUE`` -- tokens were sent: resume the same request. The PrefillTask carries
+  ``prompt + tokens sent`` with ``num_prior_outputs`` = tokens sent and the request's own
+  sampling settings: the engines take those tokens as output already produced (the grammar
+  is advanced past them, the penalties count them, ``max_tokens`` and ``min_tokens`` count
+  the whole completion, seeded draws stay keyed by (seed, position),
+  ``libs/engine/sampler.py``), so for greedy and seeded sampling the client sees exactly the
+  uninterrupted completion;
 * ``FAIL`` -- not retryable, out of attempts, or tokens were sent under unseeded sampling
-  (a continuation would not be the same draw): the client gets UNAVAILABLE and retries.
+  (the resumed attempt's draws would not be those the failed instance would have made): the
+  client gets UNAVAILABLE and retries.
 
 :class:`Progress` is what survives between attempts: tokens sent, Ready sent, cached tokens,
 instances to exclude; it turns one attempt's outputs into what the client sees.
@@ -67,6 +71,11 @@ class Progress:
     @property
     def attempt_prompt(self) -> tuple[int, ...]:
         return self.prompt + tuple(self.sent)
+
+    @property
+    def prior_outputs(self) -> int:
+        """How many tokens at the end of :attr:`attempt_prompt` are output already sent."""
+        return len(self.sent)
 
     @property
     def remaining(self) -> int:

@@ -7,6 +7,11 @@ service, a list in tests).
 Indices: prefill published output position 0 (the first token); the engine here starts from
 prompt + [first token], so its k-th event is output position k (k >= 1).
 
+Outputs already in the task: ``DecodeTask.token_ids`` past ``num_prompt_tokens`` -- the first
+token, and before it a retry's prior outputs (what an earlier attempt sent the client). The
+engine takes them all as output (``prior_outputs``: penalties, grammar), and max_tokens and
+min_tokens, which count the whole completion, are reduced by them.
+
 What was published per request is kept (``libs/serving/replay.py``) while it decodes and for a
 short grace after, so ``KVTransfer.Resend`` can send the entrypoint again what a NATS outage
 lost.
@@ -174,7 +179,7 @@ class DecodeHandler:
         assert me is not None
         self._relays[rid] = me
         REQUESTS.labels("local").inc()
-        KV_BLOCKS.labels("local").inc(-(-task.num_prompt_tokens // self.block_size))
+        KV_BLOCKS.labels("local").inc(-(-kv_tokens(task) // self.block_size))
         await self._relay(task, stream, task.traceparent, store_from_block)
 
     def _precheck(self, task: control_pb2.DecodeTask) -> None:
@@ -189,14 +194,15 @@ class DecodeHandler:
             raise NotFound(f"request {rid} was aborted")  # the request is gone
         if rid in self._relays:
             raise InvalidArgument(f"request {rid} is already decoding here")
-        if task.sampling.max_tokens <= 1:
-            raise InvalidArgument(
-                "DecodeTask.sampling.max_tokens must be > 1: "
-                "prefill already produced the first token"
-            )
         if not 0 < task.num_prompt_tokens < len(task.token_ids):
             raise InvalidArgument(
                 "DecodeTask.token_ids must hold the prompt and the first generated token"
+            )
+        done = len(task.token_ids) - task.num_prompt_tokens
+        if task.sampling.max_tokens <= done:
+            raise InvalidArgument(
+                f"DecodeTask.sampling.max_tokens must be > {done}: the task holds {done} "
+                "outputs already (prefill's first token and any a retry resumes from)"
             )
 
     async def _add(self, task: control_pb2.DecodeTask, kv: bytes | PeerKV) -> RequestStream:
@@ -205,11 +211,13 @@ class DecodeHandler:
         rid = task.request_id
         arrived = time.monotonic()  # the engine metrics' end-to-end latency counts the upload
         try:
-            # Prefill produced the first token: one fewer to generate, and to hold stops back for.
+            # Prefill produced the first token (after a retry's prior outputs, if any): that
+            # many fewer to generate, and to hold stops back for.
+            done = len(task.token_ids) - task.num_prompt_tokens
             sampling = common_pb2.SamplingParams()
             sampling.CopyFrom(task.sampling)
-            sampling.min_tokens = max(0, sampling.min_tokens - 1)
-            params = SamplingParams.from_proto(sampling, max_tokens=sampling.max_tokens - 1)
+            sampling.min_tokens = max(0, sampling.min_tokens - done)
+            params = SamplingParams.from_proto(sampling, max_tokens=sampling.max_tokens - done)
             source: PeerKV | PreparedKV
             if isinstance(kv, PeerKV):
                 source = kv
@@ -223,7 +231,7 @@ class DecodeHandler:
                 kv=source,
                 cache_salt=task.cache_salt,
                 hold_kv=self.kvstore is not None,
-                prior_outputs=len(task.token_ids) - task.num_prompt_tokens,
+                prior_outputs=done,
                 arrival=arrived,
                 drafts=(list(task.draft_token_ids), list(task.draft_confidences))
                 if task.draft_token_ids
@@ -329,9 +337,10 @@ class DecodeHandler:
         """Copy the finished request's new full blocks out of the engine, free its KV, and
         write the blocks to the kvstore in the background (if the write-behind has room)."""
         rid = task.request_id
-        # A pushed request: prefill stored the prompt's full blocks; a local one says where.
-        start = task.num_prompt_tokens // self.block_size if start_block is None else start_block
-        computed = task.num_prompt_tokens + outputs - 1  # the last token was never computed
+        # A pushed request: prefill stored the full blocks of what it computed (the prompt and
+        # any prior outputs); a local one says where.
+        start = kv_tokens(task) // self.block_size if start_block is None else start_block
+        computed = kv_tokens(task) + outputs - 1  # the last token was never computed
         nbytes = max(0, computed // self.block_size - start) * self.bytes_per_block
         try:
             if nbytes and not await self.writes.submit(
@@ -461,13 +470,13 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
                 if why:
                     return _refuse(why)
                 limit = max_frame_bytes(
-                    task.num_prompt_tokens, self.handler.block_size, self.handler.bytes_per_block
+                    kv_tokens(task), self.handler.block_size, self.handler.bytes_per_block
                 )
             elif which == "chunk" and ref is None:
                 if len(frame) + len(part.chunk) > limit:
                     return _refuse(
                         f"KV frame for request {task.request_id!r} passed {limit} bytes, the "
-                        f"most {task.num_prompt_tokens} prompt tokens can need here "
+                        f"most {kv_tokens(task)} prompt tokens can need here "
                         f"(block size {self.handler.block_size}, "
                         f"{self.handler.bytes_per_block} bytes per block): was it made for "
                         f"another model or prompt?"
@@ -516,6 +525,12 @@ def max_frame_bytes(num_prompt_tokens: int, block_size: int, bytes_per_block: in
     return _HEADER_FIXED_BYTES + header + blocks * bytes_per_block
 
 
+def kv_tokens(task: control_pb2.DecodeTask) -> int:
+    """The tokens whose KV comes with the task: all but the last (the first token prefill
+    generated, computed by decode's first step)."""
+    return max(0, len(task.token_ids) - 1)
+
+
 def _implausible(task: control_pb2.DecodeTask, max_model_len: int) -> str:
     """Why this task cannot be real, before any of its KV is read ("" if it can)."""
     if not 0 < task.num_prompt_tokens < max_model_len:
@@ -527,6 +542,11 @@ def _implausible(task: control_pb2.DecodeTask, max_model_len: int) -> str:
         return (
             f"DecodeTask.token_ids must hold the {task.num_prompt_tokens} prompt tokens and the "
             f"first generated token, got {len(task.token_ids)} (request {task.request_id!r})"
+        )
+    if len(task.token_ids) >= max_model_len:
+        return (
+            f"DecodeTask.token_ids holds {len(task.token_ids)} tokens; this engine's context "
+            f"is {max_model_len} (request {task.request_id!r})"
         )
     return ""
 

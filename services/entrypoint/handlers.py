@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import secrets
@@ -529,7 +528,10 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
     def _give_up(rid: str, exc: AttemptFailed, attempt: int, sent: int, exact: bool) -> str:
         if sent and not exact:
             why = (
-                f"{sent} tokens were already sent and unseeded sampling cannot be continued exactly"
+                f"{sent} tokens were already sent and unseeded sampling cannot be continued "
+                "exactly: a resumed attempt keeps the grammar, penalties and stop state, but its "
+                "draws would not be the ones the failed instance would have made (set a seed "
+                "for exact failover)"
             )
         else:
             why = f"after {attempt} attempt{'s' if attempt > 1 else ''}"
@@ -603,9 +605,10 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             task = control_pb2.PrefillTask(
                 request_id=wire,
                 prompt_token_ids=prompt,
-                sampling=dataclasses.replace(
-                    valid.sampling, max_tokens=progress.remaining
-                ).to_proto(),
+                # The whole request's settings: a retry's prior outputs (the end of prompt)
+                # count towards max_tokens and min_tokens, as in the uninterrupted run.
+                sampling=valid.sampling.to_proto(),
+                num_prior_outputs=progress.prior_outputs,
                 cache_salt=salt,
                 traffic_class=cast(Any, valid.traffic_class),
                 cached_blocks=cached_blocks,

@@ -19,6 +19,12 @@ One task, in order:
    off the engine thread; the engine's copy is released right after;
 5. new full blocks go to the kvstore in the background (failures are logged, not fatal).
 
+A retry after tokens reached the client (``PrefillTask.num_prior_outputs``: the last N prompt
+tokens are the completion sent so far) is the same request resumed, not a new one: the engine
+takes those N tokens as output (``prior_outputs``: the grammar is advanced past them, the
+penalties count them, min_tokens and max_tokens count the whole completion), and the DecodeTask
+keeps the true prompt length, so decode treats them the same way.
+
 A task comes off the bus through :meth:`PrefillHandler.on_message`, which confirms receipt
 when the sender asks for it (a reply subject: the entrypoint sends a task again until one
 copy is confirmed, ``services/entrypoint/delivery.py``); copies of a task already in flight
@@ -271,26 +277,32 @@ class PrefillHandler:
     # -- the task -----------------------------------------------------------------------------
     async def _serve(self, task: control_pb2.PrefillTask, subject: str) -> None:
         rid, prompt = task.request_id, list(task.prompt_token_ids)
+        prior = task.num_prior_outputs  # outputs an earlier attempt sent (the end of prompt)
         t0 = time.perf_counter()
         arrived = time.monotonic()  # the engine metrics' TTFT counts kvstore loads too
         try:
-            self._check(task)
             params = SamplingParams.from_proto(task.sampling)
+            self._check(task, params)
         except InvalidArgument as exc:
             REQUESTS.labels("invalid").inc()
             await self._send(subject, error_event(rid, exc))
             return
         local = self.local is not None and task.decode_address == self.local.address
+        # The engine counts max_tokens and min_tokens from its own outputs: the prior ones are
+        # part of its prompt.
+        rest = dataclasses.replace(
+            params,
+            max_tokens=params.max_tokens - prior,
+            min_tokens=max(0, params.min_tokens - prior),
+        )
         if local:  # this engine decodes it too: the whole request, its KV never moves
             stream, in_store = await self._add(
-                task, prompt, params, arrived, hold_kv=self.kvstore is not None
+                task, prompt, rest, arrived, hold_kv=self.kvstore is not None
             )
         else:
             # Only the first token here; min_tokens >= 1 keeps it from being EOS (decode does
             # the rest).
-            first_only = dataclasses.replace(
-                params, max_tokens=1, min_tokens=min(params.min_tokens, 1)
-            )
+            first_only = dataclasses.replace(rest, max_tokens=1, min_tokens=min(rest.min_tokens, 1))
             stream, in_store = await self._add(task, prompt, first_only, arrived)
         if stream is None:
             return
@@ -301,7 +313,7 @@ class PrefillHandler:
         if local:
             reason = (ev.finish_reason or "stop") if ev.finished else None
         else:
-            reason = self._first_token_reason(ev.finish_reason, params.max_tokens, len(prompt))
+            reason = self._first_token_reason(ev.finish_reason, rest.max_tokens, len(prompt))
         await self._send(
             subject,
             control_pb2.TokenEvent(
@@ -310,7 +322,7 @@ class PrefillHandler:
                 token_ids=[first],
                 finished=reason is not None,
                 finish_reason=reason or "",
-                prompt_tokens=len(prompt),
+                prompt_tokens=len(prompt) - prior,
                 cached_tokens=ev.num_cached_tokens,
                 logprobs=[ev.logprobs.to_proto()] if ev.logprobs is not None else [],
             ),
@@ -323,7 +335,7 @@ class PrefillHandler:
         decode_task = control_pb2.DecodeTask(
             request_id=rid,
             token_ids=prompt + [first],
-            num_prompt_tokens=len(prompt),
+            num_prompt_tokens=len(prompt) - prior,  # the rest are outputs: decode's prior ones
             sampling=task.sampling,
             cache_salt=task.cache_salt,
             events_subject=subject,
@@ -361,11 +373,22 @@ class PrefillHandler:
         REQUESTS.labels("handed_over").inc()
         LATENCY.observe(time.perf_counter() - t0)
 
-    def _check(self, task: control_pb2.PrefillTask) -> None:
+    def _check(self, task: control_pb2.PrefillTask, params: SamplingParams) -> None:
         if not task.request_id:
             raise InvalidArgument("PrefillTask.request_id must not be empty")
         if not task.prompt_token_ids:
             raise InvalidArgument("PrefillTask.prompt_token_ids must not be empty")
+        prior = task.num_prior_outputs
+        if not 0 <= prior < len(task.prompt_token_ids):
+            raise InvalidArgument(
+                f"PrefillTask.num_prior_outputs must lie in [0, {len(task.prompt_token_ids)}) "
+                f"(the prompt must keep a token of its own), got {prior}"
+            )
+        if prior >= params.max_tokens:
+            raise InvalidArgument(
+                f"PrefillTask.num_prior_outputs ({prior}) leaves nothing to generate: "
+                f"sampling.max_tokens ({params.max_tokens}) counts the whole completion"
+            )
         if not task.decode_address:
             raise InvalidArgument(
                 "PrefillTask.decode_address must name the decode instance (host:port)"
@@ -404,6 +427,7 @@ class PrefillHandler:
                         cache_salt=salt,
                         kv=cached,
                         hold_kv=hold_kv,
+                        prior_outputs=task.num_prior_outputs,
                         arrival=arrived,
                     )
                     return stream, task.cached_blocks
@@ -411,7 +435,13 @@ class PrefillHandler:
                     ERRORS.labels("kv_import").inc()
                     log.warning("request %s: cached KV not usable (%s); computing it", rid, exc)
             stream = await self.loop.add(
-                rid, prompt, params, cache_salt=salt, hold_kv=hold_kv, arrival=arrived
+                rid,
+                prompt,
+                params,
+                cache_salt=salt,
+                hold_kv=hold_kv,
+                prior_outputs=task.num_prior_outputs,
+                arrival=arrived,
             )
             return stream, max(task.cached_blocks, 0)
         except InvalidRequest as exc:

@@ -48,6 +48,7 @@ def test_progress_resends_prompt_plus_sent_and_keeps_the_first_ready() -> None:
     assert p.translate(Ready(3, 2)) == Ready(3, 2)
     assert p.translate(Tokens((7, 8))) == Tokens((7, 8))
     assert p.attempt_prompt == (1, 2, 3, 7, 8) and p.remaining == 3
+    assert p.prior_outputs == 2  # the last 2 of the attempt's prompt are output already
     assert p.translate(Ready(5, 4)) is None  # the continuation's Ready is not news to the client
     p.translate(Tokens((9, 10, 11)))
     assert p.translate(Finish("length", 5, 4, 3)) == Finish("length", 3, 2, 5)
@@ -107,9 +108,10 @@ class FlakyBus(FakeBus):
         task = control_pb2.PrefillTask.FromString(data)
         sub = self.subs[task.events_subject]
         prompt = list(task.prompt_token_ids)
-        done = len(prompt) - 3  # the test prompts have 3 tokens; the rest are resent outputs
+        done = task.num_prior_outputs  # the end of the prompt: outputs an attempt sent
+        assert done == len(prompt) - 3  # the test prompts have 3 tokens
         script = self.scripts[self.attempts - 1]
-        for i in range(task.sampling.max_tokens):
+        for i in range(task.sampling.max_tokens - done):  # max_tokens: the whole completion
             if script == f"error@{i}":
                 ev = control_pb2.TokenEvent(
                     request_id=task.request_id, index=i, error="boom", retryable=True
@@ -118,14 +120,14 @@ class FlakyBus(FakeBus):
                 return
             if script == f"silent@{i}":
                 return
-            last = i == task.sampling.max_tokens - 1
+            last = i == task.sampling.max_tokens - done - 1
             ev = control_pb2.TokenEvent(
                 request_id=task.request_id,
                 index=i,
                 token_ids=[FULL[done + i]],
                 finished=last,
                 finish_reason="length" if last else "",
-                prompt_tokens=len(prompt),
+                prompt_tokens=len(prompt) - done,
                 cached_tokens=0,
             )
             sub.queue.put_nowait(ev.SerializeToString())
@@ -146,7 +148,7 @@ async def test_failure_before_any_token_is_retried_fresh_elsewhere() -> None:
     assert [a.request_id for a in bus.aborts()] == [first.request_id]  # survivors free its KV
 
 
-async def test_failure_after_tokens_continues_exactly_with_prompt_plus_sent() -> None:
+async def test_failure_after_tokens_resumes_with_the_sent_tokens_as_prior_output() -> None:
     bus = FlakyBus(["error@2", "ok"])
     events = await collect(make(bus), req([1, 2, 3], max_tokens=5))
     assert tokens_of(events) == FULL
@@ -157,8 +159,22 @@ async def test_failure_after_tokens_continues_exactly_with_prompt_plus_sent() ->
         3,
         5,
     )
+    first, second = bus.tasks()
+    assert first.num_prior_outputs == 0
+    assert list(second.prompt_token_ids) == [1, 2, 3, 7, 8] and second.num_prior_outputs == 2
+    # The request's own settings: max_tokens counts the whole completion, prior outputs too.
+    assert second.sampling == first.sampling and second.sampling.max_tokens == 5
+
+
+async def test_min_tokens_past_what_remains_resumes_instead_of_invalid_argument() -> None:
+    # Before: the retry was a new request with max_tokens 3 < min_tokens 5, refused mid-stream.
+    bus = FlakyBus(["error@2", "ok"])
+    r = req([1, 2, 3], max_tokens=5)
+    r.sampling.min_tokens = 5
+    events = await collect(make(bus), r)
+    assert tokens_of(events) == FULL
     second = bus.tasks()[1]
-    assert list(second.prompt_token_ids) == [1, 2, 3, 7, 8] and second.sampling.max_tokens == 3
+    assert (second.sampling.min_tokens, second.num_prior_outputs) == (5, 2)
 
 
 async def test_a_failed_hand_over_excludes_only_the_decode_instance() -> None:

@@ -43,6 +43,13 @@ ANNOTATIONS = frozenset(
         "deprecated", "readOnly", "writeOnly", "strict",
     }
 )  # fmt: skip
+# string formats xgrammar writes a grammar for
+FORMATS = frozenset(
+    {
+        "date", "date-time", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
+        "uri-reference", "uuid",
+    }
+)  # fmt: skip
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMAS = ("items", "additionalProperties", "propertyNames")
@@ -55,6 +62,23 @@ def check_keywords(schema: Any, param: str, where: str = "schema") -> None:
         return
     if not isinstance(schema, dict):
         raise invalid(f"{where} must be a JSON Schema object", param)
+    if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
+        # xgrammar enforces the pattern and drops the lengths (with a warning in its log)
+        length = "minLength" if "minLength" in schema else "maxLength"
+        raise invalid(
+            f"JSON Schema keyword {length!r} beside 'pattern' (at {where}) is not supported: "
+            "the grammar would enforce only the pattern; put the length in the pattern",
+            param,
+            "unsupported_value",
+        )
+    fmt = schema.get("format")
+    if fmt is not None and fmt not in FORMATS:
+        raise invalid(
+            f"JSON Schema format {fmt!r} (at {where}) is not supported; the grammar enforces "
+            f"{', '.join(sorted(FORMATS))}",
+            param,
+            "unsupported_value",
+        )
     for key, value in schema.items():
         if key not in ENFORCED and key not in ANNOTATIONS:
             raise invalid(

@@ -113,6 +113,25 @@ def test_a_keyword_the_grammar_cannot_enforce_is_a_400(
     assert err["param"] == param and "uniqueItems" in err["message"]
 
 
+@pytest.mark.parametrize(
+    ("prop", "named"),
+    [
+        ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "maxLength"),
+        ({"type": "string", "format": "zip-code"}, "zip-code"),
+    ],
+)
+def test_what_xgrammar_would_drop_in_response_format_is_a_400(
+    client: TestClient, prop: dict[str, Any], named: str
+) -> None:
+    schema = {"type": "object", "properties": {"s": prop}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    body = {"model": MODEL, "messages": USER, "response_format": fmt}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format" and named in err["message"]
+
+
 def test_pattern_with_a_length_in_a_tool_string_is_a_400(client: TestClient) -> None:
     bad = {
         "type": "object",

@@ -73,14 +73,23 @@ def shown_args(args: Any) -> str:
 
 
 def start_nats(
-    port: int, data_dir: Path, log: Path | None = None, *, user: str = "", password: str = ""
+    port: int,
+    data_dir: Path,
+    log: Path | None = None,
+    *,
+    user: str = "",
+    password: str = "",
+    config: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """nats-server with JetStream on ``port``; with ``user`` and ``password`` a client must
-    log in (``nats://user:password@127.0.0.1:port``)."""
+    log in (``nats://user:password@127.0.0.1:port``); ``config`` is a config file to load
+    (``deepserve up``'s users and permissions: libs/common/nats_auth.py)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     binary = find_binary("nats-server", ["/usr/sbin/nats-server"])
     out = open(log, "ab") if log else subprocess.DEVNULL
     args = [binary, "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(data_dir)]
+    if config is not None:
+        args += ["-c", str(config)]
     if user or password:
         args += ["--user", user, "--pass", password]
     proc = subprocess.Popen(
@@ -93,7 +102,11 @@ def start_nats(
     return proc
 
 
-def start_redis(port: int, data_dir: Path, log: Path | None = None) -> subprocess.Popen[bytes]:
+def start_redis(
+    port: int, data_dir: Path, log: Path | None = None, *, persist: bool = False
+) -> subprocess.Popen[bytes]:
+    """redis-server on ``port``; with ``persist`` it keeps its data in an append-only file
+    under ``data_dir`` (fsync every second), so a restart on the same dir has it back."""
     data_dir.mkdir(parents=True, exist_ok=True)
     binary = find_binary("redis-server", ["/usr/bin/redis-server"])
     out = open(log, "ab") if log else subprocess.DEVNULL
@@ -107,7 +120,7 @@ def start_redis(port: int, data_dir: Path, log: Path | None = None) -> subproces
             "--save",
             "",
             "--appendonly",
-            "no",
+            "yes" if persist else "no",
             "--dir",
             str(data_dir),
         ],

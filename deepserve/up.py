@@ -20,9 +20,18 @@ With ``restart`` (``deepserve up`` turns it on; tests that kill instances on pur
 off) :meth:`Stack.supervise`, called in a loop, restarts a service that exits: same argv, env
 and ports, after an exponential backoff (:class:`RestartPolicy`); its restart count and last
 exit code go into stack.json. A service that fails ``max_start_failures`` times in a row
-before answering /healthz stops the stack. nats-server and redis-server are not restarted:
-our redis keeps nothing on disk, so a new one would have lost every block's metadata, and
-both are too central to lose quietly -- their exit stops the stack.
+before answering /healthz stops the stack. nats-server and redis-server, when the stack
+started them, are restarted at once on the same port with their data: redis keeps an
+append-only file under ``<run_dir>/redis`` (the kvstore's block metadata survives), nats-server
+the same JetStream store (``<run_dir>/nats``: the usage stream survives); the services
+reconnect by themselves. Either failing to come back stops the stack.
+
+NATS is internal like every other port: the nats-server the stack starts loads
+``<run_dir>/nats.conf`` (owner-only), a user per service role with fresh passwords and the
+permissions of ``libs/common/nats_auth.py``. Each service gets only its own role's user and
+password, through its environment (DEEPSERVE_NATS_USER / DEEPSERVE_NATS_PASSWORD). The
+supervisor logs in as ``admin`` (:attr:`Stack.nats_url`, for tests); stack.json names the
+``tools`` user's URL (what ``deepserve usage`` needs).
 
 With ``device="cuda"`` the engines are spread over GPUs by :func:`place_engines`: each gets
 ``--device cuda:<i>`` and ``--gpu-memory-fraction`` (its share of that GPU).
@@ -61,6 +70,7 @@ from deepserve.placement import (
     shared_gpus,
     visible_gpus,
 )
+from libs.common import nats_auth
 from libs.common.grpc_auth import call_metadata
 from libs.common.redact import redact, redact_text
 from libs.engine.tokenizer import model_vocab_size
@@ -335,8 +345,16 @@ class Stack:
         self.children: list[Child] = []
         self.nats_proc: subprocess.Popen[bytes] | None = None
         self.redis_proc: subprocess.Popen[bytes] | None = None
-        self.nats_url = ""
+        self.nats_url = ""  # with the admin user's credentials when the stack started NATS
         self.redis_url = ""
+        self.nats_address = ""  # nats://host:port, no credentials (what services dial)
+        # this stack's NATS passwords, a fresh one per role (and admin); never written but
+        # to the owner-only nats.conf
+        self.nats_passwords = {
+            role: secrets.token_hex(24) for role in (*nats_auth.ROLES, nats_auth.ADMIN)
+        }
+        self.backend_restarts = {"nats": 0, "redis": 0}
+        self._nats_port = self._redis_port = 0  # of the servers the stack started
         self.grpc_address = ""
         self.kvstore_address = ""
         self.api_base = ""  # http://host:port
@@ -449,20 +467,56 @@ class Stack:
         self._write_state()
 
     def _start_backends(self) -> None:
-        logs = self.run_dir / "logs"
-        self.nats_url = self.env.get("NATS_URL", "")
+        self.nats_url = self.nats_address = self.env.get("NATS_URL", "")
         if not self.nats_url:
-            port = procs.free_port()
-            self.nats_proc = procs.start_nats(port, self.run_dir / "nats", logs / "nats.log")
-            self.nats_url = f"nats://{HOST}:{port}"
+            self._nats_port = procs.free_port()
+            self._write_nats_config()
+            self._start_nats()
+            self.nats_address = f"nats://{HOST}:{self._nats_port}"
+            self.nats_url = self.nats_url_of(nats_auth.ADMIN)
         self.redis_url = self.env.get("REDIS_URL", "")
         if not self.redis_url:
-            # Our redis keeps nothing across runs (--save ""), so block files left by an
-            # earlier run would have no metadata: start the kvstore's data dir empty too.
+            # A new stack starts with empty data (this run's KV MAC key would refuse an
+            # earlier run's blocks anyway); a restart within the run keeps redis's
+            # append-only file, and so the kvstore's block files.
             shutil.rmtree(self.run_dir / "kvstore", ignore_errors=True)
-            port = procs.free_port()
-            self.redis_proc = procs.start_redis(port, self.run_dir / "redis", logs / "redis.log")
-            self.redis_url = f"redis://{HOST}:{port}/0"
+            shutil.rmtree(self.run_dir / "redis", ignore_errors=True)
+            self._redis_port = procs.free_port()
+            self._start_redis()
+            self.redis_url = f"redis://{HOST}:{self._redis_port}/0"
+
+    def nats_url_of(self, user: str) -> str:
+        """The URL of this stack's nats-server logged in as ``user`` (a role or admin)."""
+        return f"nats://{user}:{self.nats_passwords[user]}@{HOST}:{self._nats_port}"
+
+    def _write_nats_config(self) -> None:
+        """``<run_dir>/nats.conf`` (0600): a user per role, each limited to its subjects."""
+        text = nats_auth.server_config(
+            {r: self.nats_passwords[r] for r in nats_auth.ROLES},
+            admin_password=self.nats_passwords[nats_auth.ADMIN],
+        )
+        path = self.run_dir / "nats.conf"
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        tmp.replace(path)
+
+    def _start_nats(self) -> None:
+        self.nats_proc = procs.start_nats(
+            self._nats_port,
+            self.run_dir / "nats",
+            self.run_dir / "logs" / "nats.log",
+            config=self.run_dir / "nats.conf",
+        )
+
+    def _start_redis(self) -> None:
+        self.redis_proc = procs.start_redis(
+            self._redis_port,
+            self.run_dir / "redis",
+            self.run_dir / "logs" / "redis.log",
+            persist=True,
+        )
 
     def _plan(
         self, name: str, service: str, *, grpc_port: int = 0, args: Sequence[str] = ()
@@ -549,7 +603,11 @@ class Stack:
             env.setdefault(name, self.secrets[name])
         # URLs that may carry credentials travel in the environment, not on the command line
         # (which every user of the host can read).
-        env["NATS_URL"] = self.nats_url
+        env["NATS_URL"] = self.nats_address
+        if self.nats_proc is not None:  # ours: the service logs in as its role, only that
+            role = c.service if c.service in nats_auth.PERMISSIONS else "tools"
+            env[nats_auth.USER_ENV] = role
+            env[nats_auth.PASSWORD_ENV] = self.nats_passwords[role]
         if c.service in ENGINE_SERVICES:
             env.update(self._mps_env)  # the engines reach this stack's MPS daemon, if any
         if c.service == "kvstore":
@@ -619,22 +677,48 @@ class Stack:
         what exited once its backoff passed, note what became healthy. Returns what happened,
         one line each, for the operator's log; stack.json is rewritten on every change.
 
-        Does nothing without a restart policy or after :meth:`stop`. Raises StackError when
-        nats-server or redis-server exited, or a service failed ``max_start_failures`` times
-        in a row at start (the message names it and has its log tail).
+        Does nothing without a restart policy or after :meth:`stop`. Restarts nats-server or
+        redis-server (those the stack started) at once when one exited, with its data; raises
+        StackError when one cannot start again, or a service failed ``max_start_failures``
+        times in a row at start (the message names it and has its log tail).
         """
         policy = self.restart_policy
         if policy is None or self._stopped:
             return []
-        logs = self.run_dir / "logs"
-        for name, proc in (("nats-server", self.nats_proc), ("redis-server", self.redis_proc)):
-            if proc is not None and proc.poll() is not None:
-                log = logs / f"{name.split('-')[0]}.log"
+        events = self._supervise_backends()
+        events += [e for c in self.children if (e := self._supervise_child(c, policy))]
+        if events:
+            self._write_state()
+        return events
+
+    def _supervise_backends(self) -> list[str]:
+        """Start nats-server / redis-server again (same port, config and data) if it exited."""
+        events = []
+        for name, proc, start in (
+            ("nats", self.nats_proc, self._start_nats),
+            ("redis", self.redis_proc, self._start_redis),
+        ):
+            if proc is None or proc.poll() is None:
+                continue
+            code, log = proc.returncode, self.run_dir / "logs" / f"{name}.log"
+            port = self._nats_port if name == "nats" else self._redis_port
+            deadline = time.monotonic() + 10.0
+            while not port_is_free(port) and time.monotonic() < deadline:
+                time.sleep(0.2)  # what it left behind lets the port go
+            try:
+                start()
+            except (RuntimeError, OSError) as exc:
                 raise StackError(
-                    f"{name} exited with code {proc.returncode} (not restarted: every "
-                    f"service depends on it); last lines of {log}:\n{log_tail(log)}"
-                )
-        events = [e for c in self.children if (e := self._supervise_child(c, policy))]
+                    f"{name}-server exited with code {code} and did not start again ({exc}); "
+                    f"last lines of {log}:\n{log_tail(log)}"
+                ) from exc
+            self.backend_restarts[name] += 1
+            new = self.nats_proc if name == "nats" else self.redis_proc
+            assert new is not None
+            events.append(
+                f"{name}-server exited with code {code}; restarted with its data "
+                f"(restart {self.backend_restarts[name]}, pid {new.pid}; log {log})"
+            )
         if events:
             self._write_state()
         return events
@@ -704,7 +788,9 @@ class Stack:
             },
             "mode": self.mode,
             "mps": self.mps,
-            "nats_url": self.nats_url,
+            # tools' credentials (deepserve usage), not admin's
+            "nats_url": self.nats_url_of("tools") if self.nats_proc else self.nats_url,
+            "backend_restarts": self.backend_restarts,
             "redis_url": self.redis_url,
             "supervisor_pid": os.getpid(),
             "pids": {

@@ -4,11 +4,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import nats
 from nats.aio.client import Client
 
+from .nats_auth import PASSWORD_ENV, USER_ENV, inbox_prefix
 from .redact import redact, redact_text
+
+
+def credentials(url: str, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``nats.connect`` options that log in: the user and password in the environment
+    (DEEPSERVE_NATS_USER / DEEPSERVE_NATS_PASSWORD) unless ``url`` carries its own, and the
+    user's own inbox prefix (its NATS permissions allow replies there only)."""
+    env = os.environ if env is None else env
+    parts = urlsplit(url if "://" in url else f"nats://{url}")
+    user = unquote(parts.username or "")
+    opts: dict[str, Any] = {}
+    if not user and env.get(USER_ENV):
+        user = env[USER_ENV]
+        opts = {"user": user, "password": env.get(PASSWORD_ENV, "")}
+    if user:
+        opts["inbox_prefix"] = inbox_prefix(user)
+    return opts
 
 
 async def connect_nats(
@@ -46,6 +67,7 @@ async def connect_nats(
                 reconnect_time_wait=0.5,
                 connect_timeout=2,
                 drain_timeout=max(1, int(drain_timeout)),
+                **credentials(url),
             )
         )
         stopping = asyncio.ensure_future(stop.wait())

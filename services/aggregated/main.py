@@ -29,6 +29,7 @@ from libs.common.service import ServiceContext, run_service
 from libs.common.telemetry import tracer
 from libs.proto.deepserve.v1 import control_pb2, kv_transfer_pb2_grpc
 from libs.serving.instance import InstanceRuntime
+from libs.serving.known_decoders import CheckedPusher, KnownDecoders
 from libs.serving.runtime import advertise_host
 from libs.transport.kvstore_client import GrpcKVStore
 from services.decode.handlers import DecodeHandler, KVTransferServicer
@@ -91,6 +92,8 @@ async def serve(cfg: AggregatedConfig, ctx: ServiceContext) -> int:
         ctx.stack.push_async_callback(kvstore.close)
     pusher = GrpcKVPusher(cfg.push_timeout_s, token=cfg.service_token)
     ctx.stack.push_async_callback(pusher.close)
+    decoders = KnownDecoders()
+    decoders_sub = await decoders.subscribe(nc)
     decode = DecodeHandler(
         rt.loop,
         nc.publish,
@@ -104,7 +107,7 @@ async def serve(cfg: AggregatedConfig, ctx: ServiceContext) -> int:
     prefill = PrefillHandler(
         rt.loop,
         nc.publish,
-        pusher,
+        CheckedPusher(pusher, decoders),  # only to decode instances heard on NATS
         instance_id=instance_id,
         model_name=cfg.model.model_name,
         block_size=cfg.model.block_size,
@@ -127,6 +130,7 @@ async def serve(cfg: AggregatedConfig, ctx: ServiceContext) -> int:
     subs = [
         await nc.subscribe(subjects.prefill_task(instance_id), cb=prefill.on_message),
         await nc.subscribe(subjects.ABORT, cb=on_abort),
+        decoders_sub,
     ]
     await rt.ready(prefill.status, more_roles=[("decode", decode.status)])
     log.info(

@@ -24,6 +24,7 @@ from libs.common.telemetry import tracer
 from libs.proto.deepserve.v1 import control_pb2
 from libs.serving.ep_supervisor import supervise
 from libs.serving.instance import InstanceRuntime
+from libs.serving.known_decoders import CheckedPusher, KnownDecoders
 from libs.transport.kvstore_client import GrpcKVStore
 
 from .clients import GrpcKVPusher
@@ -50,13 +51,15 @@ async def serve(cfg: PrefillConfig, ctx: ServiceContext, argv: Sequence[str] = (
     nc = rt.nc
     pusher = GrpcKVPusher(cfg.push_timeout_s, token=cfg.service_token)
     ctx.stack.push_async_callback(pusher.close)
+    decoders = KnownDecoders()
+    decoders_sub = await decoders.subscribe(nc)
     kvstore = GrpcKVStore(cfg.kvstore_address, cfg.service_token) if cfg.kvstore_address else None
     if kvstore is not None:
         ctx.stack.push_async_callback(kvstore.close)
     handler = PrefillHandler(
         rt.loop,
         nc.publish,
-        pusher,
+        CheckedPusher(pusher, decoders),  # only to decode instances heard on NATS
         instance_id=instance_id,
         model_name=cfg.model.model_name,
         block_size=cfg.model.block_size,
@@ -72,6 +75,7 @@ async def serve(cfg: PrefillConfig, ctx: ServiceContext, argv: Sequence[str] = (
         # confirms each task on receipt (the entrypoint sends it again until it is)
         await nc.subscribe(subjects.prefill_task(instance_id), cb=handler.on_message),
         await nc.subscribe(subjects.ABORT, cb=on_abort),
+        decoders_sub,
     ]
     await rt.ready(handler.status)
     log.info(

@@ -114,7 +114,9 @@ def start_nats(stack: Stack) -> None:
     """nats-server again on the same port and data dir."""
     port = int(stack.nats_url.rsplit(":", 1)[1])
     logs = stack.run_dir / "logs"
-    stack.nats_proc = procs.start_nats(port, stack.run_dir / "nats", logs / "nats.log")
+    stack.nats_proc = procs.start_nats(
+        port, stack.run_dir / "nats", logs / "nats.log", config=stack.run_dir / "nats.conf"
+    )
 
 
 def restart_nats(stack: Stack, outage_s: float) -> float:

@@ -118,7 +118,14 @@ async def read_records(
     from nats.errors import TimeoutError as NatsTimeout
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-    nc = await nats.connect(servers=[nats_url], connect_timeout=timeout, max_reconnect_attempts=0)
+    from libs.common.natsutil import credentials  # the tools user's inbox (its permissions)
+
+    nc = await nats.connect(
+        servers=[nats_url],
+        connect_timeout=timeout,
+        max_reconnect_attempts=0,
+        **credentials(nats_url),
+    )
     try:
         js = nc.jetstream(timeout=timeout)
         config = ConsumerConfig(ack_policy=AckPolicy.NONE, inactive_threshold=60.0)

@@ -5,15 +5,6 @@ by a factor learned online (exponential moving average of measured / predicted).
 scheduler asks it how many prefill tokens fit a step's time budget; DeepInfer only logs
 MFU from a similar estimator, here it decides the chunk size.
 
-An engine that decodes learns the factor from its steps of decode rows only, and a step with
-a prompt chunk costs that much plus a fixed extra learnt apart (``eager_s``: an exponential
-moving average of measured minus scaled estimate). On CUDA a decode step replays a captured
-graph while a step with a prompt chunk runs eagerly: an H100 ran v2-lite's mixed steps of 27
-decodes and ~190 prompt tokens in 57 ms against ~10 ms for a decode graph. One factor for
-both read that launch overhead as slow tokens (scale ~5), and a 0.1 s budget then allowed an
-aggregated engine ~200 prompt tokens a step -- prompt work at a quarter of its rate. An
-engine that has run no decode-rows step (a prefill engine) keeps the one factor.
-
 No torch, no I/O.
 """
 
@@ -89,11 +80,6 @@ class CostModel:
     rows_scale: float = 1.0
     rows_samples: int = 0
     max_rows_q: int = 1  # the most tokens a sequence of a "decode rows" step has (1 + K)
-    # Steps with a prompt chunk in an engine that also runs decode-rows steps: seconds beyond
-    # the scaled estimate (see the module doc), learnt from such steps.
-    eager_s: float = 0.0
-    eager_samples: int = 0
-    decode_samples: int = 0  # decode-rows steps seen (scale is theirs once there is one)
 
     @classmethod
     def for_model(
@@ -190,17 +176,7 @@ class CostModel:
         return float(self._time(self.flops(shape), self.bytes(shape)))
 
     def seconds(self, shape: StepShape) -> float:
-        return self.scale * self.raw_seconds(shape) + self._extra(shape)
-
-    def _rows_only(self, shape: StepShape) -> bool:
-        """A step of decode rows only (single tokens, or speculative verification rows)."""
-        return bool(shape.seqs) and max(q for q, _ in shape.seqs) <= self.max_rows_q
-
-    def _extra(self, shape: StepShape) -> float:
-        """Fixed seconds a step with a prompt chunk costs beyond the scaled estimate."""
-        if not self.decode_samples or not shape.seqs or self._rows_only(shape):
-            return 0.0
-        return self.eager_s
+        return self.scale * self.raw_seconds(shape)
 
     def seconds_with_counts(self, shape: StepShape, qs: np.ndarray, ctx: int) -> np.ndarray:
         """``seconds(shape.add(q, ctx))`` for each ``q`` of ``qs`` (all > 0), from ``shape``'s
@@ -210,10 +186,6 @@ class CostModel:
         tokens, pairs = shape.tokens + q, shape.pairs + _pairs(q, ctx)
         flops = self._flops(len(shape.seqs) + 1, tokens, pairs)
         out: np.ndarray = self.scale * self._time(flops, self._bytes(tokens, shape.context + ctx))
-        if self.decode_samples:  # a sequence of more than max_rows_q tokens: an eager step
-            rows_only = max((q for q, _ in shape.seqs), default=0) <= self.max_rows_q
-            eager = (qs > self.max_rows_q) | (not rows_only)
-            out = out + np.where(eager, self.eager_s, 0.0)
         return out
 
     # -- measured decode rows ----------------------------------------------------------------------
@@ -255,28 +227,15 @@ class CostModel:
         raw = self.raw_seconds(shape)
         if raw <= 0 or measured_s <= 0:
             return
-        rows_only = self._rows_only(shape)
-        if rows_only:
+        if shape.seqs and max(q for q, _ in shape.seqs) <= self.max_rows_q:
             rows_raw = self._rows_raw(np.array([shape.tokens]), np.array([shape.pairs]))
             if rows_raw is not None and rows_raw[0] > 0:
                 self.rows_scale = self._fold(
                     self.rows_scale, self.rows_samples, measured_s / float(rows_raw[0])
                 )
                 self.rows_samples += 1
-        elif self.decode_samples:  # the scale is the decode steps': the rest is the extra
-            extra = max(0.0, measured_s - self.scale * raw)
-            self.eager_s = (
-                extra
-                if self.eager_samples == 0
-                else (1 - self.alpha) * self.eager_s + self.alpha * extra
-            )
-            self.eager_samples += 1
-            return
-        if rows_only and self.decode_samples == 0:
-            self.samples = 0  # the first decode step starts the factor afresh (module doc)
         self.scale = self._fold(self.scale, self.samples, measured_s / raw)
         self.samples += 1
-        self.decode_samples += int(rows_only)
 
     def _fold(self, factor: float, samples: int, ratio: float) -> float:
         """A calibration factor after one more measured / estimated ``ratio`` (clamped): the

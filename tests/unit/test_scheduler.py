@@ -154,30 +154,3 @@ def test_measured_decode_rows_price_verification_by_the_graph_each_count_replays
     assert again is not None and again[0] == pytest.approx(0.024, rel=0.02)
     cm.observe(StepShape(((512, 512),)), 0.5)  # a prompt chunk: not a decode-rows step
     assert cm.rows_scale == pytest.approx(2.0, rel=0.02)
-
-
-def test_a_mixed_steps_fixed_overhead_does_not_shrink_prompt_chunks() -> None:
-    """An engine that decodes (aggregated): decode steps run as fast as estimated, steps with a
-    prompt chunk cost a fixed 40 ms more (eager launches; a decode step replays a graph). The
-    next chunk must fill what the budget leaves after that 40 ms -- not shrink as if every
-    prompt token were slow, which is what one factor for both did (~200 tokens a step)."""
-    budget = 0.1
-    s = sched(max_tokens_per_step=32768, time_budget_s=budget)
-    s.add(req("d", 100, max_tokens=200))
-    for _ in range(4):  # its prompt, then decode rows: as estimated
-        plan = s.schedule()
-        drive(s, plan, seconds=s.cost.seconds(plan.shape))
-    s.add(req("p", 60000, max_tokens=2))
-    for _ in range(3):  # mixed steps: 40 ms beyond the estimate
-        plan = s.schedule()
-        drive(s, plan, seconds=s.cost.seconds(plan.shape) - s.cost.eager_s + 0.04)
-    assert s.cost.eager_s == pytest.approx(0.04, rel=1e-6)
-    assert s.cost.scale == pytest.approx(1.0, rel=1e-6)  # the decode steps' factor held
-    done = s.requests["p"].num_computed
-    plan = s.schedule()
-    (chunk,) = [q.num_tokens for q in plan.seqs if q.request_id == "p"]
-    decode = [(q, ctx) for q, ctx in plan.shape.seqs if q == 1]
-    more = StepShape((*decode, (chunk + 64, done + chunk + 64)))
-    # The largest chunk the budget less the overhead holds, at the decode steps' rate:
-    assert s.cost.seconds(plan.shape) <= budget < s.cost.seconds(more)
-    assert s.cost.scale * s.cost.raw_seconds(plan.shape) > 0.05 and chunk > 1000

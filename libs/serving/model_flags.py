@@ -22,7 +22,8 @@ class ModelFlags:
     block_size: int = 128
     weights_seed: int = 0
     max_tokens_per_step: int = 32768
-    # Seconds one engine step may take by the cost model (prompt chunks are cut to fit it).
+    # Seconds one engine step may take by the cost model (prompt chunks are cut to fit it);
+    # 0: none, a step's prompt tokens are bounded by max_tokens_per_step alone.
     step_time_budget_s: float = 1.0
     fake_step_ms: float = 2.0  # --model fake: cost of one step
     fake_token_us: float = 2.0  # --model fake: and of each token computed in it
@@ -73,8 +74,10 @@ class ModelFlags:
                     f"--gpu-memory-fraction applies to CUDA devices, not --device {self.device}; "
                     "on CPU size the cache with --num-kv-blocks"
                 )
-        if not self.step_time_budget_s > 0:
-            raise ValueError(f"--step-time-budget must be positive, got {self.step_time_budget_s}")
+        if not self.step_time_budget_s >= 0:
+            raise ValueError(
+                f"--step-time-budget must be >= 0 (0: none), got {self.step_time_budget_s}"
+            )
         for name in ("num_kv_blocks", "block_size", "max_tokens_per_step"):
             if getattr(self, name) <= 0:
                 raise ValueError(
@@ -94,7 +97,7 @@ class ModelFlags:
             # The fraction sizes the cache once the weights are loaded (libs/engine/parts.py).
             num_kv_blocks=self.num_kv_blocks if fraction is None else None,
             max_tokens_per_step=self.max_tokens_per_step,
-            time_budget_s=self.step_time_budget_s,
+            time_budget_s=self.step_time_budget_s or None,
             kv_cache_dtype="fp8" if self.kv_cache_dtype == "fp8" else None,
             expert_dtype="fp4" if self.experts == "fp4" else "auto",
             weight_dtype=self.weights,
@@ -154,7 +157,8 @@ def add_model_flags(
         type=float,
         default=step_time_budget,
         help="seconds one engine step may take by the calibrated cost model: prompt chunks "
-        "are cut to fit it (beside running decodes it bounds the time between their tokens)",
+        "are cut to fit it (beside running decodes it bounds the time between their tokens); "
+        "0: none (--max-tokens-per-step alone bounds a step)",
     )
     flag(
         parser,

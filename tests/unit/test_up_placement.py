@@ -313,3 +313,19 @@ def test_up_on_one_gpu_starts_one_aggregated_engine_and_says_so(monkeypatch, tmp
     assert lines[-1] == "aggregated-0-x: 1000 KV blocks of 128 tokens (128,000 tokens)"
     forced = Stack(tmp_path, device="cuda", mode="disaggregated")
     assert [p.name for p in forced.placements] == ["prefill-0", "decode-0"]
+
+
+def test_an_aggregated_engine_steps_by_tokens_not_by_a_time_budget() -> None:
+    """Its steps mix prompt chunks into the decode batch: 8K prompt tokens a step, no time
+    budget (the cost model's factor read fixed host work as slow tokens: module doc of
+    services/aggregated/config.py); a prefill or decode engine keeps its 1 s budget."""
+    from services.aggregated.config import build_parser, config_from
+
+    agg = config_from(build_parser().parse_args([])).model.engine_config()
+    assert (agg.max_tokens_per_step, agg.time_budget_s) == (8192, None)
+    p = argparse.ArgumentParser()
+    add_model_flags(p)
+    plain = model_flags_from(p.parse_args([])).engine_config()
+    assert (plain.max_tokens_per_step, plain.time_budget_s) == (32768, 1.0)
+    with pytest.raises(ValueError, match="--step-time-budget must be >= 0"):
+        model_flags_from(p.parse_args(["--step-time-budget", "-1"]))

@@ -6,6 +6,7 @@
 * :mod:`.runtime` -- NATS connection and heartbeat helpers.
 """
 
-from .engine_loop import EngineFailed, EngineLoop, EngineLoopClosed, EngineStats, RequestStream
+from .engine_loop import EngineFailed, EngineLoop, EngineLoopClosed, RequestStream
+from .engine_stats import EngineStats
 
 __all__ = ["EngineFailed", "EngineLoop", "EngineLoopClosed", "EngineStats", "RequestStream"]

@@ -28,9 +28,8 @@ engine thread replaces after every iteration, safe to read from anywhere (its
 
 What the heartbeat's load means: ``queued_tokens`` is what the engine will compute for its
 waiting requests -- a request's leading blocks already resident in this engine's prefix cache
-are not counted (:class:`WaitingWork` looks them up once per request, not per snapshot);
-``tokens_per_s`` is the measured compute rate, ``busy_fraction`` the share of the last
-:data:`BUSY_WINDOW_S` seconds the engine spent stepping (:class:`BusyMeter`).
+are not counted; ``tokens_per_s`` is the measured compute rate, ``busy_fraction`` the share of
+the last few seconds the engine spent stepping (the measures: :mod:`.engine_stats`).
 """
 
 from __future__ import annotations
@@ -44,15 +43,21 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, InvalidRequest, KVInput, PreparedKV
-from libs.engine.eplb import Balance
 from libs.engine.grammar import GrammarError
 from libs.engine.scheduler import TokenEvent
-from libs.engine.speculative import SpecStats
+
+from .engine_stats import (
+    RATE_MIN_TOKENS,
+    RESIDENT_REFRESH_S,
+    BusyMeter,
+    EngineStats,
+    WaitingWork,
+    engine_stats,
+)
 
 if TYPE_CHECKING:
     from libs.engine.ep.lockstep import Lockstep
@@ -72,187 +77,9 @@ class EngineFailed(RuntimeError):
     """The engine raised while stepping; every request in flight at the time fails with this."""
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    """Load of the engine after its latest iteration (what heartbeats report)."""
-
-    running: int = 0
-    waiting: int = 0
-    # Tokens the engine will compute for its waiting requests: prompt/recompute tokens not
-    # computed yet, less each one's leading blocks resident in this engine's prefix cache.
-    queued_tokens: int = 0
-    free_kv_blocks: int = 0
-    total_kv_blocks: int = 0
-    steps: int = 0
-    # First RESIDENT_DIGEST_BYTES of chain digests resident in GPU memory, most recent first
-    # (running requests' blocks, then recently released cached ones); at most RESIDENT_SUMMARY.
-    resident_prefixes: tuple[bytes, ...] = ()
-    # Tokens per second of recent steps that computed >= RATE_MIN_TOKENS (moving average;
-    # 0 until one ran): what a prompt costs to compute here.
-    tokens_per_s: float = 0.0
-    # With EP and EPLB: the experts' balance over the ranks (Engine.ep_balance; the engine
-    # recomputes it once per count sync, every 25 steps by default). None: no EPLB here.
-    ep_balance: Balance | None = None
-    # Since start (the engine's own counters): requests preempted, and prompt tokens looked up
-    # in / found in this engine's prefix cache (Engine.prefix_cache_queries / _hits).
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    # Speculative decoding (libs/engine/speculative.py SpecStats), since start: requests whose
-    # drafts a step verified (one per request and step), drafts made, verified, accepted.
-    spec_verifications: int = 0
-    spec_drafted: int = 0
-    spec_verified: int = 0
-    spec_accepted: int = 0
-    # Fraction of the last BUSY_WINDOW_S seconds of wall time the engine spent stepping, as of
-    # when this object was read from EngineLoop.stats (0..1).
-    busy_fraction: float = 0.0
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """Fraction of KV blocks not free (held by requests; cached free ones count as
-        free, they are reused on demand): vLLM's ``kv_cache_usage_perc``, in [0, 1]."""
-        if not self.total_kv_blocks:
-            return 0.0
-        return (self.total_kv_blocks - self.free_kv_blocks) / self.total_kv_blocks
-
-
 # An idle EP group asks every 10 ms whether any rank has work (one all-reduce of 2 integers,
 # ~0.1 ms on gloo over loopback): <= 10 ms added to a request arriving at an idle group.
 LOCKSTEP_POLL_S = 0.01
-RATE_MIN_TOKENS = 256
-RESIDENT_SUMMARY = 8192  # digests per heartbeat: 64 KiB, i.e. 1M prompt tokens of prefixes
-RESIDENT_REFRESH_S = 0.5  # the summary is rebuilt at most this often (heartbeats: every 1 s)
-RESIDENT_DIGEST_BYTES = 8
-BUSY_WINDOW_S = 5.0  # the busy fraction's window
-
-
-class WaitingWork:
-    """Tokens an engine will compute for its waiting requests (engine thread only).
-
-    A waiting request that has not started computes its prompt less the leading full blocks
-    its prefix-cache lookup will find (:meth:`Scheduler._admit_prefix
-    <libs.engine.scheduler.Scheduler._admit_prefix>` does the same lookup on admission). The
-    lookup runs once per request, when it is first seen waiting, and is remembered until it
-    leaves the waiting queue, so a snapshot costs O(waiting) dictionary reads. The figure can
-    be off in two ways, both bounded by one stay in the queue: blocks evicted after the lookup
-    (counted as resident) and blocks another request computed after it (counted as work).
-    A request preempted back into the queue is looked up afresh.
-    """
-
-    def __init__(self) -> None:
-        self._resident: dict[str, int] = {}  # request id -> resident prompt tokens
-
-    def tokens(self, engine: Engine) -> int:
-        bm = engine.blocks
-        total, seen = 0, {}
-        for r in engine.scheduler.waiting:
-            if r.num_computed or r.blocks:  # holds KV already: it continues from there
-                total += len(r.token_ids) - r.num_computed
-                continue
-            resident = self._resident.get(r.request_id)
-            if resident is None:
-                hashes = r.full_block_hashes(bm.block_size, len(r.token_ids) - 1)
-                resident = len(bm.match_prefix(hashes)) * bm.block_size
-            seen[r.request_id] = resident
-            total += len(r.token_ids) - resident
-        self._resident = seen  # those that left the queue are forgotten
-        return total
-
-
-class BusyMeter:
-    """Fraction of wall time spent stepping over the last ``window`` seconds (since start,
-    while younger), a step in progress counted up to now. :meth:`begin` / :meth:`end` on the
-    engine thread, :meth:`fraction` from any thread."""
-
-    def __init__(
-        self, window: float = BUSY_WINDOW_S, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.window, self.clock = window, clock
-        self._lock = threading.Lock()
-        self._spans: deque[tuple[float, float]] = deque()  # finished steps (start, end)
-        self._sum = 0.0  # their total length
-        self._since: float | None = None  # the step in progress began then
-        self._started = clock()
-
-    def begin(self) -> None:
-        with self._lock:
-            self._since = self.clock()
-
-    def end(self, count: bool = True) -> None:
-        """The step begun ended (``count`` False: it was no step after all, e.g. an idle
-        EP poll)."""
-        with self._lock:
-            since, self._since = self._since, None
-            if since is None or not count:
-                return
-            now = self.clock()
-            self._spans.append((since, now))
-            self._sum += now - since
-            self._trim(now)
-
-    def _trim(self, now: float) -> None:
-        while self._spans and self._spans[0][1] <= now - self.window:
-            start, end = self._spans.popleft()
-            self._sum -= end - start
-
-    def fraction(self) -> float:
-        with self._lock:
-            now = self.clock()
-            low = now - self.window
-            self._trim(now)
-            busy = self._sum
-            if self._spans:
-                busy -= max(0.0, low - self._spans[0][0])  # its part before the window
-            if self._since is not None:
-                busy += now - max(self._since, low)
-            span = min(self.window, now - self._started)
-            return 0.0 if span <= 0 else min(1.0, max(0.0, busy / span))
-
-
-def resident_summary(engine: Engine, limit: int = RESIDENT_SUMMARY) -> tuple[bytes, ...]:
-    """Bounded summary of the prefixes this engine holds (cost O(limit), any pool size)."""
-    out: dict[bytes, None] = {}
-    for r in engine.scheduler.running:
-        for h in r.block_hashes[: r.num_registered]:
-            if len(out) >= limit:
-                break
-            out[h[:RESIDENT_DIGEST_BYTES]] = None
-    for h in engine.blocks.recent_names(limit - len(out)) if len(out) < limit else ():
-        out[h[:RESIDENT_DIGEST_BYTES]] = None
-    return tuple(out)
-
-
-def engine_stats(
-    engine: Engine,
-    steps: int = 0,
-    tokens_per_s: float = 0.0,
-    resident: tuple[bytes, ...] | None = None,
-    work: WaitingWork | None = None,
-) -> EngineStats:
-    """Snapshot of ``engine``'s load; call on the engine thread only. ``work``: the loop's
-    memory of waiting requests' resident prefixes (None: looked up now)."""
-    sched = engine.scheduler
-    queued = (work or WaitingWork()).tokens(engine)
-    spec = engine.speculative.stats if engine.speculative is not None else SpecStats()
-    return EngineStats(
-        len(sched.running),
-        len(sched.waiting),
-        queued,
-        engine.blocks.num_free,
-        engine.blocks.num_blocks,
-        steps,
-        resident_summary(engine) if resident is None else resident,
-        tokens_per_s,
-        engine.ep_balance(),
-        sched.num_preemptions,
-        engine.prefix_cache_queries,
-        engine.prefix_cache_hits,
-        spec.verifications,
-        spec.drafted,
-        spec.verified,
-        spec.accepted,
-    )
 
 
 class RequestStream:

@@ -47,7 +47,7 @@ from prometheus_client.registry import Collector
 
 from libs.engine.scheduler import TokenEvent
 
-from .engine_loop import EngineStats
+from .engine_stats import EngineStats
 
 PREFIX = "deepserve:"
 PREFILL, DECODE = "prefill", "decode"

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .engine_loop import EngineStats
+from .engine_stats import EngineStats
 
 
 class EPBalanceCollector(Collector):

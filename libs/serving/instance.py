@@ -28,8 +28,9 @@ from libs.common import subjects
 from libs.common.service import ServiceContext
 from libs.proto.deepserve.v1 import control_pb2
 
-from .engine_loop import EngineLoop, EngineStats
+from .engine_loop import EngineLoop
 from .engine_metrics import EngineMetrics, log_stats
+from .engine_stats import EngineStats
 from .ep import EXIT_GROUP_FAILED, EPFlags, tag_rank_logs
 from .model_flags import ModelFlags
 from .runtime import heartbeat_loop, publish_status

@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from deepserve.bench.engine_view import Instance, parse, summary_lines, targets_from
 from libs.engine.scheduler import TokenEvent
-from libs.serving.engine_loop import EngineStats
 from libs.serving.engine_metrics import DECODE, EngineMetrics
+from libs.serving.engine_stats import EngineStats
 
 
 def _stats(running: int, free: int, queries: int, hits: int) -> EngineStats:

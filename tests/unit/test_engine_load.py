@@ -12,8 +12,9 @@ from prometheus_client import CollectorRegistry
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import EngineConfig
 from libs.proto.deepserve.v1 import control_pb2
-from libs.serving.engine_loop import BusyMeter, EngineLoop, WaitingWork, engine_stats
+from libs.serving.engine_loop import EngineLoop
 from libs.serving.engine_metrics import PREFILL, EngineMetrics
+from libs.serving.engine_stats import BusyMeter, WaitingWork, engine_stats
 from libs.serving.fake_engine import FAKE_MODEL, build_fake_engine
 from libs.serving.instance import instance_status
 

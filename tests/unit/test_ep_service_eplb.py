@@ -15,7 +15,8 @@ from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig
 from libs.engine.ep.group import EPGroup
 from libs.engine.eplb import Balance, EplbConfig
-from libs.serving.engine_loop import EngineLoop, EngineStats
+from libs.serving.engine_loop import EngineLoop
+from libs.serving.engine_stats import EngineStats
 from libs.serving.ep import EPFlags, rank_engine_config, rank_flags
 from libs.serving.ep_metrics import EPBalanceCollector
 from services.decode.config import build_parser as decode_parser

@@ -16,8 +16,14 @@ from dataclasses import dataclass, field
 
 from libs.common.config import ServiceConfig, check_port, common_flags, flag, service_config_from
 from libs.common.grpc_auth import add_service_token_flag
+from libs.serving.instance_flags import (
+    PUSH_TIMEOUT_S,
+    add_handoff_flags,
+    add_instance_flags,
+    check_handoff_flags,
+    check_instance_flags,
+)
 from libs.serving.model_flags import ModelFlags, add_model_flags, model_flags_from
-from services.prefill.clients import PUSH_TIMEOUT_S
 
 SERVICE = "aggregated"
 DESCRIPTION = (
@@ -44,16 +50,8 @@ class AggregatedConfig:
 
     def __post_init__(self) -> None:
         check_port("--grpc-port", self.grpc_port)
-        if self.kvstore_address and ":" not in self.kvstore_address:
-            raise ValueError(f"--kvstore-address must be host:port, got {self.kvstore_address!r}")
-        if self.push_timeout_s <= 0:
-            raise ValueError(f"--push-timeout must be positive, got {self.push_timeout_s}")
-        if self.heartbeat_interval <= 0:
-            raise ValueError(
-                f"--heartbeat-interval must be positive, got {self.heartbeat_interval}"
-            )
-        if not self.stats_interval >= 0:
-            raise ValueError(f"--stats-interval must be >= 0, got {self.stats_interval}")
+        check_handoff_flags(self.kvstore_address, self.push_timeout_s)
+        check_instance_flags(self.heartbeat_interval, self.stats_interval)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,22 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         parser, max_tokens_per_step=MAX_TOKENS_PER_STEP, step_time_budget=STEP_TIME_BUDGET_S
     )
     flag(parser, "--grpc-port", type=int, default=0, help="KVTransfer gRPC port (0: any free)")
-    flag(parser, "--kvstore-address", default="", help="kvstore gRPC host:port (empty: no kvstore)")
-    flag(
-        parser,
-        "--push-timeout",
-        type=float,
-        default=PUSH_TIMEOUT_S,
-        help="seconds for one KV push to another decode instance",
-    )
-    flag(parser, "--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
-    flag(
-        parser,
-        "--stats-interval",
-        type=float,
-        default=10.0,
-        help="seconds between engine stats log lines (0: none)",
-    )
+    add_handoff_flags(parser, "seconds for one KV push to another decode instance")
+    add_instance_flags(parser)
     return parser
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from libs.common.config import ServiceConfig, check_port, common_flags, flag, service_config_from
 from libs.common.grpc_auth import add_service_token_flag
 from libs.serving.ep import EPFlags, add_ep_flags, check_ep_model, ep_flags_from
+from libs.serving.instance_flags import add_instance_flags, check_instance_flags
 from libs.serving.model_flags import ModelFlags, add_model_flags, model_flags_from
 
 SERVICE = "decode"
@@ -30,12 +31,7 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         check_ep_model(self.ep, self.model)
         check_port("--grpc-port", self.grpc_port)
-        if self.heartbeat_interval <= 0:
-            raise ValueError(
-                f"--heartbeat-interval must be positive, got {self.heartbeat_interval}"
-            )
-        if not self.stats_interval >= 0:
-            raise ValueError(f"--stats-interval must be >= 0, got {self.stats_interval}")
+        check_instance_flags(self.heartbeat_interval, self.stats_interval)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,14 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(parser)
     add_ep_flags(parser, SERVICE)
     flag(parser, "--grpc-port", type=int, default=0, help="KVTransfer gRPC port (0: any free)")
-    flag(parser, "--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
-    flag(
-        parser,
-        "--stats-interval",
-        type=float,
-        default=10.0,
-        help="seconds between engine stats log lines (0: none)",
-    )
+    add_instance_flags(parser)
     flag(
         parser,
         "--kvstore-address",

@@ -11,11 +11,11 @@ from libs.common.grpc_auth import call_metadata
 from libs.engine.kv.transfer import PeerKV
 from libs.proto.deepserve.v1 import control_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 from libs.serving.handoff import Holding, check_reply, peer_to_proto
+from libs.serving.instance_flags import PUSH_TIMEOUT_S
 
 from .handlers import PushFailed
 
 CHUNK_BYTES = 1 << 20  # KV travels in chunks of <= 1 MiB, well under gRPC's 4 MiB message limit
-PUSH_TIMEOUT_S = 30.0
 MATCH_TIMEOUT_S = 5.0
 
 

@@ -5,12 +5,17 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from libs.common.config import ServiceConfig, common_flags, flag, service_config_from
+from libs.common.config import ServiceConfig, common_flags, service_config_from
 from libs.common.grpc_auth import add_service_token_flag
 from libs.serving.ep import EPFlags, add_ep_flags, check_ep_model, ep_flags_from
+from libs.serving.instance_flags import (
+    PUSH_TIMEOUT_S,
+    add_handoff_flags,
+    add_instance_flags,
+    check_handoff_flags,
+    check_instance_flags,
+)
 from libs.serving.model_flags import ModelFlags, add_model_flags, model_flags_from
-
-from .clients import PUSH_TIMEOUT_S
 
 SERVICE = "prefill"
 DESCRIPTION = (
@@ -32,16 +37,8 @@ class PrefillConfig:
 
     def __post_init__(self) -> None:
         check_ep_model(self.ep, self.model)
-        if self.kvstore_address and ":" not in self.kvstore_address:
-            raise ValueError(f"--kvstore-address must be host:port, got {self.kvstore_address!r}")
-        if self.push_timeout_s <= 0:
-            raise ValueError(f"--push-timeout must be positive, got {self.push_timeout_s}")
-        if self.heartbeat_interval <= 0:
-            raise ValueError(
-                f"--heartbeat-interval must be positive, got {self.heartbeat_interval}"
-            )
-        if not self.stats_interval >= 0:
-            raise ValueError(f"--stats-interval must be >= 0, got {self.stats_interval}")
+        check_handoff_flags(self.kvstore_address, self.push_timeout_s)
+        check_instance_flags(self.heartbeat_interval, self.stats_interval)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,22 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_service_token_flag(parser)
     add_model_flags(parser)
     add_ep_flags(parser, SERVICE)
-    flag(parser, "--kvstore-address", default="", help="kvstore gRPC host:port (empty: no kvstore)")
-    flag(
-        parser,
-        "--push-timeout",
-        type=float,
-        default=PUSH_TIMEOUT_S,
-        help="seconds for one KV push to decode",
-    )
-    flag(parser, "--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats")
-    flag(
-        parser,
-        "--stats-interval",
-        type=float,
-        default=10.0,
-        help="seconds between engine stats log lines (0: none)",
-    )
+    add_handoff_flags(parser, "seconds for one KV push to decode")
+    add_instance_flags(parser)
     return parser
 
 

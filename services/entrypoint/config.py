@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from libs.common.auth import load_keys
 from libs.common.config import ServiceConfig, check_port, common_flags, flag, service_config_from
 from libs.common.grpc_auth import add_service_token_flag
+from libs.gateway.admission import parse_tenant_weights
 from libs.gateway.policy import Limits
 
 from .handlers import HandlerConfig
@@ -123,7 +124,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-waiting",
         type=int,
         default=256,
-        help="requests that may wait for capacity; past that RESOURCE_EXHAUSTED at once",
+        help="requests that may wait for capacity, all tenants together; past that "
+        "RESOURCE_EXHAUSTED at once, unless another tenant holds more of the queue (its newest "
+        "waiter then gives way)",
+    )
+    flag(
+        parser,
+        "--tenant-weights",
+        default="",
+        help="weights of weighted fair queuing over tenants at admission: TENANT=WEIGHT entries, "
+        "comma-separated (e.g. a=2,b=1: a gets twice b's uncached prompt tokens admitted while "
+        "both wait); unlisted tenants weigh 1",
     )
     flag(
         parser,
@@ -187,6 +198,7 @@ def config_from(args: argparse.Namespace) -> EntrypointConfig:
             capacity_admission=args.capacity_admission,
             prefill_queue_tokens=args.prefill_queue_tokens,
             prefill_queue_seconds=args.prefill_queue_seconds,
+            tenant_weights=parse_tenant_weights(args.tenant_weights),
             max_attempts=args.max_attempts,
             instance_dead_after=args.instance_dead_after,
             salt_secret=args.cache_salt_secret.encode(),

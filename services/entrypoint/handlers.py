@@ -210,10 +210,12 @@ class HandlerConfig:
     # prefill_queue_tokens, 0 = no limit, until it has measured one) and some decode instance has
     # KV blocks for prompt + max_tokens, as heartbeats (fed to on_status) and this
     # entrypoint's own reservations say. Otherwise up to max_waiting requests wait up to
-    # admit_wait seconds; the rest get RESOURCE_EXHAUSTED at once with a retry hint from the
-    # measured drain rates (retry_after_ms until one is measured; gRPC trailing metadata
-    # "retry-after-ms"). Off by default here, so a handler with no heartbeat feed (tests,
-    # embedders) admits by max_inflight alone; the service turns it on (--capacity-admission).
+    # admit_wait seconds, queued per tenant (the authenticated one) and admitted by weighted fair
+    # queuing over tenants by uncached prompt tokens (tenant_weights; others weigh 1); the rest
+    # get RESOURCE_EXHAUSTED at once with a retry hint from the measured drain rates
+    # (retry_after_ms until one is measured; gRPC trailing metadata "retry-after-ms"). Off by
+    # default here, so a handler with no heartbeat feed (tests, embedders) admits by
+    # max_inflight alone; the service turns it on (--capacity-admission).
     max_inflight: int = 256
     max_waiting: int = 256
     admit_wait: float = 1.0
@@ -221,6 +223,7 @@ class HandlerConfig:
     capacity_admission: bool = False
     prefill_queue_tokens: int = 65_536
     prefill_queue_seconds: float = 2.0
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
     # Failures: attempts per request; an instance whose heartbeat (every 1 s) is silent longer
     # than instance_dead_after counts as dead, checked every liveness_poll seconds of silence,
     # so a kill -9 is noticed within instance_dead_after + liveness_poll (3.5 s by default).
@@ -358,6 +361,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             config.retry_after_ms,
             capacity=self.capacity,
             observer=self.admission_metrics,
+            weights=config.tenant_weights,
         )
         self._background: set[asyncio.Task[None]] = set()
 
@@ -396,6 +400,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                 self.admission.refuse_if_full(
                     self._need(valid.prompt_token_ids, [], 0, valid.sampling.max_tokens),
                     valid.model,
+                    valid.tenant,
                 )
                 metadata = dict(context.invocation_metadata() or ())
                 parent = extract_context(str(metadata.get("traceparent", "")))
@@ -555,11 +560,14 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         cached = min(max(cached_blocks, best) * self.config.limits.block_size, len(prompt))
         return Need(len(prompt), len(prompt) - cached, max_tokens)
 
-    async def _admit_attempt(self, admitted: _Admitted, need: Need) -> Grant:
-        """The first attempt waits its turn (or is refused); a retry is already admitted and
-        only moves its reservation to its new prompt."""
+    async def _admit_attempt(self, admitted: _Admitted, need: Need, tenant: str) -> Grant:
+        """The first attempt waits its turn in ``tenant``'s queue (or is refused); a retry is
+        already admitted and only moves its reservation to its new prompt. ``tenant``: the
+        authenticated one (``_authenticate``: the key's, or the service caller's)."""
         if admitted.grant is None:
-            admitted.grant = await self.admission.acquire(need, self.config.limits.model_name)
+            admitted.grant = await self.admission.acquire(
+                need, self.config.limits.model_name, tenant
+            )
         else:
             self.admission.rebook(admitted.grant, need, self.config.limits.model_name)
         return admitted.grant
@@ -585,7 +593,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             hashes = await self._hashes(prompt, salt)
             cached_blocks = await self._lookup(wire, hashes)
             need = self._need(prompt, hashes, cached_blocks, progress.remaining)
-            grant = await self._admit_attempt(admitted, need)
+            grant = await self._admit_attempt(admitted, need, valid.tenant)
             decision = await self._route(
                 valid, wire, len(prompt), hashes, cached_blocks, progress.excluded, grant.avoid
             )

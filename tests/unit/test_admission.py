@@ -14,7 +14,7 @@ import time
 import pytest
 
 from libs.common.errors import InvalidArgument, Overloaded, Unavailable
-from libs.gateway.admission import MIN_RETRY_MS, Admission
+from libs.gateway.admission import MIN_RETRY_MS, Admission, Grant, parse_tenant_weights
 from libs.gateway.capacity import (
     DECODE,
     PREFILL,
@@ -448,3 +448,152 @@ async def test_without_capacity_it_is_the_plain_inflight_cap() -> None:
     adm.release(held)
     adm.release(await adm.acquire(agent_turn()))
     assert adm.retry_after(agent_turn()) >= MIN_RETRY_MS
+
+
+# -- fair by tenant ---------------------------------------------------------------------------
+
+
+async def _queue(adm: Admission, tenant: str, need: Need) -> asyncio.Task[Grant]:
+    task = asyncio.ensure_future(adm.acquire(need, MODEL, tenant))
+    await asyncio.sleep(0)  # it joins its queue now: arrival order is call order
+    return task
+
+
+async def _release_in_turn(
+    adm: Admission, tasks: list[tuple[str, asyncio.Task[Grant]]], running: Grant, count: int
+) -> list[str]:
+    """With one slot (max_inflight 1): release the running request ``count`` times and say
+    whose request each release admitted."""
+    order = []
+    for _ in range(count):
+        adm.release(running)
+        await asyncio.sleep(0)
+        admitted = [(n, t) for n, t in tasks if t.done() and not t.result().released]
+        assert len(admitted) == 1
+        order.append(admitted[0][0])
+        running = admitted[0][1].result()
+    adm.release(running)
+    return order
+
+
+async def test_another_tenants_short_request_passes_a_burst_of_long_ones() -> None:
+    """Measured before: a 6-token request waited 59 s behind a 30,000-token prompt in one FIFO.
+    Now tenant A's burst is tagged one request after another, and B's short one is next as
+    soon as it fits."""
+    cap = capacity(Clock(), 0, prefill(), decode(free=33, total=100))
+    adm = admission(cap, admit_wait=5.0)
+    a1 = await adm.acquire(agent_turn(), MODEL, "a")  # 33 blocks: the decode is full
+    longs = [await _queue(adm, "a", agent_turn()) for _ in range(3)]
+    short = await _queue(adm, "b", Need(6, 6, 10))  # 1 block
+    assert adm.waiting == 4 and adm.waiting_of("a") == 3 and not short.done()
+    adm.release(a1)  # 33 blocks free: B's short one first, then A's next (32 left: not yet)
+    await asyncio.sleep(0)
+    assert short.done() and short.result().ticket is not None
+    assert not any(t.done() for t in longs) and adm.waiting == 3
+    adm.release(short.result())
+    await asyncio.sleep(0)
+    assert longs[0].done() and not longs[1].done()  # A's own stay in order
+    adm.release(longs[0].result())
+    for t in longs:
+        t.cancel()
+    await asyncio.gather(*longs, return_exceptions=True)
+    assert adm.running == 0 and adm.waiting == 0 and cap.tickets == 0
+
+
+async def test_a_short_request_of_an_idle_tenant_is_admitted_at_once_past_a_waiting_burst() -> None:
+    cap = capacity(Clock(), 0, prefill(), decode(free=40, total=100))
+    adm = admission(cap, admit_wait=5.0)
+    a1 = await adm.acquire(agent_turn(), MODEL, "a")  # 7 blocks left
+    waiting = await _queue(adm, "a", agent_turn())
+    b = await asyncio.wait_for(adm.acquire(Need(6, 6, 10), MODEL, "b"), 0.5)  # fits: at once
+    assert b.waited == 0 and not waiting.done()
+    # The same short request of tenant A queues behind A's own long one (FIFO per tenant).
+    mine = await _queue(adm, "a", Need(6, 6, 10))
+    assert not mine.done()
+    for g in (a1, b):
+        adm.release(g)
+    g1, g2 = await asyncio.wait_for(asyncio.gather(waiting, mine), 1)
+    adm.release(g1)
+    adm.release(g2)
+    assert cap.tickets == 0
+
+
+async def test_weights_split_admissions_in_proportion() -> None:
+    adm = Admission(1, 64, 5.0, 500, weights={"a": 2, "b": 1})
+    first = await adm.acquire(Need(1000, 1000, 10), MODEL, "x")
+    tasks = []
+    for _ in range(6):
+        for tenant in ("a", "b"):
+            tasks.append((tenant, await _queue(adm, tenant, Need(1000, 1000, 10))))
+    order = await _release_in_turn(adm, tasks, first, 9)
+    assert order.count("a") == 6 and order.count("b") == 3, order
+    for _, t in tasks:
+        t.cancel()
+    await asyncio.gather(*(t for _, t in tasks), return_exceptions=True)
+    assert adm.running == 0 and adm.waiting == 0
+
+
+async def test_equal_weights_split_admitted_tokens_not_requests() -> None:
+    """Work is uncached prompt tokens: a tenant of 1,000-token prompts gets one admitted for
+    every four of another tenant's 250-token prompts."""
+    adm = Admission(1, 64, 5.0, 500)
+    first = await adm.acquire(Need(1, 1, 1), MODEL, "x")
+    tasks = [("big", await _queue(adm, "big", Need(1000, 1000, 10))) for _ in range(3)]
+    tasks += [("small", await _queue(adm, "small", Need(250, 250, 10))) for _ in range(12)]
+    order = await _release_in_turn(adm, tasks, first, 10)
+    assert order.count("big") == 2 and order.count("small") == 8, order
+    for _, t in tasks:
+        t.cancel()
+    await asyncio.gather(*(t for _, t in tasks), return_exceptions=True)
+
+
+async def test_a_single_tenant_keeps_fifo_order() -> None:
+    adm = Admission(1, 64, 5.0, 500)
+    first = await adm.acquire(Need(10, 10, 1), MODEL, "a")
+    sizes = [5000, 10, 3000, 1, 200]
+    tasks = [(str(n), await _queue(adm, "a", Need(n, n, 1))) for n in sizes]
+    assert await _release_in_turn(adm, tasks, first, len(sizes)) == [str(n) for n in sizes]
+
+
+async def test_a_long_request_is_not_starved_by_another_tenants_stream_of_short_ones() -> None:
+    adm = Admission(1, 512, 5.0, 500)
+    first = await adm.acquire(Need(10, 10, 1), MODEL, "b")
+    tasks = [("a", await _queue(adm, "a", Need(1000, 1000, 1)))]
+    tasks += [("b", await _queue(adm, "b", Need(10, 10, 1))) for _ in range(300)]
+    order = await _release_in_turn(adm, tasks, first, 150)
+    assert order.index("a") <= 100, order.index("a")  # after ~1,000 tokens of B's
+    for _, t in tasks:
+        t.cancel()
+    await asyncio.gather(*(t for _, t in tasks), return_exceptions=True)
+
+
+async def test_a_full_queue_makes_room_for_a_tenant_holding_less_of_it() -> None:
+    seen = Seen()
+    adm = Admission(1, 3, 5.0, 500, observer=seen)
+    first = await adm.acquire(Need(10, 10, 1), MODEL, "a")
+    burst = [await _queue(adm, "a", Need(10, 10, 1)) for _ in range(3)]
+    with pytest.raises(Overloaded, match="its queue is full"):
+        adm.refuse_if_full(Need(10, 10, 1), MODEL, "a")  # its own burst: refused at once
+    with pytest.raises(Overloaded, match="its queue is full"):
+        await adm.acquire(Need(10, 10, 1), MODEL, "a")
+    adm.refuse_if_full(Need(10, 10, 1), MODEL, "b")  # B may join: A holds all of it
+    b = await _queue(adm, "b", Need(10, 10, 1))
+    await asyncio.sleep(0)
+    assert burst[2].done() and not b.done() and adm.waiting == 3  # A's newest gave way
+    with pytest.raises(Overloaded, match="took its place"):
+        await burst[2]
+    # 2 of A's against 1 of B's: a second B would hold as much as A; refused itself.
+    with pytest.raises(Overloaded, match="its queue is full"):
+        await adm.acquire(Need(10, 10, 1), MODEL, "b")
+    order = await _release_in_turn(adm, [("a", burst[0]), ("a", burst[1]), ("b", b)], first, 3)
+    assert sorted(order) == ["a", "a", "b"] and adm.running == 0
+
+
+def test_tenant_weights_parse_and_name_a_wrong_entry() -> None:
+    assert parse_tenant_weights(" a=2, b=0.5 ,") == {"a": 2.0, "b": 0.5}
+    assert parse_tenant_weights("") == {}
+    for bad in ("a", "a=0", "a=-1", "a=x", "=2", "a=inf"):
+        with pytest.raises(ValueError, match="--tenant-weights entry"):
+            parse_tenant_weights(bad)
+    with pytest.raises(ValueError, match="weight must be > 0"):
+        Admission(1, 1, 1.0, 500, weights={"a": 0})

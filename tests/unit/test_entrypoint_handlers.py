@@ -570,3 +570,33 @@ async def test_generate_needs_a_key_and_the_key_decides_the_tenant() -> None:
     assert salts["none"] is None and salts["wrong"] is None
     assert salts["globex-as-acme"] == tenant_salt(SECRET, "globex")
     assert salts["service"] == ACME
+
+
+async def test_admission_queues_by_the_keys_tenant_and_another_tenant_passes_a_burst() -> None:
+    """Waiting requests queue per tenant -- the key's, whatever tenant the request names -- and
+    another tenant's short request starts before the first tenant's queued long ones."""
+    bus = FakeBus(lambda task: [])  # nothing finishes: the admitted hold their KV
+    keys = {"sk-a": "acme", "sk-g": "globex"}
+    h = with_capacity(bus, decode_blocks=5, admit_wait=5.0, api_keys=keys)
+    acme = FakeContext(metadata=(("authorization", "Bearer sk-a"),))
+    globex = FakeContext(metadata=(("authorization", "Bearer sk-g"),))
+    long_prompt = list(range(1, 11))  # 10 tokens + max_tokens 10 = 5 blocks: all of d1
+    calls = []
+    for _ in range(3):
+        calls.append(asyncio.ensure_future(collect_with(h, req(long_prompt, 10), acme)))
+        await asyncio.sleep(0.02)
+    # globex's key, claiming to be acme: it still queues (and is salted) as globex.
+    short = req([1, 2], 2, tenant="acme")  # 1 block
+    calls.append(asyncio.ensure_future(collect_with(h, short, globex)))
+    await asyncio.sleep(0.02)
+    assert len(bus.tasks()) == 1
+    assert h.admission.waiting_of("acme") == 2 and h.admission.waiting_of("globex") == 1
+    beat(h, "d1", control_pb2.ROLE_DECODE, 10)  # 5 more blocks: globex's 1 fits, acme's 5 not
+    await asyncio.sleep(0.05)
+    salts = [t.cache_salt for t in bus.tasks()]
+    assert salts == [ACME, tenant_salt(SECRET, "globex")]
+    assert h.admission.waiting_of("acme") == 2 and h.admission.waiting_of("globex") == 0
+    for c in calls:
+        c.cancel()
+    await asyncio.gather(*calls, return_exceptions=True)
+    assert h.admission.running == 0 and h.admission.waiting == 0

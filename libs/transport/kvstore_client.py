@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol, cast
@@ -27,6 +28,18 @@ class KVStore(Protocol):
 
     async def put(self, blocks: list[Block], tenant: str, traffic_class: int) -> None:
         """Store the blocks; raises on failure (the caller logs it)."""
+
+
+def open_kvstore(
+    stack: contextlib.AsyncExitStack, address: str, token: str = ""
+) -> GrpcKVStore | None:
+    """A client of the kvstore at ``address`` closed with ``stack`` (None: no address, no
+    kvstore: nothing cached is loaded, nothing written)."""
+    if not address:
+        return None
+    kvstore = GrpcKVStore(address, token)
+    stack.push_async_callback(kvstore.close)
+    return kvstore
 
 
 class GrpcKVStore:

@@ -20,22 +20,15 @@ from __future__ import annotations
 import asyncio
 import sys
 
-import grpc
-
 from libs.common import subjects
-from libs.common.grpc_auth import server_interceptors
-from libs.common.grpc_server import add_health_and_reflection
 from libs.common.service import ServiceContext, run_service
-from libs.common.telemetry import tracer
-from libs.proto.deepserve.v1 import control_pb2, kv_transfer_pb2_grpc
+from libs.proto.deepserve.v1 import control_pb2
 from libs.serving.instance import InstanceRuntime
-from libs.serving.known_decoders import CheckedPusher, KnownDecoders
-from libs.serving.runtime import advertise_host
-from libs.transport.kvstore_client import GrpcKVStore
-from services.decode.handlers import DecodeHandler, KVTransferServicer
-from services.decode.main import MAX_MESSAGE_BYTES
-from services.prefill.clients import GrpcKVPusher
+from libs.transport.kvstore_client import open_kvstore
+from services.decode.handlers import DecodeHandler
+from services.decode.main import open_decode
 from services.prefill.handlers import PrefillHandler
+from services.prefill.main import open_prefill
 
 from .config import SERVICE, AggregatedConfig, build_parser, config_from
 
@@ -72,7 +65,7 @@ class BothRoles:
 
 
 async def serve(cfg: AggregatedConfig, ctx: ServiceContext) -> int:
-    log, host, instance_id = ctx.log, cfg.service.host, cfg.service.instance_id
+    log, instance_id = ctx.log, cfg.service.instance_id
     rt = InstanceRuntime(
         ctx, cfg.model, cfg.heartbeat_interval, None, cfg.stats_interval, heartbeat_role="prefill"
     )
@@ -81,48 +74,14 @@ async def serve(cfg: AggregatedConfig, ctx: ServiceContext) -> int:
         return rc
     assert rt.loop is not None and rt.nc is not None
     nc = rt.nc
-    server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
-        interceptors=server_interceptors(cfg.service_token, log, "KVTransfer"),
+    kvstore = open_kvstore(ctx.stack, cfg.kvstore_address, cfg.service_token)
+    decode, health_servicer = await open_decode(
+        ctx, rt, cfg.grpc_port, cfg.service_token, kvstore, SERVICE
     )
-    port = server.add_insecure_port(f"{host}:{cfg.grpc_port}")
-    address = f"{advertise_host(host)}:{port}"
-    kvstore = GrpcKVStore(cfg.kvstore_address, cfg.service_token) if cfg.kvstore_address else None
-    if kvstore is not None:
-        ctx.stack.push_async_callback(kvstore.close)
-    pusher = GrpcKVPusher(cfg.push_timeout_s, token=cfg.service_token)
-    ctx.stack.push_async_callback(pusher.close)
-    decoders = KnownDecoders()
-    decoders_sub = await decoders.subscribe(nc)
-    decode = DecodeHandler(
-        rt.loop,
-        nc.publish,
-        instance_id=instance_id,
-        model_name=cfg.model.model_name,
-        address=address,
-        block_size=cfg.model.block_size,
-        tracer=tracer(SERVICE),
-        kvstore=kvstore,
-    )
-    prefill = PrefillHandler(
-        rt.loop,
-        nc.publish,
-        CheckedPusher(pusher, decoders),  # only to decode instances heard on NATS
-        instance_id=instance_id,
-        model_name=cfg.model.model_name,
-        block_size=cfg.model.block_size,
-        max_model_len=rt.loop.engine.scheduler_config.max_model_len,
-        kvstore=kvstore,
-        tracer=tracer(SERVICE),
-        local=decode,
+    prefill, decoders_sub = await open_prefill(
+        ctx, rt, cfg.push_timeout_s, cfg.service_token, kvstore, SERVICE, local=decode
     )
     both = BothRoles(prefill, decode)
-    kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(  # type: ignore[no-untyped-call]
-        KVTransferServicer(decode), server
-    )
-    health_servicer = await add_health_and_reflection(server, ["deepserve.v1.KVTransfer"])
-    await server.start()
-    ctx.stack.push_async_callback(server.stop, 5.0)
 
     async def on_abort(msg: object) -> None:
         await both.on_abort(control_pb2.Abort.FromString(msg.data))  # type: ignore[attr-defined]
@@ -137,7 +96,7 @@ async def serve(cfg: AggregatedConfig, ctx: ServiceContext) -> int:
         "aggregated instance %s: tasks on %s, KVTransfer on %s (kvstore: %s)",
         instance_id,
         subjects.prefill_task(instance_id),
-        address,
+        decode.address,
         cfg.kvstore_address or "none",
     )
     await ctx.stop.wait()

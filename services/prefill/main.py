@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from functools import partial
+from typing import Any
 
 from libs.common import subjects
 from libs.common.service import ServiceContext, run_service
@@ -25,11 +26,44 @@ from libs.proto.deepserve.v1 import control_pb2
 from libs.serving.ep_supervisor import supervise
 from libs.serving.instance import InstanceRuntime
 from libs.serving.known_decoders import CheckedPusher, KnownDecoders
-from libs.transport.kvstore_client import GrpcKVStore
+from libs.transport.kvstore_client import KVStore, open_kvstore
 
 from .clients import GrpcKVPusher
 from .config import SERVICE, PrefillConfig, build_parser, config_from
-from .handlers import PrefillHandler
+from .handlers import LocalDecode, PrefillHandler
+
+
+async def open_prefill(
+    ctx: ServiceContext,
+    rt: InstanceRuntime,
+    push_timeout_s: float,
+    service_token: str,
+    kvstore: KVStore | None,
+    service: str,
+    local: LocalDecode | None = None,
+) -> tuple[PrefillHandler, Any]:
+    """The prefill role over ``rt``'s engine: its handler, pushing KV (with the service token)
+    only to decode instances heard on NATS, and that subscription (the caller ends it with
+    its others). Prefill's own wiring, and an aggregated instance's prefill half (``local``:
+    its decode half)."""
+    assert rt.loop is not None and rt.nc is not None
+    pusher = GrpcKVPusher(push_timeout_s, token=service_token)
+    ctx.stack.push_async_callback(pusher.close)
+    decoders = KnownDecoders()
+    decoders_sub = await decoders.subscribe(rt.nc)
+    handler = PrefillHandler(
+        rt.loop,
+        rt.nc.publish,
+        CheckedPusher(pusher, decoders),  # only to decode instances heard on NATS
+        instance_id=ctx.config.instance_id,
+        model_name=rt.model.model_name,
+        block_size=rt.model.block_size,
+        max_model_len=rt.loop.engine.scheduler_config.max_model_len,
+        kvstore=kvstore,
+        tracer=tracer(service),
+        local=local,
+    )
+    return handler, decoders_sub
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,23 +83,9 @@ async def serve(cfg: PrefillConfig, ctx: ServiceContext, argv: Sequence[str] = (
         return rc
     assert rt.loop is not None and rt.nc is not None
     nc = rt.nc
-    pusher = GrpcKVPusher(cfg.push_timeout_s, token=cfg.service_token)
-    ctx.stack.push_async_callback(pusher.close)
-    decoders = KnownDecoders()
-    decoders_sub = await decoders.subscribe(nc)
-    kvstore = GrpcKVStore(cfg.kvstore_address, cfg.service_token) if cfg.kvstore_address else None
-    if kvstore is not None:
-        ctx.stack.push_async_callback(kvstore.close)
-    handler = PrefillHandler(
-        rt.loop,
-        nc.publish,
-        CheckedPusher(pusher, decoders),  # only to decode instances heard on NATS
-        instance_id=instance_id,
-        model_name=cfg.model.model_name,
-        block_size=cfg.model.block_size,
-        max_model_len=rt.loop.engine.scheduler_config.max_model_len,
-        kvstore=kvstore,
-        tracer=tracer(SERVICE),
+    kvstore = open_kvstore(ctx.stack, cfg.kvstore_address, cfg.service_token)
+    handler, decoders_sub = await open_prefill(
+        ctx, rt, cfg.push_timeout_s, cfg.service_token, kvstore, SERVICE
     )
 
     async def on_abort(msg: object) -> None:

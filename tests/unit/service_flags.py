@@ -8,6 +8,7 @@ import importlib
 import re
 
 from deepserve.up import SERVICE_SECRETS
+from libs.common import nats_auth
 
 SERVICES = ("recipe", "entrypoint", "balancer", "prefill", "decode", "aggregated", "kvstore")
 SECRET_ENVS = {  # docs/security.md: the secrets and their environment twins
@@ -16,6 +17,16 @@ SECRET_ENVS = {  # docs/security.md: the secrets and their environment twins
     "DEEPSERVE_KV_MAC_KEY",
     "DEEPSERVE_API_KEYS",
 }
+
+
+# The NATS login every service container gets (libs/common/natsutil.py reads them): the only
+# environment a deployment file may give a service that is no flag's twin.
+NATS_CREDENTIAL_ENVS = {nats_auth.USER_ENV, nats_auth.PASSWORD_ENV}
+
+
+def nats_secret_key(role: str) -> str:
+    """The key of ``role``'s NATS password in docker/k8s/secret.yaml."""
+    return f"nats-password-{role}"
 
 
 def parser(service: str) -> argparse.ArgumentParser:
@@ -37,4 +48,13 @@ def flag_value(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
 
 
-__all__ = ["SERVICES", "SECRET_ENVS", "SERVICE_SECRETS", "parser", "env_twins", "flag_value"]
+__all__ = [
+    "SERVICES",
+    "SECRET_ENVS",
+    "SERVICE_SECRETS",
+    "NATS_CREDENTIAL_ENVS",
+    "nats_secret_key",
+    "parser",
+    "env_twins",
+    "flag_value",
+]

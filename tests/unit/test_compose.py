@@ -1,12 +1,16 @@
 """``compose.yaml``, ``docker/Dockerfile`` and ``.dockerignore`` match the code, checked
 without Docker: every service container runs a real ``services.<name>`` with flags its parser
 accepts and environment names its flags document, gets exactly the secrets it reads, is
-health-checked on the port its flags open and dials the other services where they listen;
-the image has every file and server binary those commands need. The container tier
+health-checked on the port its flags open and dials the other services where they listen,
+logs in to NATS as its own role with that role's password only (nats-server runs the
+generated ``docker/k8s/nats.conf``, and compose refuses to run without the passwords that
+``scripts/docker/env.sh`` writes); the image has every file and server binary those commands
+need. The container tier
 (``make test-container``) runs the same files for real."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -17,7 +21,16 @@ from typing import Any
 import pytest
 import yaml
 
-from .service_flags import SECRET_ENVS, SERVICES, env_twins, flag_value, parser
+from libs.common import nats_auth
+
+from .service_flags import (
+    NATS_CREDENTIAL_ENVS,
+    SECRET_ENVS,
+    SERVICES,
+    env_twins,
+    flag_value,
+    parser,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINES = {
@@ -31,6 +44,9 @@ BACKENDS = {"nats", "redis", "seaweedfs"}
 # What a deepserve container may carry besides its flags' twins: boto3's S3 credentials.
 NOT_TWINS = {"kvstore": {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}}
 _VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+# A value compose refuses to run without: ${VAR:?message} (unset or empty is an error).
+_REQUIRED = re.compile(r"\$\{(\w+):\?[^}]+\}")
+NATS_CONF = "docker/k8s/nats.conf"
 
 
 def _compose() -> dict[str, Any]:
@@ -82,7 +98,11 @@ def test_every_service_and_backend_is_there() -> None:
     volumes = set(_compose()["volumes"])
     for name, svc in services.items():
         for v in svc.get("volumes", []):
-            assert v.split(":")[0] in volumes, f"{name}: volume {v} not declared"
+            source = v.split(":")[0]
+            if source.startswith("./"):  # a file of this repository, read-only
+                assert (ROOT / source).is_file() and v.endswith(":ro"), f"{name}: {v}"
+            else:
+                assert source in volumes, f"{name}: volume {v} not declared"
 
 
 @pytest.mark.parametrize("name", ["recipe", "entrypoint", "balancer", "kvstore", *ENGINES])
@@ -96,7 +116,8 @@ def test_commands_flags_and_env_exist_in_the_service(name: str) -> None:
         if a.startswith("--"):
             assert a in p._option_string_actions, f"{name}: no flag {a}"
     p.parse_args(args)  # values of the right type too
-    twins = env_twins(p) | NOT_TWINS.get(service, set())
+    # Besides the twins: the NATS login (no flag on purpose: never on a command line).
+    twins = env_twins(p) | NOT_TWINS.get(service, set()) | NATS_CREDENTIAL_ENVS
     for env in _env(svc):
         assert env in twins, f"{name}: {env} is no flag's twin"
     assert "--host" not in args, "the image binds 0.0.0.0 through DEEPSERVE_HOST"
@@ -110,6 +131,14 @@ def test_each_service_gets_exactly_the_secrets_it_reads(name: str) -> None:
     assert given == SECRET_ENVS & env_twins(parser(service)), name
     for env in given:  # from the environment / .env only, never written into the file
         assert svc["environment"][env] == "${" + env + ":-}", f"{name}: {env}"
+    # NATS: its own role's user and that role's password, required; no other role's password.
+    environment = svc["environment"]
+    assert environment[nats_auth.USER_ENV] == service
+    m = _REQUIRED.fullmatch(environment[nats_auth.PASSWORD_ENV])
+    assert m and m.group(1) == nats_auth.password_env(service), f"{name}: its NATS password"
+    others = [v for v in map(str, environment.values()) if "NATS_PASSWORD_" in v]
+    assert others == [environment[nats_auth.PASSWORD_ENV]], f"{name}: {others}"
+    assert not any(k.startswith("DEEPSERVE_NATS_PASSWORD_") for k in environment), name
 
 
 @pytest.mark.parametrize("name", ["recipe", "entrypoint", "balancer", "kvstore", *ENGINES])
@@ -172,7 +201,11 @@ def test_gpu_profile_reserves_a_gpu_for_each_engine() -> None:
             ]
             assert "CUDA" in svc["image"]
             like = "decode" if name == "aggregated-gpu" else _service_of(name)
-            assert _env(svc) == _env(services[like]), f"{name} configured like {like}"
+            # configured like `like`, logging in to NATS as its own role
+            mine, theirs = _env(svc), _env(services[like])
+            for env in NATS_CREDENTIAL_ENVS:
+                mine.pop(env), theirs.pop(env)
+            assert mine == theirs, f"{name} configured like {like}"
         else:
             assert "profiles" not in svc and device == "cpu" and not reservation
 
@@ -199,12 +232,85 @@ def test_backends_run_from_the_image_with_persistence() -> None:
     assert "redis-server" in dockerfile
 
 
-@pytest.mark.skipif(
-    shutil.which("nats-server") is None and not (ROOT / ".venv/bin/nats-server").exists(),
-    reason="no nats-server",
-)
+def test_nats_runs_the_generated_config_with_every_role_s_password_required() -> None:
+    nats = _compose()["services"]["nats"]
+    conf = flag_value(nats["command"], "-c")
+    assert f"./{NATS_CONF}:{conf}:ro" in nats["volumes"]
+    text = (ROOT / NATS_CONF).read_text()
+    assert text == nats_auth.deployment_config(), f"regenerate {NATS_CONF}"
+    referenced = set(re.findall(r"password: \$(\w+)", text))
+    assert referenced == {nats_auth.password_env(r) for r in nats_auth.ROLES}
+    env = nats["environment"]
+    assert set(env) == referenced, "nats-server gets every role's password and nothing else"
+    for name, value in env.items():
+        m = _REQUIRED.fullmatch(value)
+        assert m and m.group(1) == name, f"nats: {name} must be ${{{name}:?...}}"
+    # Every NATS password anywhere in the file is required: none can default to empty (which
+    # nats-server would accept as that user's password).
+    raw = (ROOT / "compose.yaml").read_text()
+    for m in re.finditer(r"\$\{(DEEPSERVE_NATS\w*)([^}]*)\}", raw):
+        assert m.group(2).startswith(":?"), m.group(0)
+
+
+def _run_env_sh(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "scripts" / "docker" / "env.sh"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / "scripts/docker/env.sh", script)
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True)
+
+
+def _dotenv(path: Path) -> dict[str, str]:
+    return dict(ln.split("=", 1) for ln in path.read_text().splitlines() if ln)
+
+
+@pytest.mark.skipif(shutil.which("python3") is None, reason="env.sh needs python3")
+def test_env_sh_writes_every_secret_compose_requires(tmp_path: Path) -> None:
+    out = _run_env_sh(tmp_path, "acme")
+    assert out.returncode == 0, out.stderr
+    dotenv = tmp_path / ".env"
+    assert dotenv.stat().st_mode & 0o077 == 0, ".env is private"
+    values = _dotenv(dotenv)
+    required = set(_REQUIRED.findall((ROOT / "compose.yaml").read_text()))
+    assert required == {nats_auth.password_env(r) for r in nats_auth.ROLES}
+    assert required | SECRET_ENVS <= values.keys()
+    nats = [values[v] for v in sorted(required)]
+    assert len(set(nats)) == len(nats) and all(re.fullmatch(r"[0-9a-f]{48}", v) for v in nats)
+    assert values["DEEPSERVE_API_KEYS"].endswith("=acme")
+    assert _run_env_sh(tmp_path).returncode == 1  # complete: left alone
+    assert _dotenv(dotenv) == values
+    # An .env from before the NATS users gets only the NATS passwords added.
+    old = {k: v for k, v in values.items() if k in SECRET_ENVS}
+    dotenv.write_text("\n".join(f"{k}={v}" for k, v in old.items()))  # no final newline
+    out = _run_env_sh(tmp_path)
+    assert out.returncode == 0 and "added NATS passwords" in out.stdout, out.stderr
+    again = _dotenv(dotenv)
+    assert {k: again[k] for k in old} == old and required <= again.keys()
+
+
+def _nats_server() -> str | None:
+    if shutil.which("nats-server"):
+        return shutil.which("nats-server")
+    local = ROOT / ".venv/bin/nats-server"
+    return str(local) if local.exists() else None
+
+
+@pytest.mark.skipif(_nats_server() is None, reason="no nats-server")
+def test_nats_server_accepts_the_config_with_the_passwords_only(tmp_path: Path) -> None:
+    binary = str(_nats_server())
+    passwords = {nats_auth.password_env(r): f"pw{r}" for r in nats_auth.ROLES}
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **passwords}
+    ok = subprocess.run([binary, "-c", str(ROOT / NATS_CONF), "-t"], env=env, capture_output=True)
+    assert ok.returncode == 0, ok.stderr
+    del env[nats_auth.password_env("tools")]
+    missing = subprocess.run(
+        [binary, "-c", str(ROOT / NATS_CONF), "-t"], env=env, capture_output=True, text=True
+    )
+    assert missing.returncode != 0 and "DEEPSERVE_NATS_PASSWORD_TOOLS" in missing.stderr
+
+
+@pytest.mark.skipif(_nats_server() is None, reason="no nats-server")
 def test_nats_flags_are_the_servers() -> None:
-    binary = shutil.which("nats-server") or str(ROOT / ".venv/bin/nats-server")
+    binary = str(_nats_server())
     usage = subprocess.run([binary, "--help"], capture_output=True, text=True).stdout
     for a in _compose()["services"]["nats"]["command"][1:]:
         if a.startswith("-"):
@@ -282,6 +388,9 @@ def test_docker_compose_accepts_the_file() -> None:
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={"PATH": "/usr/bin:/bin"},
+        env={
+            "PATH": "/usr/bin:/bin",
+            **{nats_auth.password_env(r): "x" for r in nats_auth.ROLES},
+        },
     )
     assert out.returncode == 0, out.stderr

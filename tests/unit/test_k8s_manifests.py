@@ -1,20 +1,26 @@
 """The example Kubernetes manifests in ``docker/k8s`` match the code: they parse, each object
 has the fields Kubernetes needs (a compact structural schema of the subset used), every
 container runs a real ``services.<name>`` with flags and environment twins that service
-has, each Deployment gets only the secrets its service reads, and probes and Services point
-at the ports the flags open."""
+has, each Deployment gets only the secrets its service reads and logs in to NATS as its own
+role with that role's password only, nats runs the generated ``nats.conf`` (a ConfigMap)
+with every role's password from the Secret, and probes and Services point at the ports the
+flags open."""
 
 from __future__ import annotations
 
 import importlib.util
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from .service_flags import SECRET_ENVS, SERVICES
+from libs.common import nats_auth
+
+from .service_flags import NATS_CREDENTIAL_ENVS, SECRET_ENVS, SERVICES, nats_secret_key
 from .service_flags import env_twins as _env_twins
 from .service_flags import flag_value as _flag_value
 from .service_flags import parser as _parser
@@ -204,6 +210,15 @@ KUSTOMIZATION = {
         "resources": {"type": "array", "minItems": 1, "items": _STR},
         "labels": {"type": "array"},
         "images": {"type": "array"},
+        "configMapGenerator": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name", "files"],
+                "properties": {"name": _NAME, "files": {"type": "array", "items": _STR}},
+                "additionalProperties": False,
+            },
+        },
     },
     "additionalProperties": False,
 }
@@ -342,7 +357,8 @@ def test_flags_and_env_exist_in_the_service(service: str) -> None:
         if arg.startswith("--"):
             assert arg in options, f"{service}: no flag {arg}"
     parser.parse_args(c.get("args", []))  # values of the right type, too
-    twins = _env_twins(parser)
+    # Besides the twins: the NATS login (no flag on purpose: never on a command line).
+    twins = _env_twins(parser) | NATS_CREDENTIAL_ENVS
     for env in c.get("env", []):
         assert env["name"] in twins, f"{service}: {env['name']} is no flag's twin"
 
@@ -362,6 +378,18 @@ def test_each_service_gets_only_its_secrets_from_the_secret(service: str) -> Non
             assert ref["key"] in secret_keys[ref["name"]]
             given.add(env["name"])
     assert given == SECRET_ENVS & twins, f"{service} reads {SECRET_ENVS & twins}"
+    # NATS: its own role's user, and that role's password (the only nats-password-* key it gets)
+    env = {e["name"]: e for e in c["env"]}
+    assert env[nats_auth.USER_ENV] == {"name": nats_auth.USER_ENV, "value": service}
+    password = env[nats_auth.PASSWORD_ENV]["valueFrom"]["secretKeyRef"]
+    assert password == {"name": "deepserve-secrets", "key": nats_secret_key(service)}
+    assert password["key"] in secret_keys["deepserve-secrets"]
+    keys = [
+        e["valueFrom"]["secretKeyRef"]["key"]
+        for e in c["env"]
+        if "secretKeyRef" in e.get("valueFrom", {})
+    ]
+    assert [k for k in keys if k.startswith("nats-password-")] == [password["key"]], service
 
 
 @pytest.mark.parametrize("service", SERVICES)
@@ -418,3 +446,55 @@ def test_kv_receivers_advertise_their_pod_ip(name: str) -> None:
     assert host == [
         {"name": "DEEPSERVE_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     ]
+
+
+def _nats() -> dict[str, Any]:
+    (sts,) = [
+        o for _, o in _objects() if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "nats"
+    ]
+    return sts
+
+
+def test_nats_runs_the_generated_config_from_a_config_map() -> None:
+    (gen,) = _kustomization()["configMapGenerator"]
+    assert gen["files"] == ["nats.conf"]
+    text = (K8S / "nats.conf").read_text()
+    assert text == nats_auth.deployment_config(), "regenerate docker/k8s/nats.conf"
+    spec = _nats()["spec"]["template"]["spec"]
+    c = _container(_nats())
+    conf = _flag_value(c["args"], "-c")
+    (mount,) = [m for m in c["volumeMounts"] if conf.startswith(m["mountPath"] + "/")]
+    assert conf == f"{mount['mountPath']}/nats.conf" and mount["readOnly"] is True
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert volume["configMap"] == {"name": gen["name"]}
+
+
+def test_nats_gets_every_role_s_password_from_the_secret() -> None:
+    c = _container(_nats())
+    secret = {o["metadata"]["name"]: o for _, o in _objects() if o["kind"] == "Secret"}
+    keys = secret["deepserve-secrets"]["stringData"]
+    referenced = set(re.findall(r"password: \$(\w+)", (K8S / "nats.conf").read_text()))
+    env = {e["name"]: e for e in c["env"]}
+    assert set(env) == referenced == {nats_auth.password_env(r) for r in nats_auth.ROLES}
+    for role in nats_auth.ROLES:
+        e = env[nats_auth.password_env(role)]
+        ref = e["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "deepserve-secrets", "key": nats_secret_key(role)}, role
+        assert keys[ref["key"]], f"{ref['key']}: empty (nats-server would take an empty password)"
+    nats_keys = {k for k in keys if k.startswith("nats-password-")}
+    assert nats_keys == {nats_secret_key(r) for r in nats_auth.ROLES}
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_kustomize_builds_and_points_nats_at_the_generated_config_map() -> None:
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert cm["data"]["nats.conf"] == (K8S / "nats.conf").read_text()
+    assert cm["metadata"]["namespace"] == "deepserve"
+    (sts,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "nats"]
+    volumes = sts["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "config", "configMap": {"name": cm["metadata"]["name"]}} in volumes

@@ -21,6 +21,8 @@ deepserve usage --nats-url URL [--tenant T] [--since ISO] [--json]
 deepserve up [--port 8000] [--prefill N] [--decode N] [--model M] [--model-name NAME]
              [--device cpu|cuda [--gpus 0,1] [--gpu-memory-fraction F]] [--run-dir .run]
              [--mode auto|aggregated|disaggregated] [--no-restart] [--ep N [--ep-timeout S]]
+             [--max-model-len N] [--max-num-batched-tokens N] [--max-num-seqs N] [--host H]
+             [--api-key KEY]   (vLLM's names; --served-model-name, --gpu-memory-utilization)
 """
 
 from __future__ import annotations
@@ -459,6 +461,7 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--model-name",
+        "--served-model-name",
         default=None,
         help="served model name (default: deepseek-<preset>, or the checkpoint dir's name)",
     )
@@ -477,6 +480,7 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--gpu-memory-fraction",
+        "--gpu-memory-utilization",
         type=float,
         default=None,
         help="--device cuda: share of its GPU each engine may use (default: 0.90 / engines "
@@ -493,6 +497,34 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "disaggregated",
     )
     p.add_argument("--run-dir", default=".run", help="logs, NATS/Redis/kvstore data")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="a request's context limit in tokens, for every engine and the API's checks "
+        "(0: the model's)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=0,
+        help="tokens one engine step may carry (0: each engine's default: prefill 32768, "
+        "aggregated 8192)",
+    )
+    p.add_argument(
+        "--max-num-seqs", type=int, default=0, help="requests one engine step may carry (0: 256)"
+    )
+    p.add_argument(
+        "--host",
+        default="",
+        help="address the API binds (default 127.0.0.1; the recipe's ops port follows it)",
+    )
+    p.add_argument(
+        "--api-key",
+        default="",
+        help="require this key on the API (Authorization: Bearer / x-api-key); tenant "
+        "'default' (several keys and tenants: DEEPSERVE_API_KEYS=KEY=TENANT,...)",
+    )
     _speculative_flag(
         p,
         "speculative decoding on prefill and decode: the MTP layer drafts up to this many "
@@ -527,7 +559,7 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from deepserve.up import default_model_name, run_up
+    from deepserve.up import default_model_name, run_up, vllm_args
 
     return run_up(
         args.port,
@@ -546,6 +578,10 @@ def _up(args: argparse.Namespace) -> int:
         speculative_tokens=args.speculative_tokens,
         batch_invariant=args.batch_invariant,
         mode=args.mode,
+        more_args=vllm_args(
+            args.max_model_len, args.max_num_batched_tokens, args.max_num_seqs, args.host
+        ),
+        api_key=args.api_key,
     )
 
 

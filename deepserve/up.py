@@ -979,6 +979,40 @@ def engine_args(speculative_tokens: int, batch_invariant: bool) -> dict[str, lis
     return {s: list(args) for s in ENGINE_SERVICES} if args else None
 
 
+def merge_args(
+    *parts: Mapping[str, Sequence[str]] | None,
+) -> dict[str, list[str]] | None:
+    """Flags per service from several sources, in order (None: none at all)."""
+    out: dict[str, list[str]] = {}
+    for part in parts:
+        for service, args in (part or {}).items():
+            out.setdefault(service, []).extend(args)
+    return out or None
+
+
+def vllm_args(
+    max_model_len: int = 0, max_num_batched_tokens: int = 0, max_num_seqs: int = 0, host: str = ""
+) -> dict[str, list[str]]:
+    """What vLLM's ``serve`` flags of the same names mean here, as flags per service: the
+    context limit for every engine and for the entrypoint's and recipe's checks, the token
+    budget of a step and the batch size for every engine, the recipe's bind address (0: not
+    given)."""
+    engine: list[str] = []
+    if max_model_len:
+        engine += ["--max-model-len", str(max_model_len)]
+    if max_num_batched_tokens:
+        engine += ["--max-tokens-per-step", str(max_num_batched_tokens)]
+    if max_num_seqs:
+        engine += ["--max-running", str(max_num_seqs)]
+    out = {s: list(engine) for s in ENGINE_SERVICES} if engine else {}
+    if max_model_len:
+        for s in ("entrypoint", "recipe"):
+            out[s] = ["--max-context", str(max_model_len)]
+    if host:
+        out.setdefault("recipe", []).extend(["--host", host])
+    return out
+
+
 def run_up(
     port: int,
     prefill: int,
@@ -997,8 +1031,14 @@ def run_up(
     speculative_tokens: int = 0,
     batch_invariant: bool = False,
     mode: str = "auto",
+    more_args: Mapping[str, Sequence[str]] | None = None,
+    api_key: str = "",
 ) -> int:
     """``deepserve up``: start the stack, print its URL, serve until SIGINT/SIGTERM, stop it.
+
+    ``more_args``: further flags per service (:func:`vllm_args` makes them from vLLM's names);
+    ``api_key``: the one key the API then requires (tenant ``default``), handed to the recipe
+    and the entrypoint through their environment like the other secrets.
 
     With ``restart`` a service that exits is restarted (:meth:`Stack.supervise`); the stack
     stops, with exit code 1, only when one fails repeatedly at start or nats/redis exit.
@@ -1022,8 +1062,9 @@ def run_up(
             ep_timeout=ep_timeout,
             # Prefill fills the MTP layer's KV that decode drafts from, and a continuation is
             # exact only if both engines are batch-invariant: both get these flags.
-            extra_args=engine_args(speculative_tokens, batch_invariant),
+            extra_args=merge_args(engine_args(speculative_tokens, batch_invariant), more_args),
             mode=mode,
+            env={**os.environ, "DEEPSERVE_API_KEYS": f"{api_key}=default"} if api_key else None,
         )
     except ValueError as exc:
         print(f"deepserve up: {exc}", file=sys.stderr)

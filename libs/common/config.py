@@ -12,6 +12,7 @@ import os
 import re
 import sys
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,9 +138,11 @@ def flag(
     default: Any = None,
     help: str = "",
     env: str | None = None,
+    aliases: Sequence[str] = (),
 ) -> None:
     """Add ``--name`` whose default comes from its environment twin (or ``env``) if set and
-    valid (:func:`env_default`); the command line wins."""
+    valid (:func:`env_default`); the command line wins. ``aliases``: other spellings of the
+    same flag (vLLM's names), with no environment twin of their own."""
     env = env or env_name(name)
     value = env_default(env, type, default)
     kwargs: dict[str, Any] = {"default": value, "help": f"{help} [env {env}]".strip()}
@@ -147,7 +150,7 @@ def flag(
         kwargs["action"] = argparse.BooleanOptionalAction
     else:
         kwargs["type"] = type
-    parser.add_argument(name, **kwargs)
+    parser.add_argument(name, *aliases, **kwargs)
 
 
 def common_flags(parser: argparse.ArgumentParser, service: str) -> None:

@@ -22,6 +22,8 @@ class ModelFlags:
     block_size: int = 128
     weights_seed: int = 0
     max_tokens_per_step: int = 32768
+    max_running: int = 256  # requests in one batch (vLLM's --max-num-seqs)
+    max_model_len: int = 0  # context limit in tokens; 0: the model's
     # Seconds one engine step may take by the cost model (prompt chunks are cut to fit it);
     # 0: none, a step's prompt tokens are bounded by max_tokens_per_step alone.
     step_time_budget_s: float = 1.0
@@ -78,7 +80,11 @@ class ModelFlags:
             raise ValueError(
                 f"--step-time-budget must be >= 0 (0: none), got {self.step_time_budget_s}"
             )
-        for name in ("num_kv_blocks", "block_size", "max_tokens_per_step"):
+        if self.max_model_len < 0:
+            raise ValueError(
+                f"--max-model-len must be >= 0 (0: the model's), got {self.max_model_len}"
+            )
+        for name in ("num_kv_blocks", "block_size", "max_tokens_per_step", "max_running"):
             if getattr(self, name) <= 0:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}"
@@ -98,6 +104,8 @@ class ModelFlags:
             num_kv_blocks=self.num_kv_blocks if fraction is None else None,
             max_tokens_per_step=self.max_tokens_per_step,
             time_budget_s=self.step_time_budget_s or None,
+            max_running=self.max_running,
+            max_model_len=self.max_model_len or None,
             kv_cache_dtype="fp8" if self.kv_cache_dtype == "fp8" else None,
             expert_dtype="fp4" if self.experts == "fp4" else "auto",
             weight_dtype=self.weights,
@@ -131,7 +139,13 @@ def add_model_flags(
         default="auto",
         help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16",
     )
-    flag(parser, "--model-name", default="deepseek-tiny", help="served model name")
+    flag(
+        parser,
+        "--model-name",
+        default="deepseek-tiny",
+        help="served model name",
+        aliases=("--served-model-name",),
+    )
     flag(parser, "--num-kv-blocks", type=int, default=2048, help="KV cache size in blocks")
     flag(
         parser,
@@ -141,6 +155,7 @@ def add_model_flags(
         help="CUDA only: share (0, 1] of the device's total memory for this instance's "
         "weights, KV cache and activations; the KV cache gets what is left after the "
         "weights and a step's activation reserve (overrides --num-kv-blocks)",
+        aliases=("--gpu-memory-utilization",),
     )
     flag(parser, "--block-size", type=int, default=128, help="tokens per KV block")
     flag(parser, "--weights-seed", type=int, default=0, help="seed of a preset's random weights")
@@ -150,6 +165,22 @@ def add_model_flags(
         type=int,
         default=max_tokens_per_step,
         help="token budget of one engine step (it also sizes the activation reserve)",
+        aliases=("--max-num-batched-tokens",),
+    )
+    flag(
+        parser,
+        "--max-running",
+        type=int,
+        default=256,
+        help="requests one engine step may carry",
+        aliases=("--max-num-seqs",),
+    )
+    flag(
+        parser,
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="a request's context limit in tokens (0: the model's max_position_embeddings)",
     )
     flag(
         parser,
@@ -234,6 +265,8 @@ def model_flags_from(args: argparse.Namespace) -> ModelFlags:
         block_size=args.block_size,
         weights_seed=args.weights_seed,
         max_tokens_per_step=args.max_tokens_per_step,
+        max_running=args.max_running,
+        max_model_len=args.max_model_len,
         step_time_budget_s=args.step_time_budget,
         fake_step_ms=args.fake_step_ms,
         fake_token_us=args.fake_token_us,

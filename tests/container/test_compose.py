@@ -26,6 +26,7 @@ import openai
 import pytest
 
 from deepserve import procs
+from libs.common import nats_auth
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -132,6 +133,8 @@ def stack() -> Iterator[Compose]:
         "DEEPSERVE_SERVICE_TOKEN": secrets.token_hex(32),
         "DEEPSERVE_CACHE_SALT_SECRET": secrets.token_hex(32),
         "DEEPSERVE_KV_MAC_KEY": secrets.token_hex(32),
+        # compose refuses to start NATS without a password per role (scripts/docker/env.sh)
+        **{nats_auth.password_env(r): secrets.token_hex(24) for r in nats_auth.ROLES},
         "DOCKER_BUILDKIT": "1",
     }
     c = Compose(f"dstest{secrets.token_hex(3)}", env, api_port)

@@ -1,5 +1,12 @@
 """Per-API-key limits, as policy with no I/O: a concurrency cap and a token rate.
 
+Concurrency counts **generations**, not requests: a request takes one slot when it comes
+(:meth:`KeyLimiter.enter`, before its body is read) and, once its ``n`` is known, as many as
+it runs generations (:meth:`KeyLimiter.widen`): a key capped at 4 runs 4 generations at once,
+whether as 4 requests or one with ``n=4``. A request with ``n`` above the cap can never run
+under that key and is refused naming the cap; one that could but not now is refused like any
+request past the cap.
+
 A key is named by its **key id**, the first 8 hex digits of its SHA-256 (:func:`key_id`), never
 by the key itself, so limits can be configured, logged and stored without the secret. Every key
 gets the default :class:`KeyLimit`; ``--key-limits KEYID=CONC[:TOKENS_PER_MIN],...`` overrides
@@ -42,8 +49,8 @@ def key_id(key: str) -> str:
 
 @dataclass(frozen=True)
 class KeyLimit:
-    """``concurrency``: requests in flight at once (0: no cap); ``tokens_per_min``: token rate
-    (0: no rate limit)."""
+    """``concurrency``: generations in flight at once, a request with ``n`` counting ``n``
+    (0: no cap); ``tokens_per_min``: token rate (0: no rate limit)."""
 
     concurrency: int = 500
     tokens_per_min: int = 0
@@ -111,11 +118,13 @@ class Refusal:
 
 @dataclass
 class Slot:
-    """One admitted request: its key id and the tokens it holds reserved."""
+    """One admitted request: its key id, the concurrency it holds (its generations) and the
+    tokens it holds reserved."""
 
     kid: str
     reserved: int = 0
     open: bool = True
+    generations: int = 1
 
 
 @dataclass
@@ -125,8 +134,9 @@ class _Bucket:
 
 
 class KeyLimiter:
-    """Admission per key: :meth:`enter` (concurrency) before the request is encoded,
-    :meth:`reserve` (tokens) once its prompt and ``max_tokens`` are known, :meth:`leave` once
+    """Admission per key: :meth:`enter` (one slot of concurrency) before the request is
+    encoded, :meth:`widen` (a slot per generation) and :meth:`reserve` (tokens) once its ``n``,
+    prompt and ``max_tokens`` are known, :meth:`leave` once
     it ended, however it ended (idempotent). State is kept only for keys seen, which are the
     configured keys (the caller authenticates first)."""
 
@@ -142,10 +152,40 @@ class KeyLimiter:
             return Refusal(
                 "concurrency",
                 CONCURRENCY_RETRY_S,
-                f"too many concurrent requests for this API key: its limit is {cap}",
+                f"too many concurrent requests for this API key: its limit is {cap} "
+                "generations in flight",
             )
         self.inflight[kid] = n + 1
         return Slot(kid)
+
+    def widen(self, slot: Slot, generations: int) -> Refusal | None:
+        """``slot``'s request runs ``generations`` generations at once (its ``n``): it holds that
+        many of the key's concurrency from now on. A Refusal leaves it holding what it held (the
+        caller still calls :meth:`leave`)."""
+        if generations <= slot.generations or not slot.open:
+            return None
+        cap = self.policy.of(slot.kid).concurrency
+        n = self.inflight.get(slot.kid, 0)
+        more = generations - slot.generations
+        if cap and generations > cap:
+            return Refusal(
+                "concurrency",
+                CONCURRENCY_RETRY_S,
+                f"this request runs {generations} generations at once (n={generations}) and this "
+                f"API key's concurrency limit is {cap} generations in flight: lower n to at "
+                f"most {cap}",
+            )
+        if cap and n + more > cap:
+            return Refusal(
+                "concurrency",
+                CONCURRENCY_RETRY_S,
+                f"too many concurrent requests for this API key: its limit is {cap} "
+                f"generations in flight, {n} are and this request adds {more} more "
+                f"(n={generations})",
+            )
+        self.inflight[slot.kid] = n + more
+        slot.generations = generations
+        return None
 
     def reserve(self, slot: Slot, tokens: int) -> Refusal | None:
         """Reserve ``tokens`` (prompt + max_tokens) for ``slot``; a Refusal leaves nothing
@@ -173,7 +213,7 @@ class KeyLimiter:
         if not slot.open:
             return
         slot.open = False
-        n = self.inflight.get(slot.kid, 0) - 1
+        n = self.inflight.get(slot.kid, 0) - slot.generations
         if n > 0:
             self.inflight[slot.kid] = n
         else:

@@ -1,8 +1,9 @@
 """Per request: the API key's limits (``libs/gateway/keylimits.py``) and the usage record.
 
 :meth:`Accounting.admit` takes a concurrency slot of the caller's key (429 when the key is at
-its cap), :meth:`RequestAccount.reserve` reserves prompt + ``max_tokens`` under the key's token
-rate (429 when the bucket is short), and :meth:`RequestAccount.end` -- called once the answer
+its cap), :meth:`RequestAccount.reserve` takes one per generation (``n``; 429 naming the cap when
+they do not fit) and reserves what the request may cost under the key's token rate (429 when the
+bucket is short), and :meth:`RequestAccount.end` -- called once the answer
 is over however it ended, idempotent -- frees the slot, gives back the unused reservation and
 hands a :class:`~.usage.UsageRecord` to the sink when the backend had accepted the request.
 With no API keys configured (an open API) there is no key and no limit; records are still
@@ -46,11 +47,13 @@ class RequestAccount:
         self.job: Answer | None = None  # set once the request is sent to the backend
         self.ended = False
 
-    def reserve(self, tokens: int) -> None:
-        """Reserve ``tokens`` (prompt + max_tokens) under the key's token rate; APIError 429."""
+    def reserve(self, tokens: int, generations: int = 1) -> None:
+        """Hold ``generations`` (the request's ``n``) of the key's concurrency and reserve
+        ``tokens`` (what it may cost) under the key's token rate; APIError 429."""
         if self.slot is None:
             return
-        refusal = self.owner.limiter.reserve(self.slot, tokens)
+        limiter = self.owner.limiter
+        refusal = limiter.widen(self.slot, generations) or limiter.reserve(self.slot, tokens)
         if refusal is not None:
             self.owner.refused(refusal, self.tenant)
             raise _too_many(refusal)

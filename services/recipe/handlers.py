@@ -347,9 +347,9 @@ class Frontend:
         agent = (
             plan.agent or request.headers.get(TRAFFIC_CLASS_HEADER, "").strip().lower() == "agent"
         )
-        # Every choice may run to max_tokens; the prompt is paid for once (the later choices
-        # find it in the prefix cache).
-        acct.reserve(len(plan.prompt) + plan.n * plan.sampling.max_tokens)
+        # Every choice is a generation of the key's concurrency and may run to max_tokens; the
+        # prompt is paid for once (the later choices find it in the prefix cache).
+        acct.reserve(len(plan.prompt) + plan.n * plan.sampling.max_tokens, plan.n)
         answer = Answer(
             proto,
             proto.id_prefix + rid,

@@ -6,7 +6,10 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+from prometheus_client import CollectorRegistry
+from starlette.testclient import TestClient
 
+from libs.common.auth import KeyTable
 from libs.gateway.keylimits import (
     CONCURRENCY_RETRY_S,
     KeyLimit,
@@ -18,6 +21,10 @@ from libs.gateway.keylimits import (
     parse_key_limits,
 )
 from services.recipe.config import build_parser, config_from
+from services.recipe.encoding import PromptEncoder
+from services.recipe.handlers import AppConfig, Metrics, build_app
+
+from .recipe_fakes import MODEL, FakeBackend
 
 
 class Clock:
@@ -138,3 +145,67 @@ def test_recipe_flags_build_the_policy() -> None:
     args = build_parser().parse_args(["--key-max-concurrency", "-1"])
     with pytest.raises(ValueError, match="--key-max-concurrency"):
         config_from(args)
+
+
+def test_concurrency_counts_generations_not_requests() -> None:
+    """Measured before: a key capped at 4 ran 64 generations as 4 requests with n=16."""
+    lim = KeyLimiter(KeyLimitPolicy(KeyLimit(4)), Clock())
+    many = slot(lim.enter("aaaaaaaa"))
+    too_many = lim.widen(many, 16)  # more than the cap could ever hold: names the cap
+    assert isinstance(too_many, Refusal) and too_many.reason == "concurrency"
+    assert "limit is 4 generations" in too_many.message and "n=16" in too_many.message
+    assert lim.inflight["aaaaaaaa"] == 1 and many.generations == 1  # it keeps what it held
+    lim.leave(many)
+    assert "aaaaaaaa" not in lim.inflight
+    three = slot(lim.enter("aaaaaaaa"))
+    assert lim.widen(three, 3) is None and lim.inflight["aaaaaaaa"] == 3
+    assert isinstance(lim.enter("aaaaaaaa"), Slot)  # the 4th generation
+    assert isinstance(lim.enter("aaaaaaaa"), Refusal)  # a 5th: past the cap
+    other = slot(lim.enter("bbbbbbbb"))
+    assert lim.widen(other, 4) is None  # another key: its own 4
+    lim.leave(three)  # frees all 3 of its generations
+    assert lim.inflight["aaaaaaaa"] == 1
+    two = slot(lim.enter("aaaaaaaa"))
+    assert lim.widen(two, 3) is None  # 1 + 3 = 4
+    assert lim.widen(two, 2) is None and two.generations == 3  # never shrinks
+    lim.leave(two)
+    lim.leave(two)  # idempotent
+    assert lim.inflight["aaaaaaaa"] == 1
+
+
+def test_generations_that_fit_the_cap_but_not_now_are_refused_like_a_request_past_it() -> None:
+    lim = KeyLimiter(KeyLimitPolicy(KeyLimit(4)), Clock())
+    held = [slot(lim.enter("aaaaaaaa")) for _ in range(2)]
+    wide = slot(lim.enter("aaaaaaaa"))
+    busy = lim.widen(wide, 3)  # 3 + 2 held = 5 > 4
+    assert isinstance(busy, Refusal) and busy.retry_after_s == CONCURRENCY_RETRY_S
+    assert "3 are and this request adds 2 more (n=3)" in busy.message  # 3: its own first
+    lim.leave(wide)
+    lim.leave(held[0])
+    again = slot(lim.enter("aaaaaaaa"))
+    assert lim.widen(again, 3) is None and lim.inflight["aaaaaaaa"] == 4
+    unlimited = KeyLimiter(KeyLimitPolicy(KeyLimit(0)), Clock())
+    assert unlimited.widen(slot(unlimited.enter("aaaaaaaa")), 10_000) is None
+
+
+def test_recipe_counts_n_against_the_keys_concurrency_cap() -> None:
+    encoder = PromptEncoder([MODEL], default_thinking=True)
+    backend = FakeBackend(encoder)
+    cfg = AppConfig(
+        model_name=MODEL,
+        default_max_tokens=8,
+        keys=KeyTable({"k-alpha": "acme"}),
+        key_limits=KeyLimitPolicy(KeyLimit(concurrency=4)),
+    )
+    http = TestClient(build_app(cfg, encoder, backend, Metrics(CollectorRegistry())))
+    alpha = {"authorization": "Bearer k-alpha"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    r = http.post("/v1/chat/completions", json={**body, "n": 16}, headers=alpha)
+    assert r.status_code == 429, r.text
+    assert "limit is 4 generations" in r.json()["error"]["message"]
+    assert not backend.requests  # refused before the backend
+    r = http.post("/v1/chat/completions", json={**body, "n": 4}, headers=alpha)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 4
+    r = http.post("/v1/chat/completions", json={**body, "n": 4}, headers=alpha)
+    assert r.status_code == 200, r.text  # the 4 generations were given back

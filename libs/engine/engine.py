@@ -452,7 +452,8 @@ class Engine:
 
     @property
     def grammar(self) -> GrammarBackend:
-        """The structured-output backend over this model's tokenizer (built on first use)."""
+        """The structured-output backend over this model's tokenizer (built on first use; a
+        service builds it at start-up: :func:`libs.serving.engines.warm_grammar`)."""
         with self._grammar_lock:
             if self._grammar is None:
                 from .tokenizer import load_tokenizer
@@ -460,7 +461,7 @@ class Engine:
                 source = self.tokenizer_source
                 cfg = self.model_config
                 self._grammar = GrammarBackend(
-                    load_tokenizer(source).to_str(), cfg.vocab_size, cfg.eos_token_ids
+                    load_tokenizer(source), cfg.vocab_size, cfg.eos_token_ids
                 )
             return self._grammar
 

@@ -2,7 +2,8 @@
 masks over the model's vocabulary (xgrammar), applied by the sampler.
 
 One :class:`GrammarBackend` per engine: the tokenizer's vocabulary as xgrammar reads it (built
-once, from ``tokenizer.json`` with the ``tokenizers`` library: no transformers), compiled
+once per process and tokenizer, from ``tokenizer.json`` with the ``tokenizers`` library: no
+transformers; a service builds it at start-up, before it reports ready), compiled
 grammars cached by constraint (a schema is compiled once however many requests use it), and a
 matcher per constrained request. The matcher consumes every output token the request already
 has (a decode instance continues what prefill began; a retried request what was sent) and each
@@ -19,11 +20,14 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from libs.common.sampling import Constraint
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -35,41 +39,26 @@ class GrammarError(ValueError):
 
 
 class GrammarBackend:
+    """``tokenizer``: the model's tokenizer, or its ``tokenizer.json`` text. The vocabulary
+    views it needs (seconds of work, most of it holding the GIL) are built once per process
+    for a tokenizer (:func:`vocabulary_views`); a backend over a tokenizer already seen is
+    cheap. A service builds its engine's backend before it reports ready
+    (:func:`libs.serving.engines.warm_grammar`), so no request waits for it."""
+
     def __init__(
-        self, tokenizer_json: str, vocab_size: int, stop_token_ids: Sequence[int], threads: int = 2
+        self,
+        tokenizer: str | Tokenizer,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        threads: int = 2,
     ) -> None:
         import xgrammar as xgr  # the engine's processes only; imported when a request needs it
-        from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_str(tokenizer_json)
-        plain = [""] * vocab_size
-        markup = [""] * vocab_size
-        # Two views of the vocabulary. JSON, JSON-schema and regex constraints see added tokens
-        # (control and chat markup: BOS, placeholders, thinking and tool tags) as empty, which
-        # xgrammar never matches: such an output holds plain text only (a JSON string could
-        # otherwise contain a control token). EBNF and tool-call constraints see them by their
-        # text, so a grammar can require chat markup (a DSML tool call) as the single tokens
-        # the model emits; their literals decide where. The stop tokens end either.
-        added = tok.get_added_tokens_decoder()
-        for text, i in tok.get_vocab(with_added_tokens=True).items():
-            if i < vocab_size:
-                markup[i] = added[i].content if i in added else text
-                plain[i] = "" if i in added else text
-        meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer_json)
+        plain, markup = vocabulary_views(tokenizer, vocab_size, stop_token_ids)
         self._xgr = xgr
         self.vocab_size = vocab_size
-
-        def info(encoded: list[str]) -> Any:
-            return xgr.TokenizerInfo(
-                encoded,
-                vocab_type=meta["vocab_type"],
-                vocab_size=vocab_size,
-                stop_token_ids=list(stop_token_ids),
-                add_prefix_space=meta["add_prefix_space"],
-            )
-
-        self.compiler = xgr.GrammarCompiler(info(plain), max_threads=threads)
-        self.markup_compiler = xgr.GrammarCompiler(info(markup), max_threads=threads)
+        self.compiler = xgr.GrammarCompiler(plain, max_threads=threads)
+        self.markup_compiler = xgr.GrammarCompiler(markup, max_threads=threads)
         self._compiled: OrderedDict[Constraint, Any] = OrderedDict()
         self._lock = threading.Lock()  # compile() may run off the engine thread (validation)
         self._matchers: dict[str, Any] = {}
@@ -186,6 +175,74 @@ class GrammarBackend:
                 continue
             m.fill_next_token_bitmask(bitmask, i)
         return rows, bitmask
+
+
+# (tokenizer key, vocab size, stop ids) -> (the tokenizer object kept alive, its two views)
+_VIEWS: OrderedDict[tuple[Any, int, tuple[int, ...]], tuple[Any, tuple[Any, Any]]] = OrderedDict()
+_VIEWS_KEPT = 4
+_VIEWS_LOCK = threading.Lock()
+
+
+def vocabulary_views(
+    tokenizer: str | Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]
+) -> tuple[Any, Any]:
+    """xgrammar's two views of the vocabulary (``TokenizerInfo``: plain, markup), built once
+    per process for a tokenizer -- the same :class:`Tokenizer` object (``load_tokenizer``
+    caches one per source) or the same ``tokenizer.json`` text -- and shared by every backend
+    over it (they are read-only). Building them reads all 129K tokens in Python and in
+    xgrammar, holding the GIL for most of ~1-4 s: a service does it before it reports ready.
+    """
+    # A Tokenizer by identity (kept alive in the entry, so its id is not reused meanwhile);
+    # the JSON text by value.
+    ident: Any = tokenizer if isinstance(tokenizer, str) else id(tokenizer)
+    key = (ident, vocab_size, tuple(int(t) for t in stop_token_ids))
+    with _VIEWS_LOCK:  # held while building: a second engine waits for the first's views
+        hit = _VIEWS.get(key)
+        if hit is not None and (isinstance(tokenizer, str) or hit[0] is tokenizer):
+            _VIEWS.move_to_end(key)
+            return hit[1]
+        views = _build_views(tokenizer, vocab_size, key[2])
+        _VIEWS[key] = (tokenizer, views)
+        while len(_VIEWS) > _VIEWS_KEPT:
+            _VIEWS.popitem(last=False)
+        return views
+
+
+def _build_views(
+    tokenizer: str | Tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]
+) -> tuple[Any, Any]:
+    import xgrammar as xgr
+    from tokenizers import Tokenizer
+
+    if isinstance(tokenizer, str):
+        tokenizer_json, tok = tokenizer, Tokenizer.from_str(tokenizer)
+    else:
+        tokenizer_json, tok = tokenizer.to_str(), tokenizer
+    plain = [""] * vocab_size
+    markup = [""] * vocab_size
+    # Two views of the vocabulary. JSON, JSON-schema and regex constraints see added tokens
+    # (control and chat markup: BOS, placeholders, thinking and tool tags) as empty, which
+    # xgrammar never matches: such an output holds plain text only (a JSON string could
+    # otherwise contain a control token). EBNF and tool-call constraints see them by their
+    # text, so a grammar can require chat markup (a DSML tool call) as the single tokens
+    # the model emits; their literals decide where. The stop tokens end either.
+    added = tok.get_added_tokens_decoder()
+    for text, i in tok.get_vocab(with_added_tokens=True).items():
+        if i < vocab_size:
+            markup[i] = added[i].content if i in added else text
+            plain[i] = "" if i in added else text
+    meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer_json)
+
+    def info(encoded: list[str]) -> Any:
+        return xgr.TokenizerInfo(
+            encoded,
+            vocab_type=meta["vocab_type"],
+            vocab_size=vocab_size,
+            stop_token_ids=list(stop_token_ids),
+            add_prefix_space=meta["add_prefix_space"],
+        )
+
+    return info(plain), info(markup)
 
 
 def _literal(xgr: Any, text: str) -> Any:

@@ -33,3 +33,33 @@ def build_engine(flags: ModelFlags) -> Engine:
         seconds = engine.warm_up()
         logging.getLogger(__name__).info("engine warmed up in %.1f s", seconds)
     return engine
+
+
+def warm_grammar(engine: Engine) -> float:
+    """Build what structured outputs need over the whole vocabulary before the first request:
+    the engine's grammar backend (xgrammar's views of the 129K-token vocabulary: 1-6 s on a
+    busy CPU; built by the first constrained request, it ran on the service's event loop and
+    stopped its heartbeats that long), a first compile, and the mask kernel on the engine's
+    device (a Triton JIT on CUDA, per row-count specialization). Seconds it took.
+
+    Called in the thread that loads the model, before the service reports ready. What a
+    constraint of its own costs (compiling its schema) stays per request."""
+    import time
+
+    import torch
+
+    from libs.common.sampling import Constraint
+    from libs.engine.grammar import apply_masks
+
+    t0 = time.perf_counter()
+    g = engine.grammar
+    g.compile(Constraint("json"))  # the JSON object grammar (json_object outputs), cached
+    vocab = g.vocab_size
+    bitmask = g._xgr.allocate_token_bitmask(16, vocab)  # all allowed
+    logits = torch.zeros(16, vocab, dtype=torch.float32, device=engine.device)
+    # Triton specializes an integer argument (the rows) on ==1, on %16 == 0, and otherwise.
+    for rows in (1, 2, 16) if engine.device.type == "cuda" else (1,):
+        apply_masks(logits[:rows], (list(range(rows)), bitmask[:rows]))
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    return time.perf_counter() - t0

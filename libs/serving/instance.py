@@ -182,6 +182,7 @@ class InstanceRuntime:
         def work() -> None:
             try:
                 engine = build(self.model)
+                self._warm_grammar(engine)
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting side
                 err = exc
                 with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
@@ -200,6 +201,21 @@ class InstanceRuntime:
             built.cancel()
             return None
         return built.result()
+
+    def _warm_grammar(self, engine: Engine) -> None:
+        """Structured outputs' vocabulary-wide setup, here in the load thread before the
+        service reports ready: built by the first constrained request instead (on the event
+        loop: ``EngineLoop.add`` reads ``engine.grammar`` there) it stopped the heartbeats for
+        seconds and peers counted the instance dead. A failure is logged, not fatal:
+        unconstrained requests are served; a constrained one gets the error."""
+        from .engines import warm_grammar
+
+        try:
+            seconds = warm_grammar(engine)
+        except Exception as exc:  # noqa: BLE001 - reported again by each constrained request
+            self.log.warning("structured outputs not prepared at start-up: %r", exc)
+        else:
+            self.log.info("structured outputs prepared in %.1f s", seconds)
 
     async def ready(
         self,

@@ -30,10 +30,6 @@ from .conftest import dump_logs
 pytestmark = pytest.mark.timeout(900)
 
 MODEL = "deepseek-tiny"
-# The entrypoint's --instance-dead-after here. Generous: an engine's first constrained request
-# builds xgrammar's view of the 129K-token vocabulary, which on a loaded CPU keeps the
-# process's heartbeats back for seconds (it would count as dead at the default 3 s).
-DEAD_AFTER = 45.0
 KILL_AFTER_TOKENS = 20
 SCHEMA = {
     "type": "object",
@@ -75,7 +71,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         env=dict(os.environ),
         # Only to start a killed decode again between cases: supervise() runs when we call it.
         restart=RestartPolicy(first_delay=0.5, max_delay=1.0),
-        extra_args={"entrypoint": ["--instance-dead-after", str(DEAD_AFTER)]},
     )
     try:
         s.start()

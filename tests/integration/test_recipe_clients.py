@@ -48,10 +48,8 @@ class GetWeather(BaseModel):
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """The stack, with instances declared dead only after 15 s silent (3 s by default): each
-    engine builds its grammar backend on its first constrained request (3.9 s of CPU on a
-    2-core test machine), and prefill and decode both went silent past 3 s doing it, so the
-    balancer dropped them and a request got 503."""
+    """The stack, with the default heartbeat timeouts (3 s): an engine builds its grammar
+    backend when it loads, so no first constrained request silences it."""
     s = Stack(
         tmp_path_factory.mktemp("clients"),
         prefill=1,
@@ -61,10 +59,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         ready_timeout=READY_TIMEOUT,
         drain_seconds=5.0,
         env=dict(os.environ),
-        extra_args={
-            "balancer": ["--heartbeat-timeout", "15"],
-            "entrypoint": ["--instance-dead-after", "15"],
-        },
     )
     try:
         s.start()

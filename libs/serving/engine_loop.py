@@ -252,8 +252,11 @@ class EngineLoop:
         if params is not None and params.constraint is not None:
             # Compile (or find cached) here, in a worker thread: a new schema takes milliseconds
             # to seconds, which the engine thread -- every request's steps -- must not wait for.
+            # The backend itself is looked up there too: an engine nobody warmed builds it on
+            # first use (seconds, vocabulary-wide), which must not stall this event loop.
+            constraint = params.constraint
             try:
-                await asyncio.to_thread(self.engine.grammar.compile, params.constraint)
+                await asyncio.to_thread(lambda: self.engine.grammar.compile(constraint))
             except GrammarError as exc:
                 raise InvalidRequest(str(exc)) from None
         stream = RequestStream(request_id)

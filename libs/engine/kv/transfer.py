@@ -124,8 +124,9 @@ def decode_frame(data: bytes | memoryview) -> tuple[KVHeader, memoryview]:
         raise KVFormatError(f"KV frame version {version} is not supported (expected {VERSION})")
     if head_len > MAX_HEADER_BYTES or _PREFIX.size + head_len > len(view):
         raise KVFormatError("KV frame header length is out of range")
+    head = bytes(view[_PREFIX.size : _PREFIX.size + head_len])
     try:
-        raw = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + head_len]))
+        raw = json.loads(head)
         header = KVHeader(
             model_id=str(raw["model_id"]),
             layout_hash=str(raw["layout_hash"]),
@@ -139,6 +140,8 @@ def decode_frame(data: bytes | memoryview) -> tuple[KVHeader, memoryview]:
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise KVFormatError(f"KV frame header is malformed: {exc}") from None
+    if header.to_json() != head:  # the MAC covers the parsed header: no other spelling of it
+        raise KVFormatError("KV frame header is not in its canonical form")
     payload = view[_PREFIX.size + head_len :]
     if len(payload) != header.num_blocks * header.bytes_per_block:
         raise KVFormatError(
@@ -163,7 +166,8 @@ def verify(key: bytes | None, header: KVHeader, payload: bytes | memoryview) -> 
         return
     if not header.mac:
         raise KVIntegrityError("KV frame carries no MAC; this engine only imports signed frames")
-    if not hmac.compare_digest(header.mac, frame_mac(key, header, payload)):
+    given = header.mac.encode(errors="replace")  # a str MAC may hold any character
+    if not hmac.compare_digest(given, frame_mac(key, header, payload).encode()):
         raise KVIntegrityError("KV frame MAC does not match its bytes (forged or altered)")
 
 

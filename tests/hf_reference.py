@@ -5,14 +5,36 @@ transformers is a test dependency only: the engine never imports it.
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+import pytest
 import torch
 
 from libs.engine.v4.config import V4Config
 from libs.engine.v4.model import V4ForCausalLM
+
+
+def require_reference(module: str) -> ModuleType:
+    """Import a test-only dependency that tests compare against (transformers, matplotlib).
+
+    Missing in CI (``CI`` set, as every CI service sets it) is a failure that says what to
+    install: a parity test that skipped there would pass a build nobody checked. Elsewhere it
+    skips, naming the missing module. Call it at module level or in a test."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        error = exc
+    why = f"{module} is not installed ({error}); these tests compare against it: "
+    why += "pip install -e '.[test]'"
+    if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
+        pytest.fail(f"CI must run the reference tests: {why}", pytrace=False)
+    pytest.skip(why, allow_module_level=True)
+
 
 # Each config exercises a different corner of the family; vocab is small to keep CPU runs fast.
 V3_BASE: dict[str, Any] = dict(

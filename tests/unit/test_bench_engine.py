@@ -12,12 +12,13 @@ import torch
 
 from deepserve.bench import engine as bench
 from deepserve.cli import main as cli
+from tests.hf_reference import require_reference
 
-pytest.importorskip("transformers")
+require_reference("transformers")
 
 
 def test_bench_engine_cpu_writes_keys_and_plot(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
+    require_reference("matplotlib")
     out, png = tmp_path / "engine.json", tmp_path / "engine.png"
     rc = cli(
         [

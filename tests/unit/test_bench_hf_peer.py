@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 from deepserve.bench.hf_peer import (
@@ -20,9 +19,9 @@ from deepserve.bench.hf_peer import (
 )
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig
-from tests.hf_reference import build_hf, save_hf
+from tests.hf_reference import build_hf, require_reference, save_hf
 
-pytest.importorskip("transformers")
+require_reference("transformers")
 
 LOGIT_ATOL = 2e-5
 

@@ -18,6 +18,7 @@ from libs.engine.ep.placement import EMPTY, Placement
 from libs.engine.ep.runtime import plan_moves
 from libs.engine.llm import LLM
 from libs.engine.model.layers import Experts
+from tests.hf_reference import require_reference
 
 CFG = ModelConfig(
     hidden_size=32,
@@ -150,7 +151,7 @@ ODD_16 = Placement(16, (tuple(reversed(range(16))) + (3, EMPTY),))
 
 @pytest.mark.parametrize("layout", ["per-expert", "fused"])
 def test_a_rank_loads_only_its_experts(tmp_path: Path, layout: str) -> None:
-    pytest.importorskip("transformers")
+    require_reference("transformers")
     from libs.engine.loader import load
     from tests.hf_reference import build_hf, save_hf
 

@@ -23,6 +23,7 @@ from libs.engine.kernels.fp8_gemm import (
 )
 from libs.engine.model.layers import Fp8Linear
 from libs.engine.parts import _weight_dtype
+from tests.hf_reference import require_reference
 
 
 def test_block_scales_follow_the_checkpoint_convention() -> None:
@@ -200,7 +201,7 @@ def _fp8_checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 
 
 def test_fp8_checkpoint_keeps_its_fp8_weights(tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
+    require_reference("transformers")
     path, state = _fp8_checkpoint(tmp_path)
     fp8 = EngineConfig(model=str(path), num_kv_blocks=8)  # auto: the checkpoint's FP8 kept
     params = dict(Engine(fp8).model.named_parameters())

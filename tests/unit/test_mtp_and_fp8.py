@@ -12,9 +12,9 @@ from libs.engine.engine import Engine, EngineConfig
 from libs.engine.kv.cache import LayerCache
 from libs.engine.loader import CheckpointError, load
 from libs.engine.model.attention import AttentionMetadata, SeqAttention
-from tests.hf_reference import build_hf, save_hf
+from tests.hf_reference import build_hf, require_reference, save_hf
 
-pytest.importorskip("transformers")
+require_reference("transformers")
 
 
 def _with_mtp_tensors(src: Path, dst: Path, n_layers: int, seed: int) -> dict[str, torch.Tensor]:

@@ -14,9 +14,16 @@ import torch
 
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig
-from tests.hf_reference import CONFIGS, build_hf, hf_greedy, hf_logits, save_hf
+from tests.hf_reference import (
+    CONFIGS,
+    build_hf,
+    hf_greedy,
+    hf_logits,
+    require_reference,
+    save_hf,
+)
 
-pytest.importorskip("transformers")
+require_reference("transformers")
 
 LOGIT_ATOL = 2e-5
 PROMPT_LENGTHS = (1, 7, 130, 300)  # single token, short, just over a block, several blocks

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 
@@ -101,3 +102,63 @@ def test_double_release_is_an_error() -> None:
     bm.release([b])
     with pytest.raises(AssertionError):
         bm.release([b])
+
+
+def _accounting(bm: BlockManager, holders: dict[str, list[int]]) -> None:
+    """The manager's counts against an independent tally of who holds which block: a block is
+    used exactly while someone holds it, with one reference per holder, and free otherwise."""
+    refs = Counter(b for blocks in holders.values() for b in blocks)
+    assert bm.num_used == len(refs)
+    assert bm.num_free == bm.num_blocks - len(refs)
+    assert [bm.ref_count(b) for b in range(bm.num_blocks)] == [
+        refs[b] for b in range(bm.num_blocks)
+    ]
+    bm.check()
+
+
+def test_block_accounting_is_exact_through_reuse_preemption_and_release() -> None:
+    """A scripted life of three requests over 6 blocks, the tally checked after every step:
+    a prompt named and shared, a second request preempted (everything released at once) and
+    recomputed on top of the cached prefix, eviction of cached pages, and everything released
+    at the end."""
+    bm = BlockManager(6, 16)
+    held: dict[str, list[int]] = {}
+    prefix = names(3, "p")
+    held["a"] = bm.allocate(3)
+    for b, h in zip(held["a"], prefix):
+        assert bm.register(b, h) == b
+    _accounting(bm, held)
+    assert bm.num_cached == 3
+
+    hits = bm.match_prefix(prefix[:2] + names(1, "b"))  # b shares a's first two blocks
+    assert hits == held["a"][:2]
+    bm.acquire(hits)
+    held["b"] = hits + bm.allocate(2)
+    _accounting(bm, held)
+    assert bm.num_free == 1 and [bm.ref_count(b) for b in held["b"]] == [2, 2, 1, 1]
+
+    with pytest.raises(NoFreeBlocks):  # c needs 2: the most recent request is preempted
+        bm.allocate(2)
+    _accounting(bm, held)
+    bm.release(held.pop("b"))
+    _accounting(bm, held)
+    assert bm.num_free == 3 and [bm.ref_count(b) for b in held["a"]] == [1, 1, 1]
+    held["c"] = bm.allocate(2)
+    _accounting(bm, held)
+
+    a_blocks = held.pop("a")
+    bm.release(a_blocks)  # a finishes: its named pages stay findable while free
+    _accounting(bm, held)
+    assert bm.num_free == 4 and bm.match_prefix(prefix) == a_blocks
+
+    hits = bm.match_prefix(prefix[:2])  # b comes back: its prefix is revived, not recomputed
+    assert hits == a_blocks[:2]
+    bm.acquire(hits)
+    held["b"] = hits + bm.allocate(2)  # takes the free pages, evicting a's third named one
+    _accounting(bm, held)
+    assert bm.num_free == 0 and len(bm.match_prefix(prefix)) == 2 and bm.num_cached == 2
+
+    for rid in ("c", "b"):
+        bm.release(held.pop(rid))
+        _accounting(bm, held)
+    assert bm.num_free == 6 and bm.num_used == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 
@@ -9,7 +11,7 @@ from libs.common.sampling import SamplingParams
 from libs.engine.cost_model import CostModel, StepShape
 from libs.engine.kv.block_manager import BlockManager
 from libs.engine.presets import PRESETS
-from libs.engine.scheduler import Request, Scheduler, SchedulerConfig, Status
+from libs.engine.scheduler import Request, Scheduler, SchedulerConfig, Status, StepPlan
 
 
 def cost() -> CostModel:
@@ -154,3 +156,74 @@ def test_measured_decode_rows_price_verification_by_the_graph_each_count_replays
     assert again is not None and again[0] == pytest.approx(0.024, rel=0.02)
     cm.observe(StepShape(((512, 512),)), 0.5)  # a prompt chunk: not a decode-rows step
     assert cm.rows_scale == pytest.approx(2.0, rel=0.02)
+
+
+def _accounting(s: Scheduler) -> None:
+    """Blocks against what the requests hold: used exactly while some request holds one, one
+    reference per holder (a shared prefix counts twice), free otherwise."""
+    refs = Counter(b for r in s.requests.values() for b in r.blocks)
+    assert s.bm.num_used == len(refs)
+    assert s.bm.num_free == s.bm.num_blocks - len(refs)
+    assert [s.bm.ref_count(b) for b in range(s.bm.num_blocks)] == [
+        refs[b] for b in range(s.bm.num_blocks)
+    ]
+    s.bm.check()
+
+
+def _run_checked(s: Scheduler, out: dict[str, list[int]], steps: int = 1000) -> list[StepPlan]:
+    plans = []
+    for _ in range(steps):
+        if not s.has_unfinished():
+            break
+        plan = s.schedule()
+        _accounting(s)
+        plans.append(plan)
+        for ev in drive(s, plan):
+            if ev.token_id is not None:
+                out.setdefault(ev.request_id, []).append(ev.token_id)
+        _accounting(s)
+    return plans
+
+
+def test_block_accounting_is_exact_through_reuse_preemption_and_release() -> None:
+    """8 blocks of 4 tokens. a runs and finishes (its full blocks stay named); b shares a's
+    8-token prefix and c arrives with it: together they need 10 blocks, so c (the later) is
+    preempted and resumes once b is done; d is aborted while it runs. After every schedule and
+    every update the block counts match what the requests hold, and at the end all is free."""
+    s = Scheduler(
+        SchedulerConfig(time_budget_s=None, max_tokens_per_step=64),
+        BlockManager(8, 4),
+        cost(),
+        (1,),
+    )
+    prefix = list(range(100, 108))
+    out: dict[str, list[int]] = {}
+
+    def add(rid: str, prompt: list[int], max_tokens: int) -> Request:
+        r = Request(
+            rid, prompt, len(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        )
+        s.add(r)
+        return r
+
+    a = add("a", [*prefix, 50, 51], 3)
+    _run_checked(s, out)
+    assert out == {"a": [7, 7, 7]} and a.num_cached_tokens == 0
+    assert s.bm.num_free == 8 and s.bm.num_cached == 3  # 12 of a's 13 tokens sit in full blocks
+
+    b = add("b", [*prefix, 60, 61, 62], 8)
+    c = add("c", list(range(70, 79)), 8)
+    plans = _run_checked(s, out)
+    assert b.num_cached_tokens == 8  # a's two prefix blocks, reused
+    assert [p.preempted for p in plans if p.preempted] == [("c",)]
+    assert c.num_preemptions == 1 and s.num_preemptions == 1
+    assert out["b"] == [7] * 8 and out["c"] == [7] * 8
+    assert s.bm.num_free == 8 and not s.requests
+
+    d = add("d", list(range(200, 210)), 20)
+    s.schedule()
+    _accounting(s)
+    assert len(d.blocks) == 3 and s.bm.num_free == 5
+    s.abort("d")
+    _accounting(s)
+    assert s.bm.num_free == 8 and not s.requests and not s.has_unfinished()

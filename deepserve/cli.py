@@ -54,7 +54,9 @@ def _add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--model",
         default="tiny",
-        help="preset name (tiny, v2-lite, v3-slice, v4-tiny, v4-flash-slice) or checkpoint dir",
+        help="preset name (tiny, v2-lite, v3-slice, v4-tiny, v4-flash-slice), checkpoint dir, "
+        "or Hugging Face repo id ORG/NAME[@REVISION] (fetched into the HF cache; "
+        "HF_HUB_OFFLINE, HF_TOKEN)",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (encoded with the model's tokenizer)")
@@ -102,9 +104,11 @@ def _batch_invariant_flag(p: argparse.ArgumentParser) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from libs.common.sampling import SamplingParams
     from libs.engine.engine import InvalidRequest
+    from libs.engine.hub import resolve_model
     from libs.engine.llm import LLM
 
     try:
+        args.model = resolve_model(args.model)  # a Hub repo id: its snapshot directory
         params = SamplingParams(
             temperature=args.temperature,
             top_p=args.top_p,
@@ -457,7 +461,9 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--model",
         default="tiny",
-        help="preset (tiny, v2-lite, v3-slice), checkpoint dir, or fake; prefill and decode",
+        help="preset (tiny, v2-lite, v3-slice), checkpoint dir, Hugging Face repo id "
+        "ORG/NAME[@REVISION] (fetched into the HF cache before anything starts), or fake; "
+        "prefill and decode",
     )
     p.add_argument(
         "--model-name",
@@ -560,12 +566,19 @@ def _add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _up(args: argparse.Namespace) -> int:
     from deepserve.up import default_model_name, run_up, vllm_args
+    from libs.engine.hub import ModelUnavailable, resolve_model
 
+    try:
+        # Resolved once, before anything starts: every service gets the same snapshot.
+        model = resolve_model(args.model)
+    except ModelUnavailable as exc:
+        print(f"deepserve up: {exc}", file=sys.stderr)
+        return 2
     return run_up(
         args.port,
         args.prefill,
         args.decode,
-        args.model,
+        model,
         args.model_name or default_model_name(args.model),
         args.run_dir,
         ready_timeout=args.ready_timeout,

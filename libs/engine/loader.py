@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,7 @@ import torch
 from safetensors import safe_open
 
 from .config import ModelConfig
+from .hub import resolve_model
 from .kernels.fp8_gemm import FP8_DTYPE, quantize_fp8_blocks
 from .model.layers import Experts, Fp8Linear
 from .model.model import DeepseekForCausalLM
@@ -37,6 +40,7 @@ from .presets import PRESETS, init_random_weights
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _FP8_TILE = 128
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -51,14 +55,15 @@ class LoadedModel:
 
 
 def model_config(source: str) -> ModelConfig:
-    """A preset's or checkpoint directory's model config (reads ``config.json`` only)."""
+    """A preset's, checkpoint directory's or Hub repo's (:func:`~.hub.resolve_model`) model
+    config (reads ``config.json`` only)."""
     if source in PRESETS:
         return PRESETS[source]
-    path = Path(source)
+    path = Path(resolve_model(source))
     if not (path / "config.json").is_file():
         raise CheckpointError(
-            f"{source!r} is neither a preset ({', '.join(PRESETS)}) "
-            "nor a directory with config.json"
+            f"{source!r} is neither a preset ({', '.join(PRESETS)}), "
+            "a directory with config.json, nor a Hugging Face repo id (ORG/NAME[@REVISION])"
         )
     raw = json.loads((path / "config.json").read_text())
     try:
@@ -75,7 +80,7 @@ def checkpoint_is_fp8(source: str) -> bool:
     with 128x128 ``weight_block_size``). Presets: never."""
     if source in PRESETS:
         return False
-    path = Path(source) / "config.json"
+    path = Path(resolve_model(source)) / "config.json"
     if not path.is_file():
         return False
     q = json.loads(path.read_text()).get("quantization_config") or {}
@@ -109,7 +114,9 @@ def load(
 ) -> LoadedModel:
     """``weight_dtype`` (see :func:`resolve_weight_dtype`): fp8 keeps linear and routed-expert
     weights in e4m3 with 128x128 block scales (a preset's are quantized after init); the model
-    id then says so, since the weights differ."""
+    id then says so, since the weights differ. ``source``: a preset, a checkpoint directory or
+    a Hub repo id (loaded from its snapshot directory in the Hugging Face cache)."""
+    source = resolve_model(source)
     cfg = model_config(source)
     fp8 = resolve_weight_dtype(source, weight_dtype) == "fp8"
     suffix = "+fp8" if fp8 else ""
@@ -164,14 +171,38 @@ def _iter_tensors(
     path: Path, wanted: Callable[[str], bool] = lambda name: True
 ) -> Iterator[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]:
     """Yield (name, tensor, file-local scale tensors) for every ``wanted`` non-scale tensor
-    (the others are not read)."""
-    for f in _weight_files(path):
+    (the others are not read). Logs each shard as it is done: bytes read, GB/s, progress."""
+    files = _weight_files(path)
+    total = sum(f.stat().st_size for f in files)
+    done = 0
+    start = time.monotonic()
+    for n, f in enumerate(files, 1):
+        t0, read = time.monotonic(), 0
         with safe_open(str(f), framework="pt") as st:
             keys = list(st.keys())
             scales = {k: st.get_tensor(k) for k in keys if k.endswith("_scale_inv")}
+            read += sum(t.numel() * t.element_size() for t in scales.values())
             for k in keys:
                 if not k.endswith("_scale_inv") and wanted(k):
-                    yield k, st.get_tensor(k), scales
+                    tensor = st.get_tensor(k)
+                    read += tensor.numel() * tensor.element_size()
+                    yield k, tensor, scales
+        done += f.stat().st_size
+        spent = time.monotonic() - t0
+        log.info(
+            "loading %s: shard %d/%d %s: %.2f GB read in %.1f s (%.2f GB/s); %.1f of %.1f GB "
+            "in %.0f s",
+            path.name,
+            n,
+            len(files),
+            f.name,
+            read / 1e9,
+            spent,
+            read / 1e9 / max(spent, 1e-9),
+            done / 1e9,
+            total / 1e9,
+            time.monotonic() - start,
+        )
 
 
 def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:

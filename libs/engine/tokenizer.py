@@ -14,6 +14,8 @@ Torch-free: the recipe (which must not import torch) and the supervisor resolve 
   tokens, same added tokens) is rendered by deepseek-recipe's V4 encoding; any other is served
   with the checkpoint's own chat template (``tokenizer_config.json``'s ``chat_template`` or
   ``chat_template.jinja``).
+* a Hugging Face repo id (``ORG/NAME[@REVISION]``): its snapshot directory in the Hub cache
+  (:func:`~libs.engine.hub.resolve_model`), served as the checkpoint directory it is.
 
 :func:`check_tokenizer_fits` refuses a tokenizer that can emit an id the model has no embedding
 for: served anyway, every such request would fail in the engine.
@@ -28,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
+
+from .hub import resolve_model
 
 DEEPSEEK_V4 = "deepseek-v4"  # deepseek-recipe's DeepseekV4Encoding over the tokenizer
 CHAT_TEMPLATE = "chat-template"  # the checkpoint's jinja chat template, rendered as HF does
@@ -45,7 +49,7 @@ def bundled_tokenizer_path() -> Path:
 def load_tokenizer(model_source: str | None = None) -> Tokenizer:
     """A checkpoint directory's own tokenizer.json if it has one, else the bundled one."""
     if model_source:
-        own = Path(model_source) / "tokenizer.json"
+        own = Path(resolve_model(model_source)) / "tokenizer.json"
         if own.is_file():
             return Tokenizer.from_file(str(own))
     return Tokenizer.from_file(str(bundled_tokenizer_path()))
@@ -107,11 +111,11 @@ class ServedTokenizer:
 
 def _config_json(model: str) -> dict[str, Any]:
     """A checkpoint's config.json; ValueError for a model that is neither preset nor checkpoint."""
-    path = Path(model) / "config.json"
+    path = Path(resolve_model(model)) / "config.json"
     if not path.is_file():
         raise ValueError(
-            f"--model {model!r} is neither a preset ({', '.join(PRESET_TOKENIZERS)}) "
-            "nor a directory with config.json"
+            f"--model {model!r} is neither a preset ({', '.join(PRESET_TOKENIZERS)}), "
+            "a directory with config.json, nor a Hugging Face repo id (ORG/NAME[@REVISION])"
         )
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
@@ -203,7 +207,7 @@ def served_tokenizer(model: str) -> ServedTokenizer:
             preset.bos_token_id,
         )
     raw = _config_json(model)
-    checkpoint = Path(model)
+    checkpoint = Path(resolve_model(model))
     eos = raw.get("eos_token_id", 1)  # ModelConfig.from_hf's reading, so engine and recipe agree
     eos_ids = tuple(eos) if isinstance(eos, list) else (eos,)
     if not eos_ids or not all(isinstance(e, int) and e >= 0 for e in eos_ids):

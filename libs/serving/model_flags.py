@@ -129,7 +129,8 @@ def add_model_flags(
         parser,
         "--model",
         default="tiny",
-        help="model preset (tiny, v2-lite, v3-slice), checkpoint dir, "
+        help="model preset (tiny, v2-lite, v3-slice), checkpoint dir, Hugging Face repo id "
+        "ORG/NAME[@REVISION] (fetched into the HF cache; HF_HUB_OFFLINE, HF_TOKEN), "
         "or fake (a deterministic hash, no model: load tests)",
     )
     flag(parser, "--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
@@ -256,8 +257,11 @@ def add_model_flags(
 
 
 def model_flags_from(args: argparse.Namespace) -> ModelFlags:
+    from libs.engine.hub import resolve_model  # torch-free
+
     return ModelFlags(
-        model=args.model,
+        # A Hub repo id (ORG/NAME[@REVISION]) becomes its snapshot directory in the HF cache.
+        model=resolve_model(args.model),
         device=args.device,
         dtype=args.dtype,
         model_name=args.model_name,

@@ -9,6 +9,7 @@ holds the KV of each block id. :func:`build_parts` loads a model and builds the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,9 +21,12 @@ from libs.common.sampling import SamplingParams, TokenLogprob
 
 from .config import ModelConfig
 from .cost_model import CostModel
+from .hub import model_label, resolve_model
 from .kv.cache import DTYPE_NAMES, TORCH_DTYPES, PagedKVCache
 from .kv.layout import CacheSpec, mla_cache_spec
-from .loader import LoadedModel, load, model_config
+from .loader import LoadedModel, load, model_config, resolve_weight_dtype
+from .memory_plan import MemoryPlan, plan_memory
+from .presets import PRESETS
 from .runner import Launched, ModelRunner
 from .sampler import Sampler
 from .scheduler import StepPlan
@@ -145,6 +149,9 @@ def build_parts(
     """
     from .v4.load import is_v4
 
+    source = resolve_model(config.model)  # a Hub repo id: its snapshot directory
+    if source != config.model:
+        config = dataclasses.replace(config, model=source)
     if config.batch_invariant and ep is not None:
         raise ValueError("batch-invariant mode does not run with expert parallelism yet")
     if is_v4(config.model):
@@ -164,6 +171,11 @@ def build_parts(
         n_experts = (loaded.model.cfg if loaded else model_config(config.model)).n_routed_experts
         placement = placement or Placement.contiguous(n_experts, ep.size)
     keep = placement.experts_of(ep.rank) if ep is not None and placement is not None else None
+    if loaded is None and device.type == "cuda":
+        plan = memory_plan_for(config, model_config(config.model), device, keep, ep)
+        if not plan.fits:
+            raise ValueError(plan.refusal())
+        log.info("engine: memory plan: %s", plan.line())
     loaded = loaded or load(
         config.model,
         device,
@@ -241,6 +253,59 @@ def build_parts(
             )
     return EngineParts(
         loaded.model_id, cfg, spec, cache, num_blocks, cost, runner, device, loaded, runtime
+    )
+
+
+def memory_plan_for(
+    config: EngineConfig,
+    cfg: ModelConfig,
+    device: torch.device,
+    expert_slots: tuple[int, ...] | None = None,
+    ep: EPGroup | None = None,
+) -> MemoryPlan:
+    """What ``config``'s model needs on ``device`` (a CUDA GPU) before anything is loaded:
+    weights at the chosen precision and EP slots, a step's activation reserve and the KV
+    blocks (as many as ``num_kv_blocks`` says, else one step's), against ``--gpu-memory-
+    fraction`` of the GPU's total memory (or, without a fraction, its free memory)."""
+    dtype_bytes = torch.finfo(config.torch_dtype).bits // 8
+    with_mtp = config.with_mtp or config.speculative_tokens > 0
+    kv_dtype = config.kv_cache_dtype or DTYPE_NAMES[config.torch_dtype]
+    layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if with_mtp else 0)
+    spec = mla_cache_spec(cfg, "plan", config.block_size, kv_dtype, num_layers=layers)
+    minimum = config.num_kv_blocks is None and config.kv_cache_bytes is None
+    if config.num_kv_blocks is not None:
+        blocks = config.num_kv_blocks
+    elif config.kv_cache_bytes is not None and config.gpu_memory_fraction is None:
+        blocks = config.kv_cache_bytes // spec.bytes_per_block
+    else:
+        minimum, blocks = True, -(-config.max_tokens_per_step // config.block_size)
+    fraction = config.gpu_memory_fraction
+    if fraction is None:
+        gpu = torch.cuda.mem_get_info(device)[0]
+    else:
+        gpu = torch.cuda.get_device_properties(device).total_memory
+    return plan_memory(
+        cfg,
+        model=model_label(config.model),
+        dtype_bytes=dtype_bytes,
+        weights=resolve_weight_dtype(config.model, _weight_dtype(config)),
+        experts="fp4" if config.expert_dtype == "fp4" else "model",
+        activation_bytes=step_activation_bytes(
+            cfg,
+            step_tokens=config.max_tokens_per_step,
+            sample_rows=min(config.max_running, config.max_tokens_per_step),
+            context_tokens=max_model_len(config, cfg),
+            dtype_bytes=dtype_bytes,
+        ),
+        kv_bytes_per_block=spec.bytes_per_block,
+        kv_blocks=blocks,
+        kv_is_minimum=minimum,
+        gpu_bytes=gpu,
+        fraction=fraction,
+        ep=ep.size if ep is not None else 1,
+        expert_slots=len(expert_slots) if expert_slots is not None else None,
+        with_mtp=with_mtp,
+        preset=config.model in PRESETS,
     )
 
 

@@ -11,7 +11,8 @@ Refused with a 400 naming the field: ``suffix`` (insertion needs a fill-in-the-m
 format the served model does not document), ``echo`` with ``logprobs`` (the prompt tokens' log
 probabilities are not computed), a list of more than one prompt (send one request per prompt;
 ``n`` gives several completions of one), ``best_of`` other than ``n``, a non-empty
-``logit_bias``; and every malformed field. ``logprobs`` (0..5): ``logprobs.py``.
+``logit_bias``; and every malformed field. ``logprobs`` (0..5): ``logprobs.py``; vLLM's
+``guided_*`` / ``structured_outputs`` constraint: ``guided.py``.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from libs.common.errors import Internal, Unavailable
-from libs.common.sampling import MAX_SEED
+from libs.common.sampling import MAX_SEED, Constraint
 from libs.proto.deepserve.v1 import generate_pb2
 
 from .api import invalid
 from .choices import read_n
+from .guided import guided_constraint
 from .logprobs import CompletionLogprobs, chunk_logprobs, read_completion_logprobs
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
@@ -54,6 +56,7 @@ class CompletionRequest:
     n: int
     extra: dict[str, Any] = field(default_factory=dict)  # sampling.extra_sampling's fields
     logprobs: int | None = None  # alternatives per token (0..5); None: no logprobs
+    constraint: Constraint | None = None  # a vLLM guided field's (guided.py)
 
 
 def _is_int(v: object) -> bool:
@@ -178,6 +181,7 @@ def parse_completion(body: dict[str, Any], extra: dict[str, Any]) -> CompletionR
     include_usage = bool(options and options.get("include_usage"))
     if options and not isinstance(options.get("include_usage", False), bool):
         raise invalid("stream_options.include_usage must be true or false", "stream_options")
+    guided = guided_constraint(body)
     temperature, top_p = _number(body, "temperature"), _number(body, "top_p")
     if temperature is not None and not 0.0 <= temperature <= 2.0:  # OpenAI's range
         raise invalid(f"temperature must lie in [0, 2], got {temperature}", "temperature")
@@ -197,6 +201,7 @@ def parse_completion(body: dict[str, Any], extra: dict[str, Any]) -> CompletionR
         n=n,
         extra=extra,
         logprobs=logprobs,
+        constraint=None if guided is None else guided[1],
     )
 
 

@@ -300,14 +300,39 @@ RESPONSES_FIELDS = [
 
 def _sampling_extras(protocol: str) -> list[Field]:
     return [
-        Field(name, READ + " (vLLM-style extra; openai SDK: extra_body)")
+        Field(name, READ + _VLLM)
         for name in EXTRA_SAMPLING.get(protocol, ())
         if name not in ("presence_penalty", "frequency_penalty")
     ]
 
 
+_VLLM = " (vLLM-style extra; openai SDK: extra_body)"
+# vLLM's structured outputs (guided.py); one constraint per request, none in thinking mode
+GUIDED_FIELDS = [
+    Field("guided_json", READ + ": a JSON Schema or its JSON text -> the output grammar" + _VLLM),
+    Field("guided_regex", READ + ": the output matches the regular expression" + _VLLM),
+    Field("guided_choice", READ + ": the output is one of the strings" + _VLLM),
+    Field(
+        "guided_grammar",
+        READ + ": an EBNF grammar in xgrammar's syntax (root ::= ...); Lark is refused" + _VLLM,
+    ),
+    Field(
+        "structured_outputs",
+        READ
+        + ": one of json, regex, choice, grammar (as the guided_ fields) or json_object"
+        + _VLLM,
+    ),
+]
+
 TABLES: dict[str, dict[str, Field]] = {
-    protocol: {f.name: f for f in [*fields, *_sampling_extras(protocol)]}
+    protocol: {
+        f.name: f
+        for f in [
+            *fields,
+            *_sampling_extras(protocol),
+            *(GUIDED_FIELDS if protocol != "responses" else []),
+        ]
+    }
     for protocol, fields in (
         ("chat_completions", CHAT_FIELDS),
         ("completions", COMPLETIONS_FIELDS),

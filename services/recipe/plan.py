@@ -17,6 +17,7 @@ from typing import Any
 
 import deepseek_recipe as dr
 
+from libs.common.sampling import Constraint
 from libs.proto.deepserve.v1 import common_pb2, generate_pb2
 
 from . import fields
@@ -27,6 +28,7 @@ from .completions import CompletionJob, CompletionRequest, TextDecoder, parse_co
 from .constraints import output_constraint
 from .encoding import Encoder
 from .events import Job
+from .guided import conflict, guided_constraint
 from .logprobs import CompletionLogprobs, check_chat_logprobs
 from .sampling import checked, extra_sampling
 from .schemas import for_library
@@ -209,7 +211,11 @@ class Planner:
         if io.logprobs:  # the library builds the protocol's logprobs from the events' pairs
             sp.logprobs = io.top_logprobs or 0
         thinking = self.encoder.parsing_options(conv).thinking_initial_stage is not None
-        constraint = output_constraint(conv, thinking, body, protocol)
+        guided = guided_constraint(body)
+        if guided is None:
+            constraint = output_constraint(conv, thinking, body, protocol)
+        else:
+            constraint = _guided(guided[0], guided[1], conv, thinking, body)
         if constraint is not None:
             sp.constraint.kind, sp.constraint.spec = constraint.kind, constraint.spec
         return checked(sp, extra)
@@ -282,4 +288,31 @@ class Planner:
             sp.seed = req.seed
         if req.logprobs is not None:
             sp.logprobs = req.logprobs
+        if req.constraint is not None:
+            sp.constraint.kind, sp.constraint.spec = req.constraint.kind, req.constraint.spec
         return checked(sp, req.extra)
+
+
+def _guided(
+    name: str,
+    constraint: Constraint,
+    conv: dr.ConversationRequest,
+    thinking: bool,
+    body: dict[str, Any],
+) -> Constraint:
+    """A chat request's vLLM guided field ``name`` (``guided.py``), refused beside another
+    constraint (``response_format``, a required or named ``tool_choice``) or in thinking mode."""
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        raise conflict("response_format", name)
+    oc = conv.inference_options.output_constraint
+    if oc is not None and oc.kind == "tool_call_required":
+        raise conflict("tool_choice", name)
+    if thinking:
+        raise invalid(
+            f"{name} cannot be enforced in thinking mode (the constraint would cover the "
+            'reasoning too): send "thinking": {"type": "disabled"}',
+            name,
+            "unsupported_value",
+        )
+    return constraint

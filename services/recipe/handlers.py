@@ -4,11 +4,13 @@ output parsing; OpenAI's legacy Completions with a raw prompt (``completions.py`
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``,
 ``POST /v1/messages`` (JSON or SSE), ``POST /v1/messages/count_tokens``, ``GET /v1/models``,
-``GET /healthz``. A request body becomes a :class:`~.plan.Plan` (``plan.py``); ``n > 1``
-(Chat Completions, Completions) is one backend call per choice (``backend.py: Calls``), their
-output merged by :class:`~.answer.Answer` (``choices.py``). ``/metrics`` is not on this public
-port: the metrics are in the process's registry, which the ops port
-(``--http-port``) serves; their tenant label is a hash (:func:`tenant_label`), never the name.
+``GET /healthz``; vLLM's ``GET /health``, ``POST /tokenize``, ``POST /detokenize`` and
+``GET /version`` (``utility.py``). A request body becomes a :class:`~.plan.Plan`
+(``plan.py``); ``n > 1`` (Chat Completions, Completions) is one backend call per choice
+(``backend.py: Calls``), their output merged by :class:`~.answer.Answer` (``choices.py``).
+``/metrics`` is not on this public port: the metrics are in the process's registry, which the
+ops port (``--http-port``) serves; their tenant label is a hash (:func:`tenant_label`), never
+the name.
 Errors are mapped once, in the caller's protocol: bad input 400 (the library's message; also
 JSON nested too deep and a prompt surely longer than the context), bad key 401, unknown model
 404, body not sent within ``--body-timeout`` 408 (then the connection closes), body too large
@@ -66,6 +68,7 @@ from .events import api_error
 from .plan import Plan, Planner
 from .pool import DEFAULT_QUEUE_BYTES, EncodePool
 from .usage import UsageSink
+from .utility import utility_routes
 
 log = logging.getLogger("recipe")
 T = TypeVar("T")
@@ -642,6 +645,7 @@ def build_app(
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
+        *utility_routes(front),  # vLLM's /health, /tokenize, /detokenize, /version
     ]
     return Starlette(
         routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error}

@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--key-max-concurrency",
         type=int,
         default=500,
-        help="requests in flight at once per API key, then 429 (0: no cap; with API keys only)",
+        help="generations in flight at once per API key (a request with n counts n), then 429 "
+        "(0: no cap; with API keys only)",
     )
     flag(
         p,

@@ -86,9 +86,16 @@ def test_routes_prefer_a_local_replica_then_spread_by_token() -> None:
     assert dest[:, 1].tolist() == [4, 6, 4]  # expert 3 alternates: rank 1 slot 1, rank 2 slot 0
     plan = plan_dispatch(idx, table)
     assert plan.counts.tolist() == [1, 0, 2, 0, 2, 0, 1, 0, 0]
-    y = torch.arange(6, dtype=torch.float32)[:, None].repeat(1, 2)  # row i carries i
-    out = combine(y, plan, torch.ones(3, 2), idx)
-    assert out.shape == (3, 2)
+    # Send order: by destination slot, stable: pairs (token, j) 4=(2,0), 0=(0,0), 2=(1,0),
+    # 1=(0,1), 5=(2,1), 3=(1,1).
+    assert plan.order.tolist() == [4, 0, 2, 1, 5, 3]
+    y = torch.arange(6, dtype=torch.float32)[:, None].repeat(1, 2)  # sent row i carries i
+    weights = torch.tensor([[1.0, 10.0], [100.0, 1000.0], [0.5, 0.25]])
+    out = combine(y, plan, weights, idx)
+    # What one device computes: token t sums weights[t, j] * (its pair's output). Pair p's
+    # output is the sent row holding it: pairs 0..5 -> rows 1, 3, 2, 5, 0, 4.
+    want = [1 * 1 + 10 * 3, 100 * 2 + 1000 * 5, 0.5 * 0 + 0.25 * 4]
+    assert out.tolist() == [[w, w] for w in want]  # [[31, 31], [5200, 5200], [1, 1]]
 
 
 def test_moves_keep_local_copies_and_fetch_the_rest() -> None:

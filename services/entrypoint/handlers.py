@@ -73,6 +73,7 @@ from libs.routing.policy import resident_run
 from .admission import AdmissionMetrics, load_from_status
 from .delivery import TaskSender, deliver
 from .request_log import RequestRecord, log_request
+from .request_metrics import RequestMetrics, RequestTimes, finished_reason
 
 log = logging.getLogger("entrypoint")
 TRACER = tracer("entrypoint")
@@ -312,8 +313,10 @@ def to_proto(out: Output, request_id: str) -> generate_pb2.GenerateEvent:
 
 @dataclass
 class _Admitted:
-    """The grant a call holds across its attempts (released once, when the call ends)."""
+    """The grant a call holds across its attempts (released once, when the call ends), and
+    the call's moments (request metrics: when it was admitted)."""
 
+    times: RequestTimes
     grant: Grant | None = None
 
 
@@ -354,6 +357,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             else None
         )
         self.admission_metrics = AdmissionMetrics(self.capacity)
+        self.request_metrics = RequestMetrics(config.limits.model_name)
         self.admission = Admission(
             config.max_inflight,
             config.max_waiting,
@@ -391,9 +395,12 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         INFLIGHT.inc()
         outcome = "cancelled"  # stays so only if the client goes away (CancelledError)
         record = RequestRecord()
+        times = RequestTimes(received=started)
+        counted = False  # passed validation: a request of the model (request metrics)
         try:
             request = self._authenticate(request, context)
             valid, rid = self._admit(request)
+            counted = True
             record.request_id, record.tenant = rid, valid.tenant
             record.prompt_tokens = len(valid.prompt_token_ids)
             try:
@@ -405,7 +412,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                 metadata = dict(context.invocation_metadata() or ())
                 parent = extract_context(str(metadata.get("traceparent", "")))
                 async with contextlib.aclosing(
-                    self._generate(valid, rid, parent, started, record)
+                    self._generate(valid, rid, parent, started, record, times)
                 ) as events:
                     async for event in events:
                         yield event
@@ -425,9 +432,13 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             raise
         finally:
             INFLIGHT.dec()
+            ended = time.monotonic()
             REQUESTS.labels(outcome).inc()
-            REQUEST_SECONDS.observe(time.monotonic() - started)
-            log_request(log, record, outcome, time.monotonic() - started)
+            REQUEST_SECONDS.observe(ended - started)
+            if counted:
+                reason = finished_reason(outcome, record.finish_reason)
+                self.request_metrics.finished(times, reason, ended)
+            log_request(log, record, outcome, ended - started)
 
     def _authenticate(
         self, request: generate_pb2.GenerateRequest, context: Any
@@ -466,7 +477,13 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         return valid, rid
 
     async def _generate(
-        self, valid: ValidRequest, rid: str, parent: Any, started: float, record: RequestRecord
+        self,
+        valid: ValidRequest,
+        rid: str,
+        parent: Any,
+        started: float,
+        record: RequestRecord,
+        times: RequestTimes,
     ) -> AsyncGenerator[generate_pb2.GenerateEvent, None]:
         span = TRACER.start_span(
             "entrypoint.generate",
@@ -480,7 +497,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         record.trace_id = f"{trace_id:032x}" if trace_id else ""
         progress = Progress(valid.prompt_token_ids, valid.sampling.max_tokens)
         exact = exact_continuation(valid.sampling.temperature, valid.sampling.seed)
-        admitted = _Admitted()
+        admitted = _Admitted(times)
         try:
             for attempt in itertools.count(1):
                 record.attempts = attempt
@@ -489,10 +506,14 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                         self._attempt(valid, rid, span, progress, started, admitted)
                     ) as outputs:
                         async for out in outputs:
-                            if isinstance(out, Tokens) and record.ttft_s is None:
-                                record.ttft_s = time.monotonic() - started
+                            if isinstance(out, Tokens):
+                                now = time.monotonic()
+                                if record.ttft_s is None:
+                                    record.ttft_s = now - started
+                                times.sent(len(out.token_ids), now)
                             if isinstance(out, Finish):
                                 record.speculative = out.speculative
+                                record.finish_reason = out.reason
                             yield to_proto(out, rid)
                     return
                 except AttemptFailed as exc:
@@ -565,9 +586,11 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         already admitted and only moves its reservation to its new prompt. ``tenant``: the
         authenticated one (``_authenticate``: the key's, or the service caller's)."""
         if admitted.grant is None:
+            waited_from = time.monotonic()
             admitted.grant = await self.admission.acquire(
                 need, self.config.limits.model_name, tenant
             )
+            admitted.times.admit(waited_from, time.monotonic())
         else:
             self.admission.rebook(admitted.grant, need, self.config.limits.model_name)
         return admitted.grant

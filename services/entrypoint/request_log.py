@@ -35,6 +35,7 @@ class RequestRecord:
     attempts: int = 0
     trace_id: str = ""
     speculative: tuple[int, ...] = ()  # decode's (drafted, verified, accepted); () none
+    finish_reason: str = ""  # the engine's (stop, length), once the request finished
 
     def fields(self, outcome: str, duration_s: float) -> dict[str, Any]:
         return {

@@ -198,14 +198,16 @@ def test_flags_reach_the_engines(capsys) -> None:
         model_flags_from(parser.parse_args(["--batch-invariant"])).engine_config().batch_invariant
     )
     assert not model_flags_from(parser.parse_args([])).engine_config().batch_invariant
-    # deepserve up gives prefill and decode the same engine flags.
+    # deepserve up gives every engine (prefill, decode, aggregated) the same engine flags.
     assert engine_args(0, True) == {
         "prefill": ["--batch-invariant"],
         "decode": ["--batch-invariant"],
+        "aggregated": ["--batch-invariant"],
     }
     assert engine_args(2, False) == {
         "prefill": ["--speculative-tokens", "2"],
         "decode": ["--speculative-tokens", "2"],
+        "aggregated": ["--speculative-tokens", "2"],
     }
     assert engine_args(0, False) is None
     args = ["generate", "--model", "tiny", "--prompt-ids", "5,6,7", "--max-tokens", "4", "--json"]

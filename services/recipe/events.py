@@ -7,6 +7,7 @@ instead; every output chunk is serialized *before* ``accumulate`` consumes it.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Collection
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import deepseek_recipe as dr
+from starlette.responses import JSONResponse
 
 from libs.common.errors import (
     DeadlineExceeded,
@@ -153,3 +155,21 @@ class Job:
         # A stop sequence ends the answer inside the processor before the backend is done.
         self.finished = self.finished or kind == "finish" or self.processor.finished
         return out
+
+
+def tenant_label(tenant: str) -> str:
+    """A tenant as a metrics label: the first 8 hex digits of its SHA-256 ("-" for none), so
+    scraped metrics never carry tenant names (STYLE 15); ``deepserve``'s operators can hash a
+    name to find its series."""
+    if tenant == "-":
+        return tenant
+    return hashlib.sha256(tenant.encode()).hexdigest()[:8]
+
+
+def error_response(proto: Protocol, err: APIError, request_id: str = "") -> JSONResponse:
+    headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else {}
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    if err.status == 408:  # the rest of the body may still trickle in: end the connection
+        headers["Connection"] = "close"
+    return JSONResponse(proto.error_body(err), status_code=err.status, headers=headers)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 import uuid
@@ -64,7 +63,7 @@ from .answer import Answer
 from .api import CHAT, COMPLETIONS, MESSAGES, RESPONSES, APIError, Protocol
 from .backend import Calls, GenerateBackend, GenerateCall, merged
 from .encoding import Encoder
-from .events import api_error
+from .events import api_error, error_response, tenant_label
 from .plan import Plan, Planner
 from .pool import DEFAULT_QUEUE_BYTES, EncodePool
 from .usage import UsageSink
@@ -118,15 +117,6 @@ class AppConfig:
             )
 
 
-def tenant_label(tenant: str) -> str:
-    """A tenant as a metrics label: the first 8 hex digits of its SHA-256 ("-" for none), so
-    scraped metrics never carry tenant names (STYLE 15); ``deepserve``'s operators can hash a
-    name to find its series."""
-    if tenant == "-":
-        return tenant
-    return hashlib.sha256(tenant.encode()).hexdigest()[:8]
-
-
 class Metrics:
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.registry = registry
@@ -176,15 +166,6 @@ class Metrics:
 
 class ClientGone(Exception):
     """The HTTP client disconnected; the generation was cancelled."""
-
-
-def error_response(proto: Protocol, err: APIError, request_id: str = "") -> JSONResponse:
-    headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else {}
-    if request_id:
-        headers["X-Request-Id"] = request_id
-    if err.status == 408:  # the rest of the body may still trickle in: end the connection
-        headers["Connection"] = "close"
-    return JSONResponse(proto.error_body(err), status_code=err.status, headers=headers)
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -32,7 +32,7 @@ from starlette.routing import Route
 from libs.common.errors import DeepserveError
 
 from .api import CHAT, APIError, invalid
-from .events import api_error
+from .events import api_error, error_response, tenant_label
 from .plan import decode_body
 
 if TYPE_CHECKING:
@@ -62,7 +62,6 @@ def _unknown(body: dict[str, Any], known: tuple[str, ...]) -> None:
 
 def utility_routes(front: Frontend) -> list[Route]:
     """The routes above over ``front``'s key table, planner, encoder and encode pool."""
-    from .handlers import error_response, tenant_label  # handlers imports this module
 
     cfg, encoder, planner = front.cfg, front.encoder, front.planner
 

@@ -1,6 +1,6 @@
 """The gRPC contract other backends rely on, against a real stack: every gRPC server answers
 reflection and health without a credential (even where every other RPC needs the service
-token), and the README's Python client (examples/generate_client.py) streams tokens."""
+token), and the Python client of docs/api.md (examples/generate_client.py) streams tokens."""
 
 from __future__ import annotations
 

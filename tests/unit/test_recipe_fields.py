@@ -1,6 +1,6 @@
 """recipe: every field of the OpenAI requests is read or refused with a 400 naming it -- the
 field lists come from the openai SDK's own request types, so a field a new SDK adds fails here
-until services/recipe/fields.py says what the server does with it; README's table is
+until services/recipe/fields.py says what the server does with it; docs/api.md's table is
 fields.markdown()."""
 
 from __future__ import annotations
@@ -190,12 +190,12 @@ def test_parallel_tool_calls_false_needs_a_forced_call(client: TestClient) -> No
     assert r.status_code == 200, r.text
 
 
-def test_readme_lists_the_fields_as_the_code_reads_them() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_api_doc_lists_the_fields_as_the_code_reads_them() -> None:
+    doc = (ROOT / "docs" / "api.md").read_text()
     begin, end = "<!-- fields:begin -->\n", "<!-- fields:end -->"
-    assert begin in readme and end in readme, "README lacks the generated fields table"
-    table = readme.split(begin, 1)[1].split(end, 1)[0]
+    assert begin in doc and end in doc, "docs/api.md lacks the generated fields table"
+    table = doc.split(begin, 1)[1].split(end, 1)[0]
     assert table == fields.markdown(), (
-        "README's fields table is stale: paste python -c 'from services.recipe import fields; "
-        'print(fields.markdown(), end="")\' between its markers'
+        "docs/api.md's fields table is stale: paste python -c 'from services.recipe import "
+        'fields; print(fields.markdown(), end="")\' between its markers'
     )

@@ -7,13 +7,20 @@ text) on one small HTTP port.
 Trace context travels as a W3C ``traceparent`` string inside proto messages and gRPC
 metadata, so one request's spans join up across every hop. Spans are exported where asked:
 ``DEEPSERVE_TRACE_FILE=path`` appends them as JSON lines (``{service}`` in the path is
-replaced by the service name), and ``OTEL_EXPORTER_OTLP_ENDPOINT`` sends them over OTLP when
-the ``opentelemetry-exporter-otlp`` package is installed (the ``otlp`` extra).
+replaced by the service name), and ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or
+``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) sends them over OTLP when the
+``opentelemetry-exporter-otlp`` package is installed (the ``otlp`` extra): gRPC by default,
+HTTP with ``OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf`` (``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``
+wins over it). The exporters read the rest of OpenTelemetry's variables themselves (headers,
+timeouts, certificates). Spans carry ``service.name`` = ``OTEL_SERVICE_NAME`` when it is set
+(``{service}`` in it replaced by the service name), else the service name, and
+``deepserve.service`` = the service name either way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import logging
 import os
@@ -23,7 +30,12 @@ from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 HealthFn = Callable[[], tuple[bool, str]]
@@ -112,30 +124,65 @@ class JsonLinesExporter(SpanExporter):
         return SpanExportResult.SUCCESS
 
 
+def resource(service: str) -> Resource:
+    """The spans' resource: OpenTelemetry's own variables (``OTEL_RESOURCE_ATTRIBUTES``,
+    ``OTEL_SERVICE_NAME``) respected, the service named where they do not name it."""
+    name = os.environ.get("OTEL_SERVICE_NAME", "").strip().replace("{service}", service)
+    return Resource.create({"service.name": name or service, "deepserve.service": service})
+
+
+OTLP_PROTOCOLS = ("grpc", "http/protobuf")
+
+
+def otlp_exporter(service: str) -> SpanExporter | None:
+    """The OTLP exporter the environment asks for, or None (none asked, package missing or a
+    protocol it cannot speak: said once in the log, since spans then go nowhere)."""
+    if not (
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    ):
+        return None
+    protocol = (
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "grpc"
+    ).strip()
+    if protocol not in OTLP_PROTOCOLS:
+        log.warning(
+            "OTLP protocol %r is not one of %s: %s spans are NOT exported over OTLP",
+            protocol,
+            ", ".join(OTLP_PROTOCOLS),
+            service,
+        )
+        return None
+    kind = "grpc" if protocol == "grpc" else "http"
+    try:
+        module = importlib.import_module(f"opentelemetry.exporter.otlp.proto.{kind}.trace_exporter")
+    except ImportError:
+        # Optional package; a configured endpoint that gets nothing must be said.
+        log.warning(
+            "an OTLP endpoint is set but the opentelemetry-exporter-otlp package is not "
+            "installed: %s spans are NOT exported over OTLP (pip install 'deepserve[otlp]')",
+            service,
+        )
+        return None
+    exporter: SpanExporter = module.OTLPSpanExporter()  # reads the OTEL_EXPORTER_OTLP_* rest
+    return exporter
+
+
 def tracer(service: str) -> trace.Tracer:
     """A tracer for this service; spans export only where an exporter is configured."""
     provider = _PROVIDERS.get(service)
     if provider is None:
-        provider = TracerProvider(resource=Resource.create({"service.name": service}))
+        provider = TracerProvider(resource=resource(service))
         path = os.environ.get("DEEPSERVE_TRACE_FILE")
         if path:
             provider.add_span_processor(
                 SimpleSpanProcessor(JsonLinesExporter(path.replace("{service}", service)))
             )
-        if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-            try:
-                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-                from opentelemetry.sdk.trace.export import BatchSpanProcessor
-            except ImportError:
-                # Optional package; a configured endpoint that gets nothing must be said.
-                log.warning(
-                    "OTEL_EXPORTER_OTLP_ENDPOINT is set but the opentelemetry-exporter-otlp "
-                    "package is not installed: %s spans are NOT exported over OTLP "
-                    "(pip install 'deepserve[otlp]')",
-                    service,
-                )
-            else:
-                provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        exporter = otlp_exporter(service)
+        if exporter is not None:
+            provider.add_span_processor(BatchSpanProcessor(exporter))
         _PROVIDERS[service] = provider
     return provider.get_tracer(service)
 

@@ -27,6 +27,7 @@ import asyncio
 
 from libs.common.service import ServiceContext, run_service
 
+from .access_log import access_log
 from .backend import GenerateBackend, GrpcGenerateBackend
 from .config import SERVICE, RecipeConfig, build_parser, config_from
 from .encoding import load_encoder
@@ -119,7 +120,7 @@ async def serve(cfg: RecipeConfig, ctx: ServiceContext) -> int:
         log.warning("--usage-stream is empty: no usage records are written")
     app = build_app(cfg.app, encoder, backend, metrics, pool, usage)
     server = build_server(
-        app,
+        access_log(app, cfg.app.keys),
         svc.host,
         cfg.port,
         log_level=svc.log_level,

@@ -82,6 +82,9 @@ def build_server(
             http=timed_h11(header_timeout),
             lifespan="off",
             log_level=log_level.lower(),
+            # No logging config of uvicorn's own: its lines reach the service's handlers in
+            # --log-format (text or JSON). Its access log stays off: access_log.py writes ours.
+            log_config=None,
             access_log=False,
             # typed int, used as a float (loop.call_later)
             timeout_keep_alive=keep_alive_timeout,  # type: ignore[arg-type]

@@ -23,9 +23,11 @@ really cost; a request whose cost is unknown keeps its whole reservation charged
 carries the seconds until the bucket would hold enough (Retry-After); a refusal for
 concurrency carries :data:`CONCURRENCY_RETRY_S`, as no one can know when a slot frees.
 
-State is per process: behind R recipe replicas a key gets up to R times its limits (set the
-flags to the limit / R; a shared counter is not built yet). Not thread-safe: the recipe calls
-it from its one event loop.
+This class keeps the state of one process. Behind several recipe replicas (and entrypoints
+taking keys on gRPC ``Generate``) the same rules run on shared state in Redis
+(``libs/transport/keycaps.py``: one Lua script per step, slots that expire unless their holder
+renews them); this class is then the fallback while Redis cannot be reached. Not thread-safe:
+callers use it from one event loop.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import hashlib
 import math
 import re
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -116,15 +119,57 @@ class Refusal:
     message: str
 
 
+def at_cap(cap: int) -> Refusal:
+    """A new request of a key that has ``cap`` generations in flight."""
+    return Refusal(
+        "concurrency",
+        CONCURRENCY_RETRY_S,
+        f"too many concurrent requests for this API key: its limit is {cap} generations in flight",
+    )
+
+
+def n_above_cap(cap: int, generations: int) -> Refusal:
+    """A request whose ``n`` alone is above the key's cap: it can never run under that key."""
+    return Refusal(
+        "concurrency",
+        CONCURRENCY_RETRY_S,
+        f"this request runs {generations} generations at once (n={generations}) and this "
+        f"API key's concurrency limit is {cap} generations in flight: lower n to at most {cap}",
+    )
+
+
+def no_room(cap: int, inflight: int, more: int, generations: int) -> Refusal:
+    """A request whose ``more`` generations do not fit beside the ``inflight`` ones now."""
+    return Refusal(
+        "concurrency",
+        CONCURRENCY_RETRY_S,
+        f"too many concurrent requests for this API key: its limit is {cap} generations in "
+        f"flight, {inflight} are and this request adds {more} more (n={generations})",
+    )
+
+
+def rate_reached(rate: int, tokens: int, wait_s: float) -> Refusal:
+    """A request reserving ``tokens`` that the key's bucket holds in ``wait_s`` seconds."""
+    return Refusal(
+        "tokens",
+        max(1, math.ceil(wait_s)),
+        f"token rate limit of this API key reached: {rate} tokens per minute; this "
+        f"request reserves {tokens} (prompt + max_tokens)",
+    )
+
+
 @dataclass
 class Slot:
     """One admitted request: its key id, the concurrency it holds (its generations) and the
-    tokens it holds reserved."""
+    tokens it holds reserved. ``slot_id`` names it in shared state; ``shared``: whether it is
+    held there (False: in a process's own :class:`KeyLimiter`)."""
 
     kid: str
     reserved: int = 0
     open: bool = True
     generations: int = 1
+    slot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    shared: bool = False
 
 
 @dataclass
@@ -149,12 +194,7 @@ class KeyLimiter:
         cap = self.policy.of(kid).concurrency
         n = self.inflight.get(kid, 0)
         if cap and n >= cap:
-            return Refusal(
-                "concurrency",
-                CONCURRENCY_RETRY_S,
-                f"too many concurrent requests for this API key: its limit is {cap} "
-                "generations in flight",
-            )
+            return at_cap(cap)
         self.inflight[kid] = n + 1
         return Slot(kid)
 
@@ -168,21 +208,9 @@ class KeyLimiter:
         n = self.inflight.get(slot.kid, 0)
         more = generations - slot.generations
         if cap and generations > cap:
-            return Refusal(
-                "concurrency",
-                CONCURRENCY_RETRY_S,
-                f"this request runs {generations} generations at once (n={generations}) and this "
-                f"API key's concurrency limit is {cap} generations in flight: lower n to at "
-                f"most {cap}",
-            )
+            return n_above_cap(cap, generations)
         if cap and n + more > cap:
-            return Refusal(
-                "concurrency",
-                CONCURRENCY_RETRY_S,
-                f"too many concurrent requests for this API key: its limit is {cap} "
-                f"generations in flight, {n} are and this request adds {more} more "
-                f"(n={generations})",
-            )
+            return no_room(cap, n, more, generations)
         self.inflight[slot.kid] = n + more
         slot.generations = generations
         return None
@@ -196,13 +224,7 @@ class KeyLimiter:
         bucket = self._refilled(slot.kid, rate)
         need = min(tokens, rate)
         if bucket.level < need:
-            wait = (need - bucket.level) / (rate / 60.0)
-            return Refusal(
-                "tokens",
-                max(1, math.ceil(wait)),
-                f"token rate limit of this API key reached: {rate} tokens per minute; this "
-                f"request reserves {tokens} (prompt + max_tokens)",
-            )
+            return rate_reached(rate, tokens, (need - bucket.level) / (rate / 60.0))
         bucket.level -= tokens  # may go below 0: a request larger than a minute's budget
         slot.reserved += tokens
         return None

@@ -12,13 +12,15 @@ written (tenant ``""``).
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from prometheus_client import Counter
 
 from libs.common.auth import KeyTable
-from libs.gateway.keylimits import KeyLimiter, KeyLimitPolicy, Refusal, Slot, key_id
+from libs.gateway.keylimits import Refusal, Slot, key_id
+from libs.transport.keycaps import KeyCaps
 
 from .answer import Answer
 from .api import APIError
@@ -47,13 +49,14 @@ class RequestAccount:
         self.job: Answer | None = None  # set once the request is sent to the backend
         self.ended = False
 
-    def reserve(self, tokens: int, generations: int = 1) -> None:
+    async def reserve(self, tokens: int, generations: int = 1) -> None:
         """Hold ``generations`` (the request's ``n``) of the key's concurrency and reserve
         ``tokens`` (what it may cost) under the key's token rate; APIError 429."""
         if self.slot is None:
             return
         limiter = self.owner.limiter
-        refusal = limiter.widen(self.slot, generations) or limiter.reserve(self.slot, tokens)
+        refusal = await limiter.widen(self.slot, generations)
+        refusal = refusal or await limiter.reserve(self.slot, tokens)
         if refusal is not None:
             self.owner.refused(refusal, self.tenant)
             raise _too_many(refusal)
@@ -67,7 +70,7 @@ class RequestAccount:
         accepted = job is not None and job.accepted  # the backend's Ready came
         if self.slot is not None:
             used = job.prompt_tokens + job.answered_tokens if job and accepted else 0
-            self.owner.limiter.leave(self.slot, used)
+            self.owner.leave(self.slot, used)
         if job is not None and accepted and self.owner.usage is not None:
             self.owner.usage.submit(
                 UsageRecord(
@@ -87,21 +90,29 @@ class RequestAccount:
 
 
 class Accounting:
+    """``limiter``: the keys' limits, shared by every replica when it holds a Redis client
+    (``libs/transport/keycaps.py``)."""
+
     def __init__(
-        self,
-        policy: KeyLimitPolicy,
-        keys: KeyTable,
-        usage: UsageSink | None,
-        limited: Counter,
-        clock: Callable[[], float] = time.monotonic,
+        self, limiter: KeyCaps, keys: KeyTable, usage: UsageSink | None, limited: Counter
     ) -> None:
         self.keys, self.usage, self.limited = keys, usage, limited
-        self.limiter = KeyLimiter(policy, clock)
+        self.limiter = limiter
+        self._leaving: set[asyncio.Task[None]] = set()
+
+    def leave(self, slot: Slot, used: int | None) -> None:
+        """Give the slot back without waiting (``end`` runs in finally blocks and callbacks)."""
+        if not slot.shared:
+            self.limiter.local.leave(slot, used)
+            return
+        task = asyncio.get_running_loop().create_task(self.limiter.leave(slot, used))
+        self._leaving.add(task)
+        task.add_done_callback(self._leaving.discard)
 
     def refused(self, refusal: Refusal, tenant: str) -> None:
         self.limited.labels(refusal.reason, tenant_hash(tenant)).inc()
 
-    def admit(
+    async def admit(
         self, headers: Mapping[str, str], route: str, rid: str, tenant: str
     ) -> RequestAccount:
         """The request's account, holding a slot of its key; APIError 429 when the key is at
@@ -111,7 +122,7 @@ class Accounting:
         presented = KeyTable.presented(headers)
         assert presented is not None, "admit after authentication"
         kid = key_id(presented)
-        got = self.limiter.enter(kid)
+        got = await self.limiter.enter(kid)
         if isinstance(got, Refusal):
             self.refused(got, tenant)
             raise _too_many(got)

@@ -8,7 +8,12 @@ from dataclasses import dataclass, field
 from libs.common.auth import KeyTable, load_keys
 from libs.common.config import ServiceConfig, check_port, common_flags, flag, service_config_from
 from libs.common.grpc_auth import add_service_token_flag
-from libs.gateway.keylimits import KeyLimit, KeyLimitPolicy, key_id, parse_key_limits
+from libs.transport.keycaps import (
+    SharedState,
+    add_key_limit_flags,
+    key_limit_policy,
+    shared_state_from,
+)
 
 from .handlers import AppConfig
 from .pool import DEFAULT_QUEUE_BYTES
@@ -75,6 +80,8 @@ class RecipeConfig:
     usage_queue: int = 10000
     # The credential it presents to the entrypoint (the internal APIs' service token).
     service_token: str = field(default="", repr=False)
+    # Redis of the per-key limits every replica shares (--redis-url; "": this process's own).
+    shared: SharedState = field(default_factory=lambda: SharedState())
     # /status on the ops port (status.py): what it scrapes (ops ports, host:port) and how often.
     status: StatusSources = StatusSources()
 
@@ -181,29 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     flag(p, "--api-keys", default="", help="API keys: KEY=TENANT entries, comma-separated")
     flag(p, "--api-keys-file", default="", help="file of KEY=TENANT lines (# comments)")
-    flag(
-        p,
-        "--key-max-concurrency",
-        type=int,
-        default=500,
-        help="generations in flight at once per API key (a request with n counts n), then 429 "
-        "(0: no cap; with API keys only)",
-    )
-    flag(
-        p,
-        "--key-tokens-per-min",
-        type=int,
-        default=0,
-        help="token rate per API key: prompt + max_tokens reserved at admission, the unused "
-        "part given back at the end, then 429 (0: no limit)",
-    )
-    flag(
-        p,
-        "--key-limits",
-        default="",
-        help="per-key overrides, KEYID=CONCURRENCY[:TOKENS_PER_MIN],... where KEYID is the "
-        "first 8 hex digits of the key's SHA-256 (never the key)",
-    )
+    add_key_limit_flags(p)
     flag(
         p,
         "--usage-stream",
@@ -261,9 +246,7 @@ def config_from(args: argparse.Namespace) -> RecipeConfig:
             encode_threads=args.encode_threads,
             encode_queue_bytes=args.encode_queue_bytes,
             keys=KeyTable(keys),
-            key_limits=key_limit_policy(
-                args.key_max_concurrency, args.key_tokens_per_min, args.key_limits, keys
-            ),
+            key_limits=key_limit_policy(args, keys),
         ),
         port=args.port,
         entrypoint_address=args.entrypoint_address,
@@ -275,6 +258,7 @@ def config_from(args: argparse.Namespace) -> RecipeConfig:
         event_timeout=args.event_timeout,
         usage_stream=args.usage_stream,
         usage_queue=args.usage_queue,
+        shared=shared_state_from(args),
         status=StatusSources(
             kvstores=parse_addresses("--kvstore-ops-address", args.kvstore_ops_address),
             balancers=parse_addresses("--balancer-ops-address", args.balancer_ops_address),
@@ -282,22 +266,3 @@ def config_from(args: argparse.Namespace) -> RecipeConfig:
             interval=args.status_interval,
         ),
     )
-
-
-def key_limit_policy(
-    concurrency: int, tokens_per_min: int, overrides: str, keys: dict[str, str]
-) -> KeyLimitPolicy:
-    """The key limits of the flags; ValueError for a bad value or an override that names no
-    configured key (a typo would otherwise leave that key at the default silently)."""
-    try:
-        default = KeyLimit(concurrency, tokens_per_min)
-    except ValueError as exc:
-        raise ValueError(f"--key-max-concurrency / --key-tokens-per-min: {exc}") from None
-    policy = KeyLimitPolicy(default, parse_key_limits(overrides))
-    known = {key_id(k) for k in keys}
-    unknown = sorted(set(policy.overrides) - known)
-    if unknown:
-        raise ValueError(
-            f"--key-limits names key ids of no configured API key: {', '.join(unknown)}"
-        )
-    return policy

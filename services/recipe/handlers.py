@@ -41,15 +41,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from opentelemetry import trace
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from libs.common.auth import KeyTable
@@ -57,17 +54,17 @@ from libs.common.errors import DeepserveError, Internal
 from libs.common.telemetry import extract_context, inject_traceparent, tracer
 from libs.gateway.keylimits import KeyLimitPolicy
 from libs.proto.deepserve.v1 import generate_pb2
+from libs.transport.keycaps import KeyCaps
 
 from .accounting import Accounting, RequestAccount
 from .answer import Answer
-from .api import CHAT, COMPLETIONS, MESSAGES, RESPONSES, APIError, Protocol
+from .api import COMPLETIONS, MESSAGES, APIError, Protocol
 from .backend import Calls, GenerateBackend, GenerateCall, merged
 from .encoding import Encoder
 from .events import api_error, error_response, tenant_label
 from .plan import Plan, Planner
 from .pool import DEFAULT_QUEUE_BYTES, EncodePool
 from .usage import UsageSink
-from .utility import utility_routes
 
 log = logging.getLogger("recipe")
 T = TypeVar("T")
@@ -206,13 +203,14 @@ class Frontend:
         metrics: Metrics,
         pool: EncodePool,
         usage: UsageSink | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        limiter: KeyCaps | None = None,
     ) -> None:
         self.cfg, self.encoder, self.backend, self.metrics = cfg, encoder, backend, metrics
         self.pool = pool
         self.planner = Planner(encoder, cfg.model_name, cfg.default_max_tokens, cfg.max_context)
         self.tracer = tracer("recipe")
-        self.accounting = Accounting(cfg.key_limits, cfg.keys, usage, metrics.key_limited, clock)
+        limiter = limiter or KeyCaps(cfg.key_limits)
+        self.accounting = Accounting(limiter, cfg.keys, usage, metrics.key_limited)
 
     # -- shared front half: auth, body, model, conversion ---------------------------------------
     def _tenant(self, request: Request) -> str:
@@ -275,7 +273,7 @@ class Frontend:
         status = "client_gone"  # unless set below: also when this task is cancelled
         try:
             tenant = self._tenant(request) or "-"
-            acct = self.accounting.admit(
+            acct = await self.accounting.admit(
                 request.headers, proto.name, rid, "" if tenant == "-" else tenant
             )
             response = await self._serve(request, proto, rid, tenant, t0, acct)
@@ -333,7 +331,7 @@ class Frontend:
         )
         # Every choice is a generation of the key's concurrency and may run to max_tokens; the
         # prompt is paid for once (the later choices find it in the prefix cache).
-        acct.reserve(len(plan.prompt) + plan.n * plan.sampling.max_tokens, plan.n)
+        await acct.reserve(len(plan.prompt) + plan.n * plan.sampling.max_tokens, plan.n)
         answer = Answer(
             proto,
             proto.id_prefix + rid,
@@ -513,121 +511,3 @@ class Frontend:
         self.metrics.tokens.labels("prompt", label).inc(answer.prompt_tokens)
         self.metrics.tokens.labels("cached", label).inc(answer.cached_tokens)
         self.metrics.tokens.labels("completion", label).inc(answer.completion_tokens)
-
-
-def build_app(
-    cfg: AppConfig,
-    encoder: Encoder,
-    backend: GenerateBackend,
-    metrics: Metrics | None = None,
-    pool: EncodePool | None = None,
-    usage: UsageSink | None = None,
-    clock: Callable[[], float] = time.monotonic,
-) -> Starlette:
-    """The public API. ``pool``: the encode pool (default: one of ``cfg``'s size, which the
-    caller then does not close -- fine for tests); ``usage``: where usage records go (None:
-    nowhere); ``clock``: the key limits' clock (tests pass a fake)."""
-    metrics = metrics or Metrics(CollectorRegistry())
-    pool = pool or EncodePool(cfg.encode_threads, cfg.encode_queue_bytes, cfg.retry_after_s * 1000)
-    front = Frontend(cfg, encoder, backend, metrics, pool, usage, clock)
-    created = int(time.time())
-
-    def model_card() -> dict[str, Any]:
-        return {
-            "id": cfg.model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "deepserve",
-            "type": "model",
-            "display_name": cfg.model_name,
-            "created_at": "1970-01-01T00:00:00Z",
-        }
-
-    def guarded(request: Request) -> Response | None:
-        try:
-            front._tenant(request)
-        except APIError as err:
-            return error_response(CHAT, err)
-        return None
-
-    async def models(request: Request) -> Response:
-        refused = guarded(request)
-        metrics.requests.labels("models", "401" if refused else "200", "-").inc()
-        return refused or JSONResponse(
-            {
-                "object": "list",
-                "data": [model_card()],
-                "has_more": False,
-                "first_id": cfg.model_name,
-                "last_id": cfg.model_name,
-            }
-        )
-
-    async def model(request: Request) -> Response:
-        refused = guarded(request)
-        if refused:
-            return refused
-        if request.path_params["model"] != cfg.model_name:
-            name = request.path_params["model"]
-            return error_response(
-                CHAT,
-                APIError(
-                    404, f"The model {name!r} does not exist", param="model", code="model_not_found"
-                ),
-            )
-        return JSONResponse(model_card())
-
-    async def healthz(request: Request) -> Response:
-        ok, detail = await backend.check()
-        return JSONResponse(
-            {"status": "ok" if ok else "unavailable", "detail": detail},
-            status_code=200 if ok else 503,
-        )
-
-    def proto_of(request: Request) -> Protocol:
-        return MESSAGES if request.url.path.startswith("/v1/messages") else CHAT
-
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        message = f"{request.method} {request.url.path}: {exc.detail}"
-        return error_response(proto_of(request), APIError(exc.status_code, message, code=code))
-
-    async def server_error(request: Request, exc: Exception) -> Response:
-        log.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
-        return error_response(
-            proto_of(request),
-            APIError(
-                500,
-                "internal server error; the server log has the details",
-                "server_error",
-                code="internal_error",
-            ),
-        )
-
-    async def chat(request: Request) -> Response:
-        return await front.handle(request, CHAT)
-
-    async def completions(request: Request) -> Response:
-        return await front.handle(request, COMPLETIONS)
-
-    async def responses(request: Request) -> Response:
-        return await front.handle(request, RESPONSES)
-
-    async def messages(request: Request) -> Response:
-        return await front.handle(request, MESSAGES)
-
-    routes = [
-        Route("/v1/chat/completions", chat, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/responses", responses, methods=["POST"]),
-        Route("/v1/messages", messages, methods=["POST"]),
-        Route("/v1/messages/count_tokens", front.count_tokens, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/models/{model:path}", model, methods=["GET"]),
-        Route("/healthz", healthz, methods=["GET"]),
-        *utility_routes(front),  # vLLM's /health, /tokenize, /detokenize, /version
-    ]
-    return Starlette(
-        routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error}
-    )

@@ -26,12 +26,14 @@ from __future__ import annotations
 import asyncio
 
 from libs.common.service import ServiceContext, run_service
+from libs.transport.keycaps import KeyCaps, open_redis
 
 from .access_log import access_log
+from .app import build_app
 from .backend import GenerateBackend, GrpcGenerateBackend
 from .config import SERVICE, RecipeConfig, build_parser, config_from
 from .encoding import load_encoder
-from .handlers import Metrics, build_app
+from .handlers import Metrics
 from .pool import EncodePool
 from .server import build_server, run_server, stop_server
 from .status import StatusBoard
@@ -118,7 +120,7 @@ async def serve(cfg: RecipeConfig, ctx: ServiceContext) -> int:
         ctx.stack.push_async_callback(usage.close, svc.drain_seconds)  # after uvicorn stopped
     else:
         log.warning("--usage-stream is empty: no usage records are written")
-    app = build_app(cfg.app, encoder, backend, metrics, pool, usage)
+    app = build_app(cfg.app, encoder, backend, metrics, pool, usage, limiter=_limiter(cfg, ctx))
     server = build_server(
         access_log(app, cfg.app.keys),
         svc.host,
@@ -168,3 +170,19 @@ async def serve(cfg: RecipeConfig, ctx: ServiceContext) -> int:
         log.error("could not start the HTTP server on %s:%d", svc.host, cfg.port)
         return 1
     return 0
+
+
+def _limiter(cfg: RecipeConfig, ctx: ServiceContext) -> KeyCaps:
+    """The keys' limits: shared with every replica through Redis when --redis-url is set."""
+    if not cfg.shared.redis_url:
+        if not cfg.app.keys.open:
+            ctx.log.warning(
+                "no --redis-url: per-key limits are this replica's own (R replicas allow a key "
+                "R times its limits)"
+            )
+        return KeyCaps(cfg.app.key_limits)
+    client = open_redis(cfg.shared.redis_url)
+    ctx.stack.push_async_callback(client.aclose)
+    limiter = KeyCaps(cfg.app.key_limits, client, slot_ttl_s=cfg.shared.slot_ttl_s, log=ctx.log)
+    ctx.background(limiter.renew_forever(ctx.stop), "key-slots")
+    return limiter

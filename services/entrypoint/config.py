@@ -10,8 +10,14 @@ from libs.common.config import ServiceConfig, check_port, common_flags, flag, se
 from libs.common.grpc_auth import add_service_token_flag
 from libs.gateway.admission import parse_tenant_weights
 from libs.gateway.policy import Limits
+from libs.transport.keycaps import (
+    SharedState,
+    add_key_limit_flags,
+    key_limit_policy,
+    shared_state_from,
+)
 
-from .handlers import HandlerConfig
+from .handler_config import HandlerConfig
 
 SERVICE = "entrypoint"
 DESCRIPTION = """\
@@ -27,6 +33,8 @@ class EntrypointConfig:
     kvstore_address: str = ""
     kvstore_timeout: float = 1.0
     nats_wait: float = 10.0
+    # Redis of the key limits shared with the recipe replicas and of the usage ledger
+    shared: SharedState = SharedState()
 
     def __post_init__(self) -> None:
         check_port("--grpc-port", self.grpc_port)
@@ -51,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         "service token) and its tenant comes from the key",
     )
     flag(parser, "--api-keys-file", default="", help="file of KEY=TENANT lines (# comments)")
+    add_key_limit_flags(parser)
     flag(parser, "--grpc-port", type=int, default=50051, help="port of the Generate gRPC API")
     flag(parser, "--kvstore-address", default="", help="kvstore gRPC host:port (empty: no cache)")
     flag(
@@ -179,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from(args: argparse.Namespace) -> EntrypointConfig:
     """The config of parsed flags; ValueError names the flag that is wrong."""
+    api_keys = load_keys(args.api_keys, args.api_keys_file)
     limits = Limits(
         model_name=args.model_name,
         vocab_size=args.vocab_size,
@@ -202,9 +212,11 @@ def config_from(args: argparse.Namespace) -> EntrypointConfig:
             max_attempts=args.max_attempts,
             instance_dead_after=args.instance_dead_after,
             salt_secret=args.cache_salt_secret.encode(),
-            api_keys=load_keys(args.api_keys, args.api_keys_file),
+            api_keys=api_keys,
             service_token=args.service_token,
+            key_limits=key_limit_policy(args, api_keys),
         ),
+        shared=shared_state_from(args),
         grpc_port=args.grpc_port,
         kvstore_address=args.kvstore_address,
         kvstore_timeout=args.kvstore_timeout,

@@ -14,36 +14,28 @@ import itertools
 import logging
 import secrets
 import time
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any, cast
 
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 
 from libs.common import grpc_errors, subjects
-from libs.common.auth import KeyTable
 from libs.common.errors import (
     AlreadyExists,
-    DeadlineExceeded,
     DeepserveError,
     Internal,
     Overloaded,
-    Unauthenticated,
     Unavailable,
 )
-from libs.common.grpc_auth import bearer, same_token
 from libs.common.hashchain import chain_hashes, tenant_salt
-from libs.common.sampling import TokenLogprob
 from libs.common.telemetry import extract_context, inject_traceparent, tracer
 from libs.gateway.admission import Admission, Grant
 from libs.gateway.capacity import PREFILL, Capacity, CapacityConfig, Need
 from libs.gateway.policy import (
-    Chunk,
     Finish,
-    Limits,
     Output,
     Ready,
     ReorderOverflow,
@@ -63,15 +55,27 @@ from libs.gateway.retry import (
     exact_continuation,
 )
 from libs.proto.deepserve.v1 import (
-    common_pb2,
     control_pb2,
     generate_pb2,
     generate_pb2_grpc,
 )
 from libs.routing.policy import resident_run
+from libs.transport.keycaps import KeyCaps
 
 from .admission import AdmissionMetrics, load_from_status
+from .callers import CallAccount, Callers
+from .contracts import Bus as Bus
+from .contracts import BusUnavailable as BusUnavailable
+from .contracts import LookupFailed as LookupFailed
+from .contracts import PrefixLookup as PrefixLookup
+from .contracts import Resender as Resender
+from .contracts import ResendFailed as ResendFailed
+from .contracts import Subscription as Subscription
 from .delivery import TaskSender, deliver
+from .handler_config import HandlerConfig as HandlerConfig
+from .handler_config import attempt_id, new_request_id, outcome_of, to_proto
+from .ledger import Ledger
+from .receive import EventReader, Refill
 from .request_log import RequestRecord, log_request
 from .request_metrics import RequestMetrics, RequestTimes, finished_reason
 
@@ -105,10 +109,6 @@ RETRY_AFTER = Histogram(
     "retry hints sent with RESOURCE_EXHAUSTED (from the measured drain rates)",
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
 )
-RESENT = Counter(
-    "deepserve_entrypoint_resent_tokens_total",
-    "tokens lost on the bus and sent again by decode instances (a NATS outage)",
-)
 TASK_COPIES = Counter(
     "deepserve_entrypoint_prefill_task_copies_total",
     "PrefillTasks sent again: not confirmed (a NATS outage, the instance not subscribed yet)",
@@ -126,189 +126,6 @@ MAX_ROUTE_HASHES = 256
 ROUTE_RETRY_PAUSE_S = 0.25
 # Hash long prompts off the event loop: 160K tokens take ~20 ms of SHA-256 and packing.
 INLINE_HASH_TOKENS = 16384
-
-
-class BusUnavailable(Unavailable):
-    """A request on the bus found no responder, or none answered in time."""
-
-
-class LookupFailed(Unavailable):
-    """The kvstore could not answer (treated as a miss)."""
-
-
-class ResendFailed(Unavailable):
-    """The decode instance could not be asked for lost token events (asked again later)."""
-
-
-class Subscription(Protocol):
-    async def next(self, timeout: float) -> bytes:
-        """The next payload; raises TimeoutError after ``timeout`` seconds without one."""
-
-    async def close(self) -> None: ...
-
-
-class Bus(Protocol):
-    async def request(self, subject: str, data: bytes, timeout: float) -> bytes:
-        """The reply's payload; raises :class:`Unavailable` (or a subclass) if none comes."""
-
-    async def publish(self, subject: str, data: bytes) -> None: ...
-
-    async def subscribe(self, subject: str) -> Subscription:
-        """A subscription that is live at the server when this returns."""
-
-
-class Resender(Protocol):
-    """Token events lost on the bus, back from the decode instance (gRPC in production).
-
-    Token events are core NATS: those published while NATS is down, or before this
-    entrypoint's subscription is back on a restarted server, are gone. The decode instance
-    keeps what it published (``libs/serving/replay.py``) and sends it again on request.
-    """
-
-    def reconnects(self) -> int:
-        """How many times the bus connection came back so far (it only grows)."""
-
-    async def settle(self) -> None:
-        """Wait until the server has this entrypoint's subscriptions again after a
-        reconnection; raises :class:`ResendFailed` if it cannot tell yet."""
-
-    async def resend(
-        self, address: str, request_id: str, from_index: int
-    ) -> list[control_pb2.TokenEvent] | None:
-        """The events of ``request_id`` from ``from_index`` on, from the decode instance at
-        ``address``; None if it does not know the request; raises :class:`ResendFailed`."""
-
-
-@dataclass
-class _Refill:
-    """One attempt's watch for lost token events: after a bus reconnection, or when a gap
-    in the indices outlives ``liveness_poll``, the decode instance is asked for the events
-    from the first missing position (at most once per ``liveness_poll``)."""
-
-    address: str
-    reconnects: int  # bus reconnections already accounted for
-    gap_since: float | None = None
-    asked_at: float = float("-inf")
-    queued: list[control_pb2.TokenEvent] = field(default_factory=list)
-
-
-class PrefixLookup(Protocol):
-    async def lookup(self, hashes: list[bytes]) -> int:
-        """How many leading ``hashes`` the kvstore holds; raises LookupFailed."""
-
-
-@dataclass(frozen=True)
-class HandlerConfig:
-    limits: Limits = field(default_factory=Limits)
-    route_timeout: float = 2.0
-    request_timeout: float = 60.0  # longest silence between two token events
-    # A PrefillTask copy's wait for the instance's confirmation (delivery.py): a round trip
-    # on a healthy bus; past it, a copy the server handed to a subscriber counts as arrived.
-    task_ack_timeout: float = 1.0
-    # Admission (libs/gateway/admission.py): a request starts when fewer than max_inflight
-    # run (0 = no cap) and, with capacity_admission, some prefill instance can queue its
-    # uncached tokens within prefill_queue_seconds of work at its measured rate (within
-    # prefill_queue_tokens, 0 = no limit, until it has measured one) and some decode instance has
-    # KV blocks for prompt + max_tokens, as heartbeats (fed to on_status) and this
-    # entrypoint's own reservations say. Otherwise up to max_waiting requests wait up to
-    # admit_wait seconds, queued per tenant (the authenticated one) and admitted by weighted fair
-    # queuing over tenants by uncached prompt tokens (tenant_weights; others weigh 1); the rest
-    # get RESOURCE_EXHAUSTED at once with a retry hint from the measured drain rates
-    # (retry_after_ms until one is measured; gRPC trailing metadata "retry-after-ms"). Off by
-    # default here, so a handler with no heartbeat feed (tests, embedders) admits by
-    # max_inflight alone; the service turns it on (--capacity-admission).
-    max_inflight: int = 256
-    max_waiting: int = 256
-    admit_wait: float = 1.0
-    retry_after_ms: int = 500
-    capacity_admission: bool = False
-    prefill_queue_tokens: int = 65_536
-    prefill_queue_seconds: float = 2.0
-    tenant_weights: Mapping[str, float] = field(default_factory=dict)
-    # Failures: attempts per request; an instance whose heartbeat (every 1 s) is silent longer
-    # than instance_dead_after counts as dead, checked every liveness_poll seconds of silence,
-    # so a kill -9 is noticed within instance_dead_after + liveness_poll (3.5 s by default).
-    max_attempts: int = 3
-    instance_dead_after: float = 3.0
-    liveness_poll: float = 0.5
-    # The secret of the tenants' cache salts (libs/common/hashchain.py: tenant_salt): every
-    # entrypoint of a deployment needs the same one. Empty: a random one for this process
-    # (cached prefixes then do not survive its restart nor match another entrypoint's).
-    salt_secret: bytes = field(default=b"", repr=False)
-    # Who may call Generate (docs/security.md): with api_keys, a caller presents one of them
-    # (its tenant then comes from the key, whatever the request says) or the service token
-    # (internal front ends such as the recipe, which authenticated the client; the request's
-    # tenant is trusted); with only a service token, that token; with neither, anyone.
-    api_keys: Mapping[str, str] = field(default_factory=dict, repr=False)
-    service_token: str = field(default="", repr=False)
-
-    def __post_init__(self) -> None:
-        for name in ("max_inflight", "max_waiting", "retry_after_ms", "prefill_queue_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not self.prefill_queue_seconds >= 0:
-            raise ValueError(
-                f"prefill_queue_seconds must be >= 0, got {self.prefill_queue_seconds}"
-            )
-        if self.admit_wait < 0:
-            raise ValueError(f"admit_wait must be >= 0 seconds, got {self.admit_wait}")
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        for name in ("instance_dead_after", "liveness_poll", "task_ack_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-        if not self.route_timeout > 0:
-            raise ValueError(f"route_timeout must be > 0 seconds, got {self.route_timeout}")
-        if not self.request_timeout > 0:
-            raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
-
-
-def outcome_of(exc: DeepserveError) -> str:
-    """The requests metric's ``outcome`` label for a call that ended with ``exc``."""
-    if isinstance(exc, Overloaded):
-        return "overloaded"
-    if isinstance(exc, DeadlineExceeded):
-        return "timeout"
-    if exc.retryable:
-        return "unavailable"
-    return "error" if isinstance(exc, Internal) else "invalid"
-
-
-def new_request_id() -> str:
-    return f"req-{uuid.uuid4().hex}"
-
-
-def attempt_id(request_id: str) -> str:
-    """The id one attempt at a request carries upstream (subjects, tasks, aborts).
-
-    Unique per attempt, so instances that remember an earlier attempt's abort never mistake
-    a client's retry under the same request id for it.
-    """
-    return f"{request_id}-{uuid.uuid4().hex[:8]}"
-
-
-def to_proto(out: Output, request_id: str) -> generate_pb2.GenerateEvent:
-    if isinstance(out, Ready):
-        return generate_pb2.GenerateEvent(
-            ready=generate_pb2.Ready(
-                request_id=request_id,
-                prompt_tokens=out.prompt_tokens,
-                cached_tokens=out.cached_tokens,
-            )
-        )
-    if isinstance(out, Tokens):
-        return generate_pb2.GenerateEvent(
-            tokens=generate_pb2.Tokens(
-                token_ids=out.token_ids, logprobs=[lp.to_proto() for lp in out.logprobs]
-            )
-        )
-    assert isinstance(out, Finish)
-    usage = common_pb2.Usage(
-        prompt_tokens=out.prompt_tokens,
-        cached_tokens=out.cached_tokens,
-        completion_tokens=out.completion_tokens,
-    )
-    return generate_pb2.GenerateEvent(finish=generate_pb2.Finish(reason=out.reason, usage=usage))
 
 
 @dataclass
@@ -329,9 +146,15 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         liveness: Liveness | None = None,
         resender: Resender | None = None,
         tasks: TaskSender | None = None,
+        caps: KeyCaps | None = None,
+        ledger: Ledger | None = None,
     ) -> None:
         self.config, self.bus, self.kv, self.liveness = config, bus, kv, liveness
         self.resender = resender
+        self.reader = EventReader(config, resender)
+        # an API key's limits (shared through Redis when caps holds a client) and usage records
+        self.callers = Callers(config, caps or KeyCaps(config.key_limits))
+        self.ledger = ledger
         self.tasks = tasks  # None: tasks are published once (an in-process bus loses none)
         self.draining = False
         self._active: set[str] = set()
@@ -397,13 +220,18 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         record = RequestRecord()
         times = RequestTimes(received=started)
         counted = False  # passed validation: a request of the model (request metrics)
+        account: CallAccount | None = None
         try:
-            request = self._authenticate(request, context)
-            valid, rid = self._admit(request)
+            caller = self.callers.authenticate(request, context)
+            valid, rid = self._admit(caller.request)
             counted = True
             record.request_id, record.tenant = rid, valid.tenant
             record.prompt_tokens = len(valid.prompt_token_ids)
             try:
+                slot = await self.callers.admit(caller, valid)
+                account = CallAccount(
+                    self.ledger, self.callers.caps, caller, valid, rid, slot, self._spawn
+                )
                 self.admission.refuse_if_full(
                     self._need(valid.prompt_token_ids, [], 0, valid.sampling.max_tokens),
                     valid.model,
@@ -412,7 +240,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                 metadata = dict(context.invocation_metadata() or ())
                 parent = extract_context(str(metadata.get("traceparent", "")))
                 async with contextlib.aclosing(
-                    self._generate(valid, rid, parent, started, record, times)
+                    self._generate(valid, rid, parent, started, record, times, account)
                 ) as events:
                     async for event in events:
                         yield event
@@ -431,6 +259,8 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             log.exception("request failed")
             raise
         finally:
+            if account is not None:
+                account.end(outcome)
             INFLIGHT.dec()
             ended = time.monotonic()
             REQUESTS.labels(outcome).inc()
@@ -439,32 +269,6 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                 reason = finished_reason(outcome, record.finish_reason)
                 self.request_metrics.finished(times, reason, ended)
             log_request(log, record, outcome, ended - started)
-
-    def _authenticate(
-        self, request: generate_pb2.GenerateRequest, context: Any
-    ) -> generate_pb2.GenerateRequest:
-        """The request as this caller may send it: its tenant is the key's when a key was
-        presented; raises Unauthenticated for a caller without a credential it needs."""
-        cfg = self.config
-        if not cfg.api_keys and not cfg.service_token:
-            return request  # open (local use): said at start
-        presented = bearer(context.invocation_metadata() or ())
-        if same_token(presented, cfg.service_token):
-            return request
-        if cfg.api_keys and presented is not None:
-            tenant = KeyTable(cfg.api_keys).tenant_of(presented)
-            if tenant is not None:
-                if request.tenant == tenant:
-                    return request
-                out = generate_pb2.GenerateRequest()
-                out.CopyFrom(request)
-                out.tenant = tenant
-                return out
-        raise Unauthenticated(
-            "Generate needs a credential: authorization: Bearer <API key>"
-            + (" or the service token" if cfg.service_token else "")
-            + ("" if presented is None else " (the one presented is not valid)")
-        )
 
     def _admit(self, request: generate_pb2.GenerateRequest) -> tuple[ValidRequest, str]:
         if self.draining:
@@ -484,6 +288,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         started: float,
         record: RequestRecord,
         times: RequestTimes,
+        account: CallAccount,
     ) -> AsyncGenerator[generate_pb2.GenerateEvent, None]:
         span = TRACER.start_span(
             "entrypoint.generate",
@@ -506,7 +311,12 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                         self._attempt(valid, rid, span, progress, started, admitted)
                     ) as outputs:
                         async for out in outputs:
+                            if isinstance(out, Ready):
+                                await account.ready(out.prompt_tokens, out.cached_tokens)
                             if isinstance(out, Tokens):
+                                # billed before it is sent (ledger.py: a write-ahead)
+                                total = account.completion_tokens + len(out.token_ids)
+                                await account.delivering(total)
                                 now = time.monotonic()
                                 if record.ttft_s is None:
                                     record.ttft_s = now - started
@@ -584,7 +394,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
     async def _admit_attempt(self, admitted: _Admitted, need: Need, tenant: str) -> Grant:
         """The first attempt waits its turn in ``tenant``'s queue (or is refused); a retry is
         already admitted and only moves its reservation to its new prompt. ``tenant``: the
-        authenticated one (``_authenticate``: the key's, or the service caller's)."""
+        authenticated one (``Callers.authenticate``: the key's, or the service caller's)."""
         if admitted.grant is None:
             waited_from = time.monotonic()
             admitted.grant = await self.admission.acquire(
@@ -656,13 +466,13 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             stream = RequestStream(prompt_tokens=len(prompt), max_tokens=progress.remaining)
             watch = Watch(self.liveness, decision.prefill_instance, decision.decode_instance)
             refill = (
-                _Refill(decision.decode_address, self.resender.reconnects())
+                Refill(decision.decode_address, self.resender.reconnects())
                 if self.resender is not None and decision.decode_address
                 else None
             )
             while not stream.done:
                 try:
-                    chunk = await self._next_chunk(sub, wire, watch, stream, refill)
+                    chunk = await self.reader.next_chunk(sub, wire, watch, stream, refill)
                     watch.saw(chunk.index + max(0, len(chunk.token_ids) - 1))
                     outputs = stream.push(chunk)
                 except AttemptFailed:
@@ -789,110 +599,6 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             gone_after=self.config.instance_dead_after,
         )
         TASK_COPIES.inc(copies - 1)
-
-    async def _next_chunk(
-        self,
-        sub: Subscription,
-        rid: str,
-        watch: Watch,
-        stream: RequestStream,
-        refill: _Refill | None,
-    ) -> Chunk:
-        timeout = self.config.request_timeout
-        silent_since = time.monotonic()
-        while True:
-            if refill is not None:
-                if not refill.queued and self._refill_due(refill, stream):
-                    await self._refill(refill, rid, stream)
-                if refill.queued:
-                    return self._chunk(refill.queued.pop(0), rid, watch)
-            waited = time.monotonic() - silent_since
-            if waited >= timeout:
-                raise DeadlineExceeded(
-                    f"request {rid}: no token for {timeout:g}s from the serving instances; aborted"
-                )
-            try:
-                data = await sub.next(min(timeout - waited, self.config.liveness_poll))
-            except TimeoutError:
-                dead = watch.dead(self.config.instance_dead_after)
-                if dead:
-                    raise AttemptFailed(
-                        f"instance {dead} stopped heartbeating "
-                        f"(silent > {self.config.instance_dead_after:g}s)",
-                        (dead,),
-                    ) from None
-                continue
-            try:
-                ev = control_pb2.TokenEvent.FromString(data)
-            except DecodeError:
-                log.warning("request %s: unreadable token event ignored", rid)
-                continue
-            return self._chunk(ev, rid, watch)
-
-    @staticmethod
-    def _chunk(ev: control_pb2.TokenEvent, rid: str, watch: Watch) -> Chunk:
-        if ev.error:
-            if ev.retryable:
-                raise AttemptFailed(ev.error, watch.blamed(ev.index))
-            raise Internal(f"request {rid} failed: {ev.error}")
-        return Chunk(
-            ev.index,
-            tuple(ev.token_ids),
-            ev.finished,
-            ev.finish_reason,
-            ev.prompt_tokens,
-            ev.cached_tokens,
-            tuple(TokenLogprob.from_proto(lp) for lp in ev.logprobs),
-            (ev.speculative.drafted, ev.speculative.verified, ev.speculative.accepted)
-            if ev.HasField("speculative")
-            else (),
-        )
-
-    def _refill_due(self, refill: _Refill, stream: RequestStream) -> bool:
-        """Whether to ask the decode instance for lost events now: the bus reconnected since
-        we last asked, or a gap in the indices has lasted ``liveness_poll`` (events from one
-        publisher arrive in order; prefill's and decode's may cross, but not for that long)."""
-        assert self.resender is not None
-        now, poll = time.monotonic(), self.config.liveness_poll
-        if not stream.buffer.pending:
-            refill.gap_since = None
-        elif refill.gap_since is None:
-            refill.gap_since = now
-        if now - refill.asked_at < poll:
-            return False
-        gap = refill.gap_since is not None and now - refill.gap_since >= poll
-        return gap or self.resender.reconnects() > refill.reconnects
-
-    async def _refill(self, refill: _Refill, rid: str, stream: RequestStream) -> None:
-        """Ask the decode instance for the events from the first position not yet released;
-        what it sends joins the stream like any event (overlaps are cut off). A failed ask is
-        repeated after ``liveness_poll``; the usual deadlines still apply."""
-        assert self.resender is not None
-        refill.asked_at = time.monotonic()
-        reconnects = self.resender.reconnects()
-        start = stream.buffer.next_index
-        try:
-            await self.resender.settle()
-            events = await self.resender.resend(refill.address, rid, start)
-        except ResendFailed as exc:
-            log.info("request %s: cannot ask for lost token events yet (%s)", rid, exc)
-            return
-        refill.reconnects = reconnects
-        if events is None:
-            return  # not handed over to decode yet: what prefill sends still comes
-        got = sum(len(ev.token_ids) for ev in events)
-        lost = stream.buffer.missing(start + got)
-        RESENT.inc(lost)
-        log.warning(
-            "request %s: asked decode for token events from position %d after %s: %d came, "
-            "%d of them not received here",
-            rid,
-            start,
-            "a gap" if stream.buffer.pending else "a NATS reconnection",
-            got,
-            lost,
-        )
-        refill.queued.extend(events)
 
     async def _abort_upstream(self, rid: str, reason: str) -> None:
         try:

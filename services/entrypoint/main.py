@@ -18,9 +18,12 @@ from prometheus_client import disable_created_metrics
 from libs.common.grpc_server import add_health_and_reflection
 from libs.common.service import ServiceContext, run_service
 from libs.proto.deepserve.v1 import generate_pb2, generate_pb2_grpc
+from libs.transport.keycaps import KeyCaps, open_redis
 
+from .callers import CredentialInterceptor
 from .config import SERVICE, EntrypointConfig, build_parser, config_from
 from .handlers import EntrypointHandlers
+from .ledger import RedisLedger
 from .transport import GrpcLookup, GrpcResender, HeartbeatWatch, NatsBus, NoLookup
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name
@@ -85,10 +88,14 @@ async def serve(config: EntrypointConfig, ctx: ServiceContext) -> int:
     # route requests and PrefillTasks wait out a NATS outage (up to --nats-wait); tasks are
     # confirmed by the prefill instance and sent again until one is (delivery.py)
     bus = NatsBus(nc, outage_wait=config.nats_wait)
-    handlers = EntrypointHandlers(config.handler, bus, kv, liveness, resender, tasks=bus)
+    caps, ledger = _shared_state(config, ctx)
+    handlers = EntrypointHandlers(
+        config.handler, bus, kv, liveness, resender, tasks=bus, caps=caps, ledger=ledger
+    )
     await liveness.start(nc, on_status=handlers.on_status)  # before the gRPC server opens
 
-    server = grpc.aio.server()
+    # a call without a credential this entrypoint takes is refused before its body is read
+    server = grpc.aio.server(interceptors=[CredentialInterceptor(handlers.callers)])
     generate_pb2_grpc.add_GenerateServicer_to_server(handlers, server)  # type: ignore[no-untyped-call]
     health_servicer = await add_health_and_reflection(server, [SERVICE_NAME])
     port = server.add_insecure_port(f"{svc.host}:{config.grpc_port}")
@@ -120,3 +127,25 @@ async def _drain(
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace=grace)  # cancels what is still running after that
     await handlers.wait_idle(timeout=2.0)  # cleanup and aborts of cancelled requests
+
+
+def _shared_state(
+    config: EntrypointConfig, ctx: ServiceContext
+) -> tuple[KeyCaps, RedisLedger | None]:
+    """The key limits (shared with the recipe replicas) and the usage ledger, both in Redis
+    when --redis-url is set; without it, this process's own limits and no usage records."""
+    policy, shared = config.handler.key_limits, config.shared
+    if not shared.redis_url:
+        ctx.log.warning(
+            "no --redis-url: no usage records are written here, and an API key's limits on "
+            "Generate are this entrypoint's own"
+        )
+        return KeyCaps(policy), None
+    client = open_redis(shared.redis_url)
+    ctx.stack.push_async_callback(client.aclose)
+    caps = KeyCaps(policy, client, slot_ttl_s=shared.slot_ttl_s, log=ctx.log)
+    ctx.background(caps.renew_forever(ctx.stop), "key-slots")
+    ledger = RedisLedger(client, config.service.instance_id)
+    ctx.stack.push_async_callback(ledger.flush, 5.0)  # after the server drained
+    ctx.background(ledger.maintain_forever(ctx.stop), "usage-ledger")
+    return caps, ledger

@@ -28,8 +28,8 @@ from libs.proto.deepserve.v1 import (
     kvstore_pb2_grpc,
 )
 
+from .contracts import BusUnavailable, LookupFailed, ResendFailed
 from .delivery import Delivery
-from .handlers import BusUnavailable, LookupFailed, ResendFailed
 
 log = logging.getLogger("entrypoint")
 LINK_POLL_S = 0.05  # how often a call waiting for NATS looks again (only during an outage)

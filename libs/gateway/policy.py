@@ -86,6 +86,14 @@ def validate_request(req: generate_pb2.GenerateRequest, limits: Limits) -> Valid
         raise NotFound(f"model {req.model!r} is not served here; available: {limits.model_name!r}")
     if len(req.tenant.encode()) > MAX_TENANT_BYTES:
         raise InvalidArgument(f"must be at most {MAX_TENANT_BYTES} bytes", field="tenant")
+    known = common_pb2.TrafficClass.values()
+    if int(req.traffic_class) not in known:
+        # proto3 keeps an unknown enum number as it came; it would reach the kvstore's TTL
+        names = ", ".join(f"{n} ({common_pb2.TrafficClass.Name(n)})" for n in sorted(known))
+        raise InvalidArgument(
+            f"unknown traffic class {int(req.traffic_class)}; one of {names}",
+            field="traffic_class",
+        )
     prompt = tuple(req.prompt_token_ids)
     if not prompt:
         raise InvalidArgument("must not be empty", field="prompt_token_ids")

@@ -142,3 +142,14 @@ async def test_a_bad_credential_is_refused_before_the_body_is_parsed() -> None:
         assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
     for metadata in ((("authorization", "Bearer sk-a"),), (("authorization", "Bearer svc"),)):
         assert await interceptor.intercept_service(continuation, Details(metadata)) is real
+
+
+async def test_an_unknown_traffic_class_is_refused_naming_the_field() -> None:
+    h = handlers(FakeBus())
+    with pytest.raises(Aborted) as refused:
+        await _drain(h, req([1, 2, 3], traffic_class=99), KEY)  # type: ignore[arg-type]
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "traffic_class" in refused.value.details and "99" in refused.value.details
+    assert "TRAFFIC_CLASS_AGENT" in refused.value.details
+    served = await _drain(h, req([1, 2, 3], traffic_class=2), KEY)
+    assert served[-1].WhichOneof("event") == "finish"

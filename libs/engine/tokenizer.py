@@ -8,12 +8,16 @@ Torch-free: the recipe (which must not import torch) and the supervisor resolve 
   random weights, no files; each names the tokenizer it is served with in
   :data:`PRESET_TOKENIZERS` -- today all of them the bundled DeepSeek tokenizer, rendered by
   deepseek-recipe's V4 encoding (a unit test holds the table equal to ``PRESETS``,
-  ``V4_PRESETS`` and the fake engine's config);
+  ``V4_PRESETS`` and the fake engine's config). Their weights are random, trained on no chat
+  format, so they take the bundled tokenizer's own, whatever shapes they borrow;
 * a checkpoint directory (``config.json`` with ``vocab_size``): its own ``tokenizer.json`` if it
-  has one, else the bundled tokenizer. A tokenizer with the bundled one's vocabulary (same
-  tokens, same added tokens) is rendered by deepseek-recipe's V4 encoding; any other is served
-  with the checkpoint's own chat template (``tokenizer_config.json``'s ``chat_template`` or
-  ``chat_template.jinja``).
+  has one, else the bundled tokenizer. The checkpoint's family decides the chat format: a
+  DeepSeek-V4 checkpoint (``model_type: deepseek_v4``) whose tokenizer has the bundled one's
+  vocabulary (same tokens, same added tokens) is rendered by deepseek-recipe's V4 encoding, the
+  format V4 was trained on; every other checkpoint -- DeepSeek-V2, V3 and R1 among them, which
+  were never trained on V4's -- with its own chat template (``chat_template.jinja``, else
+  ``tokenizer_config.json``'s ``chat_template``, as DeepSeek's releases ship it), and one with
+  no template is refused with what to add.
 * a Hugging Face repo id (``ORG/NAME[@REVISION]``): its snapshot directory in the Hub cache
   (:func:`~libs.engine.hub.resolve_model`), served as the checkpoint directory it is.
 
@@ -36,6 +40,7 @@ from .hub import resolve_model
 DEEPSEEK_V4 = "deepseek-v4"  # deepseek-recipe's DeepseekV4Encoding over the tokenizer
 CHAT_TEMPLATE = "chat-template"  # the checkpoint's jinja chat template, rendered as HF does
 ENCODINGS = (DEEPSEEK_V4, CHAT_TEMPLATE)
+V4_MODEL_TYPE = "deepseek_v4"  # config.json's model_type of the one family V4's encoding is for
 FAKE_MODEL = "fake"  # libs.serving.fake_engine.FAKE_MODEL (that module imports torch)
 
 
@@ -144,7 +149,7 @@ def _token_spelling(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _chat_template(checkpoint: Path) -> tuple[str, dict[str, Any]]:
+def _chat_template(checkpoint: Path, family: Any) -> tuple[str, dict[str, Any]]:
     """The checkpoint's chat template (``chat_template.jinja``, else tokenizer_config.json's
     ``chat_template``: a string, or a list of named templates of which ``default`` is used) and
     its tokenizer config; ValueError when it has none."""
@@ -164,10 +169,16 @@ def _chat_template(checkpoint: Path) -> tuple[str, dict[str, Any]]:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     if not isinstance(template, str) or not template.strip():
+        why = (
+            f"a {family} checkpoint is rendered with its own chat template"
+            if family != V4_MODEL_TYPE
+            else "its tokenizer.json is not the DeepSeek vocabulary that deepseek-recipe's V4 "
+            "encoding renders, so it is rendered with its own chat template"
+        )
         raise ValueError(
-            f"{checkpoint} has its own tokenizer.json (not the DeepSeek vocabulary that "
-            "deepseek-recipe renders) but no chat template: add one as chat_template.jinja or "
-            "as chat_template in tokenizer_config.json"
+            f"{checkpoint}: {why}, but it has no chat template: add the one its model was "
+            "trained with as chat_template.jinja or as chat_template in tokenizer_config.json "
+            "(DeepSeek's releases ship it in tokenizer_config.json)"
         )
     return template, cfg
 
@@ -215,15 +226,18 @@ def served_tokenizer(model: str) -> ServedTokenizer:
     bos = raw.get("bos_token_id")
     bos_id = int(bos) if isinstance(bos, int) else None
     own = checkpoint / "tokenizer.json"
-    if not own.is_file() or same_vocabulary(_read_tokenizer(own), load_tokenizer()):
-        # The DeepSeek vocabulary, its own copy or (with no tokenizer.json) the bundled one;
-        # check_tokenizer_fits says whether the model's vocabulary holds it.
-        path = own if own.is_file() else bundled_tokenizer_path()
+    # The DeepSeek vocabulary is its own copy or (with no tokenizer.json) the bundled one;
+    # check_tokenizer_fits says whether the model's vocabulary holds it.
+    path = own if own.is_file() else bundled_tokenizer_path()
+    family = raw.get("model_type")
+    if family == V4_MODEL_TYPE and (
+        not own.is_file() or same_vocabulary(_read_tokenizer(own), load_tokenizer())
+    ):
         return ServedTokenizer(model, path, DEEPSEEK_V4, int(raw["vocab_size"]), eos_ids, bos_id)
-    template, cfg = _chat_template(checkpoint)
+    template, cfg = _chat_template(checkpoint, family)
     return ServedTokenizer(
         model,
-        own,
+        path,
         CHAT_TEMPLATE,
         int(raw["vocab_size"]),
         eos_ids,

@@ -33,7 +33,7 @@ import json
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import deepseek_recipe as dr
 from tokenizers import Tokenizer
@@ -48,6 +48,7 @@ from libs.engine.tokenizer import (
 
 from .chat_template import ChatTemplateEncoder
 from .limits import chars_per_token_bound, check_fits
+from .tool_markup import OutputProcessor
 
 EOS = "<｜end▁of▁sentence｜>"
 BOS = "<｜begin▁of▁sentence｜>"
@@ -80,6 +81,10 @@ class Encoder(Protocol):
     def parsing_options(self, request: dr.ConversationRequest) -> dr.ParsingOptions:
         """How the StreamProcessor parses the output."""
 
+    def stream_processor(self, generator: Any, request: dr.ConversationRequest) -> OutputProcessor:
+        """The processor one choice's output goes through (``generator``: its protocol's chunk
+        generator)."""
+
     @property
     def full(self) -> Tokenizer:
         """The served tokenizer with its added tokens: decodes Completions output and echoes."""
@@ -99,12 +104,7 @@ def build_encoder(
     """The encoder ``served`` names; ValueError for a setting it cannot honour."""
     if served.encoding == DEEPSEEK_V4:
         return PromptEncoder(served_names, default_thinking, served.path, served.eos_token_ids)
-    if default_thinking:
-        raise ValueError(
-            f"--default-thinking: --model {served.model!r} is served with its checkpoint's chat "
-            "template, which has no thinking mode; leave --default-thinking off"
-        )
-    return ChatTemplateEncoder(served, served_names)
+    return ChatTemplateEncoder(served, served_names, default_thinking)
 
 
 def load_encoder(
@@ -174,6 +174,9 @@ class PromptEncoder:
     def parsing_options(self, request: dr.ConversationRequest) -> dr.ParsingOptions:
         """The library parses the V4 output markup (thinking, tool calls) as the request says."""
         return request.parsing_options
+
+    def stream_processor(self, generator: Any, request: dr.ConversationRequest) -> OutputProcessor:
+        return dr.StreamProcessor(generator, self.parsing_options(request), self.tokenizer)
 
     def _structural_tokens(self) -> frozenset[str]:
         """Special tokens the renderer itself inserts, found by rendering harmless conversations

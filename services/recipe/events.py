@@ -32,6 +32,7 @@ from libs.proto.deepserve.v1 import generate_pb2
 
 from .api import APIError, Protocol
 from .logprobs import chunk_logprobs
+from .tool_markup import OutputProcessor
 
 # (HTTP status, OpenAI error type, OpenAI error code) by kind; the nearest base class decides.
 _STATUS_OF: dict[type[DeepserveError], tuple[int, str, str | None]] = {
@@ -106,7 +107,7 @@ class Job:
     model: str
     tenant: str
     conv: dr.ConversationRequest
-    processor: dr.StreamProcessor
+    processor: OutputProcessor  # deepseek-recipe's StreamProcessor, or a wrapper of it
     response: Any = None  # the protocol's Response accumulator, built at Ready
     prompt_tokens: int = 0
     cached_tokens: int = 0

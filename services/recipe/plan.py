@@ -165,7 +165,6 @@ class Planner:
         encoder = self.encoder
 
         def choices() -> list[Choice]:
-            options = encoder.parsing_options(conv)
             return [
                 Job(
                     proto,
@@ -173,7 +172,7 @@ class Planner:
                     model,
                     tenant,
                     conv,
-                    dr.StreamProcessor(gen, options, encoder.tokenizer),
+                    encoder.stream_processor(gen, conv),
                 )
                 for gen in gens
             ]

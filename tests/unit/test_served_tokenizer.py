@@ -86,10 +86,12 @@ def checkpoint(
     vocab_size: int,
     tokenizer: Tokenizer | None = None,
     template: str | None = TEMPLATE,
+    model_type: str = "deepseek_v3",
 ) -> Path:
-    """A checkpoint directory's text side: config.json, tokenizer.json, tokenizer_config.json."""
+    """A checkpoint directory's text side: config.json, tokenizer.json, tokenizer_config.json
+    (with no tokenizer: the template alone, as chat_template.jinja)."""
     root.mkdir()
-    config = {"model_type": "deepseek_v3", "vocab_size": vocab_size}
+    config = {"model_type": model_type, "vocab_size": vocab_size}
     if tokenizer is not None:
         config.update(bos_token_id=256, eos_token_id=257)
         tokenizer.save(str(root / "tokenizer.json"))
@@ -97,6 +99,8 @@ def checkpoint(
         if template is not None:
             tok_config["chat_template"] = template
         (root / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    elif template is not None:
+        (root / "chat_template.jinja").write_text(template)
     (root / "config.json").write_text(json.dumps(config))
     return root
 
@@ -127,7 +131,7 @@ def test_a_model_smaller_than_its_tokenizer_is_refused_naming_both_sizes(tmp_pat
     """The v2-lite bug: DeepSeek-V2-Lite's 102,400 rows under the bundled 129,280-id tokenizer."""
     ckpt = checkpoint(tmp_path / "v2-lite", 102400)  # no tokenizer.json: the bundled one
     served = served_tokenizer(str(ckpt))
-    assert served.encoding == DEEPSEEK_V4 and model_vocab_size(str(ckpt)) == 102400
+    assert served.path == bundled_tokenizer_path() and model_vocab_size(str(ckpt)) == 102400
     with pytest.raises(ValueError, match=r"102,400 ids.*129,280 ids"):
         check_tokenizer_fits(served)
     small = checkpoint(tmp_path / "small", 200, small_tokenizer())  # 261 ids > 200
@@ -145,10 +149,10 @@ def test_the_recipe_exits_2_at_start_on_a_mismatch(
     assert len(lines) == 1 and "102,400" in lines[0] and "129,280" in lines[0], lines
 
 
-def test_a_checkpoint_with_the_deepseek_vocabulary_keeps_the_recipe_encoding(
+def test_a_v4_checkpoint_with_the_deepseek_vocabulary_keeps_the_recipe_encoding(
     tmp_path: Path,
 ) -> None:
-    ckpt = checkpoint(tmp_path / "v3", 129280)
+    ckpt = checkpoint(tmp_path / "v4", 129280, model_type="deepseek_v4")
     # saved again by tokenizers: other bytes, the same vocabulary and added tokens
     Tokenizer.from_file(str(bundled_tokenizer_path())).save(str(ckpt / "tokenizer.json"))
     served = served_tokenizer(str(ckpt))

@@ -32,7 +32,7 @@ from .sampler import Sampler
 from .scheduler import StepPlan
 
 if TYPE_CHECKING:
-    from .engine import EngineConfig
+    from .engine_config import EngineConfig
     from .ep.group import EPGroup
     from .ep.placement import Placement
     from .ep.runtime import EPRuntime

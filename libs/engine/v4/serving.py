@@ -51,7 +51,7 @@ from .load import V4_PRESETS, load_v4
 from .model import V4ForCausalLM, V4State
 
 if TYPE_CHECKING:
-    from ..engine import EngineConfig
+    from ..engine_config import EngineConfig
     from ..parts import EngineParts
 
 _LEN = struct.Struct("<I")

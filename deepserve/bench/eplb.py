@@ -10,7 +10,7 @@ sampling without replacement; :func:`route_tokens` samples tokens exactly and th
 checks the two agree), so an expert's count in a step is ``Binomial(tokens, pi_e)`` (drawn
 by its normal approximation).
 
-The real :class:`~libs.engine.eplb.Eplb` (tracker and re-placement) runs over the timeline;
+The real :class:`~libs.engine.ep.eplb.Eplb` (tracker and re-placement) runs over the timeline;
 each window of ``window_steps`` steps is measured, with the placement then in force, on load
 it has not seen, against the contiguous placement (``Placement.contiguous``) on the same load:
 
@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
+from libs.engine.ep.eplb import Eplb, EplbConfig, imbalance, max_mean, moved_slots_per_rank
+from libs.engine.ep.eplb import share_matrix as share
 from libs.engine.ep.placement import Placement
-from libs.engine.eplb import Eplb, EplbConfig, imbalance, max_mean, moved_slots_per_rank
-from libs.engine.eplb import share_matrix as share
 
 # DeepSeek-V3 routed expert: gate, up and down projections, 7168 x 2048 each, fp8.
 V3_EXPERT_BYTES = 3 * 7168 * 2048

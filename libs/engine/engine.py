@@ -35,7 +35,7 @@ from libs.common.hashchain import chain_hashes
 from libs.common.sampling import SamplingParams, TokenLogprob
 
 from .engine_config import EngineConfig
-from .eplb import Balance
+from .ep.eplb import Balance
 from .grammar import GrammarBackend, GrammarError
 from .kv.block_manager import BlockManager, NoFreeBlocks
 from .kv.transfer import (

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .eplb import EplbConfig
+from .ep.eplb import EplbConfig
 from .kv.cache import TORCH_DTYPES
 from .speculative import SCHEDULES
 

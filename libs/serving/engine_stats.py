@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from libs.engine.engine import Engine
-from libs.engine.eplb import Balance
+from libs.engine.ep.eplb import Balance
 from libs.engine.speculative import SpecStats
 
 

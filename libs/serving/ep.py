@@ -37,7 +37,7 @@ from libs.common.logs import tag_rank
 
 if TYPE_CHECKING:
     from libs.engine.engine import Engine, EngineConfig
-    from libs.engine.eplb import EplbConfig
+    from libs.engine.ep.eplb import EplbConfig
 
     from .model_flags import ModelFlags
 
@@ -117,7 +117,7 @@ class EPFlags:
             return None
         import dataclasses
 
-        from libs.engine.eplb import EplbConfig  # numpy only
+        from libs.engine.ep.eplb import EplbConfig  # numpy only
 
         base = EplbConfig.named(self.eplb)
         return dataclasses.replace(

@@ -11,10 +11,10 @@ import pytest
 
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig
+from libs.engine.ep.eplb import Eplb, EplbConfig, layers_max_mean
 from libs.engine.ep.group import EPGroup
 from libs.engine.ep.launch import run_group
 from libs.engine.ep.placement import Placement
-from libs.engine.eplb import Eplb, EplbConfig, layers_max_mean
 from libs.engine.llm import LLM
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)

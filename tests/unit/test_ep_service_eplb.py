@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig
+from libs.engine.ep.eplb import Balance, EplbConfig
 from libs.engine.ep.group import EPGroup
-from libs.engine.eplb import Balance, EplbConfig
 from libs.serving.engine_loop import EngineLoop
 from libs.serving.engine_stats import EngineStats
 from libs.serving.ep import EPFlags, rank_engine_config, rank_flags

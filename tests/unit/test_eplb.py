@@ -11,7 +11,7 @@ import pytest
 
 from deepserve import cli
 from deepserve.bench import eplb as bench
-from libs.engine import eplb
+from libs.engine.ep import eplb
 from libs.engine.ep.placement import EMPTY, Placement
 
 E, R = 64, 16  # 4 experts per rank

@@ -18,7 +18,8 @@ POLICY = [
     "libs/common/hashchain.py",
     "libs/engine/scheduler.py",
     "libs/engine/kv/block_manager.py",
-    "libs/engine/eplb.py",
+    "libs/engine/ep/eplb.py",
+    "libs/engine/ep/eplb_plan.py",
     "libs/engine/ep/placement.py",
 ]
 # (asyncio is allowed: admission's Condition is a concurrency primitive, not I/O.)

@@ -3,7 +3,7 @@
 An engine instance of ``N`` ranks keeps the same number of expert *slots* on every rank
 (fixed-size weight buffers, so a re-placement copies weights into existing slots). A slot holds
 one expert or is empty (``EMPTY``); an expert may sit in several slots (redundant replicas of a
-hot expert). Every expert must have at least one slot. EPLB (``libs/engine/eplb.py``) computes
+hot expert). Every expert must have at least one slot. EPLB (``libs/engine/ep/eplb.py``) computes
 placements; the MoE dispatch (``libs/engine/ep/moe.py``) reads :meth:`Placement.replicas`.
 """
 

@@ -11,7 +11,7 @@ The :class:`EPRuntime` it returns gives the engine:
   window);
 * :meth:`EPRuntime.apply_placement`: a live re-placement between steps, moving expert
   weights between ranks with all-to-all; outputs do not change (a replica is a copy);
-* :class:`EplbDriver`: EPLB (:mod:`libs.engine.eplb`) run by the ranks together between
+* :class:`EplbDriver`: EPLB (:mod:`libs.engine.ep.eplb`) run by the ranks together between
   steps: group load counts, re-placement every ``rebalance_every`` steps, the balance gauge.
 
 MTP layers are not wrapped: the engine does not run them (the loader gives them all experts).
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..eplb import Balance, Eplb, EplbConfig, Rebalance
 from ..model.layers import MoE
 from ..model.model import DeepseekForCausalLM
+from .eplb import Balance, Eplb, EplbConfig, Rebalance
 from .group import EPGroup
 from .moe import EPExperts
 from .placement import EMPTY, Placement
@@ -228,7 +228,7 @@ class EplbDriver:
     on the same steps, and each sync costs an all-reduce of layers x experts int64 (V3: 58 x
     256, 119 KB) plus a device-to-host read, which also stalls the CUDA stream the engine
     overlaps with the host. Every rank then holds the same group counts, so every rank's
-    :class:`~libs.engine.eplb.Eplb` (deterministic numpy) computes the same placements and
+    :class:`~libs.engine.ep.eplb.Eplb` (deterministic numpy) computes the same placements and
     :meth:`EPRuntime.apply_placement` pairs up without negotiation.
     """
 

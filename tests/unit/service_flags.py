@@ -23,6 +23,10 @@ SECRET_ENVS = {  # docs/security.md: the secrets and their environment twins
 # environment a deployment file may give a service that is no flag's twin.
 NATS_CREDENTIAL_ENVS = {nats_auth.USER_ENV, nats_auth.PASSWORD_ENV}
 
+# huggingface_hub's own variables (libs/engine/hub.py reads them through it): where the model
+# cache lives and the token of gated repos, given to the services that load the model.
+MODEL_CACHE_ENVS = {"HF_HOME", "HF_TOKEN", "HF_HUB_OFFLINE"}
+
 
 def nats_secret_key(role: str) -> str:
     """The key of ``role``'s NATS password in docker/k8s/secret.yaml."""
@@ -53,6 +57,7 @@ __all__ = [
     "SECRET_ENVS",
     "SERVICE_SECRETS",
     "NATS_CREDENTIAL_ENVS",
+    "MODEL_CACHE_ENVS",
     "nats_secret_key",
     "parser",
     "env_twins",

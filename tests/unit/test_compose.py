@@ -24,6 +24,7 @@ import yaml
 from libs.common import nats_auth
 
 from .service_flags import (
+    MODEL_CACHE_ENVS,
     NATS_CREDENTIAL_ENVS,
     SECRET_ENVS,
     SERVICES,
@@ -41,6 +42,7 @@ ENGINES = {
     "aggregated-gpu": "aggregated",
 }
 BACKENDS = {"nats", "redis", "seaweedfs"}
+MONITORING = {"prometheus", "grafana"}  # their own images, only with --profile monitoring
 # What a deepserve container may carry besides its flags' twins: boto3's S3 credentials.
 NOT_TWINS = {"kvstore": {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}}
 _VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
@@ -65,7 +67,8 @@ def _service_of(name: str) -> str:
 
 
 def _deepserve_services() -> dict[str, dict[str, Any]]:
-    return {n: s for n, s in _compose()["services"].items() if n not in BACKENDS}
+    skip = BACKENDS | MONITORING
+    return {n: s for n, s in _compose()["services"].items() if n not in skip}
 
 
 def _args(svc: dict[str, Any]) -> list[str]:
@@ -93,6 +96,8 @@ def test_every_service_and_backend_is_there() -> None:
     assert BACKENDS <= services.keys()
     for name, svc in services.items():
         assert svc["image"].startswith("${DEEPSERVE_"), name  # the one image, chosen by env
+        if name not in MONITORING:
+            assert svc["image"].split(":-", 1)[1].split(":")[0] == "deepserve", name
         assert svc.get("restart") == "unless-stopped", name
         assert "healthcheck" in svc, name
     volumes = set(_compose()["volumes"])
@@ -118,6 +123,8 @@ def test_commands_flags_and_env_exist_in_the_service(name: str) -> None:
     p.parse_args(args)  # values of the right type too
     # Besides the twins: the NATS login (no flag on purpose: never on a command line).
     twins = env_twins(p) | NOT_TWINS.get(service, set()) | NATS_CREDENTIAL_ENVS
+    if "DEEPSERVE_MODEL" in twins:  # it loads the model: the Hugging Face cache's variables
+        twins |= MODEL_CACHE_ENVS
     for env in _env(svc):
         assert env in twins, f"{name}: {env} is no flag's twin"
     assert "--host" not in args, "the image binds 0.0.0.0 through DEEPSERVE_HOST"
@@ -188,6 +195,7 @@ def test_addresses_name_a_service_and_its_port(name: str) -> None:
 
 def test_gpu_profile_reserves_a_gpu_for_each_engine() -> None:
     services = _deepserve_services()
+    pinned: dict[str, list[str]] = {}
     for name in ENGINES:
         svc = services[name]
         device = flag_value(_args(svc), "--device")
@@ -196,9 +204,12 @@ def test_gpu_profile_reserves_a_gpu_for_each_engine() -> None:
             # The aggregated engine is the other choice for the same GPUs: its own profile.
             assert svc["profiles"] == ["aggregated" if name == "aggregated-gpu" else "gpu"]
             assert device == "cuda"
-            assert reservation["devices"] == [
-                {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
-            ]
+            # Pinned by id, never `count` (which gives every container the same first GPU).
+            ((device),) = reservation["devices"]
+            assert device.keys() == {"driver", "capabilities", "device_ids"}, name
+            assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+            (gpu,) = device["device_ids"]
+            pinned.setdefault(svc["profiles"][0], []).append(_default(gpu))
             assert "CUDA" in svc["image"]
             like = "decode" if name == "aggregated-gpu" else _service_of(name)
             # configured like `like`, logging in to NATS as its own role
@@ -208,6 +219,8 @@ def test_gpu_profile_reserves_a_gpu_for_each_engine() -> None:
             assert mine == theirs, f"{name} configured like {like}"
         else:
             assert "profiles" not in svc and device == "cpu" and not reservation
+    # By default the gpu profile's prefill and decode take GPUs of their own.
+    assert sorted(pinned["gpu"]) == ["0", "1"] and pinned["aggregated"] == ["0"]
 
 
 def test_backends_run_from_the_image_with_persistence() -> None:
@@ -382,6 +395,10 @@ def test_docker_compose_accepts_the_file() -> None:
             "gpu",
             "--profile",
             "s3",
+            "--profile",
+            "aggregated",
+            "--profile",
+            "monitoring",
             "config",
             "-q",
         ],

@@ -20,7 +20,13 @@ import yaml
 
 from libs.common import nats_auth
 
-from .service_flags import NATS_CREDENTIAL_ENVS, SECRET_ENVS, SERVICES, nats_secret_key
+from .service_flags import (
+    MODEL_CACHE_ENVS,
+    NATS_CREDENTIAL_ENVS,
+    SECRET_ENVS,
+    SERVICES,
+    nats_secret_key,
+)
 from .service_flags import env_twins as _env_twins
 from .service_flags import flag_value as _flag_value
 from .service_flags import parser as _parser
@@ -62,6 +68,12 @@ _ENV = {
             "type": "object",
             "properties": {
                 "secretKeyRef": {
+                    "type": "object",
+                    "required": ["name", "key"],
+                    "properties": {"name": _NAME, "key": _STR, "optional": {"type": "boolean"}},
+                    "additionalProperties": False,
+                },
+                "configMapKeyRef": {
                     "type": "object",
                     "required": ["name", "key"],
                     "properties": {"name": _NAME, "key": _STR},
@@ -115,6 +127,7 @@ _TEMPLATE = {
             "required": ["containers"],
             "properties": {
                 "enableServiceLinks": {"type": "boolean"},
+                "securityContext": {"type": "object"},
                 "containers": {"type": "array", "minItems": 1, "items": _CONTAINER},
                 "volumes": {"type": "array", "items": {"type": "object", "required": ["name"]}},
             },
@@ -138,6 +151,16 @@ def _object(api: str, kind: str, spec: dict[str, Any] | None = None) -> dict[str
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "Namespace": _object("v1", "Namespace"),
+    "PersistentVolumeClaim": _object(
+        "v1",
+        "PersistentVolumeClaim",
+        {
+            "type": "object",
+            "required": ["accessModes", "resources"],
+            "properties": {"accessModes": {"type": "array", "minItems": 1}, "resources": {}},
+            "additionalProperties": False,
+        },
+    ),
     "Secret": {
         **_object("v1", "Secret"),
         "required": ["apiVersion", "kind", "metadata", "stringData"],
@@ -214,8 +237,12 @@ KUSTOMIZATION = {
             "type": "array",
             "items": {
                 "type": "object",
-                "required": ["name", "files"],
-                "properties": {"name": _NAME, "files": {"type": "array", "items": _STR}},
+                "required": ["name"],
+                "properties": {
+                    "name": _NAME,
+                    "files": {"type": "array", "items": _STR},
+                    "literals": {"type": "array", "items": _STR},
+                },
                 "additionalProperties": False,
             },
         },
@@ -297,7 +324,13 @@ def _objects() -> list[tuple[str, dict[str, Any]]]:
 
 
 def _deployments() -> dict[str, dict[str, Any]]:
-    return {o["metadata"]["name"]: o for _, o in _objects() if o["kind"] == "Deployment"}
+    """The workload of each service: a Deployment, or a StatefulSet where it keeps data."""
+    return {
+        o["metadata"]["name"]: o
+        for _, o in _objects()
+        if o["kind"] == "Deployment"
+        or (o["kind"] == "StatefulSet" and o["metadata"]["name"] in SERVICES)
+    }
 
 
 def _container(dep: dict[str, Any]) -> dict[str, Any]:
@@ -323,7 +356,7 @@ def test_objects_match_schema() -> None:
         errors = _validate(obj, SCHEMAS[obj["kind"]])
         assert errors == [], f"{name} {obj['metadata']['name']}: {errors}"
     kinds = [o["metadata"]["name"] for _, o in objects if o["kind"] == "StatefulSet"]
-    assert sorted(kinds) == ["nats", "redis"]
+    assert sorted(kinds) == ["kvstore", "nats", "redis"]  # the three that keep data
 
 
 def test_schema_check_catches_mistakes() -> None:
@@ -338,7 +371,9 @@ def test_one_deployment_per_service_running_its_module() -> None:
     assert sorted(deps) == sorted(SERVICES)
     for name, dep in deps.items():
         c = _container(dep)
-        assert c["image"] == "deepserve:cuda"  # scripts/docker/build.sh cuda
+        # scripts/docker/build.sh's tags: the GPU engines on cuda, the rest on cpu
+        gpu = name in ("prefill", "decode", "aggregated")
+        assert c["image"] == ("deepserve:cuda" if gpu else "deepserve:cpu"), name
         assert c["command"] == ["python", "-m", f"services.{name}"]
         # A real package with a __main__ (found, not run: running it would start the service).
         assert importlib.util.find_spec(f"services.{name}.__main__") is not None, name
@@ -357,8 +392,11 @@ def test_flags_and_env_exist_in_the_service(service: str) -> None:
         if arg.startswith("--"):
             assert arg in options, f"{service}: no flag {arg}"
     parser.parse_args(c.get("args", []))  # values of the right type, too
-    # Besides the twins: the NATS login (no flag on purpose: never on a command line).
+    # Besides the twins: the NATS login (no flag on purpose: never on a command line), and
+    # where a service loads the model, the Hugging Face cache's own variables.
     twins = _env_twins(parser) | NATS_CREDENTIAL_ENVS
+    if "DEEPSERVE_MODEL" in twins:
+        twins |= MODEL_CACHE_ENVS
     for env in c.get("env", []):
         assert env["name"] in twins, f"{service}: {env['name']} is no flag's twin"
 
@@ -416,7 +454,9 @@ def test_services_target_container_ports() -> None:
     for name, svc in services.items():
         owners = [
             w
-            for w in (*deps.values(), *sets.values())
+            for w in {
+                (w["kind"], w["metadata"]["name"]): w for w in (*deps.values(), *sets.values())
+            }.values()
             if svc["spec"]["selector"].items()
             <= w["spec"]["template"]["metadata"]["labels"].items()
         ]
@@ -456,7 +496,7 @@ def _nats() -> dict[str, Any]:
 
 
 def test_nats_runs_the_generated_config_from_a_config_map() -> None:
-    (gen,) = _kustomization()["configMapGenerator"]
+    (gen,) = [g for g in _kustomization()["configMapGenerator"] if g["name"] == "nats-config"]
     assert gen["files"] == ["nats.conf"]
     text = (K8S / "nats.conf").read_text()
     assert text == nats_auth.deployment_config(), "regenerate docker/k8s/nats.conf"
@@ -492,7 +532,7 @@ def test_kustomize_builds_and_points_nats_at_the_generated_config_map() -> None:
     )
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
-    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and "nats.conf" in d["data"]]
     assert cm["data"]["nats.conf"] == (K8S / "nats.conf").read_text()
     assert cm["metadata"]["namespace"] == "deepserve"
     (sts,) = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "nats"]

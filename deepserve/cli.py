@@ -159,10 +159,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _generate_ep(args: argparse.Namespace, prompt: str | list[int], params: Any) -> Any:
     """One prompt on an EP group: rank 0 serves it, the others run empty steps beside it."""
-    from libs.engine.ep.generate import generate
-    from libs.engine.ep.launch import RankFailed
     from libs.engine.ep.placement import Placement
     from libs.engine.loader import model_config
+    from libs.serving.ep.generate import generate
+    from libs.serving.ep.launch import RankFailed
 
     if args.ep < 1 or args.ep_redundant < 0:
         raise ValueError("--ep must be >= 1 and --ep-redundant >= 0")

@@ -11,7 +11,7 @@ Commands therefore run *between* steps, never during one, and see a consistent e
 
 With expert parallelism (the engine is one rank of an EP group, ``engine.ep``) the thread
 never waits idle on its own: every iteration is one :meth:`Lockstep.tick
-<libs.engine.ep.lockstep.Lockstep.tick>` that every rank of the group runs together (a step,
+<libs.serving.ep.lockstep.Lockstep.tick>` that every rank of the group runs together (a step,
 empty where this rank has nothing, or an idle poll of a few ms). A tick that raises -- a peer
 died or timed out -- breaks the group for good: every request in flight fails with
 :class:`EngineFailed` (retryable for the entrypoint), the loop refuses further commands and
@@ -60,9 +60,8 @@ from .engine_stats import (
 )
 
 if TYPE_CHECKING:
-    from libs.engine.ep.lockstep import Lockstep
-
     from .engine_metrics import EngineMetrics
+    from .ep.lockstep import Lockstep
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +153,7 @@ class EngineLoop:
         self.name = name
         self._lockstep: Lockstep | None = None
         if engine.ep is not None:
-            from libs.engine.ep.lockstep import Lockstep
+            from .ep.lockstep import Lockstep
 
             self._lockstep = Lockstep(engine, poll_s=poll_s)
         self._on_group_failed = on_group_failed

@@ -179,7 +179,7 @@ def test_a_rank_loads_only_its_experts(tmp_path: Path, layout: str) -> None:
 
 
 def test_lockstep_idles_steps_and_stops_together(group, tiny_loaded) -> None:
-    from libs.engine.ep.lockstep import Lockstep
+    from libs.serving.ep.lockstep import Lockstep
 
     engine = Engine(EngineConfig(**ENGINE), copy.deepcopy(tiny_loaded), ep=group)
     loop = Lockstep(engine, poll_s=0.001)

@@ -13,9 +13,9 @@ from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig
 from libs.engine.ep.eplb import Eplb, EplbConfig, layers_max_mean
 from libs.engine.ep.group import EPGroup
-from libs.engine.ep.launch import run_group
 from libs.engine.ep.placement import Placement
 from libs.engine.llm import LLM
+from libs.serving.ep.launch import run_group
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 ENGINE = dict(model="tiny", block_size=16, num_kv_blocks=48, time_budget_s=None)

@@ -13,11 +13,11 @@ import torch
 from deepserve.cli import main
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig
-from libs.engine.ep.generate import collect_outputs, generate_ranks
 from libs.engine.ep.group import EPGroup
-from libs.engine.ep.launch import RankFailed, run_group
 from libs.engine.ep.placement import EMPTY, Placement
 from libs.engine.llm import LLM
+from libs.serving.ep.generate import collect_outputs, generate_ranks
+from libs.serving.ep.launch import RankFailed, run_group
 
 GREEDY = SamplingParams(max_tokens=5, ignore_eos=True)
 ENGINE = dict(block_size=16, num_kv_blocks=48, time_budget_s=None)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ..engine import Engine
-from ..scheduler import TokenEvent
+from libs.engine.engine import Engine
+from libs.engine.scheduler import TokenEvent
 
 
 @dataclass

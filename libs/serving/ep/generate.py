@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from libs.common.sampling import SamplingParams
+from libs.engine.ep.group import DEFAULT_TIMEOUT_S, EPGroup
+from libs.engine.ep.placement import Placement
+from libs.engine.llm import LLM, GenerationOutput
 
-from ..llm import LLM, GenerationOutput
-from .group import DEFAULT_TIMEOUT_S, EPGroup
 from .launch import rank_device, run_group
-from .placement import Placement
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def run_rank(group: EPGroup, job: EPJob) -> RankResult:
     """One rank: its own Engine over prompts ``rank, rank + N, ...``, stepping in lockstep."""
     import time
 
-    from ..engine import Engine, EngineConfig
+    from libs.engine.engine import Engine, EngineConfig
 
     config = EngineConfig(
         model=job.model, device=rank_device(job.device, group.rank), **job.engine_kwargs

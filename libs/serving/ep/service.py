@@ -8,7 +8,7 @@ same service with the same flags plus ``--ep-rank k``, ``--ep-rendezvous host:po
 smaller when a rank dies. Attention is data-parallel, so each rank is a routing target of its
 own: it heartbeats, takes tasks and receives KV under its own instance id, exactly like an
 instance without EP; only its engine steps in lockstep with its peers
-(:class:`libs.engine.ep.lockstep.Lockstep`, driven by :class:`~.engine_loop.EngineLoop`).
+(:class:`~.lockstep.Lockstep`, driven by :class:`~libs.serving.engine_loop.EngineLoop`).
 
 Timeouts: the rendezvous and the first collective (every rank has loaded its model) wait up to
 ``--ep-start-timeout`` (ranks load at different speeds); from then on every collective waits
@@ -17,7 +17,7 @@ noticed sooner: gloo reports the closed connection on the next collective (~1 ms
 
 EPLB (``--eplb decode|prefill|off``; default: the service's own role when ``--ep`` > 1) moves
 the routed experts between the ranks from the load they saw; each rank exports the live
-balance on its ops port (:mod:`.ep_metrics`).
+balance on its ops port (:mod:`libs.serving.ep_metrics`).
 
 GPUs: with ``--device cuda`` rank k runs on ``cuda:<k>``, or on ``cuda:<gpus[k]>`` with
 ``--ep-gpus`` (``deepserve up`` passes each instance its own); NCCL needs one GPU per rank, so
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from libs.engine.engine import Engine, EngineConfig
     from libs.engine.ep.eplb import EplbConfig
 
-    from .model_flags import ModelFlags
+    from ..model_flags import ModelFlags
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 import torch.multiprocessing as mp
 
-from .group import DEFAULT_TIMEOUT_S, EPGroup
+from libs.engine.ep.group import DEFAULT_TIMEOUT_S, EPGroup
 
 T = TypeVar("T")
 A = TypeVar("A")
@@ -65,7 +65,7 @@ def run_group(
     if n < 1:
         raise ValueError(f"an EP group needs at least one rank, got {n}")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["libs.engine.ep.generate"])
+    ctx.set_forkserver_preload(["libs.serving.ep.generate"])
     results: Any = ctx.Queue()
     port = free_port()
     procs = [

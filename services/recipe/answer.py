@@ -20,6 +20,27 @@ from .api import Protocol as HttpProtocol
 from .choices import merged_chat, merged_usage, reindex_chunk, usage_body, usage_chunk
 from .completions import CompletionJob, completion_body, completion_usage_chunk
 
+# Events of a Responses stream that carry the whole response, usage included.
+_RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+def spec_complete(proto: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with what OpenAI's OpenAPI spec requires and deepseek-recipe 0.2.0 leaves out
+    (in place): a Chat Completions message's ``refusal`` (nullable, never absent), and a
+    Responses usage's ``input_tokens_details.cache_write_tokens``, without which the openai
+    SDK's strict validation refuses the response (0: no cache write is billed, as the Messages
+    usage's ``cache_creation_input_tokens`` says)."""
+    if proto == "chat_completions":
+        for choice in body.get("choices") or ():
+            if isinstance(choice.get("message"), dict):
+                choice["message"].setdefault("refusal", None)
+    elif proto == "responses":
+        response = body.get("response", body)  # a stream event carries it whole
+        details = (response.get("usage") or {}).get("input_tokens_details")
+        if isinstance(details, dict):
+            details.setdefault("cache_write_tokens", 0)
+    return body
+
 
 class Choice(Protocol):
     """What :class:`Answer` uses of a job."""
@@ -63,6 +84,7 @@ class Answer:
         self.created, self.include_usage = created, include_usage
         self._template: dict[str, Any] = {}  # the first chunk (id, created...) of a merged stream
         self._usages: dict[int, dict[str, Any]] = {}  # by choice, from its final chunk
+        self.sent = 0  # SSE events push produced (a Responses stream numbers its events so)
 
     @property
     def completions(self) -> bool:
@@ -112,6 +134,10 @@ class Answer:
         """Feed choice ``index`` one event; the SSE messages it produced."""
         out = []
         for name, data in self.choices[index].push(ev, eos):
+            if name in _RESPONSE_ENDS:
+                data = json.dumps(
+                    spec_complete(self.proto.name, json.loads(data)), ensure_ascii=False
+                )
             if self.merging:
                 data, parsed = reindex_chunk(data, index)
                 if not self._template:
@@ -119,6 +145,7 @@ class Answer:
                 if isinstance(parsed.get("usage"), dict):
                     self._usages[index] = parsed["usage"]
             out.append(self.proto.sse(name, data))
+        self.sent += len(out)
         return out
 
     def usage(self) -> dict[str, Any]:
@@ -144,4 +171,7 @@ class Answer:
             body = completion_body(self.rid, self.created, self.model, jobs, self.usage())
             return json.dumps(body, ensure_ascii=False)
         bodies = [str(c.response.to_json()) for c in self.choices]  # type: ignore[attr-defined]
-        return bodies[0] if len(bodies) == 1 else merged_chat(bodies)
+        text = bodies[0] if len(bodies) == 1 else merged_chat(bodies)
+        if self.proto.name not in ("chat_completions", "responses"):
+            return text
+        return json.dumps(spec_complete(self.proto.name, json.loads(text)), ensure_ascii=False)

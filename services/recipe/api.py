@@ -99,8 +99,10 @@ class Protocol:
         head = f"event: {name}\n" if name else ""
         return (head + "data: " + data + "\n\n").encode()
 
-    def sse_error(self, err: APIError) -> bytes:
-        """The error event that ends a stream that already started."""
+    def sse_error(self, err: APIError, sequence_number: int = 0) -> bytes:
+        """The error event that ends a stream that already started; ``sequence_number``: the
+        number of events sent before it (a Responses event's own number, which OpenAI's
+        ``ResponseErrorEvent`` requires)."""
         if self.name in ("chat_completions", "completions"):
             return self.sse(None, json.dumps(self.error_body(err), ensure_ascii=False))
         if self.anthropic:
@@ -110,6 +112,7 @@ class Protocol:
             "code": err.code or err.type,
             "message": err.message,
             "param": err.param,
+            "sequence_number": sequence_number,
         }
         return self.sse("error", json.dumps(body, ensure_ascii=False))
 

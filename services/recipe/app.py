@@ -50,6 +50,8 @@ def build_app(
     created = int(time.time())
 
     def model_card() -> dict[str, Any]:
+        # OpenAI's Model and Anthropic's ModelInfo at once (both SDKs list models here); the
+        # anthropic SDK's strict validation requires ModelInfo's lifecycle.
         return {
             "id": cfg.model_name,
             "object": "model",
@@ -58,6 +60,7 @@ def build_app(
             "type": "model",
             "display_name": cfg.model_name,
             "created_at": "1970-01-01T00:00:00Z",
+            "lifecycle": "active",
         }
 
     def guarded(request: Request) -> Response | None:

@@ -496,7 +496,7 @@ class Frontend:
             err = exc if isinstance(exc, APIError) else api_error(exc, self.cfg.retry_after_s)
             log.warning("request %s failed mid-stream: %s", answer.rid, exc)
             status = "error"
-            yield proto.sse_error(err)
+            yield proto.sse_error(err, answer.sent)
             ended = True
         finally:
             if not ended:

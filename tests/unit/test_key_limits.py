@@ -25,6 +25,7 @@ from services.recipe.config import build_parser, config_from
 from services.recipe.encoding import PromptEncoder
 from services.recipe.handlers import AppConfig, Metrics
 
+from ..sdk_strict import strict_http
 from .recipe_fakes import MODEL, FakeBackend
 
 
@@ -198,7 +199,7 @@ def test_recipe_counts_n_against_the_keys_concurrency_cap() -> None:
         keys=KeyTable({"k-alpha": "acme"}),
         key_limits=KeyLimitPolicy(KeyLimit(concurrency=4)),
     )
-    http = TestClient(build_app(cfg, encoder, backend, Metrics(CollectorRegistry())))
+    http = strict_http(TestClient(build_app(cfg, encoder, backend, Metrics(CollectorRegistry()))))
     alpha = {"authorization": "Bearer k-alpha"}
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     r = http.post("/v1/chat/completions", json={**body, "n": 16}, headers=alpha)

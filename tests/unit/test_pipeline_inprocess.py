@@ -36,6 +36,8 @@ from services.recipe.app import build_app
 from services.recipe.encoding import PromptEncoder
 from services.recipe.handlers import AppConfig, Metrics
 
+from ..sdk_strict import strict_http
+
 pytestmark = pytest.mark.timeout(120)
 
 BS = 16
@@ -230,7 +232,9 @@ async def test_chat_completion_through_every_service_equals_the_engine(
         "temperature": 0,
     }
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+    async with strict_http(
+        httpx.AsyncClient(transport=transport, base_url="http://testserver")
+    ) as http:
         first = await http.post("/v1/chat/completions", json=body)
         assert first.status_code == 200, first.text
         second = await http.post(
@@ -325,7 +329,9 @@ async def test_sampling_extras_survive_the_prefill_decode_handoff(
         "repetition_penalty": 1.2,
     }
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+    async with strict_http(
+        httpx.AsyncClient(transport=transport, base_url="http://testserver")
+    ) as http:
         resp = await http.post("/v1/chat/completions", json=body)
     assert resp.status_code == 200, resp.text
     call = backend.calls[-1]

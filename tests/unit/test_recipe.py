@@ -29,6 +29,7 @@ from services.recipe.encoding import PromptEncoder
 from services.recipe.handlers import AppConfig, Metrics, tenant_label
 from services.recipe.usage import UsageRecord
 
+from ..sdk_strict import anthropic_client, openai_client, strict_http
 from .recipe_fakes import ANSWER, MODEL, REASONING, TOOL_CALL, FakeBackend
 
 TOOLS = [
@@ -80,12 +81,12 @@ def app(encoder: PromptEncoder, backend: FakeBackend):
 
 @pytest.fixture
 def client(app) -> TestClient:
-    return TestClient(app, raise_server_exceptions=False)
+    return strict_http(TestClient(app, raise_server_exceptions=False))
 
 
 @pytest.fixture
 def oai(app) -> openai.OpenAI:
-    return openai.OpenAI(
+    return openai_client(
         base_url="http://testserver/v1",
         api_key="unused",
         max_retries=0,
@@ -95,8 +96,11 @@ def oai(app) -> openai.OpenAI:
 
 @pytest.fixture
 def claude(app) -> anthropic.Anthropic:
-    return anthropic.Anthropic(
-        base_url="http://testserver", api_key="unused", max_retries=0, http_client=TestClient(app)
+    return anthropic_client(
+        base_url="http://testserver",
+        api_key="unused",
+        max_retries=0,
+        http_client=TestClient(app),
     )
 
 
@@ -134,8 +138,11 @@ def test_chat_thinking_on_and_off(oai: openai.OpenAI, backend: FakeBackend) -> N
 def test_thinking_default_off(backend: FakeBackend) -> None:
     """The service's default (--no-default-thinking): no thinking field, no reasoning."""
     app = make_app(PromptEncoder([MODEL]), backend)
-    sdk = openai.OpenAI(
-        base_url="http://testserver/v1", api_key="x", max_retries=0, http_client=TestClient(app)
+    sdk = openai_client(
+        base_url="http://testserver/v1",
+        api_key="x",
+        max_retries=0,
+        http_client=TestClient(app),
     )
     out = sdk.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0
@@ -500,25 +507,25 @@ def test_auth_keys_and_tenants(encoder: PromptEncoder, backend: FakeBackend) -> 
     assert keys["k-alpha"] == "acme" and keys["k-gamma"].startswith("key-")
     registry = CollectorRegistry()
     app = make_app(encoder, backend, keys, registry)
-    http = TestClient(app)
-    good = openai.OpenAI(
+    http = strict_http(TestClient(app))
+    good = openai_client(
         base_url="http://testserver/v1", api_key="k-alpha", max_retries=0, http_client=http
     )
     good.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
     assert backend.requests[-1].tenant == "acme"
-    bad = openai.OpenAI(
+    bad = openai_client(
         base_url="http://testserver/v1", api_key="wrong", max_retries=0, http_client=http
     )
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
-    claude = anthropic.Anthropic(
+    claude = anthropic_client(
         base_url="http://testserver", api_key="k-beta", max_retries=0, http_client=http
     )
     claude.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "x"}])
     assert backend.requests[-1].tenant == "globex"
-    claude_bad = anthropic.Anthropic(
+    claude_bad = anthropic_client(
         base_url="http://testserver", api_key="nope", max_retries=0, http_client=http
     )
     with pytest.raises(anthropic.AuthenticationError) as e:
@@ -682,7 +689,9 @@ async def test_key_concurrency_cap_is_429_in_each_protocol(
     app = limited_app(encoder, backend, KeyLimit(concurrency=2), sink)
     backend.hang_after = 1  # Ready, then the backend holds the request open
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+    async with strict_http(
+        httpx.AsyncClient(transport=transport, base_url="http://testserver")
+    ) as http:
         alpha = {"authorization": "Bearer k-alpha"}
         held = [
             asyncio.create_task(http.post("/v1/chat/completions", json=chat(), headers=alpha))
@@ -714,7 +723,7 @@ async def test_key_concurrency_cap_is_429_in_each_protocol(
 def test_key_token_rate_is_429_with_the_wait(encoder: PromptEncoder, backend: FakeBackend) -> None:
     clock = Clock()
     app = limited_app(encoder, backend, KeyLimit(0, tokens_per_min=600), Records(), clock)
-    http = TestClient(app)
+    http = strict_http(TestClient(app))
     backend.script = "word " * 600  # the answer runs to max_tokens
     body = {**MESSAGE, "max_tokens": 400}
     r = http.post("/v1/messages", json=body, headers={"x-api-key": "k-alpha"})
@@ -736,7 +745,7 @@ def test_one_usage_record_per_accepted_request(
     encoder: PromptEncoder, backend: FakeBackend
 ) -> None:
     sink = Records()
-    http = TestClient(limited_app(encoder, backend, KeyLimit(), sink))
+    http = strict_http(TestClient(limited_app(encoder, backend, KeyLimit(), sink)))
     alpha = {"authorization": "Bearer k-alpha"}
     r = http.post("/v1/chat/completions", json=chat(), headers=alpha)
     usage = r.json()["usage"]

@@ -25,6 +25,7 @@ from services.recipe.completions import TextDecoder, parse_completion
 from services.recipe.encoding import PromptEncoder, build_encoder
 from services.recipe.handlers import AppConfig, Metrics
 
+from ..sdk_strict import openai_client, strict_http
 from .recipe_fakes import ANSWER, MODEL, FakeBackend
 from .test_recipe import Records, _asgi, limited_app, make_app, sse_events
 
@@ -53,13 +54,19 @@ def backend(encoder: PromptEncoder) -> SeededBackend:
 
 @pytest.fixture
 def client(encoder: PromptEncoder, backend: SeededBackend) -> TestClient:
-    return TestClient(make_app(encoder, backend), raise_server_exceptions=False)
+    return strict_http(TestClient(make_app(encoder, backend), raise_server_exceptions=False))
 
 
 @pytest.fixture
 def oai(client: TestClient) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url="http://testserver/v1", api_key="unused", max_retries=0, http_client=client
+    # The SDK would refuse OpenAI's own streamed Completions (sdk_strict.openai_client says
+    # why); the client's check validates every body and chunk more strictly.
+    return openai_client(
+        sdk_validation=False,
+        base_url="http://testserver/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=client,
     )
 
 
@@ -246,7 +253,7 @@ def test_completion_prompt_longer_than_the_context_is_refused(
     app = build_app(
         AppConfig(model_name=MODEL, max_context=100), encoder, backend, Metrics(CollectorRegistry())
     )
-    client = TestClient(app, raise_server_exceptions=False)
+    client = strict_http(TestClient(app, raise_server_exceptions=False))
     # Surely too long (128 characters per token at most): refused before tokenizing.
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * (128 * 100 + 1)})
     err = r.json()["error"]
@@ -383,7 +390,7 @@ def test_n_choices_reserve_and_record_usage_once(
     encoder: PromptEncoder, backend: SeededBackend
 ) -> None:
     sink = Records()
-    http = TestClient(limited_app(encoder, backend, KeyLimit(), sink))
+    http = strict_http(TestClient(limited_app(encoder, backend, KeyLimit(), sink)))
     alpha = {"authorization": "Bearer k-alpha"}
     r = http.post(
         "/v1/chat/completions",
@@ -420,7 +427,7 @@ def test_completions_with_a_checkpoints_own_tokenizer(tmp_path: Path) -> None:
     assert isinstance(encoder, ChatTemplateEncoder)
     backend = FakeBackend(encoder)  # type: ignore[arg-type]
     app = build_app(AppConfig(model_name=CKPT), encoder, backend, Metrics(CollectorRegistry()))
-    client = TestClient(app, raise_server_exceptions=False)
+    client = strict_http(TestClient(app, raise_server_exceptions=False))
     r = client.post(
         "/v1/completions", json={"model": CKPT, "prompt": "Hi ü", "max_tokens": 64, "echo": True}
     )

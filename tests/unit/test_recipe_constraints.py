@@ -27,6 +27,7 @@ from services.recipe.constraints import output_constraint, tool_call_grammar
 from services.recipe.encoding import PromptEncoder, build_encoder
 from services.recipe.handlers import AppConfig, Metrics
 
+from ..sdk_strict import anthropic_client, openai_client, strict_http
 from .recipe_fakes import MODEL, FakeBackend
 from .test_recipe import make_app
 
@@ -68,19 +69,19 @@ def backend(encoder: PromptEncoder) -> FakeBackend:
 
 @pytest.fixture
 def client(encoder: PromptEncoder, backend: FakeBackend) -> TestClient:
-    return TestClient(make_app(encoder, backend), raise_server_exceptions=False)
+    return strict_http(TestClient(make_app(encoder, backend), raise_server_exceptions=False))
 
 
 @pytest.fixture
 def oai(client: TestClient) -> openai.OpenAI:
-    return openai.OpenAI(
+    return openai_client(
         base_url="http://testserver/v1", api_key="unused", max_retries=0, http_client=client
     )
 
 
 @pytest.fixture
 def claude(client: TestClient) -> anthropic.Anthropic:
-    return anthropic.Anthropic(
+    return anthropic_client(
         base_url="http://testserver", api_key="unused", max_retries=0, http_client=client
     )
 
@@ -288,7 +289,7 @@ def test_checkpoints_own_template_is_constrained_too(tmp_path: Path) -> None:
     backend = FakeBackend(encoder)  # type: ignore[arg-type]
     backend.script = '{"a":1,"b":"x"}'
     app = build_app(AppConfig(model_name=CKPT), encoder, backend, Metrics(CollectorRegistry()))
-    client = TestClient(app, raise_server_exceptions=False)
+    client = strict_http(TestClient(app, raise_server_exceptions=False))
     fmt = {"type": "json_schema", "json_schema": {"name": "ab", "schema": SCHEMA}}
     body = {"model": CKPT, "messages": USER, "response_format": fmt}
     r = client.post("/v1/chat/completions", json=body)
@@ -585,8 +586,8 @@ def test_random_model_makes_a_valid_required_call(
     tokens), so strings are capped at 16 characters here; the served grammar leaves them free."""
     monkeypatch.setattr(constraints, "TEXT_LIMIT", 16)
     backend = EngineBackend(encoder, engine)
-    client = TestClient(make_app(encoder, backend), raise_server_exceptions=False)
-    oai = openai.OpenAI(
+    client = strict_http(TestClient(make_app(encoder, backend), raise_server_exceptions=False))
+    oai = openai_client(
         base_url="http://testserver/v1", api_key="unused", max_retries=0, http_client=client
     )
     required = {"get_weather": {"city", "unit"}, "get_time": {"tz", "dst"}}

@@ -19,6 +19,7 @@ from libs.common.sampling import SamplingParams
 from services.recipe import fields
 from services.recipe.encoding import PromptEncoder
 
+from ..sdk_strict import strict_http
 from .recipe_fakes import MODEL, FakeBackend
 from .test_recipe import make_app
 
@@ -52,7 +53,7 @@ def backend(encoder: PromptEncoder) -> FakeBackend:
 
 @pytest.fixture
 def client(encoder: PromptEncoder, backend: FakeBackend) -> TestClient:
-    return TestClient(make_app(encoder, backend), raise_server_exceptions=False)
+    return strict_http(TestClient(make_app(encoder, backend), raise_server_exceptions=False))
 
 
 def sdk_fields(protocol: str) -> set[str]:

@@ -17,6 +17,7 @@ from services.recipe.app import build_app
 from services.recipe.encoding import PromptEncoder
 from services.recipe.handlers import AppConfig, Metrics
 
+from ..sdk_strict import strict_http
 from .recipe_fakes import MODEL, FakeBackend
 
 ROUTES = [
@@ -155,7 +156,7 @@ def test_malformed_requests_never_5xx(encoder: PromptEncoder, keys: dict[str, st
         backend,
         Metrics(CollectorRegistry()),
     )
-    client = TestClient(app, raise_server_exceptions=True)
+    client = strict_http(TestClient(app, raise_server_exceptions=True))
 
     @settings(
         max_examples=120,

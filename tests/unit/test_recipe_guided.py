@@ -9,7 +9,6 @@ import json
 import re
 from typing import Any
 
-import openai
 import pytest
 from starlette.testclient import TestClient
 
@@ -17,6 +16,7 @@ from libs.common.sampling import Constraint, SamplingParams
 from services.recipe.encoding import PromptEncoder
 from services.recipe.guided import choice_regex
 
+from ..sdk_strict import openai_client, strict_http
 from .recipe_fakes import MODEL, FakeBackend
 from .test_recipe import make_app
 
@@ -49,7 +49,7 @@ def backend(encoder: PromptEncoder) -> FakeBackend:
 
 @pytest.fixture
 def client(encoder: PromptEncoder, backend: FakeBackend) -> TestClient:
-    return TestClient(make_app(encoder, backend), raise_server_exceptions=False)
+    return strict_http(TestClient(make_app(encoder, backend), raise_server_exceptions=False))
 
 
 def sent(backend: FakeBackend) -> Constraint | None:
@@ -102,7 +102,7 @@ def test_no_guided_field_no_constraint(
 
 
 def test_openai_sdk_extra_body(client: TestClient, backend: FakeBackend) -> None:
-    oai = openai.OpenAI(
+    oai = openai_client(
         base_url="http://testserver/v1", api_key="unused", max_retries=0, http_client=client
     )
     oai.chat.completions.create(

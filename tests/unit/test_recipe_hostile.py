@@ -36,6 +36,7 @@ from services.recipe.encoding import PromptEncoder
 from services.recipe.handlers import AppConfig, Metrics, tenant_label
 from services.recipe.server import build_server, run_server, stop_server
 
+from ..sdk_strict import strict_http
 from .recipe_fakes import MODEL, FakeBackend
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,7 +90,7 @@ def test_bound_never_refuses_a_prompt_that_fits(encoder: PromptEncoder) -> None:
     # Runs of spaces are the vocabulary's densest text (128 per token): such a prompt that fits
     # exactly must not be refused by the character bound.
     backend = FakeBackend(encoder)
-    client = TestClient(app_of(encoder, backend, max_context=200))
+    client = strict_http(TestClient(app_of(encoder, backend, max_context=200)))
     r = client.post("/v1/chat/completions", json=chat("x" + " " * 127 * 100 + "x"))
     assert r.status_code == 200, r.text
     assert len(backend.requests[-1].prompt_token_ids) < 200
@@ -107,7 +108,9 @@ def test_prompt_that_cannot_fit_is_refused_before_tokenizing(
 
     monkeypatch.setattr(PromptEncoder, "encode_rendered", spy)
     backend = FakeBackend(encoder)
-    client = TestClient(app_of(encoder, backend, max_context=1000), raise_server_exceptions=False)
+    client = strict_http(
+        TestClient(app_of(encoder, backend, max_context=1000), raise_server_exceptions=False)
+    )
     long = "word " * 30_000  # 150,000 characters: at least 1,172 tokens
     for path, body, shape in (
         ("/v1/chat/completions", chat(long), "openai"),
@@ -154,8 +157,8 @@ class SlowEncoder:
 async def test_healthz_answers_while_a_request_is_encoded(encoder: PromptEncoder) -> None:
     slow = SlowEncoder(encoder)
     app = app_of(slow, FakeBackend(encoder))
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://t"
+    async with strict_http(
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
     ) as http:
         big = asyncio.create_task(http.post("/v1/chat/completions", json=chat()))
         while not slow.started.is_set():  # the request is inside the encoder now
@@ -172,8 +175,8 @@ async def test_healthz_answers_while_a_request_is_encoded(encoder: PromptEncoder
 async def test_full_encode_pool_is_429_in_the_protocols_shape(encoder: PromptEncoder) -> None:
     slow = SlowEncoder(encoder)
     app = app_of(slow, FakeBackend(encoder), encode_threads=1, encode_queue_bytes=1)
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://t"
+    async with strict_http(
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
     ) as http:
         first = asyncio.create_task(http.post("/v1/chat/completions", json=chat()))
         while not slow.started.is_set():
@@ -191,7 +194,9 @@ async def test_full_encode_pool_is_429_in_the_protocols_shape(encoder: PromptEnc
 # -- 3. deep JSON is a 400 -------------------------------------------------------------------------
 @pytest.mark.parametrize("depth", [900, 50_000])
 def test_deeply_nested_json_is_400_not_500(encoder: PromptEncoder, depth: int) -> None:
-    client = TestClient(app_of(encoder, FakeBackend(encoder)), raise_server_exceptions=False)
+    client = strict_http(
+        TestClient(app_of(encoder, FakeBackend(encoder)), raise_server_exceptions=False)
+    )
     bare = "[" * depth + "]" * depth
     inside = json.dumps(chat()).replace('"hi"', bare)
     for path in ("/v1/chat/completions", "/v1/responses", "/v1/messages"):
@@ -304,8 +309,8 @@ async def test_frozen_entrypoint_is_504(
     flag = "--event-timeout" if ready_first else "--first-event-timeout"
     try:
         app = app_of(encoder, backend)
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        async with strict_http(
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
         ) as http:
             t0 = time.monotonic()
             r = await http.post("/v1/chat/completions", json=chat())

@@ -16,6 +16,7 @@ from libs.proto.deepserve.v1 import common_pb2, generate_pb2
 from services.recipe.encoding import PromptEncoder
 from services.recipe.logprobs import FLOOR, clamp, token_text
 
+from ..sdk_strict import openai_client, strict_http
 from .recipe_fakes import ANSWER, MODEL, REASONING, TOOL_CALL, FakeBackend, FakeCall
 from .test_recipe import make_app, sse_events
 
@@ -78,12 +79,12 @@ def backend(encoder: PromptEncoder) -> LogprobBackend:
 
 @pytest.fixture
 def client(encoder: PromptEncoder, backend: LogprobBackend) -> TestClient:
-    return TestClient(make_app(encoder, backend), raise_server_exceptions=False)
+    return strict_http(TestClient(make_app(encoder, backend), raise_server_exceptions=False))
 
 
 @pytest.fixture
 def oai(client: TestClient) -> openai.OpenAI:
-    return openai.OpenAI(
+    return openai_client(
         base_url="http://testserver/v1", api_key="unused", max_retries=0, http_client=client
     )
 

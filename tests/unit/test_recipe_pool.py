@@ -15,6 +15,7 @@ from libs.common.errors import Overloaded
 from services.recipe.encoding import PromptEncoder
 from services.recipe.pool import EncodePool, host_cores
 
+from ..sdk_strict import strict_http
 from .recipe_fakes import MODEL, FakeBackend
 from .test_recipe_hostile import app_of
 
@@ -67,8 +68,8 @@ async def burst(encoder: PromptEncoder, **cfg: Any) -> list[int]:
     """BURST simultaneous ~200 KB requests while conversion is held; their status codes."""
     gated = GatedEncoder(encoder)
     app = app_of(gated, FakeBackend(encoder), encode_threads=2, **cfg)
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60
+    async with strict_http(
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60)
     ) as http:
         body = {
             "model": MODEL,

@@ -9,13 +9,13 @@ import json
 from typing import Any
 
 import jsonschema
-import openai
 import pytest
 from starlette.testclient import TestClient
 
 from libs.common.sampling import SamplingParams
 from services.recipe.encoding import PromptEncoder
 
+from ..sdk_strict import openai_client, strict_http
 from .recipe_fakes import MODEL, FakeBackend
 from .test_recipe import make_app
 from .test_recipe_constraints import (  # noqa: F401 (engine, grammars: fixtures)
@@ -69,7 +69,7 @@ def backend(encoder: PromptEncoder) -> FakeBackend:
 
 @pytest.fixture
 def client(encoder: PromptEncoder, backend: FakeBackend) -> TestClient:
-    return TestClient(make_app(encoder, backend), raise_server_exceptions=False)
+    return strict_http(TestClient(make_app(encoder, backend), raise_server_exceptions=False))
 
 
 def test_strict_schema_keeps_its_keywords(client: TestClient, backend: FakeBackend) -> None:
@@ -147,8 +147,8 @@ def test_pattern_with_a_length_in_a_tool_string_is_a_400(client: TestClient) -> 
 
 def test_random_model_follows_every_bound(encoder: PromptEncoder, engine: Any) -> None:  # noqa: F811
     backend = EngineBackend(encoder, engine)
-    client = TestClient(make_app(encoder, backend), raise_server_exceptions=False)
-    oai = openai.OpenAI(
+    client = strict_http(TestClient(make_app(encoder, backend), raise_server_exceptions=False))
+    oai = openai_client(
         base_url="http://testserver/v1", api_key="unused", max_retries=0, http_client=client
     )
     for seed in range(2):

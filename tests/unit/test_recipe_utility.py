@@ -14,6 +14,7 @@ from starlette.testclient import TestClient
 
 from services.recipe.encoding import PromptEncoder
 
+from ..sdk_strict import strict_http
 from .recipe_fakes import MODEL, FakeBackend
 from .test_recipe import make_app
 
@@ -40,7 +41,7 @@ def backend(encoder: PromptEncoder) -> FakeBackend:
 
 @pytest.fixture
 def client(encoder: PromptEncoder, backend: FakeBackend) -> TestClient:
-    return TestClient(make_app(encoder, backend), raise_server_exceptions=False)
+    return strict_http(TestClient(make_app(encoder, backend), raise_server_exceptions=False))
 
 
 # -- /tokenize, /detokenize, /version, /health ----------------------------------------------------
@@ -145,7 +146,7 @@ def test_health(client: TestClient, backend: FakeBackend) -> None:
 
 def test_utility_routes_need_the_key(encoder: PromptEncoder, backend: FakeBackend) -> None:
     registry = CollectorRegistry()
-    http = TestClient(make_app(encoder, backend, {"k-1": "acme"}, registry))
+    http = strict_http(TestClient(make_app(encoder, backend, {"k-1": "acme"}, registry)))
     calls = [
         ("GET", "/health", None),
         ("GET", "/version", None),

@@ -33,6 +33,7 @@ from services.recipe.encoding import PromptEncoder, build_encoder
 from services.recipe.handlers import AppConfig, Metrics
 from services.recipe.main import main as recipe_main
 
+from ..sdk_strict import strict_http
 from .recipe_fakes import ANSWER, FakeBackend
 
 REPO = Path(__file__).resolve().parents[2]
@@ -257,7 +258,7 @@ def test_the_api_answers_through_the_chat_template(template_encoder: ChatTemplat
     app = build_app(
         AppConfig(model_name=MODEL), template_encoder, backend, Metrics(CollectorRegistry())
     )
-    client = TestClient(app, raise_server_exceptions=False)
+    client = strict_http(TestClient(app, raise_server_exceptions=False))
     r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": CONVERSATION})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == ANSWER  # EOS </s> not in the text

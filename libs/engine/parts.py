@@ -243,6 +243,9 @@ def build_parts(
         except Exception:  # the analytic model still prices them: log, do not fail the engine
             log.exception(
                 "engine: timing the decode graphs failed; verification priced analytically"
+        # Steps with prompt chunks replay the decode graphs up to 512 tokens (fewer when a
+        # step may not hold that many).
+        mixed_graph_rows=min(512, config.max_tokens_per_step),
             )
             measured = None
         if measured:

@@ -36,11 +36,11 @@ def test_the_ladder_holds_every_row_count_up_to_its_maximum() -> None:
 
 
 def served(
-    loaded, k: int, graphs: bool, reqs=REQS, **kw: object
+    loaded, k: int, graphs: bool, reqs=REQS, mixed_rows: int = 0, **kw: object
 ) -> tuple[dict[str, list[int]], dict]:
     eng = make(loaded, k, **{**KERNELS, **kw})
     if graphs:
-        eng.runner.emulate_graphs()
+        eng.runner.emulate_graphs(mixed_rows)
     out = run(eng, reqs)
     replays = {
         name: sum(g.steps for g in gs.graphs.values()) for name, gs in eng.runner.graph_sets.items()
@@ -66,6 +66,21 @@ def test_decode_graphs_give_the_eager_steps_tokens_with_overlap(tiny_mtp) -> Non
     assert runner.replay("extra", 2, x=torch.zeros(2, 8)) is None
     with pytest.raises(RuntimeError, match="capture failed"):
         runner.add_graphs("required", broken, 4, rows=False, x_in=(8, torch.float32))
+
+
+def test_steps_with_prompt_chunks_replay_the_decode_graphs_row_by_row(tiny_mtp) -> None:
+    """Two prompts (27 tokens), then each later request's prompt beside the other's decode,
+    run through the decode graphs with each prompt token a row at its own position; every
+    token is the eager engine's, so each row read exactly its own context."""
+    late = {**REQS, "d": (prompt(9, 4), SamplingParams(max_tokens=4, ignore_eos=True))}
+    want, _ = served(tiny_mtp, 0, graphs=False, reqs=late, overlap=True, max_running=2)
+    got, info = served(
+        tiny_mtp, 0, graphs=True, reqs=late, overlap=True, max_running=2, mixed_rows=32
+    )
+    assert got == want
+    graphs = info["runner"].graph_sets["decode"].graphs
+    assert graphs[32].steps >= 1  # the first step: 27 prompt rows
+    assert sum(g.steps for b, g in graphs.items() if b > 2) >= 3  # and each later arrival
 
 
 def test_mtp_passes_through_graphs_draft_what_the_eager_passes_draft(tiny_mtp) -> None:

@@ -51,9 +51,10 @@ from libs.engine.grammar import GrammarError
 from libs.engine.scheduler import TokenEvent
 
 from .engine_stats import (
-    RATE_MIN_TOKENS,
+    RATE_STEPS,
     RESIDENT_REFRESH_S,
     BusyMeter,
+    ComputeRate,
     EngineStats,
     WaitingWork,
     engine_stats,
@@ -169,6 +170,7 @@ class EngineLoop:
         self._streams: dict[str, RequestStream] = {}  # asyncio thread only
         self._steps = 0
         self._rate = 0.0
+        self._rates = ComputeRate(RATE_STEPS)
         self._resident_at = 0.0  # monotonic time the resident summary was last built
         if metrics is not None:
             metrics.attach(lambda: self.stats)
@@ -419,9 +421,8 @@ class EngineLoop:
             self.metrics.on_step(
                 e.finished_steps, e.last_step_seconds, e.last_finished_seqs, e.last_finished_tokens
             )
-        if e.last_finished_tokens >= RATE_MIN_TOKENS and e.last_step_seconds > 0:
-            rate = e.last_finished_tokens / e.last_step_seconds
-            self._rate = rate if not self._rate else 0.8 * self._rate + 0.2 * rate
+        self._rates.observe(e.last_finished_tokens, e.last_step_seconds)
+        self._rate = self._rates.tokens_per_s()
 
     def _fail_all(self, exc: Exception) -> None:
         sched = self.engine.scheduler

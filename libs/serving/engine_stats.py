@@ -4,9 +4,9 @@ snapshot the engine thread takes after each iteration, and the measures it is ma
 ``queued_tokens`` is what the engine will compute for its waiting requests -- a request's
 leading blocks already resident in this engine's prefix cache are not counted
 (:class:`WaitingWork` looks them up once per request, not per snapshot); ``tokens_per_s`` is
-the measured compute rate; ``busy_fraction`` the share of the last :data:`BUSY_WINDOW_S`
-seconds the engine spent stepping (:class:`BusyMeter`). Everything here runs on the engine
-thread except reading a finished snapshot.
+the measured marginal compute rate (:class:`ComputeRate`); ``busy_fraction`` the share of the
+last :data:`BUSY_WINDOW_S` seconds the engine spent stepping (:class:`BusyMeter`). Everything
+here runs on the engine thread except reading a finished snapshot.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ class EngineStats:
     # First RESIDENT_DIGEST_BYTES of chain digests resident in GPU memory, most recent first
     # (running requests' blocks, then recently released cached ones); at most RESIDENT_SUMMARY.
     resident_prefixes: tuple[bytes, ...] = ()
-    # Tokens per second of recent steps that computed >= RATE_MIN_TOKENS (moving average;
-    # 0 until one ran): what a prompt costs to compute here.
+    # What one more prompt token costs here, as tokens per second: the inverse slope of step
+    # time over step tokens of the recent steps (ComputeRate; 0 until a step of
+    # >= RATE_MIN_TOKENS ran).
     tokens_per_s: float = 0.0
     # With EP and EPLB: the experts' balance over the ranks (Engine.ep_balance; the engine
     # recomputes it once per count sync, every 25 steps by default). None: no EPLB here.
@@ -68,6 +69,8 @@ class EngineStats:
 
 
 RATE_MIN_TOKENS = 256
+RATE_STEPS = 64  # steps behind the measured rate
+RATE_MAX_OVER_AVERAGE = 20.0  # the marginal rate is held within this many times the average
 RESIDENT_SUMMARY = 8192  # digests per heartbeat: 64 KiB, i.e. 1M prompt tokens of prefixes
 RESIDENT_REFRESH_S = 0.5  # the summary is rebuilt at most this often (heartbeats: every 1 s)
 RESIDENT_DIGEST_BYTES = 8
@@ -105,6 +108,42 @@ class WaitingWork:
             total += len(r.token_ids) - resident
         self._resident = seen  # those that left the queue are forgotten
         return total
+
+
+class ComputeRate:
+    """What one more token costs this engine: the slope of step time over step tokens.
+
+    A step's time is a fixed part (launches, host work, the weights read once) plus a part
+    that grows with its tokens; queued prompt tokens add only the second, since the engine
+    steps anyway for the requests it runs. With the last :data:`RATE_STEPS` steps spread
+    over token counts (the largest at least twice the smallest and :data:`RATE_MIN_TOKENS`
+    above it), the rate is the inverse least-squares slope, kept between the plain average
+    (tokens / seconds of the steps of >= ``RATE_MIN_TOKENS`` tokens) and
+    :data:`RATE_MAX_OVER_AVERAGE` times it; without that spread, the average itself (0 until
+    such a step ran). Engine thread only."""
+
+    def __init__(self, steps: int = 64) -> None:
+        self._steps: deque[tuple[int, float]] = deque(maxlen=steps)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self._steps.append((tokens, seconds))
+
+    def tokens_per_s(self) -> float:
+        big = [(n, s) for n, s in self._steps if n >= RATE_MIN_TOKENS]
+        if not big:
+            return 0.0
+        average = sum(n for n, _ in big) / sum(s for _, s in big)
+        ns = [n for n, _ in self._steps]
+        if len(ns) < 8 or max(ns) < 2 * min(ns) or max(ns) - min(ns) < RATE_MIN_TOKENS:
+            return average
+        mean_n = sum(ns) / len(ns)
+        mean_s = sum(s for _, s in self._steps) / len(ns)
+        var = sum((n - mean_n) ** 2 for n in ns)
+        cov = sum((n - mean_n) * (s - mean_s) for n, s in self._steps)
+        if cov <= 0:  # time does not grow with tokens here: noise; the average holds
+            return average
+        return min(max(var / cov, average), RATE_MAX_OVER_AVERAGE * average)
 
 
 class BusyMeter:

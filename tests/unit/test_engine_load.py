@@ -14,7 +14,7 @@ from libs.engine.engine import EngineConfig
 from libs.proto.deepserve.v1 import control_pb2
 from libs.serving.engine_loop import EngineLoop
 from libs.serving.engine_metrics import PREFILL, EngineMetrics
-from libs.serving.engine_stats import BusyMeter, WaitingWork, engine_stats
+from libs.serving.engine_stats import BusyMeter, ComputeRate, WaitingWork, engine_stats
 from libs.serving.fake_engine import FAKE_MODEL, build_fake_engine
 from libs.serving.instance import instance_status
 
@@ -93,6 +93,33 @@ def test_busy_meter_windows_wall_time() -> None:
     meter.end(count=False)  # an idle EP poll, not a step
     now[0] += 5.0
     assert meter.fraction() == 0.0
+
+
+def test_the_compute_rate_is_what_one_more_token_costs() -> None:
+    """An aggregated engine's steps: 40 ms of host work each (an eager forward), plus 1 s per
+    60K tokens. Small steps average ~10K tokens/s; a queued prompt costs at 60K/s."""
+    rate = ComputeRate()
+    assert rate.tokens_per_s() == 0.0  # nothing measured
+    for n in (300, 500, 1200, 260, 3000, 700, 900, 2000, 400, 8192):
+        rate.observe(n, 0.040 + n / 60_000)
+    assert abs(rate.tokens_per_s() - 60_000) < 1.0
+    steps = [(300, 0.045), (500, 0.048), (1200, 0.06), (260, 0.044), (3000, 0.09)]
+    # Time that does not grow with tokens (noise): the plain average, never an absurd slope.
+    flat = ComputeRate()
+    for n, _ in steps * 2:
+        flat.observe(n, 0.05)
+    assert abs(flat.tokens_per_s() - sum(n for n, _ in steps) / 0.25) < 1e-6
+    # Steps of one size (no spread to fit a slope over): the average of the big ones.
+    same = ComputeRate()
+    for n, s in steps[:1] * 10:
+        same.observe(n, s)
+    assert abs(same.tokens_per_s() - 300 / 0.045) < 1e-6
+    # A slope that would claim more than 20x the average is held there.
+    steep = ComputeRate()
+    for n in (256, 4096) * 5:
+        steep.observe(n, 1.0 + n * 1e-9)
+    average = 5 * (256 + 4096) / (10.0 + 5 * (256 + 4096) * 1e-9)
+    assert abs(steep.tokens_per_s() - 20 * average) < 1e-6
 
 
 async def test_busy_fraction_of_an_engine_that_sleeps_through_its_steps() -> None:

@@ -610,7 +610,9 @@ class Stack:
             env[nats_auth.PASSWORD_ENV] = self.nats_passwords[role]
         if c.service in ENGINE_SERVICES:
             env.update(self._mps_env)  # the engines reach this stack's MPS daemon, if any
-        if c.service == "kvstore":
+        if c.service in ("kvstore", "recipe", "entrypoint"):
+            # kvstore: its metadata; recipe and entrypoint: per-key caps shared by every
+            # replica and the entrypoint's usage ledger.
             env["REDIS_URL"] = self.redis_url
         env.setdefault("PYTHONUNBUFFERED", "1")
         env["PYTHONPATH"] = os.pathsep.join(

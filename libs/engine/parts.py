@@ -233,6 +233,9 @@ def build_parts(
         # Speculative decoding verifies up to 1 + K rows per request through the same graphs.
         max_graph_batch=config.max_running * (1 + config.speculative_tokens),
         batch_invariant=config.batch_invariant,
+        # Steps with prompt chunks replay the decode graphs up to 512 tokens (fewer when a
+        # step may not hold that many).
+        mixed_graph_rows=min(512, config.max_tokens_per_step),
     )
     runner.capture_all()
     if config.speculative_tokens:
@@ -243,9 +246,6 @@ def build_parts(
         except Exception:  # the analytic model still prices them: log, do not fail the engine
             log.exception(
                 "engine: timing the decode graphs failed; verification priced analytically"
-        # Steps with prompt chunks replay the decode graphs up to 512 tokens (fewer when a
-        # step may not hold that many).
-        mixed_graph_rows=min(512, config.max_tokens_per_step),
             )
             measured = None
         if measured:

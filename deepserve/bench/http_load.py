@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import statistics
 import time
@@ -187,11 +188,15 @@ async def play(
     timeout: float,
     results: list[Result],
     progress: Any,
+    deadline: float = math.inf,
 ) -> None:
     """A session's turns in order: a 429 is sent again after its Retry-After; any other failed
-    turn ends the session (its context is lost)."""
+    turn ends the session (its context is lost); no turn starts after ``deadline``
+    (perf_counter)."""
     previous_prompt = 0
     for turn in range(shape.turns):
+        if time.perf_counter() >= deadline:
+            return
         for attempt in range(RETRIES_429 + 1):
             res, answer = await one_request(client, model, session, turn, shape.max_tokens, timeout)
             # Every earlier turn's prompt is a prefix of this one: its full blocks may be reused.
@@ -220,7 +225,10 @@ async def drive(
     timeout: float,
     api_key: str,
     seed: int,
+    duration: float = 0.0,
 ) -> tuple[list[Result], float]:
+    """Play the sessions; with ``duration`` > 0 no turn starts after that many seconds (those
+    in flight finish and count; the elapsed time includes them)."""
     import openai
     from tqdm import tqdm
 
@@ -228,13 +236,18 @@ async def drive(
     results: list[Result] = []
     progress = tqdm(total=len(sessions) * shape.turns, unit="req", desc="bench serve")
     t0 = time.perf_counter()
+    end = t0 + duration if duration > 0 else math.inf
     try:
         if rate > 0:
             rng = random.Random(seed)
             tasks = []
             for s in sessions:
+                if time.perf_counter() >= end:
+                    break
                 tasks.append(
-                    asyncio.create_task(play(client, model, s, shape, timeout, results, progress))
+                    asyncio.create_task(
+                        play(client, model, s, shape, timeout, results, progress, end)
+                    )
                 )
                 await asyncio.sleep(rng.expovariate(rate))
             await asyncio.gather(*tasks)
@@ -242,8 +255,8 @@ async def drive(
             queue = list(reversed(sessions))
 
             async def worker() -> None:
-                while queue:
-                    await play(client, model, queue.pop(), shape, timeout, results, progress)
+                while queue and time.perf_counter() < end:
+                    await play(client, model, queue.pop(), shape, timeout, results, progress, end)
 
             await asyncio.gather(*(worker() for _ in range(concurrency)))
     finally:
@@ -403,6 +416,7 @@ def run(args: argparse.Namespace) -> int:
             timeout=args.request_timeout,
             api_key=args.api_key,
             seed=args.seed,
+            duration=args.duration,
         )
         return results, seconds, (await view.stop() if view is not None else None)
 
@@ -417,6 +431,7 @@ def run(args: argparse.Namespace) -> int:
         "trace": args.trace,
         "trace_shape": asdict(shape),
         "sessions": args.sessions,
+        "duration_s": args.duration,
         "concurrency": args.concurrency,
         "rate": args.rate,
         **summary,
@@ -461,6 +476,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="--url: open loop, sessions started per second (Poisson)",
     )
     p.add_argument("--request-timeout", type=float, default=300.0, help="--url: seconds")
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=0.0,
+        help="--url: start no turn after this many seconds (0: play every session out); "
+        "the turns in flight then finish and count",
+    )
     p.add_argument("--api-key", default="", help="--url: bearer key, if the API needs one")
     p.add_argument(
         "--price",

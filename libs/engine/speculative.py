@@ -47,9 +47,10 @@ speed-up can be measured without trained weights.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
@@ -61,8 +62,9 @@ from libs.common.sampling import SamplingParams, TokenLogprob
 from .cost_model import StepShape
 from .model.attention import AttentionMetadata
 from .model.model import DeepseekForCausalLM, MTPLayer
+from .rows import sampling_inputs
 from .sampler import TokenHistory, apply_penalties, drawn_logits, mask_stops, position_seed
-from .scheduler import Request, ScheduledSeq, Scheduler, Status, StepPlan
+from .scheduler import Request, ScheduledSeq, Scheduler, Status, StepPlan, TokenEvent
 
 if TYPE_CHECKING:
     from .grammar import GrammarBackend
@@ -715,6 +717,67 @@ class SpecDecoder:
         return StepPlan(tuple(seqs), plan.preempted, shape)
 
     # -- 2. verify --------------------------------------------------------------------------------
+    def verify(
+        self,
+        plan: StepPlan,
+        requests: Mapping[str, Request],
+        grammar: GrammarBackend | None = None,
+    ) -> SpecStep:
+        """:meth:`run` for the engine: the plain rows sampled by the runner's sampler with the
+        engine's rules (penalties, min_tokens, masks, logprobs), the verified rows by
+        :meth:`run`'s, each with its request's params, outputs so far and history."""
+        plain_lps: dict[str, list[TokenLogprob]] = {}
+
+        def sample_plain(logits: torch.Tensor, seqs: list[ScheduledSeq]) -> list[int]:
+            params, num_generated, histories = sampling_inputs(requests, seqs)
+            runner = self.runner
+            history = runner._history(seqs, histories, None) if histories else None
+            masks = None
+            if grammar is not None and any(grammar.has(s.request_id) for s in seqs):
+                masks = grammar.masks([s.request_id for s in seqs])
+            sampler = runner.sampler
+            sampler.last_logprobs = None
+            out = sampler.sample_device(
+                logits,
+                params,
+                [s.sample_position for s in seqs],
+                num_generated,
+                history,
+                masks=masks,
+            )
+            rows = sampler.last_logprobs
+            if rows is not None:
+                unpacked = rows.unpack(rows.values.tolist(), rows.ids.tolist())
+                plain_lps.update({seqs[r].request_id: [lp] for r, lp in zip(rows.rows, unpacked)})
+            tokens: list[int] = out.tolist()
+            return tokens
+
+        params = {s.request_id: requests[s.request_id].params for s in plan.seqs}
+        # The verified seqs' min_tokens counts and penalty histories, by the sampler's rules.
+        verify = [s for s in plan.seqs if s.num_drafts]
+        _, outputs, penalized = sampling_inputs(requests, verify)
+        generated = (
+            {}
+            if outputs is None
+            else dict(zip([s.request_id for s in verify], outputs, strict=True))
+        )
+        histories = {verify[r].request_id: (toks, n) for r, toks, n in penalized or []}
+        step = self.run(plan, params, sample_plain, generated, histories, grammar)
+        step.logprobs.update(plain_lps)
+        return step
+
+    def with_counts(self, events: list[TokenEvent]) -> list[TokenEvent]:
+        """``events`` with each finished request's speculative counts (drafted, verified,
+        accepted) joined, and its drafts and counters dropped here."""
+        for i, ev in enumerate(events):
+            if ev.finished:
+                counts = self.forget(ev.request_id)
+                if counts is not None:
+                    events[i] = dataclasses.replace(
+                        ev, speculative=(counts.drafted, counts.verified, counts.accepted)
+                    )
+        return events
+
     def run(
         self,
         plan: StepPlan,

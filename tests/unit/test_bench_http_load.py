@@ -80,3 +80,31 @@ def test_bad_flags_are_refused_with_a_message(capsys: pytest.CaptureFixture[str]
     args = parser.parse_args(["--url", "http://127.0.0.1:9/v1", "--price", "1,2"])
     assert http_load.run(args) == 2
     assert "--price takes three" in capsys.readouterr().out
+
+
+def test_no_turn_starts_after_the_duration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--duration``: sessions stop at the deadline (a turn in flight finishes and counts)
+    instead of the whole trace running past the caller's time limit."""
+    import asyncio
+    import time
+
+    calls: list[float] = []
+
+    async def fake_request(client, model, session, turn, max_tokens, timeout):  # noqa: ANN001
+        calls.append(time.perf_counter())
+        await asyncio.sleep(0.05)
+        res = _result(turn, 100, 0, 2, 0)
+        return res, "ok"
+
+    class Bar:
+        def update(self, n: int) -> None: ...
+
+    monkeypatch.setattr(http_load, "one_request", fake_request)
+    shape = http_load.TRACES["chat"]
+    sessions = http_load.make_sessions(shape, 2, seed=1)
+    results: list[Result] = []
+    deadline = time.perf_counter() + 0.08  # room for two turns of 0.05 s, not three
+    asyncio.run(http_load.play(None, "m", sessions[0], shape, 1.0, results, Bar(), deadline))
+    assert len(results) == 2 and shape.turns > 2
+    asyncio.run(http_load.play(None, "m", sessions[1], shape, 1.0, results, Bar(), 0.0))
+    assert len(results) == 2  # past its deadline: no turn at all

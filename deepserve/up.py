@@ -41,217 +41,81 @@ N rank processes that its own process starts and supervises (``libs/serving/ep_s
 each rank heartbeats as ``<instance>-r<k>`` (the stack waits for every rank's heartbeat), and
 the supervisor restarts the group with the ranks left when one dies. On CUDA every rank gets
 a GPU of its own (``--ep-gpus``, dealt by :func:`place_engines` in units of N GPUs).
+
+Stack holds the order and the state; the parts live beside it: ``children.py`` (a service
+process: health, restart backoff, stop), ``backends.py`` (nats-server, redis-server, MPS),
+``service_plan.py`` (each service's argv and environment), ``up_report.py`` (stack.json and
+the printed summary), ``up_command.py`` (``deepserve up`` itself: :func:`run_up`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import secrets
-import shutil
-import signal
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Self
+from subprocess import Popen
+from typing import Self
 
 from deepserve import procs
+from deepserve.backends import Backends, Mps, await_heartbeats
+from deepserve.children import (
+    HOST,
+    Child,
+    RestartPolicy,
+    StackError,
+    await_healthy,
+    healthz,
+    log_tail,
+    port_is_free,
+    stop_children,
+    supervise_child,
+)
 from deepserve.placement import (
     choose_mode,
-    parse_gpus,
     place_aggregated,
     place_engines,
-    shared_gpus,
     visible_gpus,
 )
+from deepserve.service_plan import (
+    ENGINE_SERVICES,
+    REPO_ROOT,
+    SERVICE_SECRETS,
+    ServicePlan,
+    default_model_name,
+    engine_args,
+    launch,
+    merge_args,
+    service_env,
+    vllm_args,
+)
+from deepserve.up_command import run_up
+from deepserve.up_report import chosen, write_state
 from libs.common import nats_auth
 from libs.common.grpc_auth import call_metadata
-from libs.common.redact import redact, redact_text
 from libs.engine.tokenizer import model_vocab_size
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-HOST = "127.0.0.1"
-
-
-class StackError(RuntimeError):
-    """The stack could not start: a service exited, or was not ready in time."""
-
-
-# Which service needs which secret (docs/security.md): the entrypoint keys the tenants' cache
-# salts; prefill and decode sign and check KV frames; the internal APIs need the service token.
-ENGINE_SERVICES = ("prefill", "decode", "aggregated")  # the services that run an engine
-SERVICE_SECRETS = {
-    "entrypoint": ("DEEPSERVE_CACHE_SALT_SECRET", "DEEPSERVE_SERVICE_TOKEN"),
-    "prefill": ("DEEPSERVE_KV_MAC_KEY", "DEEPSERVE_SERVICE_TOKEN"),
-    "decode": ("DEEPSERVE_KV_MAC_KEY", "DEEPSERVE_SERVICE_TOKEN"),
-    "aggregated": ("DEEPSERVE_KV_MAC_KEY", "DEEPSERVE_SERVICE_TOKEN"),
-    "kvstore": ("DEEPSERVE_SERVICE_TOKEN",),
-    "recipe": ("DEEPSERVE_SERVICE_TOKEN",),
-}
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """When :meth:`Stack.supervise` restarts a service that exited.
-
-    The n-th restart in a row waits ``first_delay * 2**(n-1)`` seconds, at most ``max_delay``;
-    a service that stays up ``reset_after`` seconds starts again from ``first_delay``. A
-    service that exits ``max_start_failures`` times in a row before its /healthz answered
-    (or is not healthy ``start_timeout`` seconds after a restart) stops the stack.
-    """
-
-    first_delay: float = 1.0
-    max_delay: float = 30.0
-    reset_after: float = 60.0
-    max_start_failures: int = 5
-    start_timeout: float = 300.0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.first_delay <= self.max_delay:
-            raise ValueError(
-                f"restart delays need 0 < first_delay <= max_delay, got "
-                f"{self.first_delay:g} / {self.max_delay:g}"
-            )
-        if self.max_start_failures < 1:
-            raise ValueError(f"max_start_failures must be >= 1, got {self.max_start_failures}")
-
-    def delay(self, failures_in_a_row: int) -> float:
-        """Seconds before the restart after the ``failures_in_a_row``-th exit (1, 2, ...)."""
-        return min(self.max_delay, self.first_delay * 2.0 ** max(0, failures_in_a_row - 1))
-
-
-@dataclass
-class Child:
-    """One service process: how it was started, where it logs, where its health is."""
-
-    name: str  # log name: "kvstore", "prefill-0", ...
-    service: str  # python -m services.<service>
-    argv: list[str]
-    health_port: int
-    log_path: Path
-    instance_id: str = ""
-    grpc_port: int = 0
-    ops_port: int = 0  # --http-port: /healthz and /metrics (the recipe's health is on its API)
-    ep: int = 1  # expert-parallel ranks (processes started by this one); 1: none
-    proc: subprocess.Popen[bytes] | None = None
-    restarts: int = 0  # times the supervisor started it again
-    last_exit_code: int | None = None  # of its latest exit while the stack was up
-    healthy: bool = False  # /healthz answered 200 since the latest (re)start
-    started_at: float = 0.0  # time.monotonic() of the latest (re)start
-    exits_in_a_row: int = 0  # exits without staying up reset_after seconds (sets the backoff)
-    start_failures: int = 0  # exits in a row before /healthz ever answered
-    restart_at: float | None = None  # a restart is due at this time.monotonic()
-    _log: IO[bytes] | None = field(default=None, repr=False)
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    @property
-    def rank_ids(self) -> list[str]:
-        """The routing identities it heartbeats under: its instance id, or one per EP rank
-        (those of the group it started first; after a rank died, see its /healthz)."""
-        if self.ep == 1:
-            return [self.instance_id]
-        return [f"{self.instance_id}-r{k}" for k in range(self.ep)]
-
-    @property
-    def ports(self) -> list[int]:
-        """Every port it listens on (the supervisor chose them; a restart reuses them)."""
-        return sorted({p for p in (self.health_port, self.ops_port, self.grpc_port) if p})
-
-    def status(self) -> str:
-        """``running`` (healthy), ``starting``, ``restarting`` (waiting out the backoff) or
-        ``exited``."""
-        if self.restart_at is not None:
-            return "restarting"
-        if not self.running():
-            return "exited"
-        return "running" if self.healthy else "starting"
-
-
-def log_tail(path: Path, lines: int = 40) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
-
-
-def port_is_free(port: int, host: str = HOST) -> bool:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def healthz(port: int, timeout: float = 1.0) -> tuple[bool, str]:
-    """(ready, detail) from ``GET /healthz`` on ``port``."""
-    try:
-        with urllib.request.urlopen(f"http://{HOST}:{port}/healthz", timeout=timeout) as resp:
-            return resp.status == 200, resp.read(200).decode(errors="replace")
-    except urllib.error.HTTPError as exc:
-        return False, f"HTTP {exc.code}: {exc.read(200).decode(errors='replace')}"
-    except (OSError, ValueError) as exc:
-        return False, str(exc)
-
-
-async def _await_heartbeats(
-    nats_url: str,
-    instance_ids: set[str],
-    timeout: float,
-    kv_blocks: dict[str, tuple[int, int]] | None = None,
-) -> set[str]:
-    """Instance ids not heard on ``ds.heartbeat.>`` within ``timeout`` (empty: all heard);
-    ``kv_blocks`` gets each one's (KV blocks, block size) as its heartbeat says."""
-    import nats
-
-    from libs.common import subjects
-    from libs.proto.deepserve.v1 import control_pb2
-
-    missing = set(instance_ids)
-    done = asyncio.Event()
-
-    async def on_msg(msg: Any) -> None:
-        status = control_pb2.InstanceStatus.FromString(msg.data)
-        missing.discard(status.instance_id)
-        if kv_blocks is not None and status.instance_id in instance_ids:
-            kv_blocks[status.instance_id] = (status.total_kv_blocks, status.block_size)
-        if not missing:
-            done.set()
-
-    nc = await nats.connect(nats_url, connect_timeout=5, max_reconnect_attempts=0)
-    try:
-        await nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_msg)
-        try:
-            await asyncio.wait_for(done.wait(), timeout)
-        except TimeoutError:
-            pass
-    finally:
-        await nc.close()
-    return missing
-
-
-def default_model_name(model: str) -> str:
-    """The served name for ``--model``: ``deepseek-<preset>`` (or ``deepseek-fake``), else the
-    checkpoint directory's name."""
-    stripped = model.rstrip("/")
-    return Path(stripped).name if "/" in stripped else f"deepseek-{stripped}"
+__all__ = [  # what tests and tools import from here (the names live in the modules above)
+    "ENGINE_SERVICES",
+    "HOST",
+    "REPO_ROOT",
+    "SERVICE_SECRETS",
+    "Child",
+    "RestartPolicy",
+    "Stack",
+    "StackError",
+    "chosen",
+    "default_model_name",
+    "engine_args",
+    "healthz",
+    "log_tail",
+    "merge_args",
+    "port_is_free",
+    "run_up",
+    "vllm_args",
+]
 
 
 class Stack:
@@ -316,8 +180,6 @@ class Stack:
                 fraction=gpu_memory_fraction,
                 ep={name: self.ep_of(name, service) for service, name in names},
             )
-        self.mps = ""  # what became of MPS for engines sharing a GPU ("": not asked)
-        self._mps_env: dict[str, str] = {}
         self.kv_blocks: dict[str, tuple[int, int]] = {}  # instance -> (KV blocks, block size)
         self.vocab_size = model_vocab_size(model)  # ValueError for a model nobody can load
         self.run_dir = Path(run_dir).resolve()
@@ -342,19 +204,15 @@ class Stack:
             name: self.env.get(name) or secrets.token_hex(32)
             for name in {n for names in SERVICE_SECRETS.values() for n in names}
         }
+        self.plan = ServicePlan(self.run_dir, self.stack_id, drain_seconds, self.extra_args)
         self.children: list[Child] = []
-        self.nats_proc: subprocess.Popen[bytes] | None = None
-        self.redis_proc: subprocess.Popen[bytes] | None = None
-        self.nats_url = ""  # with the admin user's credentials when the stack started NATS
-        self.redis_url = ""
-        self.nats_address = ""  # nats://host:port, no credentials (what services dial)
         # this stack's NATS passwords, a fresh one per role (and admin); never written but
         # to the owner-only nats.conf
         self.nats_passwords = {
             role: secrets.token_hex(24) for role in (*nats_auth.ROLES, nats_auth.ADMIN)
         }
-        self.backend_restarts = {"nats": 0, "redis": 0}
-        self._nats_port = self._redis_port = 0  # of the servers the stack started
+        self.backends = Backends(self.run_dir, self.env, self.nats_passwords)
+        self._mps = Mps(self.run_dir, self.env)  # for engines sharing a GPU
         self.grpc_address = ""
         self.kvstore_address = ""
         self.api_base = ""  # http://host:port
@@ -374,11 +232,56 @@ class Stack:
         return f"{self.api_base}/v1"
 
     @property
+    def nats_url(self) -> str:
+        """With the admin user's credentials when the stack started NATS."""
+        return self.backends.nats_url
+
+    @property
+    def nats_address(self) -> str:
+        """nats://host:port, no credentials (what services dial)."""
+        return self.backends.nats_address
+
+    @property
+    def redis_url(self) -> str:
+        return self.backends.redis_url
+
+    @property
+    def nats_proc(self) -> Popen[bytes] | None:
+        return self.backends.nats_proc
+
+    @nats_proc.setter
+    def nats_proc(self, proc: Popen[bytes] | None) -> None:  # tests restart it by hand
+        self.backends.nats_proc = proc
+
+    @property
+    def redis_proc(self) -> Popen[bytes] | None:
+        return self.backends.redis_proc
+
+    @property
+    def backend_restarts(self) -> dict[str, int]:
+        """Times nats-server / redis-server were started again by :meth:`supervise`."""
+        return self.backends.restarts
+
+    @property
+    def mps(self) -> str:
+        """What became of MPS for engines sharing a GPU ("": not asked)."""
+        return self._mps.status
+
+    def nats_url_of(self, user: str) -> str:
+        """The URL of this stack's nats-server logged in as ``user`` (a role or admin)."""
+        return self.backends.nats_url_of(user)
+
+    @property
     def instance_ids(self) -> dict[str, list[str]]:
         ids: dict[str, list[str]] = {}
         for c in self.children:
             ids.setdefault(c.service, []).append(c.instance_id)
         return ids
+
+    def ep_of(self, name: str, service: str) -> int:
+        if isinstance(self.ep, int):
+            return self.ep
+        return self.ep.get(name, self.ep.get(service, 1))
 
     def exited(self) -> list[Child]:
         """Services that have exited (while the stack should be up, that is a failure)."""
@@ -401,54 +304,29 @@ class Stack:
 
     def _start(self) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self._start_backends()
+        self.backends.start()
         kv_port = procs.free_port()
-        self._write_state()
+        write_state(self)
         # kvstore and balancer need only NATS/Redis; the balancer must listen to heartbeats
         # before any engine starts, and the engines must be routable before the entrypoint.
-        kvstore = self._plan(
+        kvstore = self.plan.child(
             "kvstore",
             "kvstore",
             grpc_port=kv_port,
             args=["--data-dir", str(self.run_dir / "kvstore")],
         )
-        balancer = self._plan("balancer", "balancer")
-        stages = [[kvstore, balancer]]
-        kv_addr = self.kvstore_address = f"{HOST}:{kv_port}"
-        model_args = ["--model", self.model, "--model-name", self.model_name]
-        placed = {p.name: p.flags() for p in self.placements}  # --device [--gpu-memory-...]
-        if self.mode == "aggregated":
-            engines = [
-                self._plan_engine(p.name, "aggregated", procs.free_port(), [*model_args, *f])
-                for p, f in ((p, placed[p.name]) for p in self.placements)
-            ]
-        else:
-            engines = [
-                self._plan_engine(
-                    f"prefill-{i}", "prefill", 0, [*model_args, *placed[f"prefill-{i}"]]
-                )
-                for i in range(self.prefill)
-            ]
-            engines += [
-                self._plan_engine(
-                    f"decode-{i}",
-                    "decode",
-                    procs.free_port(),
-                    [*model_args, *placed[f"decode-{i}"]],
-                )
-                for i in range(self.decode)
-            ]
-            self._start_mps()
-        stages.append(engines)
+        balancer = self.plan.child("balancer", "balancer")
+        self.kvstore_address = f"{HOST}:{kv_port}"
+        stages = [[kvstore, balancer], self._plan_engines()]
         ep_port = procs.free_port()
         self.grpc_address = f"{HOST}:{ep_port}"
-        entrypoint = self._plan(
+        entrypoint = self.plan.child(
             "entrypoint",
             "entrypoint",
             grpc_port=ep_port,
             args=[
                 "--kvstore-address",
-                kv_addr,
+                self.kvstore_address,
                 "--model-name",
                 self.model_name,
                 "--vocab-size",
@@ -458,215 +336,64 @@ class Stack:
         stages.append([entrypoint])
         recipe_port = self.recipe_port or procs.free_port()
         self.api_base = f"http://{HOST}:{recipe_port}"
-        stages.append([self._plan_recipe(recipe_port, kvstore, balancer, entrypoint)])
+        recipe = self.plan.recipe(
+            recipe_port,
+            entrypoint_address=self.grpc_address,
+            model=self.model,
+            model_name=self.model_name,
+            ops_of={"kvstore": kvstore, "balancer": balancer, "entrypoint": entrypoint},
+        )
+        stages.append([recipe])
         for stage in stages:
             for c in stage:
-                self._spawn(c)
-            self._write_state()
+                self.children.append(c)
+                self._launch(c)
+            write_state(self)
             self._await_ready(stage)
-        self._write_state()
+        write_state(self)
 
-    def _start_backends(self) -> None:
-        self.nats_url = self.nats_address = self.env.get("NATS_URL", "")
-        if not self.nats_url:
-            self._nats_port = procs.free_port()
-            self._write_nats_config()
-            self._start_nats()
-            self.nats_address = f"nats://{HOST}:{self._nats_port}"
-            self.nats_url = self.nats_url_of(nats_auth.ADMIN)
-        self.redis_url = self.env.get("REDIS_URL", "")
-        if not self.redis_url:
-            # A new stack starts with empty data (this run's KV MAC key would refuse an
-            # earlier run's blocks anyway); a restart within the run keeps redis's
-            # append-only file, and so the kvstore's block files.
-            shutil.rmtree(self.run_dir / "kvstore", ignore_errors=True)
-            shutil.rmtree(self.run_dir / "redis", ignore_errors=True)
-            self._redis_port = procs.free_port()
-            self._start_redis()
-            self.redis_url = f"redis://{HOST}:{self._redis_port}/0"
+    def _plan_engines(self) -> list[Child]:
+        """One aggregated engine per placement, or the prefill then the decode instances
+        (disaggregated: with the MPS daemon started where they share a GPU)."""
+        model_args = ["--model", self.model, "--model-name", self.model_name]
+        placed = {p.name: p.flags() for p in self.placements}  # --device [--gpu-memory-...]
 
-    def nats_url_of(self, user: str) -> str:
-        """The URL of this stack's nats-server logged in as ``user`` (a role or admin)."""
-        return f"nats://{user}:{self.nats_passwords[user]}@{HOST}:{self._nats_port}"
+        def engine(name: str, service: str, grpc_port: int) -> Child:
+            return self.plan.engine(
+                name,
+                service,
+                grpc_port,
+                [*model_args, *placed[name]],
+                kvstore_address=self.kvstore_address,
+                ep=self.ep_of(name, service),
+                ep_timeout=self.ep_timeout,
+            )
 
-    def _write_nats_config(self) -> None:
-        """``<run_dir>/nats.conf`` (0600): a user per role, each limited to its subjects."""
-        text = nats_auth.server_config(
-            {r: self.nats_passwords[r] for r in nats_auth.ROLES},
-            admin_password=self.nats_passwords[nats_auth.ADMIN],
-        )
-        path = self.run_dir / "nats.conf"
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        tmp.replace(path)
-
-    def _start_nats(self) -> None:
-        self.nats_proc = procs.start_nats(
-            self._nats_port,
-            self.run_dir / "nats",
-            self.run_dir / "logs" / "nats.log",
-            config=self.run_dir / "nats.conf",
-        )
-
-    def _start_redis(self) -> None:
-        self.redis_proc = procs.start_redis(
-            self._redis_port,
-            self.run_dir / "redis",
-            self.run_dir / "logs" / "redis.log",
-            persist=True,
-        )
-
-    def _plan(
-        self, name: str, service: str, *, grpc_port: int = 0, args: Sequence[str] = ()
-    ) -> Child:
-        ops_port = procs.free_port()
-        instance_id = f"{name}-{self.stack_id}"
-        argv = [
-            "--http-port",
-            str(ops_port),
-            "--instance-id",
-            instance_id,
-            "--drain-seconds",
-            str(self.drain_seconds),
-        ]
-        if grpc_port:
-            argv += ["--grpc-port", str(grpc_port)]
-        argv += [*args, *self.extra_args.get(service, [])]
-        return Child(
-            name,
-            service,
-            argv,
-            ops_port,
-            self.run_dir / "logs" / f"{name}.log",
-            instance_id=instance_id,
-            grpc_port=grpc_port,
-            ops_port=ops_port,
-        )
-
-    def ep_of(self, name: str, service: str) -> int:
-        if isinstance(self.ep, int):
-            return self.ep
-        return self.ep.get(name, self.ep.get(service, 1))
-
-    def _plan_engine(self, name: str, service: str, grpc_port: int, args: list[str]) -> Child:
-        """A prefill/decode instance; with EP its process supervises the rank processes (each
-        rank picks its own gRPC port: what the stack passes is then unused)."""
-        ep = self.ep_of(name, service)
-        ep_args = ["--ep", str(ep)] if ep > 1 else []
-        if ep > 1 and self.ep_timeout is not None:
-            ep_args += ["--ep-timeout", repr(self.ep_timeout)]
-        c = self._plan(
-            name,
-            service,
-            grpc_port=grpc_port,
-            args=["--kvstore-address", self.kvstore_address, *args, *ep_args],
-        )
-        c.ep = ep
-        return c
-
-    def _plan_recipe(self, port: int, kvstore: Child, balancer: Child, entrypoint: Child) -> Child:
-        # The recipe's health is on its main HTTP port; its ops port's /status page reads the
-        # other services' ops ports.
-        c = self._plan(
-            "recipe",
-            "recipe",
-            args=[
-                "--port",
-                str(port),
-                "--entrypoint-address",
-                self.grpc_address,
-                "--model-name",
-                self.model_name,
-                "--model",
-                self.model,
-                "--kvstore-ops-address",
-                f"{HOST}:{kvstore.ops_port}",
-                "--balancer-ops-address",
-                f"{HOST}:{balancer.ops_port}",
-                "--entrypoint-ops-address",
-                f"{HOST}:{entrypoint.ops_port}",
-            ],
-        )
-        c.health_port = port
-        return c
-
-    def _spawn(self, c: Child) -> None:
-        self.children.append(c)
-        self._launch(c)
+        if self.mode == "aggregated":
+            return [engine(p.name, "aggregated", procs.free_port()) for p in self.placements]
+        engines = [engine(f"prefill-{i}", "prefill", 0) for i in range(self.prefill)]
+        engines += [engine(f"decode-{i}", "decode", procs.free_port()) for i in range(self.decode)]
+        self._mps.start(self.placements)
+        return engines
 
     def _launch(self, c: Child) -> None:
         """Start (or restart) ``c``'s process with its argv and this stack's environment."""
-        env = dict(self.env)
-        for name in SERVICE_SECRETS.get(c.service, ()):  # each secret only where it is used
-            env.setdefault(name, self.secrets[name])
-        # URLs that may carry credentials travel in the environment, not on the command line
-        # (which every user of the host can read).
-        env["NATS_URL"] = self.nats_address
-        if self.nats_proc is not None:  # ours: the service logs in as its role, only that
-            role = c.service if c.service in nats_auth.PERMISSIONS else "tools"
-            env[nats_auth.USER_ENV] = role
-            env[nats_auth.PASSWORD_ENV] = self.nats_passwords[role]
-        if c.service in ENGINE_SERVICES:
-            env.update(self._mps_env)  # the engines reach this stack's MPS daemon, if any
-        if c.service in ("kvstore", "recipe", "entrypoint"):
-            # kvstore: its metadata; recipe and entrypoint: per-key caps shared by every
-            # replica and the entrypoint's usage ledger.
-            env["REDIS_URL"] = self.redis_url
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
+        env = service_env(
+            c.service,
+            self.env,
+            self.secrets,
+            nats=self.backends.login_env(c.service),
+            redis_url=self.redis_url,
+            mps=self._mps.env,
         )
-        # Open for the child's whole life; stop() (or the next restart) closes it.
-        if c._log is not None:
-            c._log.close()
-        c._log = open(c.log_path, "ab")  # noqa: SIM115
-        cmd = [sys.executable, "-m", f"services.{c.service}", *c.argv]
-        shown = redact_text(" ".join(cmd))  # --nats-url/--redis-url may carry a password
-        c._log.write(f"# {time.strftime('%F %T')} {shown}\n".encode())
-        c._log.flush()
-        c.healthy, c.started_at = False, time.monotonic()
-        c.proc = subprocess.Popen(
-            cmd,
-            stdout=c._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=REPO_ROOT,
-            env=env,
-            start_new_session=True,
-        )
+        launch(c, env)
 
     def _await_ready(self, stage: list[Child]) -> None:
-        deadline = time.monotonic() + self.ready_timeout
-        pending = {c.name: c for c in stage}
-        detail: dict[str, str] = {}
-        while pending:
-            for name, c in list(pending.items()):
-                assert c.proc is not None
-                if c.proc.poll() is not None:
-                    raise StackError(
-                        f"{name} exited with code {c.proc.returncode} while starting; "
-                        f"last lines of {c.log_path}:\n{log_tail(c.log_path)}"
-                    )
-                ok, detail[name] = healthz(c.health_port)
-                if ok:
-                    c.healthy = True
-                    del pending[name]
-            if not pending:
-                break
-            if time.monotonic() > deadline:
-                c = next(iter(pending.values()))
-                raise StackError(
-                    f"{', '.join(pending)} not ready after {self.ready_timeout:.0f}s "
-                    f"(/healthz: {detail[c.name]}); last lines of {c.log_path}:\n"
-                    f"{log_tail(c.log_path)}"
-                )
-            time.sleep(0.2)
+        deadline = await_healthy(stage, self.ready_timeout)
         engines = {i for c in stage if c.service in ENGINE_SERVICES for i in c.rank_ids}
         if engines:
             missing = asyncio.run(
-                _await_heartbeats(
+                await_heartbeats(
                     self.nats_url, engines, max(5.0, deadline - time.monotonic()), self.kv_blocks
                 )
             )
@@ -687,196 +414,13 @@ class Stack:
         policy = self.restart_policy
         if policy is None or self._stopped:
             return []
-        events = self._supervise_backends()
-        events += [e for c in self.children if (e := self._supervise_child(c, policy))]
+        events = self.backends.supervise()
         if events:
-            self._write_state()
-        return events
-
-    def _supervise_backends(self) -> list[str]:
-        """Start nats-server / redis-server again (same port, config and data) if it exited."""
-        events = []
-        for name, proc, start in (
-            ("nats", self.nats_proc, self._start_nats),
-            ("redis", self.redis_proc, self._start_redis),
-        ):
-            if proc is None or proc.poll() is None:
-                continue
-            code, log = proc.returncode, self.run_dir / "logs" / f"{name}.log"
-            port = self._nats_port if name == "nats" else self._redis_port
-            deadline = time.monotonic() + 10.0
-            while not port_is_free(port) and time.monotonic() < deadline:
-                time.sleep(0.2)  # what it left behind lets the port go
-            try:
-                start()
-            except (RuntimeError, OSError) as exc:
-                raise StackError(
-                    f"{name}-server exited with code {code} and did not start again ({exc}); "
-                    f"last lines of {log}:\n{log_tail(log)}"
-                ) from exc
-            self.backend_restarts[name] += 1
-            new = self.nats_proc if name == "nats" else self.redis_proc
-            assert new is not None
-            events.append(
-                f"{name}-server exited with code {code}; restarted with its data "
-                f"(restart {self.backend_restarts[name]}, pid {new.pid}; log {log})"
-            )
+            write_state(self)
+        events += [e for c in self.children if (e := supervise_child(c, policy, self._launch))]
         if events:
-            self._write_state()
+            write_state(self)
         return events
-
-    def _supervise_child(self, c: Child, policy: RestartPolicy) -> str:
-        """What changed for ``c`` ("" if nothing); see :meth:`supervise`."""
-        assert c.proc is not None
-        now = time.monotonic()
-        if c.restart_at is not None:
-            if now < c.restart_at:
-                return ""
-            # Its ports are its identity (a decode's gRPC address is what prefill pushes KV
-            # to); wait until the old process (and anything in its group) let them go.
-            if not all(port_is_free(port) for port in c.ports):
-                c.restart_at = now + 0.5
-                return ""
-            c.restart_at = None
-            c.restarts += 1
-            self._launch(c)
-            return f"{c.name} restarted (restart {c.restarts}, pid {c.pid})"
-        code = c.proc.poll()
-        if code is None:
-            if not c.healthy:
-                if healthz(c.health_port, timeout=0.5)[0]:
-                    c.healthy, c.start_failures = True, 0
-                    return f"{c.name} is up again (pid {c.pid})" if c.restarts else ""
-                if now - c.started_at > policy.start_timeout:
-                    _signal_group(c, signal.SIGKILL)  # its exit counts as a failed start
-                    return (
-                        f"{c.name} not healthy {policy.start_timeout:.0f}s after its start; killed"
-                    )
-            elif c.exits_in_a_row and now - c.started_at >= policy.reset_after:
-                c.exits_in_a_row = 0  # it stayed up: the next restart waits first_delay again
-            return ""
-        _signal_group(c, signal.SIGKILL)  # whatever it started in its group, so ports free up
-        c.last_exit_code = code
-        c.exits_in_a_row += 1
-        if not c.healthy:
-            c.start_failures += 1
-        if c.start_failures >= policy.max_start_failures:
-            raise StackError(
-                f"{c.name} failed {c.start_failures} times in a row at start (last exit code "
-                f"{code}); last lines of {c.log_path}:\n{log_tail(c.log_path)}"
-            )
-        delay = policy.delay(c.exits_in_a_row)
-        c.restart_at, c.healthy = now + delay, False
-        return (
-            f"{c.name} exited with code {code}; restarting in {delay:g}s "
-            f"(restart {c.restarts + 1}; log {c.log_path})"
-        )
-
-    def _write_state(self) -> None:
-        """``<run_dir>/stack.json``: what runs and where it listens, for local tools.
-
-        The NATS and Redis URLs are written as given (a tool needs them usable), so the file
-        is created owner-only (0600), like the run dir's other state; the stack's secrets are
-        never written.
-        """
-        state = {
-            "api_url": self.api_url if self.api_base else "",
-            "grpc_address": self.grpc_address,  # the entrypoint's Generate
-            "kvstore_address": self.kvstore_address,
-            "decode_addresses": {
-                c.name: f"{HOST}:{c.grpc_port}"
-                for c in self.children
-                if c.service in ("decode", "aggregated")
-            },
-            "mode": self.mode,
-            "mps": self.mps,
-            # tools' credentials (deepserve usage), not admin's
-            "nats_url": self.nats_url_of("tools") if self.nats_proc else self.nats_url,
-            "backend_restarts": self.backend_restarts,
-            "redis_url": self.redis_url,
-            "supervisor_pid": os.getpid(),
-            "pids": {
-                **({"nats": self.nats_proc.pid} if self.nats_proc else {}),
-                **({"redis": self.redis_proc.pid} if self.redis_proc else {}),
-                **{c.name: c.pid for c in self.children if c.proc is not None},
-            },
-            "instance_ids": self.instance_ids,
-            # where each service serves /healthz and /metrics
-            "ops_ports": {c.name: c.ops_port for c in self.children},
-            "services": {
-                c.name: {
-                    "service": c.service,
-                    "instance_id": c.instance_id,
-                    "ep": c.ep,
-                    # the ids its ranks heartbeat under (its first group's; a later group's:
-                    # <id>-r<k>-g<gen>, listed by its /healthz)
-                    "rank_ids": c.rank_ids,
-                    "pid": c.pid if c.proc is not None else None,
-                    "status": c.status(),
-                    "ops_port": c.ops_port,
-                    "grpc_address": f"{HOST}:{c.grpc_port}" if c.grpc_port else "",
-                    "restarts": c.restarts,
-                    "last_exit_code": c.last_exit_code,
-                    "log": str(c.log_path),
-                }
-                for c in self.children
-            },
-        }
-        tmp = self.run_dir / "stack.json.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(state, indent=2))
-        tmp.replace(self.run_dir / "stack.json")
-
-    # -- MPS -----------------------------------------------------------------------------
-    def _start_mps(self) -> None:
-        """Disaggregated engines sharing a GPU: start a CUDA MPS control daemon of this stack's
-        own (pipe and log directories under the run dir, so it neither meets nor stops
-        anyone else's), so their kernels run side by side instead of time-slicing. Says what
-        happened in :attr:`mps` (shown by ``up`` and in stack.json)."""
-        shared = shared_gpus(self.placements)
-        if not shared:
-            return
-        gpus = ",".join(map(str, shared))
-        control = shutil.which("nvidia-cuda-mps-control")
-        if control is None:
-            self.mps = f"not available (no nvidia-cuda-mps-control): engines time-slice GPU {gpus}"
-            return
-        env = {
-            "CUDA_MPS_PIPE_DIRECTORY": str(self.run_dir / "mps" / "pipe"),
-            "CUDA_MPS_LOG_DIRECTORY": str(self.run_dir / "mps" / "log"),
-        }
-        for d in env.values():
-            Path(d).mkdir(parents=True, exist_ok=True)
-        try:
-            subprocess.run(
-                [control, "-d"],
-                env={**self.env, **env},
-                check=True,
-                timeout=30,
-                capture_output=True,
-            )
-        except (OSError, subprocess.SubprocessError) as exc:
-            self.mps = f"could not start ({exc}): engines time-slice GPU {gpus}"
-            return
-        self._mps_env = env
-        self.mps = f"started for GPU {gpus} (pipe {env['CUDA_MPS_PIPE_DIRECTORY']})"
-
-    def _stop_mps(self) -> None:
-        control = shutil.which("nvidia-cuda-mps-control")
-        if not self._mps_env or control is None:
-            return
-        try:
-            subprocess.run(
-                [control],
-                input=b"quit\n",
-                env={**self.env, **self._mps_env},
-                timeout=30,
-                capture_output=True,
-            )
-        except (OSError, subprocess.SubprocessError):
-            pass  # its daemon exits with the machine; nothing else depends on it
-        self._mps_env = {}
 
     # -- stop --------------------------------------------------------------------------
     def stop(self) -> None:
@@ -884,257 +428,11 @@ class Stack:
         if self._stopped:
             return
         self._stopped = True
-        live = [c for c in self.children if c.running()]
-        for c in reversed(live):
-            _signal_group(c, signal.SIGTERM)
-        deadline = time.monotonic() + self.drain_seconds + 5.0  # drain, then exit bookkeeping
-        for c in reversed(live):
-            assert c.proc is not None
-            try:
-                c.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for c in self.children:
-            if c.proc is not None:
-                # Also ends anything the service itself started in its group.
-                _signal_group(c, signal.SIGKILL)
-                if c.proc.poll() is None:
-                    c.proc.wait(10)
-            if c._log is not None:
-                c._log.close()
-        self.killed = [
-            c.name
-            for c in self.children
-            if c.proc is not None and c.proc.returncode == -signal.SIGKILL
-        ]
-        for proc in (self.redis_proc, self.nats_proc):
-            if proc is not None:
-                procs.stop(proc)
-        self._stop_mps()
-        leftover = [c.name for c in self.children if c.proc is not None and c.proc.poll() is None]
-        leftover += [
-            name
-            for name, p in (("redis", self.redis_proc), ("nats", self.nats_proc))
-            if p is not None and p.poll() is None
-        ]
+        self.killed = stop_children(self.children, self.drain_seconds)
+        leftover = self.backends.stop()
+        self._mps.stop()
+        leftover = [
+            c.name for c in self.children if c.proc is not None and c.proc.poll() is None
+        ] + leftover
         if leftover:  # cannot happen after SIGKILL + wait, but say so loudly if it does
             raise StackError(f"still running after stop: {', '.join(leftover)}")
-
-
-def _serve(stack: Stack, stop_requested: Sequence[int]) -> str:
-    """Supervise ``stack`` until a signal arrives (returns "") or it must stop (returns why)."""
-    while not stop_requested:
-        if stack.restart_policy is None:
-            dead = stack.exited()
-            if dead:
-                c = dead[0]
-                code_of = c.proc.returncode if c.proc else "?"
-                return (
-                    f"{c.name} exited with code {code_of}; stopping. "
-                    f"Last lines of {c.log_path}:\n{log_tail(c.log_path)}"
-                )
-        else:
-            try:
-                events = stack.supervise()
-            except StackError as exc:
-                return f"{exc}\nstopping the stack"
-            for line in events:
-                print(f"deepserve up: {line}", flush=True)
-        time.sleep(0.5)
-    return ""
-
-
-def chosen(stack: Stack) -> list[str]:
-    """What ``up`` chose, for the operator: mode, engines per GPU, each engine's KV room."""
-    per_device: dict[str, list[str]] = {}
-    for p in stack.placements:
-        per_device.setdefault(p.device, []).append(p.name)
-    out = [
-        f"mode {stack.mode}: "
-        + "; ".join(f"{d}: {len(n)} engine(s) ({', '.join(n)})" for d, n in per_device.items())
-    ]
-    if stack.mps:
-        out.append(f"MPS {stack.mps}")
-    for iid, (n, bs) in sorted(stack.kv_blocks.items()):
-        out.append(f"{iid}: {n} KV blocks of {bs} tokens ({n * bs:,} tokens)")
-    return out
-
-
-def _signal_group(c: Child, sig: signal.Signals) -> None:
-    """Signal the child's process group (it leads its own session)."""
-    assert c.proc is not None
-    try:
-        os.killpg(c.proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-class _Interrupted(BaseException):
-    """SIGINT/SIGTERM while the stack was still starting."""
-
-
-def engine_args(speculative_tokens: int, batch_invariant: bool) -> dict[str, list[str]] | None:
-    """The engine flags ``deepserve up`` gives every engine alike (None: none)."""
-    args = ["--speculative-tokens", str(speculative_tokens)] if speculative_tokens else []
-    if batch_invariant:
-        args.append("--batch-invariant")
-    return {s: list(args) for s in ENGINE_SERVICES} if args else None
-
-
-def merge_args(
-    *parts: Mapping[str, Sequence[str]] | None,
-) -> dict[str, list[str]] | None:
-    """Flags per service from several sources, in order (None: none at all)."""
-    out: dict[str, list[str]] = {}
-    for part in parts:
-        for service, args in (part or {}).items():
-            out.setdefault(service, []).extend(args)
-    return out or None
-
-
-def vllm_args(
-    max_model_len: int = 0, max_num_batched_tokens: int = 0, max_num_seqs: int = 0, host: str = ""
-) -> dict[str, list[str]]:
-    """What vLLM's ``serve`` flags of the same names mean here, as flags per service: the
-    context limit for every engine and for the entrypoint's and recipe's checks, the token
-    budget of a step and the batch size for every engine, the recipe's bind address (0: not
-    given)."""
-    engine: list[str] = []
-    if max_model_len:
-        engine += ["--max-model-len", str(max_model_len)]
-    if max_num_batched_tokens:
-        engine += ["--max-tokens-per-step", str(max_num_batched_tokens)]
-    if max_num_seqs:
-        engine += ["--max-running", str(max_num_seqs)]
-    out = {s: list(engine) for s in ENGINE_SERVICES} if engine else {}
-    if max_model_len:
-        for s in ("entrypoint", "recipe"):
-            out[s] = ["--max-context", str(max_model_len)]
-    if host:
-        out.setdefault("recipe", []).extend(["--host", host])
-    return out
-
-
-def run_up(
-    port: int,
-    prefill: int,
-    decode: int,
-    model: str,
-    model_name: str,
-    run_dir: str,
-    ready_timeout: float = 300.0,
-    *,
-    device: str = "cpu",
-    gpus: str | None = None,
-    gpu_memory_fraction: float | None = None,
-    restart: bool = True,
-    ep: int = 1,
-    ep_timeout: float | None = None,
-    speculative_tokens: int = 0,
-    batch_invariant: bool = False,
-    mode: str = "auto",
-    more_args: Mapping[str, Sequence[str]] | None = None,
-    api_key: str = "",
-) -> int:
-    """``deepserve up``: start the stack, print its URL, serve until SIGINT/SIGTERM, stop it.
-
-    ``more_args``: further flags per service (:func:`vllm_args` makes them from vLLM's names);
-    ``api_key``: the one key the API then requires (tenant ``default``), handed to the recipe
-    and the entrypoint through their environment like the other secrets.
-
-    With ``restart`` a service that exits is restarted (:meth:`Stack.supervise`); the stack
-    stops, with exit code 1, only when one fails repeatedly at start or nats/redis exit.
-    Without it the first service that exits stops the stack. A bad flag (``gpus``:
-    ``"0,1"``; None: every visible GPU) or a taken port: one line on stderr and 2, before
-    anything starts."""
-    try:
-        stack = Stack(
-            run_dir,
-            prefill=prefill,
-            decode=decode,
-            model=model,
-            model_name=model_name,
-            recipe_port=port,
-            device=device,
-            gpus=parse_gpus(gpus) if gpus is not None else None,
-            gpu_memory_fraction=gpu_memory_fraction,
-            ready_timeout=ready_timeout,
-            restart=restart,
-            ep=ep,
-            ep_timeout=ep_timeout,
-            # Prefill fills the MTP layer's KV that decode drafts from, and a continuation is
-            # exact only if both engines are batch-invariant: both get these flags.
-            extra_args=merge_args(engine_args(speculative_tokens, batch_invariant), more_args),
-            mode=mode,
-            env={**os.environ, "DEEPSERVE_API_KEYS": f"{api_key}=default"} if api_key else None,
-        )
-    except ValueError as exc:
-        print(f"deepserve up: {exc}", file=sys.stderr)
-        return 2
-    if not port_is_free(port):
-        print(
-            f"deepserve up: port {port} on {HOST} is already in use; pick another with --port",
-            file=sys.stderr,
-        )
-        return 2
-    stop_requested: list[int] = []
-    starting = True
-
-    def on_signal(signum: int, _frame: object) -> None:
-        stop_requested.append(signum)
-        if starting and len(stop_requested) == 1:  # abandon the start; start() cleans up
-            raise _Interrupted(signum)
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    code = 0
-    try:
-        where = ", ".join(
-            f"{p.name} {p.device}"
-            + (f" {','.join(map(str, p.ep_gpus))}" if p.ep_gpus else "")
-            + (f" ({p.gpu_memory_fraction:g})" if p.gpu_memory_fraction is not None else "")
-            for p in stack.placements
-        )
-        if ep > 1:
-            where += f"; {ep} expert-parallel ranks each"
-        engines = (
-            f"{len(stack.placements)} aggregated (prefill + decode in one engine)"
-            if stack.mode == "aggregated"
-            else f"{prefill} prefill + {decode} decode"
-        )
-        print(
-            f"deepserve: starting {engines} ({model}: {where}); mode {stack.mode}; "
-            f"logs in {stack.run_dir / 'logs'}",
-            flush=True,
-        )
-        try:
-            stack.start()
-        except _Interrupted:
-            print("deepserve: interrupted while starting; stopped", flush=True)
-            return 0  # start() already stopped what it had started
-        except (StackError, OSError) as exc:
-            print(f"deepserve up: {exc}", file=sys.stderr)
-            return 1
-        finally:
-            starting = False
-        print(f"deepserve is up: {stack.api_url}  (model {model_name})", flush=True)
-        for line in chosen(stack):
-            print(f"  {line}", flush=True)
-        print(
-            f"  gRPC Generate: {stack.grpc_address}   NATS: {redact(stack.nats_url)}   "
-            f"Redis: {redact(stack.redis_url)}",
-            flush=True,
-        )
-        recipe = next(c for c in stack.children if c.service == "recipe")
-        print(f"  status page: http://{HOST}:{recipe.ops_port}/status", flush=True)
-        print(f"  where each service listens: {stack.run_dir / 'stack.json'}", flush=True)
-        problem = _serve(stack, stop_requested)
-        if problem:
-            print(f"deepserve up: {problem}", file=sys.stderr, flush=True)
-            code = 1
-        print("deepserve: stopping ...", flush=True)
-    finally:
-        stack.stop()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    print("deepserve: stopped", flush=True)
-    return code

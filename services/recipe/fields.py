@@ -8,7 +8,7 @@ recipe checks each OpenAI body against this table before conversion: a field is 
 keeps (``service_tier: "auto"``, ``store: false``), or refused with a 400 naming it; a field in
 no table is refused as unknown. ``tests/unit/test_recipe_fields.py`` derives the field lists
 from the openai SDK's request types, so a field a new SDK adds fails that test until it is
-entered here, and checks README's table against :func:`markdown`.
+entered here, and checks the table in ``docs/api.md`` against :func:`markdown`.
 
 A field sent as ``null`` is unset and always accepted (the SDKs send ``null`` for omitted
 fields in places). ``max_completion_tokens`` (Chat Completions) is the same limit as
@@ -32,7 +32,7 @@ class Field:
     checked where it is used); a non-null value outside it is refused with ``refusal``."""
 
     name: str
-    use: str  # what the server does with it, for README's table
+    use: str  # what the server does with it, for the table in docs/api.md
     allowed: Callable[[Any], bool] | None = None
     refusal: str = ""
 
@@ -352,8 +352,9 @@ def check(body: dict[str, Any], protocol: str) -> dict[str, Any]:
         field = table.get(name)
         if field is None:
             raise invalid(
-                f"unknown field {name!r}: this server reads the fields listed in its README "
-                "and refuses the others rather than ignore them",
+                f"unknown field {name!r}: this server reads the fields listed in docs/api.md "
+                "(Every OpenAI field, read or refused) and refuses the others rather than "
+                "ignore them",
                 name,
                 "unknown_parameter",
             )
@@ -418,7 +419,7 @@ def parallel_calls(body: dict[str, Any]) -> bool:
 
 
 def markdown() -> str:
-    """README's table of fields, one row per field and protocol."""
+    """The table of fields in ``docs/api.md``, one row per field and protocol."""
     names = {
         "chat_completions": "Chat Completions",
         "completions": "Completions",

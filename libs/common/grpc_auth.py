@@ -86,8 +86,15 @@ class ServiceTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return _refusing(handler, f"{method}: {why}")
 
 
+def unread(data: bytes) -> None:
+    """The deserializer of a refused call: its body is never parsed (a stranger's bytes reach
+    no protobuf parser; the handler answers without reading them)."""
+    return None
+
+
 def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape that answers UNAUTHENTICATED without reading anything."""
+    """A handler of the same shape that answers UNAUTHENTICATED without reading anything: its
+    deserializer is :func:`unread`, not the method's, so the body is never parsed."""
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
@@ -96,7 +103,7 @@ def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHan
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - makes this an async generator
 
-    des, ser = handler.request_deserializer, handler.response_serializer
+    des, ser = unread, handler.response_serializer
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(streaming, des, ser)
     if handler.request_streaming:

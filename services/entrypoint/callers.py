@@ -23,7 +23,7 @@ import grpc
 
 from libs.common.auth import KeyTable
 from libs.common.errors import Overloaded, Unauthenticated
-from libs.common.grpc_auth import bearer, same_token
+from libs.common.grpc_auth import bearer, same_token, unread
 from libs.gateway.keylimits import Refusal, Slot, key_id
 from libs.gateway.policy import ValidRequest
 from libs.proto.deepserve.v1 import generate_pb2
@@ -188,9 +188,4 @@ class CredentialInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
             yield  # pragma: no cover - makes this an async generator
 
-        return grpc.unary_stream_rpc_method_handler(refuse, _unread, handler.response_serializer)
-
-
-def _unread(data: bytes) -> None:
-    """The body of a refused call: never parsed."""
-    return None
+        return grpc.unary_stream_rpc_method_handler(refuse, unread, handler.response_serializer)

@@ -15,6 +15,8 @@ deepserve bench eplb [--ranks 64 --experts 256 --topk 8 --redundant 1] [--mode d
                      [--layers 8 --steps N --skew 0.6 --seed 0] --json OUT
 deepserve bench ep --model PRESET --device cpu|cuda --batch 64,256 [--steps N] [--redundant R]
                    --json OUT
+deepserve bench load [--model DIR_OR_REPO | --layout v2-lite|v3 --layers N] [--device D]
+                     [--workers 4] --json OUT
 deepserve kvstore fsck [--repair] [--grace S] --redis-url URL (--data-dir DIR | --target T ...)
 deepserve usage --nats-url URL [--tenant T] [--since ISO] [--json]
                 [--price off-peak|peak|schedule|IN,CACHED,OUT]
@@ -336,6 +338,14 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     from deepserve.bench import spec as bench_spec_mod
 
     bench_spec_mod.add_arguments(spb)
+    ld = bsub.add_parser(
+        "load",
+        help="checkpoint load rate (the engine's loader, 1 and N shards at once) against the "
+        "disk's raw read of the same files, cold",
+    )
+    from deepserve.bench import load as bench_load_mod
+
+    bench_load_mod.add_arguments(ld)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -371,6 +381,10 @@ def _bench(args: argparse.Namespace) -> int:
         from deepserve.bench.spec import main as bench_spec
 
         return bench_spec(args)
+    if args.what == "load":
+        from deepserve.bench.load import main as bench_load
+
+        return bench_load(args)
     if args.what == "serve" and args.url:
         return http_load.run(args)
     if args.what == "serve":

@@ -14,6 +14,11 @@ into ``mtp.{j}`` when asked for, and are skipped otherwise.
 ``expert_slots`` (one rank of an expert-parallel group): the decoder layers keep only those
 routed experts. From a checkpoint that stores experts one by one, the others are never read;
 fused expert tensors are read whole and cut. A preset is built whole, then cut.
+
+Shards are read ``read_workers`` at a time on threads (``shard_reader.py``) while this thread
+places the shard before: on a CUDA model each tensor is copied from page-locked memory without
+blocking and dequantized or cut on the device, so the copies overlap the next shards' reads. A
+``weight_scale_inv`` may sit in another shard than its weight.
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from .config import ModelConfig
 from .hub import resolve_model
@@ -36,10 +40,12 @@ from .kernels.fp8_gemm import FP8_DTYPE, quantize_fp8_blocks
 from .model.layers import Experts, Fp8Linear
 from .model.model import DeepseekForCausalLM
 from .presets import PRESETS, init_random_weights
+from .shard_reader import ShardReader
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _FP8_TILE = 128
+DEFAULT_READ_WORKERS = 4  # shards read at once (shard_reader.py: what each one holds)
 log = logging.getLogger(__name__)
 
 
@@ -111,11 +117,13 @@ def load(
     with_mtp: bool = False,
     expert_slots: tuple[int, ...] | None = None,
     weight_dtype: str = "auto",
+    read_workers: int = DEFAULT_READ_WORKERS,
 ) -> LoadedModel:
     """``weight_dtype`` (see :func:`resolve_weight_dtype`): fp8 keeps linear and routed-expert
     weights in e4m3 with 128x128 block scales (a preset's are quantized after init); the model
     id then says so, since the weights differ. ``source``: a preset, a checkpoint directory or
-    a Hub repo id (loaded from its snapshot directory in the Hugging Face cache)."""
+    a Hub repo id (loaded from its snapshot directory in the Hugging Face cache).
+    ``read_workers``: shards read at once (:func:`load_weights`)."""
     source = resolve_model(source)
     cfg = model_config(source)
     fp8 = resolve_weight_dtype(source, weight_dtype) == "fp8"
@@ -132,7 +140,7 @@ def load(
     model = DeepseekForCausalLM(cfg, dtype, device, with_mtp=with_mtp, expert_slots=expert_slots)
     if fp8:
         model.quantize_weights_fp8(empty=True, experts=False)
-    load_weights(model, path)
+    load_weights(model, path, read_workers)
     if fp8:
         model.quantize_weights_fp8()
     return LoadedModel(model, f"{path.name}@{_checkpoint_digest(path)}{suffix}", str(path))
@@ -152,7 +160,8 @@ def _checkpoint_digest(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
+    """A checkpoint directory's safetensors shards: the index's, else every one there."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -167,42 +176,88 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
+_weight_files = weight_files  # v4/load.py's name for it
+
+
 def _iter_tensors(
-    path: Path, wanted: Callable[[str], bool] = lambda name: True
-) -> Iterator[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]:
-    """Yield (name, tensor, file-local scale tensors) for every ``wanted`` non-scale tensor
-    (the others are not read). Logs each shard as it is done: bytes read, GB/s, progress."""
-    files = _weight_files(path)
+    path: Path,
+    wanted: Callable[[str], bool] = lambda name: True,
+    workers: int = DEFAULT_READ_WORKERS,
+    device: torch.device | None = None,
+) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
+    """Yield (name, tensor, its ``weight_scale_inv`` or None) for every ``wanted`` tensor that
+    is not a scale, shards read ``workers`` at a time (:class:`~.shard_reader.ShardReader`;
+    pinned for a CUDA ``device``). Tensors are on ``device`` already where given (copied
+    without blocking: the reads of the next shards go on meanwhile). A weight's scale may sit in
+    a later shard than the weight: the weight then waits for it. Logs each shard as it is
+    done -- bytes read, GB/s, progress -- and the whole load."""
+    files = weight_files(path)
     total = sum(f.stat().st_size for f in files)
-    done = 0
+    if device is not None and device.type != "cuda":
+        device = None  # tensors stay where they were read; the caller copies them
+    cuda = device is not None
+    done = read = 0
     start = time.monotonic()
-    for n, f in enumerate(files, 1):
-        t0, read = time.monotonic(), 0
-        with safe_open(str(f), framework="pt") as st:
-            keys = list(st.keys())
-            scales = {k: st.get_tensor(k) for k in keys if k.endswith("_scale_inv")}
-            read += sum(t.numel() * t.element_size() for t in scales.values())
-            for k in keys:
-                if not k.endswith("_scale_inv") and wanted(k):
-                    tensor = st.get_tensor(k)
-                    read += tensor.numel() * tensor.element_size()
-                    yield k, tensor, scales
-        done += f.stat().st_size
-        spent = time.monotonic() - t0
-        log.info(
-            "loading %s: shard %d/%d %s: %.2f GB read in %.1f s (%.2f GB/s); %.1f of %.1f GB "
-            "in %.0f s",
-            path.name,
-            n,
-            len(files),
-            f.name,
-            read / 1e9,
-            spent,
-            read / 1e9 / max(spent, 1e-9),
-            done / 1e9,
-            total / 1e9,
-            time.monotonic() - start,
+    scales: dict[str, torch.Tensor] = {}
+    waiting: dict[str, torch.Tensor] = {}  # fp8 weights whose scale is in a later shard
+
+    def wanted_or_scale(name: str) -> bool:
+        return (
+            wanted(name.removesuffix("_scale_inv")) if name.endswith("_scale_inv") else wanted(name)
         )
+
+    def placed(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True) if device is not None else t
+
+    with ShardReader(files, wanted_or_scale, workers, pin=cuda) as reader:
+        for n, shard in enumerate(reader, 1):
+            t0 = time.monotonic()
+            for k, t in shard.tensors.items():
+                if k.endswith("_scale_inv"):
+                    scales[k] = placed(t).clone() if device is None else placed(t)
+            for k in [k for k in waiting if k + "_scale_inv" in scales]:
+                yield k, waiting.pop(k), scales[k + "_scale_inv"]
+            for k, t in shard.tensors.items():
+                if k.endswith("_scale_inv"):
+                    continue
+                scale = scales.get(k + "_scale_inv")
+                if t.dtype == FP8_DTYPE and scale is None:
+                    waiting[k] = placed(t).clone() if device is None else placed(t)
+                    continue
+                yield k, placed(t), scale
+            if cuda:
+                torch.cuda.current_stream(device).synchronize()  # the buffer is read out
+            reader.release(shard)
+            done += shard.path.stat().st_size
+            read += shard.nbytes
+            log.info(
+                "loading %s: shard %d/%d %s: %.2f GB read in %.1f s (%.2f GB/s), placed in "
+                "%.1f s; %.1f of %.1f GB in %.0f s",
+                path.name,
+                n,
+                len(files),
+                shard.path.name,
+                shard.nbytes / 1e9,
+                shard.seconds,
+                shard.nbytes / 1e9 / max(shard.seconds, 1e-9),
+                time.monotonic() - t0,
+                done / 1e9,
+                total / 1e9,
+                time.monotonic() - start,
+            )
+    if waiting:
+        name = next(iter(waiting))
+        raise CheckpointError(f"{name} is fp8 but has no {name}_scale_inv")
+    spent = time.monotonic() - start
+    log.info(
+        "loaded %s: %.2f GB read from %d shard(s) in %.1f s (%.2f GB/s, %d reading at once)",
+        path.name,
+        read / 1e9,
+        len(files),
+        spent,
+        read / 1e9 / max(spent, 1e-9),
+        workers,
+    )
 
 
 def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
@@ -228,9 +283,14 @@ def _target_name(name: str, cfg: ModelConfig, with_mtp: bool) -> str | None:
     return name
 
 
-def load_weights(model: DeepseekForCausalLM, path: Path) -> None:
+def load_weights(
+    model: DeepseekForCausalLM, path: Path, read_workers: int = DEFAULT_READ_WORKERS
+) -> None:
+    """Fill ``model`` from the checkpoint directory ``path``, ``read_workers`` shards read at
+    once; on a CUDA model, tensors are copied in as they are read (dequantized and cut there)."""
     cfg = model.cfg
     params = dict(model.named_parameters())
+    device = next(iter(params.values())).device
     with_mtp = len(model.mtp) > 0
     # Which experts each Experts module keeps (None: all), by its name.
     held = {n: m.slots for n, m in model.named_modules() if isinstance(m, Experts)}
@@ -247,14 +307,14 @@ def load_weights(model: DeepseekForCausalLM, path: Path) -> None:
         slots = held.get(m.group(1))
         return slots is None or int(m.group(2)) in slots
 
-    for name, tensor, scales in _iter_tensors(path, wanted):
+    on = device if device.type == "cuda" else None
+    for name, tensor, scale in _iter_tensors(path, wanted, read_workers, on):
         target = _target_name(name, cfg, with_mtp)
         if target is not None and target in fp8_linears:  # kept (or made) e4m3 + block scales
-            _copy_fp8(params, target, tensor, scales.get(name + "_scale_inv"), name)
+            _copy_fp8(params, target, tensor, scale, name)
             loaded.update((target, target + "_scale_inv"))
             continue
         if tensor.dtype == FP8_DTYPE:
-            scale = scales.get(name + "_scale_inv")
             if scale is None:
                 raise CheckpointError(f"{name} is fp8 but has no {name}_scale_inv")
             tensor = _dequant_fp8(tensor, scale)
@@ -305,7 +365,8 @@ def _cut_experts(
     """Rows ``slots`` of a fused [E, ...] expert tensor (an empty slot, ``-1``: zeros)."""
     if tensor.shape[0] != n_experts:
         raise CheckpointError(f"{name}: {tensor.shape[0]} experts, the config says {n_experts}")
-    out = tensor.index_select(0, torch.tensor([max(e, 0) for e in slots], dtype=torch.int64))
+    rows = torch.tensor([max(e, 0) for e in slots], dtype=torch.int64, device=tensor.device)
+    out = tensor.index_select(0, rows)
     for s, e in enumerate(slots):
         if e < 0:
             out[s].zero_()

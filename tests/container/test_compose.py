@@ -28,6 +28,8 @@ import pytest
 from deepserve import procs
 from libs.common import nats_auth
 
+from ..sdk_strict import openai_client
+
 pytestmark = pytest.mark.timeout(1200)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +90,7 @@ class Compose:
         )
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(
+        return openai_client(
             base_url=f"http://127.0.0.1:{self.api_port}/v1", api_key=KEY, max_retries=0
         )
 
@@ -167,7 +169,7 @@ def test_serves_the_api_with_a_key(stack: Compose) -> None:
     client = stack.client()
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert _chat(client, "hello from a container", 8)
-    anonymous = openai.OpenAI(
+    anonymous = openai_client(
         base_url=f"http://127.0.0.1:{stack.api_port}/v1", api_key="sk-wrong", max_retries=0
     )
     with pytest.raises(openai.AuthenticationError):

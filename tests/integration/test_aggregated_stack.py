@@ -13,11 +13,11 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import openai
 import pytest
 
 from deepserve.up import Stack
 
+from ..sdk_strict import openai_client
 from .conftest import (
     MODEL_NAME,
     AuthorizedStub,
@@ -94,7 +94,7 @@ def test_tokens_equal_one_process_and_no_kv_moves(
     gen = grpc_generate(stub, SHORT, 10)
     assert gen.finish is not None and gen.finish.reason == "length"
     assert gen.token_ids == references.result("short")["token_ids"]
-    client = openai.OpenAI(base_url=stack.api_url, api_key="x", max_retries=0, timeout=120)
+    client = openai_client(base_url=stack.api_url, api_key="x", max_retries=0, timeout=120)
     chat = client.chat.completions.create(
         model=MODEL_NAME,
         messages=[{"role": "user", "content": "Hello there"}],

@@ -23,11 +23,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
-import openai
 import pytest
 
 from deepserve.up import HOST, Child, Stack, healthz
 
+from ..sdk_strict import openai_client
 from .conftest import MODEL_NAME, READY_TIMEOUT, AuthorizedStub, dump_logs, grpc_generate
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -134,7 +134,7 @@ def test_ep_ranks_serve_chat_and_greedy_tokens_equal_no_ep(
     ]
     log = Path(decode0["log"]).read_text()
     assert " decode r0 INFO " in log and " decode r1 INFO " in log  # which rank said it
-    client = openai.OpenAI(base_url=stack.api_url, api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(base_url=stack.api_url, api_key="unused", max_retries=0, timeout=120)
     chat = client.chat.completions.create(
         model=MODEL_NAME,
         messages=[{"role": "user", "content": "Hello from the EP test."}],

@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field
 
 from deepserve.up import Stack
 
+from ..sdk_strict import async_openai_client, openai_client, strict_http
 from .conftest import MODEL_NAME, READY_TIMEOUT, dump_logs
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download at import
@@ -69,13 +70,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def sdk(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=stack.api_url,
-        api_key="unused",
-        max_retries=0,
-        timeout=120,
-        _strict_response_validation=True,
-    )
+    return openai_client(base_url=stack.api_url, api_key="unused", max_retries=0, timeout=120)
 
 
 def check_city(value: Any) -> None:
@@ -102,7 +97,7 @@ def test_every_length_field_holds(
         "/completions": {"prompt": "Say hi"},
     }[path]
     extra = {} if path == "/responses" else {"ignore_eos": True}
-    r = httpx.post(
+    r = strict_http(httpx.Client()).post(
         stack.api_url + path, json={"model": MODEL_NAME, **prompt, **body, **extra}, timeout=120
     )
     assert r.status_code == 200, r.text
@@ -189,9 +184,7 @@ def test_agents_sdk_tool_and_structured_output(stack: Stack) -> None:
         asked.append(city)
         return "sunny"
 
-    client = openai.AsyncOpenAI(
-        base_url=stack.api_url, api_key="unused", max_retries=0, _strict_response_validation=True
-    )
+    client = async_openai_client(base_url=stack.api_url, api_key="unused", max_retries=0)
     agent = Agent(
         name="weather",
         instructions="Look the weather up, then answer as JSON.",

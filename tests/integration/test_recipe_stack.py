@@ -23,6 +23,7 @@ import pytest
 from deepserve.up import Stack
 from services.recipe.handlers import tenant_label
 
+from ..sdk_strict import anthropic_client, openai_client, strict_http
 from .conftest import MODEL_NAME, READY_TIMEOUT, dump_logs
 
 pytestmark = pytest.mark.timeout(600)
@@ -62,12 +63,14 @@ def keyed_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         s.stop()
 
 
-def oai(stack: Stack, key: str = "sk-alpha") -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.api_url, api_key=key, max_retries=0, timeout=120)
+def oai(stack: Stack, key: str = "sk-alpha", sdk_validation: bool = True) -> openai.OpenAI:
+    return openai_client(
+        sdk_validation, base_url=stack.api_url, api_key=key, max_retries=0, timeout=120
+    )
 
 
 def claude(stack: Stack, key: str = "sk-beta") -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=stack.api_base, api_key=key, max_retries=0, timeout=120)
+    return anthropic_client(base_url=stack.api_base, api_key=key, max_retries=0, timeout=120)
 
 
 def test_chat_completions_shapes_and_usage(keyed_stack: Stack) -> None:
@@ -207,7 +210,7 @@ def test_disconnect_aborts_downstream_within_a_second(keyed_stack: Stack) -> Non
         "temperature": 1.0,
         "messages": [{"role": "user", "content": "Tell me a long story."}],
     }
-    with httpx.Client(timeout=60) as http:
+    with strict_http(httpx.Client(timeout=60)) as http:
         with http.stream(
             "POST",
             f"{keyed_stack.api_url}/chat/completions",
@@ -270,7 +273,7 @@ def test_startup_log_and_no_backend_is_503(keys: str, expected: str) -> None:
             deadline = time.monotonic() + 20
             while True:
                 try:
-                    c = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30)
+                    c = openai_client(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30)
                     c.chat.completions.create(
                         model=MODEL_NAME, max_tokens=2, messages=[{"role": "user", "content": "x"}]
                     )
@@ -283,7 +286,7 @@ def test_startup_log_and_no_backend_is_503(keys: str, expected: str) -> None:
                     break
                 raise AssertionError("a request with no entrypoint succeeded")
             with pytest.raises(anthropic.APIStatusError) as err:
-                anthropic.Anthropic(base_url=base, api_key="x", max_retries=0).messages.create(
+                anthropic_client(base_url=base, api_key="x", max_retries=0).messages.create(
                     model=MODEL_NAME, max_tokens=2, messages=[{"role": "user", "content": "x"}]
                 )
             assert (

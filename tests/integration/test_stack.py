@@ -19,6 +19,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from deepserve.up import Stack
 from libs.proto.deepserve.v1 import generate_pb2, generate_pb2_grpc
 
+from ..sdk_strict import openai_client
 from .conftest import (
     MODEL_NAME,
     Generation,
@@ -51,7 +52,7 @@ def references() -> Iterator[ReferenceRuns]:
 
 @pytest.fixture(scope="module")
 def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.api_url, api_key="unused", max_retries=0, timeout=120)
+    return openai_client(base_url=stack.api_url, api_key="unused", max_retries=0, timeout=120)
 
 
 def _ok(gen: Generation, prompt_len: int, max_tokens: int) -> None:

@@ -25,6 +25,7 @@ import pytest
 from deepserve.procs import free_port
 from deepserve.up import REPO_ROOT, RestartPolicy, Stack, StackError
 
+from ..sdk_strict import openai_client, strict_http
 from .conftest import MODEL_NAME, AuthorizedStub, grpc_generate, start_stack
 
 pytestmark = pytest.mark.timeout(900)
@@ -166,7 +167,7 @@ def test_deepserve_up_serves_and_stops_cleanly_on_sigterm(tmp_path: Path) -> Non
             "entrypoint",
             "recipe",
         } <= set(pids)
-        resp = httpx.get(f"{url}/models", timeout=30)
+        resp = strict_http(httpx.Client()).get(f"{url}/models", timeout=30)
         assert resp.status_code == 200
         assert MODEL_NAME in [m["id"] for m in resp.json()["data"]]
 
@@ -267,7 +268,6 @@ def _wait_for(what: str, check: object, timeout: float, output: list[str]) -> No
 
 
 def test_deepserve_up_restarts_a_killed_decode_and_keeps_serving(tmp_path: Path) -> None:
-    import openai
 
     port = free_port()
     run_dir = tmp_path / "run"
@@ -291,7 +291,7 @@ def test_deepserve_up_restarts_a_killed_decode_and_keeps_serving(tmp_path: Path)
         assert (before["status"], before["restarts"]) == ("running", 0)
         assert state_file.stat().st_mode & 0o077 == 0, "stack.json may hold credentials"
 
-        client = openai.OpenAI(base_url=state["api_url"], api_key="local", timeout=60)
+        client = openai_client(base_url=state["api_url"], api_key="local", timeout=60)
 
         def complete() -> str:
             # Greedy: a request caught by the kill mid-stream is retried on another decode

@@ -25,6 +25,7 @@ import pytest
 from deepserve.up import Stack
 from services.recipe.handlers import tenant_label
 
+from ..sdk_strict import strict_http
 from .conftest import READY_TIMEOUT, dump_logs
 
 pytestmark = pytest.mark.timeout(180)
@@ -100,7 +101,7 @@ def wait_for(driver: Any, script: str, timeout: float = 20.0) -> Any:
 
 
 def chat(stack: Stack, content: str) -> dict[str, Any]:
-    r = httpx.post(
+    r = strict_http(httpx.Client()).post(
         f"{stack.api_url}/chat/completions",
         json={"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4},
         headers={"Authorization": f"Bearer {KEY}"},

@@ -14,12 +14,12 @@ import urllib.request
 from collections.abc import Iterator
 
 import grpc
-import openai
 import pytest
 
 from deepserve.up import Stack
 from libs.engine.v4.load import generate_v4, load_v4
 
+from ..sdk_strict import openai_client
 from .conftest import READY_TIMEOUT, AuthorizedStub, dump_logs, grpc_generate
 
 pytestmark = pytest.mark.timeout(600)
@@ -68,7 +68,7 @@ def test_prompt_ids_through_prefill_and_decode_equal_one_process(v4_stack: Stack
 
 
 def test_a_repeated_long_prompt_is_restored_from_the_kvstore(v4_stack: Stack) -> None:
-    client = openai.OpenAI(base_url=v4_stack.api_url, api_key="local", max_retries=0, timeout=120)
+    client = openai_client(base_url=v4_stack.api_url, api_key="local", max_retries=0, timeout=120)
 
     def chat() -> tuple[str, int]:
         out = client.chat.completions.create(

@@ -25,15 +25,20 @@ from libs.common.redact import redact_text
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Which service needs which secret (docs/security.md): the entrypoint keys the tenants' cache
-# salts; prefill and decode sign and check KV frames; the internal APIs need the service token.
+# salts; prefill and decode sign and check KV frames; the internal APIs need the service token;
+# the recipe and the entrypoint salt the tenant labels of their logs and metrics.
 ENGINE_SERVICES = ("prefill", "decode", "aggregated")  # the services that run an engine
 SERVICE_SECRETS = {
-    "entrypoint": ("DEEPSERVE_CACHE_SALT_SECRET", "DEEPSERVE_SERVICE_TOKEN"),
+    "entrypoint": (
+        "DEEPSERVE_CACHE_SALT_SECRET",
+        "DEEPSERVE_SERVICE_TOKEN",
+        "DEEPSERVE_TENANT_LABEL_SECRET",
+    ),
     "prefill": ("DEEPSERVE_KV_MAC_KEY", "DEEPSERVE_SERVICE_TOKEN"),
     "decode": ("DEEPSERVE_KV_MAC_KEY", "DEEPSERVE_SERVICE_TOKEN"),
     "aggregated": ("DEEPSERVE_KV_MAC_KEY", "DEEPSERVE_SERVICE_TOKEN"),
     "kvstore": ("DEEPSERVE_SERVICE_TOKEN",),
-    "recipe": ("DEEPSERVE_SERVICE_TOKEN",),
+    "recipe": ("DEEPSERVE_SERVICE_TOKEN", "DEEPSERVE_TENANT_LABEL_SECRET"),
 }
 # kvstore: its metadata; recipe and entrypoint: per-key caps shared by every replica and the
 # entrypoint's usage ledger.

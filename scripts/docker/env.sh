@@ -35,6 +35,7 @@ key="sk-$(hex 24)"
   echo "DEEPSERVE_SERVICE_TOKEN=$(hex 32)"
   echo "DEEPSERVE_CACHE_SALT_SECRET=$(hex 32)"
   echo "DEEPSERVE_KV_MAC_KEY=$(hex 32)"
+  echo "DEEPSERVE_TENANT_LABEL_SECRET=$(hex 32)"
   for role in $NATS_ROLES; do
     echo "$(nats_var "$role")=$(hex 24)"
   done

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from libs.common.auth import load_keys
 from libs.common.config import ServiceConfig, check_port, common_flags, flag, service_config_from
 from libs.common.grpc_auth import add_service_token_flag
+from libs.common.tenant_label import add_tenant_label_flag, labels_from
 from libs.gateway.admission import parse_tenant_weights
 from libs.gateway.policy import Limits
 from libs.transport.keycaps import (
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.entrypoint", description=DESCRIPTION)
     common_flags(parser, SERVICE)
     add_service_token_flag(parser)
+    add_tenant_label_flag(parser)
     flag(
         parser,
         "--api-keys",
@@ -215,6 +217,7 @@ def config_from(args: argparse.Namespace) -> EntrypointConfig:
             api_keys=api_keys,
             service_token=args.service_token,
             key_limits=key_limit_policy(args, api_keys),
+            labels=labels_from(args),
         ),
         shared=shared_state_from(args),
         grpc_port=args.grpc_port,

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from libs.common.errors import DeadlineExceeded, DeepserveError, Internal, Overloaded
+from libs.common.tenant_label import UNSALTED, TenantLabels
 from libs.gateway.keylimits import KeyLimitPolicy
 from libs.gateway.policy import Finish, Limits, Output, Ready, Tokens
 from libs.proto.deepserve.v1 import common_pb2, generate_pb2
@@ -60,6 +61,8 @@ class HandlerConfig:
     # The limits of a key presented here (callers.py; the recipe's flags, the same state when
     # both share --redis-url).
     key_limits: KeyLimitPolicy = field(default_factory=KeyLimitPolicy)
+    # What the request line calls a tenant (--tenant-label-secret; the recipe's labels).
+    labels: TenantLabels = UNSALTED
 
     def __post_init__(self) -> None:
         for name in ("max_inflight", "max_waiting", "retry_after_ms", "prefill_queue_tokens"):

@@ -225,7 +225,8 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             caller = self.callers.authenticate(request, context)
             valid, rid = self._admit(caller.request)
             counted = True
-            record.request_id, record.tenant = rid, valid.tenant
+            record.request_id = rid
+            record.tenant_label = self.config.labels(valid.tenant)
             record.prompt_tokens = len(valid.prompt_token_ids)
             try:
                 slot = await self.callers.admit(caller, valid)

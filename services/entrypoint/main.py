@@ -17,6 +17,7 @@ from prometheus_client import disable_created_metrics
 
 from libs.common.grpc_server import add_health_and_reflection
 from libs.common.service import ServiceContext, run_service
+from libs.common.tenant_label import warn_if_unsalted
 from libs.proto.deepserve.v1 import generate_pb2, generate_pb2_grpc
 from libs.transport.keycaps import KeyCaps, open_redis
 
@@ -77,6 +78,7 @@ async def serve(config: EntrypointConfig, ctx: ServiceContext) -> int:
             "port %d may send requests as any tenant",
             config.grpc_port,
         )
+    warn_if_unsalted(config.handler.labels, log)
     nc = await ctx.connect_nats(drain_timeout=5.0)
     if nc is None:
         return 0

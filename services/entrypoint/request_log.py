@@ -3,23 +3,19 @@
 ``request req-1 ok: tenant=3f2a9c1b prompt=812 cached=768 completion=64 ttft=0.094s
 duration=1.210s attempts=1 trace=4bf92f3577b34da6a3ce929d0e0e4736`` (where decode speculated,
 `` drafted=90 verified=72 accepted=55`` after it); with ``--log-format json`` the same values
-are fields of the line's JSON object. The tenant appears only as the
-first 8 hex digits of its SHA-256 (as the recipe's metric labels), never its name or key.
+are fields of the line's JSON object. The tenant appears only as its label, the deployment's
+salted hash (``libs/common/tenant_label.py``: as the recipe's metric labels and access log),
+never its name or key.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 from libs.common.logs import FIELDS_ATTR
-
-
-def tenant_hash(tenant: str) -> str:
-    """First 8 hex digits of the tenant's SHA-256; "-" for a request without a tenant."""
-    return hashlib.sha256(tenant.encode()).hexdigest()[:8] if tenant else "-"
+from libs.common.tenant_label import NO_TENANT
 
 
 @dataclass
@@ -27,7 +23,7 @@ class RequestRecord:
     """Filled in as a call goes; logged once by :func:`log_request` when it ends."""
 
     request_id: str = "-"  # "-": refused before it had one
-    tenant: str = ""  # the verified tenant; only its hash is ever logged
+    tenant_label: str = NO_TENANT  # the verified tenant's label (never its name)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -40,7 +36,7 @@ class RequestRecord:
     def fields(self, outcome: str, duration_s: float) -> dict[str, Any]:
         return {
             "request_id": self.request_id,
-            "tenant_hash": tenant_hash(self.tenant),
+            "tenant_hash": self.tenant_label,
             "outcome": outcome,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,

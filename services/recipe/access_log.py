@@ -3,8 +3,9 @@
 ``http POST /v1/chat/completions 429 0.004s tenant=3f2a9c1b trace=4bf92f3577b34da6a3ce929d0e0e4736
 request=9a1f...`` -- the status the client got (``499``: it went away before a response
 started), the time from the request's arrival to the response's last byte (a stream's whole
-length), the tenant as the first 8 hex digits of its SHA-256 (``-``: no valid key, or no keys
-configured), the trace id and, where the response names one, the request id. With
+length), the tenant as its label -- the deployment's salted hash, as in the metrics and the
+entrypoint's request line (``libs/common/tenant_label.py``; ``-``: no valid key, or no keys
+configured) --, the trace id and, where the response names one, the request id. With
 ``--log-format json`` the same values are fields of the line's JSON object (``method``,
 ``path``, ``status``, ``latency_s``, ``tenant_hash``, ``trace_id``, ``request_id``). Query
 strings, keys and tenant names are never logged.
@@ -16,7 +17,6 @@ caller's ``traceparent`` when one came) and hands it to the handlers as the requ
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -27,6 +27,7 @@ from opentelemetry import trace
 from libs.common.auth import KeyTable
 from libs.common.logs import FIELDS_ATTR
 from libs.common.telemetry import extract_context, inject_traceparent, tracer
+from libs.common.tenant_label import UNSALTED, TenantLabels
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -37,17 +38,11 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 log = logging.getLogger("recipe.access")
 
 
-def tenant_hash(tenant: str | None) -> str:
-    """First 8 hex digits of the tenant's SHA-256, as the entrypoint's request line and the
-    recipe's metric labels name it; "-" for none (open API, missing or wrong key)."""
-    return hashlib.sha256(tenant.encode()).hexdigest()[:8] if tenant else "-"
-
-
 class AccessLog:
     """ASGI middleware around the API app: one ``recipe.access`` INFO line per HTTP request."""
 
-    def __init__(self, app: ASGIApp, keys: KeyTable) -> None:
-        self.app, self.keys = app, keys
+    def __init__(self, app: ASGIApp, keys: KeyTable, labels: TenantLabels = UNSALTED) -> None:
+        self.app, self.keys, self.labels = app, keys, labels
         self.tracer = tracer("recipe")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -97,7 +92,7 @@ class AccessLog:
         span: trace.Span,
         seen: dict[str, Any],
     ) -> None:
-        tenant = tenant_hash(self.keys.tenant(headers))
+        tenant = self.labels(self.keys.tenant(headers))
         trace_id = format(span.get_span_context().trace_id, "032x")
         fields = {
             "method": method,
@@ -122,6 +117,6 @@ class AccessLog:
         )
 
 
-def access_log(app: ASGIApp, keys: KeyTable) -> AccessLog:
+def access_log(app: ASGIApp, keys: KeyTable, labels: TenantLabels = UNSALTED) -> AccessLog:
     """``app`` with an access log line per request (services/recipe/main.py wraps the API)."""
-    return AccessLog(app, keys)
+    return AccessLog(app, keys, labels)

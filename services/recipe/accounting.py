@@ -19,12 +19,13 @@ from collections.abc import Mapping
 from prometheus_client import Counter
 
 from libs.common.auth import KeyTable
+from libs.common.tenant_label import UNSALTED, TenantLabels
 from libs.gateway.keylimits import Refusal, Slot, key_id
 from libs.transport.keycaps import KeyCaps
 
 from .answer import Answer
 from .api import APIError
-from .usage import UsageRecord, UsageSink, tenant_hash
+from .usage import UsageRecord, UsageSink
 
 
 def _too_many(refusal: Refusal) -> APIError:
@@ -91,12 +92,17 @@ class RequestAccount:
 
 class Accounting:
     """``limiter``: the keys' limits, shared by every replica when it holds a Redis client
-    (``libs/transport/keycaps.py``)."""
+    (``libs/transport/keycaps.py``); ``labels``: what the ``limited`` counter calls a tenant."""
 
     def __init__(
-        self, limiter: KeyCaps, keys: KeyTable, usage: UsageSink | None, limited: Counter
+        self,
+        limiter: KeyCaps,
+        keys: KeyTable,
+        usage: UsageSink | None,
+        limited: Counter,
+        labels: TenantLabels = UNSALTED,
     ) -> None:
-        self.keys, self.usage, self.limited = keys, usage, limited
+        self.keys, self.usage, self.limited, self.labels = keys, usage, limited, labels
         self.limiter = limiter
         self._leaving: set[asyncio.Task[None]] = set()
 
@@ -110,7 +116,7 @@ class Accounting:
         task.add_done_callback(self._leaving.discard)
 
     def refused(self, refusal: Refusal, tenant: str) -> None:
-        self.limited.labels(refusal.reason, tenant_hash(tenant)).inc()
+        self.limited.labels(refusal.reason, self.labels(tenant)).inc()
 
     async def admit(
         self, headers: Mapping[str, str], route: str, rid: str, tenant: str

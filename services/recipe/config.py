@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from libs.common.auth import KeyTable, load_keys
 from libs.common.config import ServiceConfig, check_port, common_flags, flag, service_config_from
 from libs.common.grpc_auth import add_service_token_flag
+from libs.common.tenant_label import add_tenant_label_flag, labels_from
 from libs.transport.keycaps import (
     SharedState,
     add_key_limit_flags,
@@ -224,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common_flags(p, SERVICE)
     add_service_token_flag(p)
+    add_tenant_label_flag(p)
     return p
 
 
@@ -247,6 +249,7 @@ def config_from(args: argparse.Namespace) -> RecipeConfig:
             encode_queue_bytes=args.encode_queue_bytes,
             keys=KeyTable(keys),
             key_limits=key_limit_policy(args, keys),
+            labels=labels_from(args),
         ),
         port=args.port,
         entrypoint_address=args.entrypoint_address,

@@ -7,7 +7,6 @@ instead; every output chunk is serialized *before* ``accumulate`` consumes it.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Collection
@@ -28,6 +27,7 @@ from libs.common.errors import (
     Unauthenticated,
     Unavailable,
 )
+from libs.common.tenant_label import UNSALTED, TenantLabels
 from libs.proto.deepserve.v1 import generate_pb2
 
 from .api import APIError, Protocol
@@ -158,13 +158,11 @@ class Job:
         return out
 
 
-def tenant_label(tenant: str) -> str:
-    """A tenant as a metrics label: the first 8 hex digits of its SHA-256 ("-" for none), so
-    scraped metrics never carry tenant names (STYLE 15); ``deepserve``'s operators can hash a
-    name to find its series."""
-    if tenant == "-":
-        return tenant
-    return hashlib.sha256(tenant.encode()).hexdigest()[:8]
+def tenant_label(tenant: str, labels: TenantLabels = UNSALTED) -> str:
+    """A tenant as a metrics label (``-`` for none): ``labels``' salted hash, so scraped metrics
+    never carry tenant names (STYLE 15). The app labels with its ``AppConfig.labels``; with no
+    secret configured that is :data:`UNSALTED`, this default."""
+    return labels(tenant)
 
 
 def error_response(proto: Protocol, err: APIError, request_id: str = "") -> JSONResponse:

@@ -9,8 +9,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/resp
 (``plan.py``); ``n > 1`` (Chat Completions, Completions) is one backend call per choice
 (``backend.py: Calls``), their output merged by :class:`~.answer.Answer` (``choices.py``).
 ``/metrics`` is not on this public port: the metrics are in the process's registry, which the
-ops port (``--http-port``) serves; their tenant label is a hash (:func:`tenant_label`), never
-the name.
+ops port (``--http-port``) serves; their tenant label is a salted hash
+(``libs/common/tenant_label.py``, ``AppConfig.labels``), never the name.
 Errors are mapped once, in the caller's protocol: bad input 400 (the library's message; also
 JSON nested too deep and a prompt surely longer than the context), bad key 401, unknown model
 404, body not sent within ``--body-timeout`` 408 (then the connection closes), body too large
@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from opentelemetry import trace
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -52,6 +51,7 @@ from starlette.types import Receive, Scope, Send
 from libs.common.auth import KeyTable
 from libs.common.errors import DeepserveError, Internal
 from libs.common.telemetry import extract_context, inject_traceparent, tracer
+from libs.common.tenant_label import TenantLabels
 from libs.gateway.keylimits import KeyLimitPolicy
 from libs.proto.deepserve.v1 import generate_pb2
 from libs.transport.keycaps import KeyCaps
@@ -61,7 +61,9 @@ from .answer import Answer
 from .api import COMPLETIONS, MESSAGES, APIError, Protocol
 from .backend import Calls, GenerateBackend, GenerateCall, merged
 from .encoding import Encoder
-from .events import api_error, error_response, tenant_label
+from .events import api_error, error_response
+from .events import tenant_label as tenant_label
+from .metrics import Metrics as Metrics
 from .plan import Plan, Planner
 from .pool import DEFAULT_QUEUE_BYTES, EncodePool
 from .usage import UsageSink
@@ -90,6 +92,8 @@ class AppConfig:
     # Per API key: concurrency cap and token rate (--key-max-concurrency, --key-tokens-per-min,
     # --key-limits); no effect on an open API (no keys configured).
     key_limits: KeyLimitPolicy = field(default_factory=KeyLimitPolicy)
+    # What logs and metrics call a tenant (--tenant-label-secret): a salted hash, never a name.
+    labels: TenantLabels = field(default_factory=TenantLabels)
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -112,53 +116,6 @@ class AppConfig:
             raise ValueError(
                 f"--encode-queue-bytes must be positive, got {self.encode_queue_bytes}"
             )
-
-
-class Metrics:
-    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
-        self.registry = registry
-        self.requests = Counter(
-            "deepserve_recipe_requests_total",
-            "HTTP requests by route, status and tenant (hashed: tenant_label)",
-            ["route", "status", "tenant"],
-            registry=registry,
-        )
-        self.latency = Histogram(
-            "deepserve_recipe_request_seconds",
-            "generation time, to the last byte",
-            ["stream"],
-            registry=registry,
-            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
-        )
-        self.ttft = Histogram(
-            "deepserve_recipe_time_to_first_token_seconds",
-            "request to first token",
-            registry=registry,
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-        )
-        self.tokens = Counter(
-            "deepserve_recipe_tokens_total",
-            "tokens by kind (prompt, cached, completion) and tenant (hashed: tenant_label)",
-            ["kind", "tenant"],
-            registry=registry,
-        )
-        self.disconnects = Counter(
-            "deepserve_recipe_client_disconnects_total",
-            "requests whose client went away before the answer ended",
-            registry=registry,
-        )
-        self.key_limited = Counter(
-            "deepserve_recipe_key_limited_total",
-            "requests refused with 429 by their API key's limit (reason: concurrency, tokens)",
-            ["reason", "tenant"],
-            registry=registry,
-        )
-        self.usage_records = Counter(
-            "deepserve_recipe_usage_records_total",
-            "usage records by outcome (published, dropped_queue_full, failed)",
-            ["outcome"],
-            registry=registry,
-        )
 
 
 class ClientGone(Exception):
@@ -210,7 +167,7 @@ class Frontend:
         self.planner = Planner(encoder, cfg.model_name, cfg.default_max_tokens, cfg.max_context)
         self.tracer = tracer("recipe")
         limiter = limiter or KeyCaps(cfg.key_limits)
-        self.accounting = Accounting(limiter, cfg.keys, usage, metrics.key_limited)
+        self.accounting = Accounting(limiter, cfg.keys, usage, metrics.key_limited, cfg.labels)
 
     # -- shared front half: auth, body, model, conversion ---------------------------------------
     def _tenant(self, request: Request) -> str:
@@ -291,7 +248,7 @@ class Frontend:
                 acct.end(status)  # a stream ends its account when it ends
         assert response is not None
         self.metrics.requests.labels(
-            proto.name, str(response.status_code), tenant_label(tenant)
+            proto.name, str(response.status_code), self.cfg.labels(tenant)
         ).inc()
         return response
 
@@ -312,7 +269,7 @@ class Frontend:
         except DeepserveError as exc:  # the encode pool is full
             response = error_response(MESSAGES, api_error(exc, self.cfg.retry_after_s), rid)
         self.metrics.requests.labels(
-            "count_tokens", str(response.status_code), tenant_label(tenant)
+            "count_tokens", str(response.status_code), self.cfg.labels(tenant)
         ).inc()
         return response
 
@@ -507,7 +464,7 @@ class Frontend:
             span.end()
 
     def _count(self, answer: Answer) -> None:
-        label = tenant_label(answer.tenant)
+        label = self.cfg.labels(answer.tenant)
         self.metrics.tokens.labels("prompt", label).inc(answer.prompt_tokens)
         self.metrics.tokens.labels("cached", label).inc(answer.cached_tokens)
         self.metrics.tokens.labels("completion", label).inc(answer.completion_tokens)

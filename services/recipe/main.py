@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 
 from libs.common.service import ServiceContext, run_service
+from libs.common.tenant_label import warn_if_unsalted
 from libs.transport.keycaps import KeyCaps, open_redis
 
 from .access_log import access_log
@@ -115,6 +116,7 @@ async def serve(cfg: RecipeConfig, ctx: ServiceContext) -> int:
             metrics.usage_records,
             ctx.stop,
             log,
+            labels=cfg.app.labels,
         )
         usage.start()
         ctx.stack.push_async_callback(usage.close, svc.drain_seconds)  # after uvicorn stopped
@@ -122,7 +124,7 @@ async def serve(cfg: RecipeConfig, ctx: ServiceContext) -> int:
         log.warning("--usage-stream is empty: no usage records are written")
     app = build_app(cfg.app, encoder, backend, metrics, pool, usage, limiter=_limiter(cfg, ctx))
     server = build_server(
-        access_log(app, cfg.app.keys),
+        access_log(app, cfg.app.keys, cfg.app.labels),
         svc.host,
         cfg.port,
         log_level=svc.log_level,
@@ -143,6 +145,7 @@ async def serve(cfg: RecipeConfig, ctx: ServiceContext) -> int:
         cfg.app.model_name,
         cfg.entrypoint_address,
     )
+    warn_if_unsalted(cfg.app.labels, log)
     keys = cfg.app.keys
     if keys.open:
         log.warning(

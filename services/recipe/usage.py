@@ -7,9 +7,10 @@ came: the prompt was admitted and its prefill paid for), however it ended: ``ok`
 a 503 at start) cost no model time and have no record.
 
 **Where.** Stream ``DEEPSERVE_USAGE`` (``--usage-stream``; file storage, so records survive a
-NATS restart), subject ``ds.usage.<tenant hash>`` (the first 8 hex digits of the tenant's
-SHA-256, as in metric labels: a subject never carries a tenant's name; the record does, so
-the stream must be as private as the rest of the serving network). Each message carries
+NATS restart), subject ``ds.usage.<tenant label>`` (the deployment's salted hash of the tenant,
+as in metric labels: a subject never carries a tenant's name; the record does, so the stream
+must be as private as the rest of the serving network; ``deepserve usage --tenant`` picks a
+tenant's records by the name in them). Each message carries
 ``Nats-Msg-Id: <request id>``, so a publish retried after a lost ack is stored once. The
 recipe creates the stream at start when it is missing; no retention limit is set (billing
 data: its age limit is the operator's choice, ``nats stream edit``).
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 from dataclasses import asdict, dataclass
@@ -40,6 +40,7 @@ from nats.js.errors import NotFoundError
 from prometheus_client import Counter
 
 from libs.common.natsutil import close_nats, connect_nats
+from libs.common.tenant_label import UNSALTED, TenantLabels
 
 STREAM = "DEEPSERVE_USAGE"
 SUBJECT_PREFIX = "ds.usage"
@@ -47,13 +48,9 @@ PUBLISH_TIMEOUT_S = 5.0
 PUBLISH_ATTEMPTS = 4  # then the record is dropped and counted (outcome="failed")
 
 
-def tenant_hash(tenant: str) -> str:
-    """The first 8 hex digits of the tenant's SHA-256 (as the recipe's metric labels)."""
-    return hashlib.sha256(tenant.encode()).hexdigest()[:8]
-
-
-def subject_of(tenant: str) -> str:
-    return f"{SUBJECT_PREFIX}.{tenant_hash(tenant)}"
+def subject_of(tenant: str, labels: TenantLabels = UNSALTED) -> str:
+    """The subject of ``tenant``'s records: its label, never its name."""
+    return f"{SUBJECT_PREFIX}.{labels(tenant)}"
 
 
 @dataclass(frozen=True)
@@ -130,8 +127,10 @@ class UsagePublisher:
         stop: asyncio.Event,
         log: logging.Logger,
         retry_wait_s: float = 1.0,
+        labels: TenantLabels = UNSALTED,
     ) -> None:
         self.nats_url, self.name, self.stream = nats_url, name, stream
+        self.labels = labels
         self.queue: asyncio.Queue[UsageRecord] = asyncio.Queue(queue_size)
         self.counter, self.stop, self.log = counter, stop, log
         self.retry_wait_s = retry_wait_s
@@ -171,7 +170,7 @@ class UsagePublisher:
         for attempt in range(PUBLISH_ATTEMPTS):
             try:
                 await js.publish(
-                    subject_of(record.tenant),
+                    subject_of(record.tenant, self.labels),
                     record.to_json(),
                     timeout=PUBLISH_TIMEOUT_S,
                     stream=self.stream,

@@ -32,7 +32,7 @@ from starlette.routing import Route
 from libs.common.errors import DeepserveError
 
 from .api import CHAT, APIError, invalid
-from .events import api_error, error_response, tenant_label
+from .events import api_error, error_response
 from .plan import decode_body
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ def utility_routes(front: Frontend) -> list[Route]:
             except DeepserveError as exc:  # the encode pool is full
                 response = error_response(CHAT, api_error(exc, cfg.retry_after_s), rid)
             front.metrics.requests.labels(
-                name, str(response.status_code), tenant_label(tenant)
+                name, str(response.status_code), front.cfg.labels(tenant)
             ).inc()
             return response
 

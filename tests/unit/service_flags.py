@@ -15,6 +15,7 @@ SECRET_ENVS = {  # docs/security.md: the secrets and their environment twins
     "DEEPSERVE_SERVICE_TOKEN",
     "DEEPSERVE_CACHE_SALT_SECRET",
     "DEEPSERVE_KV_MAC_KEY",
+    "DEEPSERVE_TENANT_LABEL_SECRET",
     "DEEPSERVE_API_KEYS",
 }
 

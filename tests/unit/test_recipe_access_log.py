@@ -5,7 +5,6 @@ JSON when JSON logging is asked."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import io
 import json
 import logging
@@ -17,6 +16,7 @@ from starlette.testclient import TestClient
 
 from libs.common.auth import KeyTable
 from libs.common.logs import formatter
+from libs.common.tenant_label import UNSALTED
 from libs.proto.deepserve.v1 import generate_pb2
 from services.recipe.access_log import access_log
 from services.recipe.encoding import PromptEncoder
@@ -26,7 +26,7 @@ from .recipe_fakes import MODEL, FakeBackend, FakeCall
 from .test_recipe import make_app
 
 KEYS = {"sk-acme-secret": "acme"}
-ACME = hashlib.sha256(b"acme").hexdigest()[:8]
+ACME = UNSALTED("acme")  # no --tenant-label-secret in these apps
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 
 

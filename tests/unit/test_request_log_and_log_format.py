@@ -3,7 +3,6 @@ the opt-in JSON log format of every service, and the OTLP warning."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import subprocess
@@ -14,11 +13,12 @@ import pytest
 
 from libs.common.config import ServiceConfig, common_flags, service_config_from
 from libs.common.logs import JsonFormatter
+from libs.common.tenant_label import UNSALTED
 from libs.proto.deepserve.v1 import control_pb2
 from tests.unit.test_entrypoint_handlers import FakeBus, FakeContext, greedy_events, make, req
 from tests.unit.test_entrypoint_retry import FULL, FlakyBus
 
-ACME_HASH = hashlib.sha256(b"acme").hexdigest()[:8]
+ACME_HASH = UNSALTED("acme")  # no --tenant-label-secret in these handlers
 
 
 def request_lines(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:

@@ -7,13 +7,19 @@ without it gets ``UNAUTHENTICATED`` before any handler runs. The token comes fro
 ``--service-token`` (``DEEPSERVE_SERVICE_TOKEN``): the same on every service of a deployment,
 known to nothing else; ``deepserve up`` makes one per stack. Without a token a server is open
 (local use) and says so at start.
+
+A front end calling with the service token on a client's behalf (the recipe) says which key and
+which protocol route the call serves in :class:`OnBehalf` metadata; the entrypoint believes it
+from the service caller only (``services/entrypoint/callers.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import hmac
+import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -23,6 +29,10 @@ from libs.common.config import flag
 
 EXEMPT = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 TOKEN_ENV = "DEEPSERVE_SERVICE_TOKEN"
+KEY_ID_METADATA = "x-deepserve-key-id"
+ROUTE_METADATA = "x-deepserve-route"
+_KEY_ID = re.compile(r"[0-9a-f]{8,64}")  # libs/gateway/keylimits.py: key_id
+_ROUTE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 
 def add_service_token_flag(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +54,45 @@ def bearer(metadata: Mapping[str, Any] | Iterable[tuple[str, Any]] | None) -> st
         if k.lower() == "authorization":
             return bearer_token(str(v))
     return None
+
+
+@dataclass(frozen=True)
+class OnBehalf:
+    """What a front end holding the service token says about the client a call serves: the
+    key id of the API key it authenticated (``""``: none, an open API) and the protocol route
+    (``chat_completions``, ``messages``...). Sent as call metadata beside the credential; worth
+    what the caller is worth, so only the service caller is believed."""
+
+    key_id: str = ""
+    route: str = ""
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return tuple(
+            (name, value)
+            for name, value in ((KEY_ID_METADATA, self.key_id), (ROUTE_METADATA, self.route))
+            if value
+        )
+
+    @classmethod
+    def from_metadata(
+        cls, metadata: Mapping[str, Any] | Iterable[tuple[str, Any]] | None
+    ) -> OnBehalf:
+        """The entries of a call's metadata; ValueError names one that is malformed."""
+        items = metadata.items() if isinstance(metadata, Mapping) else (metadata or ())
+        found = {
+            k.lower(): str(v) for k, v in items if k.lower() in (KEY_ID_METADATA, ROUTE_METADATA)
+        }
+        key_id, route = found.get(KEY_ID_METADATA, ""), found.get(ROUTE_METADATA, "")
+        if key_id and not _KEY_ID.fullmatch(key_id):
+            raise ValueError(f"metadata {KEY_ID_METADATA} must be 8-64 lowercase hex digits")
+        if route and not _ROUTE.fullmatch(route):
+            raise ValueError(
+                f"metadata {ROUTE_METADATA} must be a lowercase word of at most 32 characters"
+            )
+        return cls(key_id, route)
+
+
+ANONYMOUS = OnBehalf()
 
 
 def same_token(presented: str | None, expected: str) -> bool:

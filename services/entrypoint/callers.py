@@ -4,7 +4,9 @@
   alone, before the request body is read (a stranger's bytes are never parsed).
 * :meth:`Callers.authenticate` decides the tenant: an API key's own (whatever the request
   says), or the request's when the caller is the service (the recipe, which authenticated its
-  client and enforces that client's key limits itself).
+  client and enforces that client's key limits itself). The service caller also says, in
+  :class:`~libs.common.grpc_auth.OnBehalf` metadata, which key id and protocol route the call
+  serves, so the usage record names them; from an API-key caller that metadata is ignored.
 * :meth:`Callers.admit` holds the key's limits for an API-key caller (``libs/transport/
   keycaps.py``, shared with the recipe replicas through Redis: one key, one cap, on HTTP and
   gRPC alike): one generation of concurrency and ``prompt + max_tokens`` of its token rate;
@@ -22,8 +24,8 @@ from typing import Any
 import grpc
 
 from libs.common.auth import KeyTable
-from libs.common.errors import Overloaded, Unauthenticated
-from libs.common.grpc_auth import bearer, same_token, unread
+from libs.common.errors import InvalidArgument, Overloaded, Unauthenticated
+from libs.common.grpc_auth import OnBehalf, bearer, same_token, unread
 from libs.gateway.keylimits import Refusal, Slot, key_id
 from libs.gateway.policy import ValidRequest
 from libs.proto.deepserve.v1 import generate_pb2
@@ -37,15 +39,14 @@ GENERATE = "/deepserve.v1.Generate/"
 
 @dataclass(frozen=True)
 class Caller:
-    """An authenticated call: the request as it may be served (tenant set), and the key id of
-    the API key presented ("" for the service or an open API)."""
+    """An authenticated call: the request as it may be served (tenant set), the key id and
+    route its usage record names, and whether the key's limits are held here (``capped``: an
+    API key presented here; the service caller caps its own clients)."""
 
     request: generate_pb2.GenerateRequest
-    key_id: str = ""
-
-    @property
-    def route(self) -> str:
-        return "grpc" if self.key_id else "service"
+    key_id: str = ""  # the API key's id; the service caller's client's ("": none)
+    route: str = "service"  # grpc (an API key here), the service caller's route, or service
+    capped: bool = False
 
 
 class Callers:
@@ -73,26 +74,27 @@ class Callers:
     def authenticate(self, request: generate_pb2.GenerateRequest, context: Any) -> Caller:
         """The request as this caller may send it; raises Unauthenticated."""
         cfg = self.config
+        metadata = context.invocation_metadata() or ()
         if not cfg.api_keys and not cfg.service_token:
-            return Caller(request)  # open (local use): said at start
-        presented = bearer(context.invocation_metadata() or ())
+            return _for_service(request, metadata)  # open (local use): said at start
+        presented = bearer(metadata)
         if same_token(presented, cfg.service_token):
-            return Caller(request)
+            return _for_service(request, metadata)
         if cfg.api_keys and presented is not None:
             tenant = self.keys.tenant_of(presented)
             if tenant is not None:
                 kid = key_id(presented)
                 if request.tenant == tenant:
-                    return Caller(request, kid)
+                    return Caller(request, kid, "grpc", capped=True)
                 out = generate_pb2.GenerateRequest()
                 out.CopyFrom(request)
                 out.tenant = tenant
-                return Caller(out, kid)
+                return Caller(out, kid, "grpc", capped=True)
         raise self.refusal(presented)
 
     async def admit(self, caller: Caller, valid: ValidRequest) -> Slot | None:
         """The key's slot for an API-key caller (None for others); raises Overloaded."""
-        if not caller.key_id:
+        if not caller.capped:
             return None
         got = await self.caps.enter(caller.key_id)
         if isinstance(got, Refusal):
@@ -104,6 +106,15 @@ class Callers:
             await self.caps.leave(got, None)
             raise _overloaded(refusal)
         return got
+
+
+def _for_service(request: generate_pb2.GenerateRequest, metadata: Any) -> Caller:
+    """The service caller's call, with the key id and route it names (OnBehalf metadata)."""
+    try:
+        on = OnBehalf.from_metadata(metadata)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+    return Caller(request, on.key_id, on.route or "service")
 
 
 def _overloaded(refusal: Refusal) -> Overloaded:

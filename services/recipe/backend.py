@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from libs.common.errors import DeadlineExceeded
-from libs.common.grpc_auth import call_metadata
+from libs.common.grpc_auth import ANONYMOUS, OnBehalf, call_metadata
 from libs.common.grpc_errors import from_status
 from libs.proto.deepserve.v1 import generate_pb2, generate_pb2_grpc
 
@@ -41,10 +41,14 @@ class GenerateCall(Protocol):
 
 class GenerateBackend(Protocol):
     def generate(
-        self, request: generate_pb2.GenerateRequest, traceparent: str = ""
+        self,
+        request: generate_pb2.GenerateRequest,
+        traceparent: str = "",
+        on_behalf: OnBehalf = ANONYMOUS,
     ) -> GenerateCall:
         """Start a request; errors (also at start) surface while iterating, as a
-        :class:`~libs.common.errors.DeepserveError`."""
+        :class:`~libs.common.errors.DeepserveError`. ``on_behalf``: the client's key id and
+        the protocol route, which the entrypoint's usage record names."""
         ...
 
     async def check(self) -> tuple[bool, str]:
@@ -109,9 +113,14 @@ class GrpcGenerateBackend:
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
     def generate(
-        self, request: generate_pb2.GenerateRequest, traceparent: str = ""
+        self,
+        request: generate_pb2.GenerateRequest,
+        traceparent: str = "",
+        on_behalf: OnBehalf = ANONYMOUS,
     ) -> GenerateCall:
-        metadata = self._md + ((("traceparent", traceparent),) if traceparent else ())
+        # with the service credential the entrypoint believes the key id and route we name
+        metadata = self._md + on_behalf.metadata()
+        metadata += (("traceparent", traceparent),) if traceparent else ()
         call = self.stub.Generate(request, metadata=metadata or None)
         return _GrpcCall(call, self.address, self.first_event_timeout, self.event_timeout)
 

@@ -50,6 +50,7 @@ from starlette.types import Receive, Scope, Send
 
 from libs.common.auth import KeyTable
 from libs.common.errors import DeepserveError, Internal
+from libs.common.grpc_auth import OnBehalf
 from libs.common.telemetry import extract_context, inject_traceparent, tracer
 from libs.common.tenant_label import TenantLabels
 from libs.gateway.keylimits import KeyLimitPolicy
@@ -308,8 +309,11 @@ class Frontend:
         owner = "" if tenant == "-" else tenant
         with trace.use_span(span, end_on_exit=False):
             traceparent = inject_traceparent()
+        on_behalf = OnBehalf(acct.kid, proto.name)  # for the entrypoint's usage record
         call = Calls(
-            lambda i: self.backend.generate(plan.request(rid, i, owner, agent), traceparent)
+            lambda i: self.backend.generate(
+                plan.request(rid, i, owner, agent), traceparent, on_behalf
+            )
         )
         calls, events = call.calls, call.events
         handed_over = False

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 
 from libs.common.errors import DeepserveError
+from libs.common.grpc_auth import ANONYMOUS, OnBehalf
 from libs.common.grpc_errors import from_status
 from libs.proto.deepserve.v1 import common_pb2, generate_pb2
 from services.recipe.encoding import PromptEncoder
@@ -58,6 +59,7 @@ class FakeBackend:
         self.think_id = encoder.full.token_to_id("<think>")
         self.script: str | None = None
         self.requests: list[generate_pb2.GenerateRequest] = []
+        self.on_behalf: list[OnBehalf] = []  # what each call told the entrypoint
         self.calls: list[FakeCall] = []
         self.fail_at_start: DeepserveError | None = None
         self.fail_after: int | None = None  # raise UNAVAILABLE after this many token events
@@ -70,8 +72,14 @@ class FakeBackend:
             text = REASONING + "</think>" + text
         return self.encoder.full.encode(text, add_special_tokens=False).ids + [self.encoder.eos]
 
-    def generate(self, request: generate_pb2.GenerateRequest, traceparent: str = "") -> FakeCall:
+    def generate(
+        self,
+        request: generate_pb2.GenerateRequest,
+        traceparent: str = "",
+        on_behalf: OnBehalf = ANONYMOUS,
+    ) -> FakeCall:
         self.requests.append(request)
+        self.on_behalf.append(on_behalf)
         events: list[Any] = []
         if self.fail_at_start:
             events.append(self.fail_at_start)

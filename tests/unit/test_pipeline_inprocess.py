@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from libs.common import subjects
 from libs.common.errors import InstanceFailed, Unavailable
+from libs.common.grpc_auth import ANONYMOUS, OnBehalf
 from libs.common.grpc_errors import from_status
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig
@@ -108,7 +109,12 @@ class EntrypointBackend:
         self.entrypoint = entrypoint
         self.calls: list[_Call] = []
 
-    def generate(self, request: generate_pb2.GenerateRequest, traceparent: str = "") -> _Call:
+    def generate(
+        self,
+        request: generate_pb2.GenerateRequest,
+        traceparent: str = "",
+        on_behalf: OnBehalf = ANONYMOUS,
+    ) -> _Call:
         self.calls.append(_Call(self.entrypoint, request, traceparent))
         return self.calls[-1]
 

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from starlette.testclient import TestClient
 
 from libs.common.auth import KeyTable
+from libs.common.grpc_auth import ANONYMOUS, OnBehalf
 from libs.common.logs import formatter
 from libs.common.tenant_label import UNSALTED
 from libs.proto.deepserve.v1 import generate_pb2
@@ -37,9 +38,14 @@ class TracingBackend(FakeBackend):
         super().__init__(encoder)
         self.traceparents: list[str] = []
 
-    def generate(self, request: generate_pb2.GenerateRequest, traceparent: str = "") -> FakeCall:
+    def generate(
+        self,
+        request: generate_pb2.GenerateRequest,
+        traceparent: str = "",
+        on_behalf: OnBehalf = ANONYMOUS,
+    ) -> FakeCall:
         self.traceparents.append(traceparent)
-        return super().generate(request, traceparent)
+        return super().generate(request, traceparent, on_behalf)
 
 
 @pytest.fixture(scope="module")

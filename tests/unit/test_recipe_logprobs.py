@@ -12,6 +12,7 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
+from libs.common.grpc_auth import ANONYMOUS, OnBehalf
 from libs.proto.deepserve.v1 import common_pb2, generate_pb2
 from services.recipe.encoding import PromptEncoder
 from services.recipe.logprobs import FLOOR, clamp, token_text
@@ -43,8 +44,13 @@ class LogprobBackend(FakeBackend):
 
     bad_count = False  # send one logprob too many (a backend bug)
 
-    def generate(self, request: generate_pb2.GenerateRequest, traceparent: str = "") -> FakeCall:
-        call = super().generate(request, traceparent)
+    def generate(
+        self,
+        request: generate_pb2.GenerateRequest,
+        traceparent: str = "",
+        on_behalf: OnBehalf = ANONYMOUS,
+    ) -> FakeCall:
+        call = super().generate(request, traceparent, on_behalf)
         if not request.sampling.HasField("logprobs"):
             return call
         n, k = request.sampling.logprobs, 0

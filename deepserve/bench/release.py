@@ -214,7 +214,7 @@ def shard_name(index: int, count: int) -> str:
     return f"model-{index:05d}-of-{count:06d}.safetensors"
 
 
-def _split(names: list[str], sizes: Mapping[str, int], shards: int) -> list[list[str]]:
+def split_shards(names: list[str], sizes: Mapping[str, int], shards: int) -> list[list[str]]:
     """``names`` in order, cut into ``shards`` runs of about equal bytes (never empty)."""
     shards = max(1, min(shards, len(names)))
     target = sum(sizes.values()) / shards
@@ -249,7 +249,7 @@ def write_release(
     cfg = release_config(layout, config)
     tensors = release_tensors(layout, state)
     sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
-    runs = _split(list(tensors), sizes, shards or RELEASE_SHARDS[layout])
+    runs = split_shards(list(tensors), sizes, shards or RELEASE_SHARDS[layout])
     weight_map: dict[str, str] = {}
     for i, run in enumerate(runs, 1):
         name = shard_name(i, len(runs))

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from .block_scales import dequantize
 from .config import ModelConfig
 from .hub import resolve_model
 from .kernels.fp8_gemm import FP8_DTYPE, quantize_fp8_blocks
@@ -176,9 +177,6 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-_weight_files = weight_files  # v4/load.py's name for it
-
-
 def _iter_tensors(
     path: Path,
     wanted: Callable[[str], bool] = lambda name: True,
@@ -261,13 +259,7 @@ def _iter_tensors(
 
 
 def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    rows, cols = w.shape
-    s = (
-        scale_inv.float()
-        .repeat_interleave(_FP8_TILE, 0)[:rows]
-        .repeat_interleave(_FP8_TILE, 1)[:, :cols]
-    )
-    return w.float() * s
+    return dequantize(w, scale_inv)  # block_scales.py: 128x128 tiles, UE8M0 scales too
 
 
 def _target_name(name: str, cfg: ModelConfig, with_mtp: bool) -> str | None:

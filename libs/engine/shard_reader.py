@@ -57,7 +57,12 @@ _DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-for _name, _attr in (("F8_E8M0", "float8_e8m0fnu"), ("U16", "uint16"), ("U32", "uint32")):
+for _name, _attr in (
+    ("F8_E8M0", "float8_e8m0fnu"),
+    ("F4", "float4_e2m1fn_x2"),
+    ("U16", "uint16"),
+    ("U32", "uint32"),
+):
     if hasattr(torch, _attr):  # newer dtypes: absent from older torch builds
         _DTYPES[_name] = getattr(torch, _attr)
 
@@ -110,7 +115,10 @@ def read_header(path: Path) -> list[Entry]:
         if dtype is None:
             raise ShardFormatError(f"{path}: {name} has dtype {info.get('dtype')!r}")
         start, end = info["data_offsets"]
-        out.append(Entry(name, dtype, tuple(info["shape"]), base + start, base + end))
+        shape = tuple(info["shape"])
+        if info["dtype"] == "F4":  # the header counts e2m1 values; torch's dtype holds two a byte
+            shape = (*shape[:-1], shape[-1] // 2)
+        out.append(Entry(name, dtype, shape, base + start, base + end))
     return sorted(out, key=lambda e: e.start)
 
 

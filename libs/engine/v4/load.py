@@ -101,8 +101,9 @@ def load_v4(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
 ) -> V4ForCausalLM:
-    """A preset with seeded random weights, or a transformers-layout checkpoint directory
-    (its FP8 tensors, ``weight`` plus ``weight_scale_inv`` per 128x128 tile, dequantized)."""
+    """A preset with seeded random weights, or a checkpoint directory in DeepSeek's release
+    naming or transformers' (its block-scaled tensors -- FP8 e4m3 per 128x128 tile, the routed
+    experts' FP4 per 1x32 block, float32 or UE8M0 scales -- dequantized)."""
     device = torch.device(device)
     if model in V4_PRESETS:
         net = _build(V4Config.from_hf(V4_PRESETS[model]), device, dtype)
@@ -218,25 +219,32 @@ def canonical_name(name: str) -> str:
 
 
 def _read_state(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every tensor under our names; per-expert ``w1``/``w3``/``w2`` stacked into
-    ``gate_up_proj`` (gate rows, then up rows) and ``down_proj``."""
+    """Every tensor under our names, block-scaled ones (FP8 e4m3 or packed FP4, with their
+    ``weight_scale_inv`` in any shard) dequantized (:mod:`..block_scales`); per-expert
+    ``w1``/``w3``/``w2`` stacked into ``gate_up_proj`` (gate rows, then up rows) and
+    ``down_proj``."""
     from safetensors import safe_open
 
-    from ..loader import _dequant_fp8, _weight_files
+    from ..block_scales import dequantize
+    from ..loader import weight_files
 
+    files = weight_files(path)
+    scales: dict[str, torch.Tensor] = {}
+    for f in files:  # the scales first: a weight's may sit in another shard
+        with safe_open(str(f), framework="pt", device=str(device)) as st:
+            scales.update((k, st.get_tensor(k)) for k in st.keys() if k.endswith("_scale_inv"))
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-    for f in _weight_files(path):
+    for f in files:
         with safe_open(str(f), framework="pt", device=str(device)) as st:
-            keys = list(st.keys())
-            for k in keys:
+            for k in st.keys():
                 if k.endswith("_scale_inv"):
                     continue
                 t = st.get_tensor(k)
-                scale = f"{k}_scale_inv" if f"{k}_scale_inv" in keys else None
-                if scale and t.dim() != 2:
-                    raise ValueError(f"{f.name}: {k} is a {t.dim()}-D FP8 tensor; only 2-D load")
-                t = _dequant_fp8(t, st.get_tensor(scale)) if scale else t
+                scale = scales.get(f"{k}_scale_inv")
+                if scale is not None and t.dim() != 2:
+                    raise ValueError(f"{f.name}: {k} is a {t.dim()}-D scaled tensor; only 2-D load")
+                t = dequantize(t, scale) if scale is not None else t
                 name = canonical_name(k)
                 m = _EXPERT.match(name)
                 if m:

@@ -3,10 +3,13 @@ as Prometheus metrics. The policy itself is ``libs/gateway/{capacity,admission}.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import Counter, Gauge, Histogram
 
-from libs.gateway.capacity import DECODE, PREFILL, ROLES, Capacity, Load
+from libs.gateway.capacity import DECODE, PREFILL, ROLES, Capacity, Load, Need
 from libs.proto.deepserve.v1 import control_pb2
+from libs.routing.policy import resident_run
 
 ADMISSIONS = Counter(
     "deepserve_entrypoint_admission_total",
@@ -90,3 +93,25 @@ class AdmissionMetrics:
         for key in self._shown - shown:
             ENGINE_BUSY.remove(*key)
         self._shown = shown
+
+
+def need_of(
+    capacity: Capacity | None,
+    resident: Mapping[str, frozenset[bytes]],
+    block_size: int,
+    prompt: tuple[int, ...],
+    hashes: list[bytes],
+    cached_blocks: int,
+    max_tokens: int,
+) -> Need:
+    """What a request takes: its uncached tokens are those neither the kvstore
+    (``cached_blocks``) nor the best prefill instance's GPU cache (``resident``: each prefill
+    instance's heartbeat summary) holds -- the balancer routes a prompt to the instance that
+    has its prefix."""
+    live = capacity.candidates(PREFILL) if capacity is not None else []
+    best = max(
+        (resident_run(resident[p.instance_id], hashes) for p in live if p.instance_id in resident),
+        default=0,
+    )
+    cached = min(max(cached_blocks, best) * block_size, len(prompt))
+    return Need(len(prompt), len(prompt) - cached, max_tokens)

@@ -96,6 +96,20 @@ def outcome_of(exc: DeepserveError) -> str:
     return "error" if isinstance(exc, Internal) else "invalid"
 
 
+def give_up(rid: str, exc: Exception, attempt: int, sent: int, exact: bool) -> str:
+    """Why a call failed for good after ``attempt`` attempts with ``sent`` tokens sent."""
+    if sent and not exact:
+        why = (
+            f"{sent} tokens were already sent and unseeded sampling cannot be continued "
+            "exactly: a resumed attempt keeps the grammar, penalties and stop state, but its "
+            "draws would not be the ones the failed instance would have made (set a seed "
+            "for exact failover)"
+        )
+    else:
+        why = f"after {attempt} attempt{'s' if attempt > 1 else ''}"
+    return f"request {rid} failed: {exc} ({why}); retry"
+
+
 def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex}"
 

@@ -1,7 +1,9 @@
 """``deepserve.v1.Generate``: validate, look up the cached prefix, route, relay token events.
 
 The handler talks to the world through two small interfaces, :class:`Bus` (NATS in
-production) and :class:`PrefixLookup` (the kvstore), so tests drive it with in-process fakes.
+production) and :class:`PrefixLookup` (the kvstore), so tests drive it with in-process fakes;
+an attempt's calls upstream (salt, lookup, route, task, abort) are ``upstream.py``'s, who may
+call and what it is billed ``callers.py``'s, token events and resends ``receive.py``'s.
 Inner code raises the kinds of :mod:`libs.common.errors`; :meth:`Generate` maps them to a gRPC
 status once (:func:`libs.common.grpc_errors.abort`).
 """
@@ -12,15 +14,12 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, cast
 
-from google.protobuf.message import DecodeError
 from opentelemetry import trace
-from prometheus_client import Counter, Gauge, Histogram
 
 from libs.common import grpc_errors, subjects
 from libs.common.errors import (
@@ -30,10 +29,9 @@ from libs.common.errors import (
     Overloaded,
     Unavailable,
 )
-from libs.common.hashchain import chain_hashes, tenant_salt
 from libs.common.telemetry import extract_context, inject_traceparent, tracer
 from libs.gateway.admission import Admission, Grant
-from libs.gateway.capacity import PREFILL, Capacity, CapacityConfig, Need
+from libs.gateway.capacity import Capacity, CapacityConfig, Need
 from libs.gateway.policy import (
     Finish,
     Output,
@@ -42,7 +40,6 @@ from libs.gateway.policy import (
     RequestStream,
     Tokens,
     ValidRequest,
-    lookup_prefix,
     validate_request,
 )
 from libs.gateway.retry import (
@@ -59,10 +56,9 @@ from libs.proto.deepserve.v1 import (
     generate_pb2,
     generate_pb2_grpc,
 )
-from libs.routing.policy import resident_run
 from libs.transport.keycaps import KeyCaps
 
-from .admission import AdmissionMetrics, load_from_status
+from .admission import AdmissionMetrics, load_from_status, need_of
 from .callers import CallAccount, Callers
 from .contracts import Bus as Bus
 from .contracts import BusUnavailable as BusUnavailable
@@ -71,61 +67,27 @@ from .contracts import PrefixLookup as PrefixLookup
 from .contracts import Resender as Resender
 from .contracts import ResendFailed as ResendFailed
 from .contracts import Subscription as Subscription
-from .delivery import TaskSender, deliver
+from .delivery import TaskSender
 from .handler_config import HandlerConfig as HandlerConfig
-from .handler_config import attempt_id, new_request_id, outcome_of, to_proto
+from .handler_config import attempt_id, give_up, new_request_id, outcome_of, to_proto
 from .ledger import Ledger
+from .metrics import (
+    INFLIGHT,
+    REJECTED,
+    REQUEST_SECONDS,
+    REQUESTS,
+    RETRIES,
+    RETRY_AFTER,
+    TOKENS,
+    TTFT_SECONDS,
+)
 from .receive import EventReader, Refill
 from .request_log import RequestRecord, log_request
 from .request_metrics import RequestMetrics, RequestTimes, finished_reason
+from .upstream import Upstream
 
 log = logging.getLogger("entrypoint")
 TRACER = tracer("entrypoint")
-
-REQUESTS = Counter("deepserve_entrypoint_requests_total", "Generate calls by outcome", ["outcome"])
-INFLIGHT = Gauge("deepserve_entrypoint_inflight_requests", "Generate calls in progress")
-REQUEST_SECONDS = Histogram(
-    "deepserve_entrypoint_request_seconds",
-    "Generate call duration",
-    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
-)
-TTFT_SECONDS = Histogram(
-    "deepserve_entrypoint_time_to_first_token_seconds",
-    "From the call to the first token sent",
-    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-)
-TOKENS = Counter("deepserve_entrypoint_tokens_total", "Tokens by kind", ["kind"])
-RETRIES = Counter(
-    "deepserve_entrypoint_retries_total",
-    "failed attempts by what followed (fresh, continue, gave_up)",
-    ["action"],
-)
-REJECTED = Counter(
-    "deepserve_entrypoint_rejected_total",
-    "requests refused with RESOURCE_EXHAUSTED (no capacity within --admit-wait, or queue full)",
-)
-RETRY_AFTER = Histogram(
-    "deepserve_entrypoint_retry_after_seconds",
-    "retry hints sent with RESOURCE_EXHAUSTED (from the measured drain rates)",
-    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
-)
-TASK_COPIES = Counter(
-    "deepserve_entrypoint_prefill_task_copies_total",
-    "PrefillTasks sent again: not confirmed (a NATS outage, the instance not subscribed yet)",
-)
-LOOKUP_ERRORS = Counter(
-    "deepserve_entrypoint_kvstore_lookup_errors_total",
-    "kvstore lookups that failed (treated as a miss)",
-)
-
-# Route requests carry the leading chain digests for cache-aware routing; 256 blocks (32K
-# tokens, 8 KiB) say where a prompt's prefix lives without shipping a 160K-token chain.
-MAX_ROUTE_HASHES = 256
-# Between two route requests answered "no instance" just after a NATS outage (heartbeats
-# come every 1 s; the bus settles for 3 s).
-ROUTE_RETRY_PAUSE_S = 0.25
-# Hash long prompts off the event loop: 160K tokens take ~20 ms of SHA-256 and packing.
-INLINE_HASH_TOKENS = 16384
 
 
 @dataclass
@@ -149,22 +111,15 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         caps: KeyCaps | None = None,
         ledger: Ledger | None = None,
     ) -> None:
-        self.config, self.bus, self.kv, self.liveness = config, bus, kv, liveness
-        self.resender = resender
+        self.config, self.liveness, self.resender = config, liveness, resender
+        # the kvstore, the balancer and prefill, as one attempt calls them
+        self.upstream = Upstream(config, bus, kv, tasks)
         self.reader = EventReader(config, resender)
         # an API key's limits (shared through Redis when caps holds a client) and usage records
         self.callers = Callers(config, caps or KeyCaps(config.key_limits))
         self.ledger = ledger
-        self.tasks = tasks  # None: tasks are published once (an in-process bus loses none)
         self.draining = False
         self._active: set[str] = set()
-        self._salt_secret = config.salt_secret or secrets.token_bytes(32)
-        if not config.salt_secret:
-            log.warning(
-                "no --cache-salt-secret: tenants' cache names use a random secret of this "
-                "process (cached prefixes will not survive a restart or match other entrypoints)"
-            )
-        self._salts: dict[str, bytes] = {}
         # prefill instance -> its heartbeat's resident-prefix summary (first bytes of digests)
         self._resident: dict[str, frozenset[bytes]] = {}
         self.capacity = (
@@ -206,6 +161,14 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         if status.role == control_pb2.ROLE_PREFILL:
             self._resident[status.instance_id] = frozenset(status.resident_prefixes)
         self.admission.wake()
+
+    @property
+    def bus(self) -> Bus:
+        return self.upstream.bus
+
+    @bus.setter
+    def bus(self, bus: Bus) -> None:
+        self.upstream.bus = bus
 
     @property
     def inflight(self) -> int:
@@ -338,7 +301,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                     if action is Action.FAIL:
                         RETRIES.labels("gave_up").inc()
                         raise Unavailable(
-                            self._give_up(rid, exc, attempt, len(progress.sent), exact)
+                            give_up(rid, exc, attempt, len(progress.sent), exact)
                         ) from None
                     RETRIES.labels(action.value).inc()
                     progress.exclude(exc.instances)
@@ -361,36 +324,13 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                 self.admission.release(admitted.grant)
             span.end()
 
-    @staticmethod
-    def _give_up(rid: str, exc: AttemptFailed, attempt: int, sent: int, exact: bool) -> str:
-        if sent and not exact:
-            why = (
-                f"{sent} tokens were already sent and unseeded sampling cannot be continued "
-                "exactly: a resumed attempt keeps the grammar, penalties and stop state, but its "
-                "draws would not be the ones the failed instance would have made (set a seed "
-                "for exact failover)"
-            )
-        else:
-            why = f"after {attempt} attempt{'s' if attempt > 1 else ''}"
-        return f"request {rid} failed: {exc} ({why}); retry"
-
     def _need(
         self, prompt: tuple[int, ...], hashes: list[bytes], cached_blocks: int, max_tokens: int
     ) -> Need:
-        """What the request takes: its uncached tokens are those neither the kvstore nor the
-        best prefill instance's GPU cache (its heartbeat's resident summary) holds -- the
-        balancer routes a prompt to the instance that has its prefix."""
-        live = self.capacity.candidates(PREFILL) if self.capacity is not None else []
-        best = max(
-            (
-                resident_run(self._resident[p.instance_id], hashes)
-                for p in live
-                if p.instance_id in self._resident
-            ),
-            default=0,
-        )
-        cached = min(max(cached_blocks, best) * self.config.limits.block_size, len(prompt))
-        return Need(len(prompt), len(prompt) - cached, max_tokens)
+        return need_of(
+            self.capacity, self._resident, self.config.limits.block_size,
+            prompt, hashes, cached_blocks, max_tokens,
+        )  # fmt: skip
 
     async def _admit_attempt(self, admitted: _Admitted, need: Need, tenant: str) -> Grant:
         """The first attempt waits its turn in ``tenant``'s queue (or is refused); a retry is
@@ -423,12 +363,13 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         prompt = progress.attempt_prompt
         generated = 0  # tokens of this attempt seen so far
         try:
-            salt = self._salt(valid.tenant)
-            hashes = await self._hashes(prompt, salt)
-            cached_blocks = await self._lookup(wire, hashes)
+            up = self.upstream
+            salt = up.salt(valid.tenant)
+            hashes = await up.hashes(prompt, salt)
+            cached_blocks = await up.lookup(wire, hashes)
             need = self._need(prompt, hashes, cached_blocks, progress.remaining)
             grant = await self._admit_attempt(admitted, need, valid.tenant)
-            decision = await self._route(
+            decision = await up.route(
                 valid, wire, len(prompt), hashes, cached_blocks, progress.excluded, grant.avoid
             )
             self.admission.bind(grant, decision.prefill_instance, decision.decode_instance)
@@ -460,7 +401,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                 traceparent=traceparent,
             )
             try:
-                await self._send_task(decision.prefill_instance, task.SerializeToString())
+                await up.send_task(decision.prefill_instance, task.SerializeToString())
             except AttemptFailed:
                 abort_reason = "instance failed"
                 raise
@@ -503,111 +444,8 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             if sub is not None:
                 if not finished_upstream:
                     log.info("request %s: aborting upstream (%s)", wire, abort_reason)
-                    self._spawn(self._abort_upstream(wire, abort_reason))
+                    self._spawn(self.upstream.abort(wire, abort_reason))
                 await sub.close()
-
-    def _salt(self, tenant: str) -> bytes:
-        """The tenant's cache salt: a keyed hash, never the tenant's name."""
-        salt = self._salts.get(tenant)
-        if salt is None:
-            if len(self._salts) >= 65_536:
-                self._salts.clear()
-            salt = self._salts[tenant] = tenant_salt(self._salt_secret, tenant)
-        return salt
-
-    async def _hashes(self, prompt: tuple[int, ...], salt: bytes) -> list[bytes]:
-        size = self.config.limits.block_size
-        prefix = prompt[: lookup_prefix(len(prompt), size)]
-        if len(prefix) <= INLINE_HASH_TOKENS:
-            return chain_hashes(prefix, size, salt=salt)
-        return await asyncio.to_thread(chain_hashes, prefix, size, salt)
-
-    async def _lookup(self, rid: str, hashes: list[bytes]) -> int:
-        if not hashes:
-            return 0
-        try:
-            return await self.kv.lookup(hashes)
-        except LookupFailed:
-            LOOKUP_ERRORS.inc()
-            return 0
-
-    async def _route(
-        self,
-        valid: ValidRequest,
-        rid: str,
-        prompt_tokens: int,
-        hashes: list[bytes],
-        cached_blocks: int,
-        exclude: list[str],
-        avoid: tuple[str, ...] = (),
-    ) -> control_pb2.RouteDecision:
-        """Ask a balancer; ``avoid`` (instances admission found full) is excluded too, unless
-        the balancer then finds nothing (its view of the instances may differ from ours)."""
-        req = control_pb2.RouteRequest(
-            request_id=rid,
-            model=valid.model,
-            prompt_tokens=prompt_tokens,
-            cached_blocks=cached_blocks,
-            block_hashes=hashes[:MAX_ROUTE_HASHES],
-            exclude=[*exclude, *(i for i in avoid if i not in exclude)],
-        )
-        decision = await self._ask_balancer(req)
-        if (decision.error or not decision.prefill_instance) and len(req.exclude) > len(exclude):
-            del req.exclude[:]
-            req.exclude.extend(exclude)
-            decision = await self._ask_balancer(req)
-        while (decision.error or not decision.prefill_instance) and self._bus_settling():
-            # Just after a NATS outage the balancer has not heard the instances again yet
-            # (heartbeats every 1 s): ask again while the bus settles (a few seconds).
-            await asyncio.sleep(ROUTE_RETRY_PAUSE_S)
-            decision = await self._ask_balancer(req)
-        if decision.error or not decision.prefill_instance:
-            raise Unavailable(
-                f"no instance can take the request: {decision.error or 'empty decision'}"
-            )
-        return decision
-
-    def _bus_settling(self) -> bool:
-        return self.tasks is not None and self.tasks.settling()
-
-    async def _ask_balancer(self, req: control_pb2.RouteRequest) -> control_pb2.RouteDecision:
-        try:
-            reply = await self.bus.request(
-                subjects.ROUTE, req.SerializeToString(), self.config.route_timeout
-            )
-        except Unavailable as exc:
-            raise Unavailable(f"no balancer answered ({exc}); retry in a few seconds") from None
-        try:
-            decision = cast(control_pb2.RouteDecision, control_pb2.RouteDecision.FromString(reply))
-        except DecodeError:
-            raise Internal("the balancer sent an unreadable reply") from None
-        return decision
-
-    async def _send_task(self, instance: str, data: bytes) -> None:
-        """The PrefillTask to ``instance``: until it confirms a copy where the bus can tell
-        (``delivery.py``: a task sent during a NATS outage or just after it would be lost);
-        raises AttemptFailed if nothing takes the instance's tasks for instance_dead_after."""
-        subject = subjects.prefill_task(instance)
-        if self.tasks is None:
-            await self.bus.publish(subject, data)
-            return
-        _, copies = await deliver(
-            self.tasks,
-            subject,
-            data,
-            instance=instance,
-            ack_timeout=self.config.task_ack_timeout,
-            gone_after=self.config.instance_dead_after,
-        )
-        TASK_COPIES.inc(copies - 1)
-
-    async def _abort_upstream(self, rid: str, reason: str) -> None:
-        try:
-            await self.bus.publish(
-                subjects.ABORT, control_pb2.Abort(request_id=rid, reason=reason).SerializeToString()
-            )
-        except Exception as exc:  # noqa: BLE001 - best effort; instances also time requests out
-            log.warning("request %s: could not publish abort: %s", rid, exc)
 
     def _spawn(self, coro: Any) -> None:
         # Not awaited inline: the caller may be a cancelled task, and the abort must still go out.

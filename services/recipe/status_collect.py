@@ -33,7 +33,7 @@ from .status import Counters, Scrape, StatusBoard, parse_metrics
 
 # The most the metrics text of one ops port may be (an entrypoint's is ~10 KB).
 MAX_METRICS_BYTES = 1 << 20
-RETRIES = "deepserve_entrypoint_retries_total"  # services/entrypoint/handlers.py
+RETRIES = "deepserve_entrypoint_retries_total"  # services/entrypoint/metrics.py
 DEGRADED_READS = "deepserve:kvstore_degraded_reads_total"  # services/kvstore/metrics.py
 
 

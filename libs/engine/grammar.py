@@ -11,11 +11,18 @@ token the engine commits; before a step, :meth:`GrammarBackend.masks` fills one 
 constrained sequence, which the sampler applies after penalties and before the draw. A
 finished grammar allows only the end-of-sequence tokens, so a constrained request ends by
 itself once its output is complete.
+
+Bounded compilation: with a :class:`~.grammar_probe.GrammarBudget` (:meth:`GrammarBackend.limit`;
+a service sets it from ``--grammar-compile-seconds`` and ``--grammar-memory-mib``), a
+constraint not compiled yet is first compiled in a probe process that is killed past the
+budget (:class:`~.grammar_probe.GrammarLimitError`, naming the limit), and only then in this
+process. ``EngineLoop.add`` compiles in a worker thread before the engine sees the request, so
+the engine thread's :meth:`GrammarBackend.start` finds the grammar in the cache.
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 import logging
 import threading
 from collections import OrderedDict
@@ -26,16 +33,19 @@ import torch
 
 from libs.common.sampling import Constraint
 
+from .grammar_compile import Compilers, GrammarError, build_views, reason_of
+from .grammar_probe import GrammarBudget, GrammarLimitError, ProbePool, over_memory
+
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
+
+__all__ = ["GrammarBackend", "GrammarBudget", "GrammarError", "GrammarLimitError"]
 
 log = logging.getLogger(__name__)
 
 _CACHE = 128  # compiled grammars kept (least recently used go first)
-
-
-class GrammarError(ValueError):
-    """The constraint does not compile (a bad schema, regex or grammar)."""
+_CACHE_BYTES = 1 << 30  # and at most this much of them (a 5,000-string enum is ~52 MB)
+_VERDICTS = 4096  # constraints the probes judged, remembered by digest
 
 
 class GrammarBackend:
@@ -52,62 +62,95 @@ class GrammarBackend:
         stop_token_ids: Sequence[int],
         threads: int = 2,
     ) -> None:
-        import xgrammar as xgr  # the engine's processes only; imported when a request needs it
-
-        plain, markup = vocabulary_views(tokenizer, vocab_size, stop_token_ids)
-        self._xgr = xgr
+        self._compilers = Compilers(
+            vocabulary_views(tokenizer, vocab_size, stop_token_ids), threads
+        )
+        self._xgr = self._compilers.xgr
         self.vocab_size = vocab_size
-        self.compiler = xgr.GrammarCompiler(plain, max_threads=threads)
-        self.markup_compiler = xgr.GrammarCompiler(markup, max_threads=threads)
+        self._source = (tokenizer, tuple(int(t) for t in stop_token_ids))  # for the probes
         self._compiled: OrderedDict[Constraint, Any] = OrderedDict()
+        self._compiled_bytes = 0
         self._lock = threading.Lock()  # compile() may run off the engine thread (validation)
         self._matchers: dict[str, Any] = {}
+        self.budget: GrammarBudget | None = None
+        self._probes: ProbePool | None = None
+        # digest of (kind, spec) -> the refusal ("" : fits), so a schema is judged once
+        self._verdicts: OrderedDict[bytes, tuple[type[GrammarError], str]] = OrderedDict()
+
+    def limit(self, budget: GrammarBudget | None, *, warm: bool = False) -> None:
+        """Bound every compile from now on (None: unbounded, the library's default); ``warm``
+        starts a probe process now rather than at the first new constraint. Grammars already
+        compiled stay cached."""
+        tokenizer, stops = self._source
+        probes = None
+        if budget is not None:
+            text = tokenizer if isinstance(tokenizer, str) else tokenizer.to_str()
+            probes = ProbePool(text, self.vocab_size, stops, budget)
+            if warm:
+                probes.warm()
+        with self._lock:
+            old, self._probes, self.budget = self._probes, probes, budget
+            self._verdicts.clear()
+        if old is not None:
+            old.close()
+
+    def close(self) -> None:
+        """Stop the probe processes (they also end when this process does)."""
+        self.limit(None)
 
     # -- compile --------------------------------------------------------------------------------
     def compile(self, c: Constraint) -> Any:
         """The compiled grammar of ``c`` (cached); raises :class:`GrammarError` with the
-        library's reason when it does not compile."""
+        library's reason when it does not compile, :class:`GrammarLimitError` naming the limit
+        when it does not within the budget (:meth:`limit`). Blocks for as long as compiling
+        takes: call it off the engine thread for a constraint that may be new."""
         with self._lock:
             hit = self._compiled.get(c)
             if hit is not None:
                 self._compiled.move_to_end(c)
                 return hit
+            budget, probes = self.budget, self._probes
+        if probes is not None and c.kind != "json":  # "json": our own fixed schema
+            self._vet(c, probes)
         try:
-            compiled = self._compile(c)
-        except (RuntimeError, ValueError, TypeError) as exc:
-            reason = str(exc).splitlines()[-1] if str(exc) else type(exc).__name__
+            compiled = self._compilers.compile(c.kind, c.spec)
+        except (RuntimeError, ValueError, TypeError, KeyError) as exc:
             raise GrammarError(
-                f"constraint of kind {c.kind!r} does not compile: {reason}"
+                f"constraint of kind {c.kind!r} does not compile: {reason_of(exc)}"
             ) from None
+        size = int(compiled.memory_size_bytes)
+        if budget is not None and size > budget.memory_bytes:  # the probe said so already
+            raise over_memory(c.kind, budget, size)
         with self._lock:
-            self._compiled[c] = compiled
-            while len(self._compiled) > _CACHE:
-                self._compiled.popitem(last=False)
+            if c not in self._compiled:
+                self._compiled[c] = compiled
+                self._compiled_bytes += size
+            while len(self._compiled) > 1 and (
+                len(self._compiled) > _CACHE or self._compiled_bytes > _CACHE_BYTES
+            ):
+                _, old = self._compiled.popitem(last=False)
+                self._compiled_bytes -= int(old.memory_size_bytes)
         return compiled
 
-    def _compile(self, c: Constraint) -> Any:
-        xgr = self._xgr
-        comp = self.markup_compiler if c.kind in ("ebnf", "tool_call") else self.compiler
-        if c.kind == "json_schema":
-            return comp.compile_json_schema(c.spec, any_whitespace=False)
-        if c.kind == "json":
-            return comp.compile_json_schema('{"type": "object"}', any_whitespace=False)
-        if c.kind == "regex":
-            return comp.compile_regex(c.spec)
-        if c.kind == "ebnf":
-            return comp.compile_grammar(c.spec)
-        # tool_call: one tool's begin text, its JSON arguments, its end text.
-        tools = json.loads(c.spec)["tools"]
-        options = [
-            xgr.Grammar.concat(
-                _literal(xgr, t.get("begin", "")),
-                xgr.Grammar.from_json_schema(json.dumps(t.get("schema", {})), any_whitespace=False),
-                _literal(xgr, t.get("end", "")),
-            )
-            for t in tools
-        ]
-        grammar = options[0] if len(options) == 1 else xgr.Grammar.union(*options)
-        return comp.compile_grammar(grammar)
+    def _vet(self, c: Constraint, probes: ProbePool) -> None:
+        """Compile ``c`` in a probe under the budget first; raise its refusal (remembered, so
+        the same schema again is refused at once and one that fitted is not probed again)."""
+        key = hashlib.sha256(f"{c.kind}\0{c.spec}".encode()).digest()
+        with self._lock:
+            verdict = self._verdicts.get(key)
+        if verdict is None:
+            try:
+                probes.check(c.kind, c.spec)
+                verdict = (GrammarError, "")
+            except GrammarError as exc:  # GrammarLimitError included
+                verdict = (type(exc), str(exc))
+            with self._lock:
+                self._verdicts[key] = verdict
+                while len(self._verdicts) > _VERDICTS:
+                    self._verdicts.popitem(last=False)
+        kind, message = verdict
+        if message:
+            raise kind(message)
 
     # -- requests -------------------------------------------------------------------------------
     def start(self, request_id: str, c: Constraint, outputs: Sequence[int]) -> None:
@@ -201,52 +244,11 @@ def vocabulary_views(
         if hit is not None and (isinstance(tokenizer, str) or hit[0] is tokenizer):
             _VIEWS.move_to_end(key)
             return hit[1]
-        views = _build_views(tokenizer, vocab_size, key[2])
+        views = build_views(tokenizer, vocab_size, key[2])
         _VIEWS[key] = (tokenizer, views)
         while len(_VIEWS) > _VIEWS_KEPT:
             _VIEWS.popitem(last=False)
         return views
-
-
-def _build_views(
-    tokenizer: str | Tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]
-) -> tuple[Any, Any]:
-    import xgrammar as xgr
-    from tokenizers import Tokenizer
-
-    if isinstance(tokenizer, str):
-        tokenizer_json, tok = tokenizer, Tokenizer.from_str(tokenizer)
-    else:
-        tokenizer_json, tok = tokenizer.to_str(), tokenizer
-    plain = [""] * vocab_size
-    markup = [""] * vocab_size
-    # Two views of the vocabulary. JSON, JSON-schema and regex constraints see added tokens
-    # (control and chat markup: BOS, placeholders, thinking and tool tags) as empty, which
-    # xgrammar never matches: such an output holds plain text only (a JSON string could
-    # otherwise contain a control token). EBNF and tool-call constraints see them by their
-    # text, so a grammar can require chat markup (a DSML tool call) as the single tokens
-    # the model emits; their literals decide where. The stop tokens end either.
-    added = tok.get_added_tokens_decoder()
-    for text, i in tok.get_vocab(with_added_tokens=True).items():
-        if i < vocab_size:
-            markup[i] = added[i].content if i in added else text
-            plain[i] = "" if i in added else text
-    meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer_json)
-
-    def info(encoded: list[str]) -> Any:
-        return xgr.TokenizerInfo(
-            encoded,
-            vocab_type=meta["vocab_type"],
-            vocab_size=vocab_size,
-            stop_token_ids=list(stop_token_ids),
-            add_prefix_space=meta["add_prefix_space"],
-        )
-
-    return info(plain), info(markup)
-
-
-def _literal(xgr: Any, text: str) -> Any:
-    return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}" if text else 'root ::= ""')
 
 
 def apply_masks(logits: torch.Tensor, masks: tuple[list[int], torch.Tensor]) -> None:

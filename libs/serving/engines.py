@@ -8,6 +8,7 @@ from .model_flags import ModelFlags
 
 if TYPE_CHECKING:
     from libs.engine.engine import Engine
+    from libs.engine.grammar_probe import GrammarBudget
 
 
 def build_engine(flags: ModelFlags) -> Engine:
@@ -35,7 +36,7 @@ def build_engine(flags: ModelFlags) -> Engine:
     return engine
 
 
-def warm_grammar(engine: Engine) -> float:
+def warm_grammar(engine: Engine, budget: GrammarBudget | None = None) -> float:
     """Build what structured outputs need over the whole vocabulary before the first request:
     the engine's grammar backend (xgrammar's views of the 129K-token vocabulary: 1-6 s on a
     busy CPU; built by the first constrained request, it ran on the service's event loop and
@@ -43,7 +44,8 @@ def warm_grammar(engine: Engine) -> float:
     device (a Triton JIT on CUDA, per row-count specialization). Seconds it took.
 
     Called in the thread that loads the model, before the service reports ready. What a
-    constraint of its own costs (compiling its schema) stays per request."""
+    constraint of its own costs (compiling its schema) stays per request, bounded by
+    ``budget``."""
     import time
 
     import torch
@@ -54,6 +56,7 @@ def warm_grammar(engine: Engine) -> float:
     t0 = time.perf_counter()
     g = engine.grammar
     g.compile(Constraint("json"))  # the JSON object grammar (json_object outputs), cached
+    g.limit(budget)  # its probe process starts with the first new constraint (1-6 s, once)
     vocab = g.vocab_size
     bitmask = g._xgr.allocate_token_bitmask(16, vocab)  # all allowed
     logits = torch.zeros(16, vocab, dtype=torch.float32, device=engine.device)

@@ -211,7 +211,7 @@ class InstanceRuntime:
         from .engines import warm_grammar
 
         try:
-            seconds = warm_grammar(engine)
+            seconds = warm_grammar(engine, self.model.grammar_budget())
         except Exception as exc:  # noqa: BLE001 - reported again by each constrained request
             self.log.warning("structured outputs not prepared at start-up: %r", exc)
         else:

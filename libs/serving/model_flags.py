@@ -10,6 +10,7 @@ from libs.common.config import flag
 
 if TYPE_CHECKING:
     from libs.engine.engine import EngineConfig
+    from libs.engine.grammar_probe import GrammarBudget
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,10 @@ class ModelFlags:
     # Batch-invariant engine (--batch-invariant): logits independent of batch and chunking.
     # Prefill and decode must agree for a continuation after a failure to be exact.
     batch_invariant: bool = False
+    # What compiling one new structured-output constraint may cost (libs/engine/grammar_probe.py):
+    # seconds in a probe process (0: unbounded, no probe) and MiB of memory.
+    grammar_compile_seconds: float = 5.0
+    grammar_memory_mib: int = 256
 
     def __post_init__(self) -> None:
         if self.fake_step_ms < 0 or self.fake_token_us < 0:
@@ -84,11 +89,28 @@ class ModelFlags:
             raise ValueError(
                 f"--max-model-len must be >= 0 (0: the model's), got {self.max_model_len}"
             )
+        if not self.grammar_compile_seconds >= 0:
+            raise ValueError(
+                "--grammar-compile-seconds must be >= 0 (0: unbounded), "
+                f"got {self.grammar_compile_seconds}"
+            )
+        if self.grammar_memory_mib <= 0:
+            raise ValueError(
+                f"--grammar-memory-mib must be positive, got {self.grammar_memory_mib}"
+            )
         for name in ("num_kv_blocks", "block_size", "max_tokens_per_step", "max_running"):
             if getattr(self, name) <= 0:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}"
                 )
+
+    def grammar_budget(self) -> GrammarBudget | None:
+        """The budget of a new constraint's compile (None: unbounded)."""
+        from libs.engine.grammar_probe import GrammarBudget  # torch-free
+
+        if not self.grammar_compile_seconds:
+            return None
+        return GrammarBudget(self.grammar_compile_seconds, self.grammar_memory_mib)
 
     def engine_config(self) -> EngineConfig:
         from libs.engine.engine import EngineConfig  # torch: only when an engine is built
@@ -242,6 +264,23 @@ def add_model_flags(
     )
     flag(
         parser,
+        "--grammar-compile-seconds",
+        type=float,
+        default=5.0,
+        help="seconds compiling one new structured-output constraint (JSON schema, regex, "
+        "grammar) may take, timed in a probe process that is killed past it; the request is "
+        "then refused with a 400 naming this limit (0: unbounded, no probe)",
+    )
+    flag(
+        parser,
+        "--grammar-memory-mib",
+        type=int,
+        default=256,
+        help="MiB of memory compiling one new structured-output constraint may take, and its "
+        "compiled grammar may hold; past it the request is refused with a 400 naming this limit",
+    )
+    flag(
+        parser,
         "--fake-step-ms",
         type=float,
         default=2.0,
@@ -282,4 +321,6 @@ def model_flags_from(args: argparse.Namespace) -> ModelFlags:
         speculative_tokens=args.speculative_tokens,
         batch_invariant=args.batch_invariant,
         speculative_schedule=args.speculative_schedule,
+        grammar_compile_seconds=args.grammar_compile_seconds,
+        grammar_memory_mib=args.grammar_memory_mib,
     )

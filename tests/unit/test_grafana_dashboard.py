@@ -17,6 +17,7 @@ from libs.routing.policy import RoutingPolicy
 from libs.serving.engine_metrics import EngineMetrics
 from services.balancer import handlers as balancer_handlers
 from services.balancer.metrics import BalancerMetrics
+from services.entrypoint import request_metrics
 from services.kvstore.handlers import Metrics as KVStoreRPCMetrics
 from services.kvstore.metrics import StoreCollector, StoreMetrics, TargetHealth
 from services.recipe.handlers import Metrics as RecipeMetrics
@@ -51,6 +52,7 @@ def defined() -> set[str]:
     registry.register(StoreCollector(lambda: (0, 0), TargetHealth([]), 0))
     BalancerMetrics(registry, RoutingPolicy())
     assert balancer_handlers.ROUTES  # the balancer's older series live in the default registry
+    assert request_metrics.SUCCESS  # so do the entrypoint's request-level series
     return _names(registry) | _names(REGISTRY)
 
 
@@ -83,7 +85,7 @@ def test_every_metric_the_dashboard_queries_is_defined(defined: set[str]) -> Non
     assert not missing, f"metrics no service defines: {missing}"
 
 
-def test_the_dashboard_covers_engines_kvstore_balancer_and_recipe() -> None:
+def test_the_dashboard_covers_engines_requests_kvstore_balancer_and_recipe() -> None:
     used = {m for e in _exprs(_dashboard()) for m in METRIC.findall(e)}
     for name in (
         "deepserve:time_to_first_token_seconds_bucket",
@@ -94,6 +96,12 @@ def test_the_dashboard_covers_engines_kvstore_balancer_and_recipe() -> None:
         "deepserve:prefix_cache_hits_total",
         "deepserve:prefix_cache_queries_total",
         "deepserve:engine_step_duration_seconds_bucket",
+        "deepserve:engine_busy_fraction",
+        "deepserve:request_queue_time_seconds_bucket",
+        "deepserve:request_prefill_time_seconds_bucket",
+        "deepserve:request_decode_time_seconds_bucket",
+        "deepserve:request_time_per_output_token_seconds_bucket",
+        "deepserve:request_success_total",
         "deepserve:generation_tokens_total",
         "deepserve:prompt_tokens_total",
         "deepserve:kvstore_stored_bytes",

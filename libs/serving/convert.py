@@ -6,7 +6,7 @@ Sampling settings cross the wire through :class:`libs.common.sampling.SamplingPa
 
 from __future__ import annotations
 
-from libs.common.errors import DeepserveError
+from libs.common.errors import DeepserveError, InvalidArgument
 from libs.proto.deepserve.v1 import control_pb2
 
 
@@ -24,4 +24,5 @@ def error_event(
         finished=True,
         error=str(error),
         retryable=error.retryable,
+        invalid_argument=isinstance(error, InvalidArgument),
     )

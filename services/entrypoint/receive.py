@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from google.protobuf.message import DecodeError
 from prometheus_client import Counter
 
-from libs.common.errors import DeadlineExceeded, Internal
+from libs.common.errors import DeadlineExceeded, Internal, InvalidArgument
 from libs.common.sampling import TokenLogprob
 from libs.gateway.policy import Chunk, RequestStream
 from libs.gateway.retry import AttemptFailed, Watch
@@ -93,6 +93,8 @@ class EventReader:
         if ev.error:
             if ev.retryable:
                 raise AttemptFailed(ev.error, watch.blamed(ev.index))
+            if ev.invalid_argument:  # the request itself was refused (e.g. a grammar's limit)
+                raise InvalidArgument(f"request {rid} refused: {ev.error}")
             raise Internal(f"request {rid} failed: {ev.error}")
         return Chunk(
             ev.index,

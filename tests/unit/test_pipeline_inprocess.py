@@ -108,6 +108,7 @@ class EntrypointBackend:
     def __init__(self, entrypoint: EntrypointHandlers) -> None:
         self.entrypoint = entrypoint
         self.calls: list[_Call] = []
+        self.loops: tuple[EngineLoop, ...] = ()  # prefill's and decode's (the fixture's)
 
     def generate(
         self,
@@ -195,6 +196,7 @@ async def pipeline(
     limits = Limits(model_name=MODEL, max_context=max_len, block_size=BS)
     entrypoint = EntrypointHandlers(HandlerConfig(limits=limits), bus, NoLookup())
     backend = EntrypointBackend(entrypoint)
+    backend.loops = (ploop, dloop)
     app = build_app(
         AppConfig(model_name=MODEL, default_max_tokens=16, max_context=max_len),
         encoder,
@@ -382,3 +384,35 @@ async def test_logprobs_cross_the_handoff_as_one_engine_gives_them(
         assert list(mine.top_ids) == list(want.logprobs.top_ids)
         assert mine.logprob == pytest.approx(want.logprobs.logprob, abs=1e-4)
         assert list(mine.top_logprobs) == pytest.approx(list(want.logprobs.top_logprobs), abs=1e-4)
+
+
+async def test_a_schema_past_the_compile_budget_is_a_400_naming_the_limit(
+    pipeline: tuple[Any, EntrypointBackend],
+) -> None:
+    """Bounded grammar compilation end to end: prefill's probe gives up at the budget, and the
+    client gets the protocol's 400 naming the limit (not a 500, not a 504 minutes later)."""
+    from libs.engine.grammar import GrammarBudget
+
+    app, backend = pipeline
+    for loop in backend.loops:
+        loop.engine.grammar.limit(GrammarBudget(compile_seconds=1.0, memory_mib=64, probes=1))
+    props = {f"p{i}": {"type": "string"} for i in range(1500)}  # ~25 s to compile
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "fill it"}],
+        "max_tokens": 8,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "wide", "schema": {"type": "object", "properties": props}},
+        },
+    }
+    try:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+            r = await http.post("/v1/chat/completions", json=body)
+    finally:
+        for loop in backend.loops:
+            loop.engine.grammar.close()
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "--grammar-compile-seconds" in message and "within 1 s" in message

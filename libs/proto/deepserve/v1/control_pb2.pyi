@@ -136,7 +136,7 @@ class DecodeTask(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[bytes] = ..., events_subject: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., traceparent: _Optional[str] = ..., traffic_class: _Optional[_Union[_common_pb2.TrafficClass, str]] = ..., first_logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_confidences: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("request_id", "index", "token_ids", "finished", "finish_reason", "prompt_tokens", "cached_tokens", "error", "retryable", "logprobs", "speculative")
+    __slots__ = ("request_id", "index", "token_ids", "finished", "finish_reason", "prompt_tokens", "cached_tokens", "error", "retryable", "logprobs", "speculative", "invalid_argument")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class TokenEvent(_message.Message):
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    INVALID_ARGUMENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -159,7 +160,8 @@ class TokenEvent(_message.Message):
     retryable: bool
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     speculative: SpecCounts
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., speculative: _Optional[_Union[SpecCounts, _Mapping]] = ...) -> None: ...
+    invalid_argument: bool
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., retryable: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., speculative: _Optional[_Union[SpecCounts, _Mapping]] = ..., invalid_argument: _Optional[bool] = ...) -> None: ...
 
 class SpecCounts(_message.Message):
     __slots__ = ("drafted", "verified", "accepted")

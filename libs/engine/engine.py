@@ -40,7 +40,8 @@ from .kv.transfer import KVFormatError, KVIntegrityError, PeerKV
 from .kv_port import KVInput, KVPort, MissingPrefix, PreparedKV
 from .loader import LoadedModel
 from .model.model import DeepseekForCausalLM
-from .parts import EngineParts, build_parts, max_model_len
+from .parts import EngineParts, max_model_len
+from .registry import build_parts
 from .rows import join_logprobs, sampling_inputs
 from .runner import Launched, ModelRunner
 from .sampler import Sampler
@@ -75,7 +76,7 @@ class Engine:
     """Policy around a runner and a KV cache: requests, scheduling, KV export/import.
 
     ``parts``: what it runs on (model runner, KV cache, cost model...); without them they are
-    built from ``config`` by :func:`~libs.engine.parts.build_parts`, which loads the model
+    built from ``config`` by :func:`~libs.engine.registry.build_parts`, which loads the model
     (``loaded``: an already loaded one). The fake engine passes its own.
 
     ``ep``: this engine is one rank of that expert-parallel group (routed experts sharded by

@@ -22,7 +22,7 @@ from libs.engine.kernels.fp8_gemm import (
     quantize_fp8_tokens,
 )
 from libs.engine.model.layers import Fp8Linear
-from libs.engine.parts import _weight_dtype
+from libs.engine.sizing import _weight_dtype
 from tests.hf_reference import require_reference
 
 

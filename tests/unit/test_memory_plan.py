@@ -1,19 +1,19 @@
-"""The memory plan made before any weight is read (libs/engine/memory_plan.py, parts.py)."""
+"""The memory plan made before any weight is read (libs/engine/memory_plan.py, sizing.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from libs.engine import parts
+from libs.engine import registry, v3_parts
 from libs.engine.config import ModelConfig
 from libs.engine.engine import EngineConfig
 from libs.engine.kv.layout import mla_cache_spec
 from libs.engine.memory_plan import plan_memory, weight_bytes
 from libs.engine.model.layers import Experts
 from libs.engine.model.model import DeepseekForCausalLM
-from libs.engine.parts import memory_plan_for, step_activation_bytes
 from libs.engine.presets import PRESETS
+from libs.engine.sizing import memory_plan_for, step_activation_bytes
 
 GIB = 1 << 30
 H100 = int(79.1 * GIB)
@@ -126,10 +126,10 @@ def test_cuda_engines_refuse_before_loading(monkeypatch: pytest.MonkeyPatch) -> 
     def no_load(*_a, **_k):
         raise AssertionError("weights read before the plan refused")
 
-    monkeypatch.setattr(parts, "load", no_load)
+    monkeypatch.setattr(v3_parts, "load", no_load)
     config = EngineConfig(model="v2-lite", device="cuda", gpu_memory_fraction=0.9)
     with pytest.raises(ValueError, match=r"v2-lite in bf16 needs 3\d\.\d GiB per GPU: "):
-        parts.build_parts(config)
+        registry.build_parts(config)
     plan = memory_plan_for(config, PRESETS["v2-lite"], torch.device("cuda"))
     assert plan.gpu_bytes == 16 * GIB and plan.fraction == 0.9 and plan.kv_is_minimum
     fixed = EngineConfig(model="tiny", device="cuda", num_kv_blocks=32)

@@ -18,11 +18,11 @@ from deepserve.placement import (
     shared_gpus,
 )
 from deepserve.up import Stack, chosen, default_model_name
-from libs.engine.parts import (
+from libs.engine.presets import PRESETS
+from libs.engine.sizing import (
     kv_blocks_for_fraction,
     step_activation_bytes,
 )
-from libs.engine.presets import PRESETS
 from libs.serving.model_flags import ModelFlags, add_model_flags, model_flags_from
 
 GIB = 1 << 30

@@ -95,6 +95,17 @@ def is_v4(model: str) -> bool:
         return False
 
 
+def v4_config(model: str) -> V4Config:
+    """The config of a V4 preset or checkpoint directory, from its name alone (no weights)."""
+    if model in V4_PRESETS:
+        return V4Config.from_hf(V4_PRESETS[model])
+    if not is_v4(model):
+        raise ValueError(
+            f"{model!r} is neither a V4 preset ({', '.join(V4_PRESETS)}) nor a V4 checkpoint"
+        )
+    return V4Config.from_hf(json.loads((Path(model) / "config.json").read_text()))
+
+
 def load_v4(
     model: str,
     device: torch.device | str = "cpu",

@@ -1,7 +1,8 @@
 """DeepSeek-V4 in the batched :class:`~libs.engine.engine.Engine`: its state as the engine's blocks.
 
 The engine's policy is model-blind -- scheduler, block manager, prefix cache, KV frames -- and
-runs on :class:`~libs.engine.parts.EngineParts`. :func:`v4_parts` gives it V4's:
+runs on :class:`~libs.engine.parts.EngineParts`. :func:`v4_parts` gives it V4's (through
+:func:`build_v4_parts`, the family's entry in :mod:`libs.engine.registry`):
 
 * **Blocks.** An engine block of ``block_size`` tokens holds the V4 state block of
   :mod:`.blocks` for those tokens (the entries its compressors emitted there and the carry at
@@ -41,6 +42,7 @@ import torch
 from ..config import ModelConfig
 from ..kv.host import HostBlockStore
 from ..kv.layout import CacheSpec, PagedEntry
+from ..parts import EngineParts, kernels_on, nominal_rates
 from ..runner import Launched, ModelRunner
 from ..sampler import Sampler
 from ..scheduler import PLACEHOLDER, ScheduledSeq, StepPlan
@@ -52,7 +54,9 @@ from .model import V4ForCausalLM, V4State
 
 if TYPE_CHECKING:
     from ..engine_config import EngineConfig
-    from ..parts import EngineParts
+    from ..ep.group import EPGroup
+    from ..ep.placement import Placement
+    from ..loader import LoadedModel
 
 _LEN = struct.Struct("<I")
 # Header bound per tensor of a block: its name, dtype, shape and byte range as JSON.
@@ -332,6 +336,21 @@ def engine_view(cfg: V4Config) -> ModelConfig:
     )
 
 
+def build_v4_parts(
+    config: EngineConfig,
+    loaded: LoadedModel | None = None,
+    ep: EPGroup | None = None,
+    placement: Placement | None = None,
+) -> EngineParts:
+    """The V4 family's entry in :mod:`libs.engine.registry`: :func:`v4_parts` for the model
+    ``config`` names, refusing what V4 does not take (expert parallelism, a V2/V3 model)."""
+    if ep is not None:
+        raise ValueError("DeepSeek-V4 models do not run with expert parallelism yet")
+    if loaded is not None:
+        raise ValueError("a loaded V2/V3 model cannot serve a DeepSeek-V4 name")
+    return v4_parts(config)
+
+
 def v4_parts(
     config: EngineConfig, net: V4ForCausalLM | None = None, model_id: str = ""
 ) -> EngineParts:
@@ -340,7 +359,6 @@ def v4_parts(
     another model id are refused)."""
     from ..kernels.v4_attention import unsupported
     from ..loader import _checkpoint_digest
-    from ..parts import EngineParts, _nominal_rates, kernels_on
 
     refused = [
         what
@@ -377,7 +395,7 @@ def v4_parts(
     budget = config.kv_cache_bytes or 1 << 30  # host bytes, taken only by blocks written
     num_blocks = config.num_kv_blocks or max(1, budget // spec.bytes_per_block)
     store = V4BlockStore(spec.bytes_per_block)
-    cost = v4_cost_model(net, *_nominal_rates(device))
+    cost = v4_cost_model(net, *nominal_rates(device))
     sampler = Sampler(device, config.sampler_seed, cfg.eos_token_ids)
     runner = V4Runner(net, store, sampler, config.block_size, config.max_running)
     return EngineParts(model_id, engine_view(cfg), spec, store, num_blocks, cost, runner, device)

@@ -19,6 +19,9 @@ an eager forward's host work (~40 ms a step for v2-lite on an H100, against 9-16
 graph). Bigger chunks run eagerly: there the prompt's compute dominates. Other computations
 over decode rows (speculative decoding's MTP passes) add their own graph sets
 (:meth:`ModelRunner.add_graphs`, :meth:`ModelRunner.replay`).
+
+An eager step's inputs are laid out by :mod:`.step_inputs`; the graphs' buffers, staging and
+capture are :mod:`.graphs`'.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -35,15 +37,30 @@ import torch
 
 from libs.common.sampling import SamplingParams, TokenLogprob
 
+from .graphs import (
+    GRAPH_LADDER,
+    EagerReplay,
+    Graph,
+    GraphSet,
+    capture,
+    graph_ladder,
+    mixed_rows,
+    stage,
+    staged_rows,
+    time_graphs,
+    timing_event,
+)
 from .kv.cache import PagedKVCache
-from .model.attention import AttentionMetadata, SeqAttention
+from .model.attention import AttentionMetadata
 from .model.model import DeepseekForCausalLM
 from .sampler import LogprobRows, Sampler, TokenHistory
 from .scheduler import PLACEHOLDER, ScheduledSeq, StepPlan
+from .step_inputs import EagerInputs, fill_placeholders, to_device
 
 log = logging.getLogger(__name__)
 
-GRAPH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+# Importable from here as before: the ladder and the staged-input layout (scripts, tests).
+__all__ = ["GRAPH_LADDER", "Launched", "ModelRunner", "graph_ladder", "staged_rows"]
 
 
 @dataclass
@@ -61,101 +78,6 @@ class Launched:
     # Rows that asked for logprobs (Sampler.last_logprobs) and host copies of its tensors,
     # valid once ``done`` has passed; read by :meth:`ModelRunner.logprobs`.
     logprobs: tuple[LogprobRows, torch.Tensor, torch.Tensor] | None = None
-
-
-def graph_ladder(max_rows: int) -> list[int]:
-    """The padded row counts graphs are captured for: :data:`GRAPH_LADDER` below ``max_rows``
-    and the first size that holds ``max_rows`` (past 512, steps of 128: speculative
-    verification at batch 256 with K = 3 drafts is 1,024 rows)."""
-    sizes = [*GRAPH_LADDER]
-    while sizes[-1] < max_rows:
-        sizes.append(sizes[-1] + 128)
-    return [b for b in sizes if b < max_rows] + [next(b for b in sizes if b >= max_rows)]
-
-
-@dataclass
-class _Graph:
-    """One captured computation over a padded number of rows, and its static buffers.
-
-    ``inputs`` (device; row graphs only) holds, per row, the token id, position, cache slot,
-    context length and ``max_blocks`` block-table entries (int64); the graph reads views of
-    it. The host fills one of two staging copies (pinned on CUDA) and sends it in one
-    transfer. A set may replay several times in one step (the MTP layer: once per draft
-    depth), so the copy being refilled may belong to a transfer still queued behind the
-    device's work: ``sent`` holds each copy's last transfer (an event), waited on first.
-    ``x_in``: a per-row input the caller copies in (the MTP layer's hidden states);
-    ``outputs``: what the graph writes, overwritten by its next replay; ``run``: the closure
-    the graph was captured from. A CUDA graph keeps no tensor alive: the closure holds the
-    buffers only the graph uses (the int32 lengths and block table it converts ``inputs``
-    into), and were it dropped their memory would go back to the allocator while every
-    replay still writes it -- into whatever tensor was given that memory next.
-    """
-
-    graph: Any  # torch.cuda.CUDAGraph, or _EagerReplay under emulate_graphs()
-    inputs: torch.Tensor | None
-    staging: list[torch.Tensor]
-    x_in: torch.Tensor | None
-    outputs: tuple[torch.Tensor, ...]
-    run: Callable[[], tuple[torch.Tensor, ...]]
-    steps: int = 0
-    sent: list[torch.cuda.Event | None] = field(default_factory=lambda: [None, None])
-
-
-@dataclass
-class _GraphSet:
-    """A computation captured once per ladder size. A row graph's ``body`` takes (ids,
-    positions, metadata, x_in) of decode rows; any other's takes (x_in,)."""
-
-    body: Callable[..., tuple[torch.Tensor, ...]]
-    ladder: list[int]
-    rows: bool
-    x_in: tuple[int, torch.dtype] | None
-    optional: bool = False  # a capture that fails leaves the set eager instead of raising
-    graphs: dict[int, _Graph] = field(default_factory=dict)  # by padded row count
-
-
-class _EagerReplay:
-    """A "graph" that runs its closure again on replay and copies what it returns into the
-    tensors its first run returned: the static-buffer contract of a CUDA graph, on the CPU."""
-
-    def __init__(self, run: Callable[[], tuple[torch.Tensor, ...]]) -> None:
-        self.run = run
-        with torch.inference_mode():  # the model's outputs are inference tensors
-            self.outputs = run()
-
-    def replay(self) -> None:
-        with torch.inference_mode():
-            for out, new in zip(self.outputs, self.run(), strict=True):
-                out.copy_(new)
-
-
-def staged_rows(arr: np.ndarray, max_blocks: int) -> tuple[np.ndarray, np.ndarray]:
-    """Views of a row graph's flat inputs (staging copy or read back): the [4, rows] columns
-    (ids, positions, slots, lengths) and the [rows, max_blocks] block table."""
-    bg = arr.shape[0] // (4 + max_blocks)
-    return arr[: bg * 4].reshape(4, bg), arr[bg * 4 :].reshape(bg, max_blocks)
-
-
-def _fill_page_tables(
-    table: np.ndarray, seqs: Sequence[ScheduledSeq], pages: np.ndarray
-) -> np.ndarray:
-    """Row ``i`` of ``table`` gets the first ``pages[i]`` entries of ``seqs[i]``'s block table
-    (entries past them are left as they are), with whole-array operations (a Python loop of
-    per-row writes took twice as long for 1,024 rows); returns each row's last page."""
-    flat = np.fromiter(
-        chain.from_iterable(s.block_table[:k] for s, k in zip(seqs, pages.tolist(), strict=True)),
-        np.int64,
-        int(pages.sum()),
-    )
-    ends = np.cumsum(pages)
-    rows = np.repeat(np.arange(len(seqs)), pages)
-    table[rows, np.arange(len(flat)) - np.repeat(ends - pages, pages)] = flat
-    last: np.ndarray = flat[ends - 1]
-    return last
-
-
-def _timing_event() -> torch.cuda.Event:
-    return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
 
 
 class ModelRunner:
@@ -190,7 +112,10 @@ class ModelRunner:
         self.mixed_graph_rows = mixed_graph_rows
         self._pool: Any = None  # torch.cuda.graph_pool_handle(), shared by every graph
         self.num_heads = model.cfg.num_attention_heads
-        self.graph_sets: dict[str, _GraphSet] = {}
+        self.graph_sets: dict[str, GraphSet] = {}
+        self.inputs = EagerInputs(
+            self.block_size, self.device, use_kernels, batch_invariant, self.num_heads
+        )
         self.add_graphs("decode", self._decode_body, max(max_graph_batch, mixed_graph_rows))
 
     # -- public ------------------------------------------------------------------------------
@@ -213,7 +138,7 @@ class ModelRunner:
         seqs that use a penalty; a :data:`PLACEHOLDER` among them is read from ``prev``."""
         t0 = time.perf_counter()
         cuda = self.device.type == "cuda"
-        started = _timing_event() if cuda else None
+        started = timing_event() if cuda else None
         if started is not None:
             started.record(torch.cuda.current_stream(self.device))
         sampling = [s for s in plan.seqs if s.sample]
@@ -242,7 +167,7 @@ class ModelRunner:
                 ids.copy_(lp.ids, non_blocking=cuda)
                 logprobs = (lp, vals, ids)
         if cuda:
-            done = _timing_event()
+            done = timing_event()
             done.record(torch.cuda.current_stream(self.device))
         return Launched(
             plan,
@@ -341,125 +266,19 @@ class ModelRunner:
         return ids, positions, meta, seqs, sample_rows
 
     def _to_device(self, arr: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(arr)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        return to_device(arr, self.device)
 
     def _fill_placeholders(
         self, ids: torch.Tensor, rows: list[int], srcs: list[int], prev: Launched | None
     ) -> None:
-        if not rows:
-            return
-        if prev is None or prev.tokens is None:
-            raise RuntimeError("a placeholder token without the step that samples it")
-        # Pinned + non_blocking: a plain .to() would wait for the step in flight.
-        dst = self._to_device(np.asarray(rows, dtype=np.int64))
-        src = self._to_device(np.asarray(srcs, dtype=np.int64))
-        ids.index_copy_(0, dst, prev.tokens.index_select(0, src))
+        fill_placeholders(ids, rows, srcs, prev, self.device)
 
     def _prepare(
         self, seqs: list[ScheduledSeq], prev: Launched | None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        bs, dev = self.block_size, self.device
-        n = sum(s.num_tokens for s in seqs)
-        ids = np.empty(n, dtype=np.int64)
-        pos = np.empty(n, dtype=np.int64)
-        slots = np.empty(n, dtype=np.int64)
-        fix_rows: list[int] = []
-        fix_srcs: list[int] = []
-        sample_rows: list[int] = []
-        prompt_seqs: list[tuple[int, ScheduledSeq]] = []
-        decodes: list[ScheduledSeq] = []
-        decode_rows: list[int] = []
-        row = 0
-        for s in seqs:
-            k = s.num_tokens
-            ids[row : row + k] = s.token_ids
-            p = np.arange(s.start, s.start + k)
-            pos[row : row + k] = p
-            table = np.asarray(s.block_table, dtype=np.int64)
-            slots[row : row + k] = table[p // bs] * bs + p % bs
-            if s.token_ids[0] == PLACEHOLDER:
-                assert k == 1 and prev is not None, "placeholders are single decode tokens"
-                fix_rows.append(row)
-                fix_srcs.append(prev.index[s.request_id])
-            if k == 1:
-                decodes.append(s)
-                decode_rows.append(row)
-            else:
-                prompt_seqs.append((row, s))
-            row += k
-            if s.sample:
-                sample_rows.append(row - 1)
-        ids_d = self._to_device(ids)
-        self._fill_placeholders(ids_d, fix_rows, fix_srcs, prev)
-        meta = AttentionMetadata(self._to_device(slots), [], block_size=bs)
-        if self.batch_invariant:
-            self._describe_rows(meta, seqs, pos + 1)
-            return ids_d, self._to_device(pos), meta, sample_rows
-        for r0, s in prompt_seqs:
-            ctx = s.start + s.num_tokens
-            meta.seqs.append(
-                SeqAttention(
-                    r0,
-                    s.num_tokens,
-                    self._ctx_slots(s.block_table, ctx),
-                    self._to_device(np.arange(s.start, ctx, dtype=np.int64)),
-                )
-            )
-        if decodes:
-            lens = np.array([s.start + 1 for s in decodes], dtype=np.int32)
-            if self.use_kernels:
-                from .kernels.mla_decode import choose_num_splits
-
-                pages = -(-lens.astype(np.int64) // bs)
-                table = np.zeros((len(decodes), int(pages.max())), dtype=np.int32)
-                _fill_page_tables(table, decodes, pages)
-                meta.decode_start = n - len(decodes)
-                meta.block_table = self._to_device(table)
-                meta.seq_lens = self._to_device(lens)
-                meta.num_splits = choose_num_splits(len(decodes), self.num_heads, int(lens.max()))
-            else:
-                width = int(lens.max())
-                padded = torch.zeros(len(decodes), width, dtype=torch.int64)
-                for i, s in enumerate(decodes):
-                    padded[i, : lens[i]] = self._ctx_slots(s.block_table, int(lens[i]), "cpu")
-                meta.decode_rows = torch.tensor(decode_rows, dtype=torch.int64, device=dev)
-                meta.decode_slots = padded.to(dev)
-                meta.decode_mask = (
-                    torch.arange(width)[None, :] < torch.from_numpy(lens)[:, None]
-                ).to(dev)
-        return ids_d, self._to_device(pos), meta, sample_rows
-
-    def _describe_rows(
-        self, meta: AttentionMetadata, seqs: list[ScheduledSeq], lens: np.ndarray
-    ) -> None:
-        """Batch-invariant steps: every row, prompt or decode, as a decode row of the kernel's
-        layout (its sequence's block table, context length ``position + 1``), one split."""
-        bs = self.block_size
-        width = int(-(-int(lens.max()) // bs))
-        table = np.zeros((len(lens), width), dtype=np.int32)
-        row = 0
-        for s in seqs:
-            nb = min(width, len(s.block_table))
-            table[row : row + s.num_tokens, :nb] = np.asarray(s.block_table[:nb], dtype=np.int32)
-            row += s.num_tokens
-        meta.decode_start = 0
-        meta.block_table = self._to_device(table)
-        meta.seq_lens = self._to_device(lens.astype(np.int32))
-        meta.num_splits = 1
-
-    def _ctx_slots(
-        self, table: tuple[int, ...], n: int, device: torch.device | str | None = None
-    ) -> torch.Tensor:
-        bs = self.block_size
-        nb = -(-n // bs)
-        t = np.asarray(table[:nb], dtype=np.int64)
-        slots = (t[:, None] * bs + np.arange(bs)[None, :]).reshape(-1)[:n]
-        if device is not None and torch.device(device).type == "cpu":
-            return torch.from_numpy(slots)
-        return self._to_device(slots)
+        """(ids, positions, metadata, last row of each sampling seq) of ``seqs`` in this order
+        (:meth:`EagerInputs.prepare`)."""
+        return self.inputs.prepare(seqs, prev)
 
     # -- CUDA graphs -------------------------------------------------------------------------
     def add_graphs(
@@ -478,7 +297,7 @@ class ModelRunner:
         ``body(x_in)``; ``x_in``: (width, dtype) of a per-row input the caller copies in;
         ``optional``: if a capture fails, log it and leave the computation eager (replay gives
         None) rather than fail the engine's start."""
-        gs = _GraphSet(body, graph_ladder(max_rows), rows, x_in, optional)
+        gs = GraphSet(body, graph_ladder(max_rows), rows, x_in, optional)
         self.graph_sets[name] = gs
         if self.cuda_graphs and self._captured:
             self._capture_set(gs)
@@ -498,23 +317,7 @@ class ModelRunner:
         gs = self.graph_sets.get("decode")
         if not self.cuda_graphs or self._emulated or gs is None or not gs.graphs:
             return None
-        g0 = torch.Generator(device=self.device)
-        g0.manual_seed(0)
-        vocab = self.model.cfg.vocab_size
-        out: dict[int, float] = {}
-        for bg, g in sorted(gs.graphs.items()):
-            assert g.inputs is not None
-            ids = torch.randint(3, vocab, (bg,), generator=g0, device=self.device)
-            g.inputs[:bg].copy_(ids)
-            g.graph.replay()  # warm
-            start, end = _timing_event(), _timing_event()
-            start.record(torch.cuda.current_stream(self.device))
-            for _ in range(replays):
-                g.graph.replay()
-            end.record(torch.cuda.current_stream(self.device))
-            end.synchronize()
-            out[bg] = start.elapsed_time(end) / 1e3 / replays
-        return out
+        return time_graphs(gs, self.device, self.model.cfg.vocab_size, replays)
 
     def emulate_graphs(self, mixed_rows: int = 0) -> None:
         """For tests on the CPU: the graph paths on, each graph a closure that a replay runs
@@ -531,7 +334,7 @@ class ModelRunner:
         decode.ladder = graph_ladder(max(self.max_graph_batch, mixed_rows))
         self.capture_all()
 
-    def _capture_set(self, gs: _GraphSet) -> None:
+    def _capture_set(self, gs: GraphSet) -> None:
         try:
             for bg in reversed(gs.ladder):  # largest first: smaller graphs reuse its pool
                 gs.graphs[bg] = self._capture(gs, bg)
@@ -564,25 +367,7 @@ class ModelRunner:
         tokens from position p becomes k rows at p .. p+k-1 with lengths p+1 .. p+k."""
         if not self.cuda_graphs or self.batch_invariant or not self.mixed_graph_rows:
             return None
-        if not plan.seqs or plan.num_tokens > min(
-            self.mixed_graph_rows, self.graph_sets["decode"].ladder[-1]
-        ):
-            return None
-        if any(s.num_drafts for s in plan.seqs):
-            return None
-        rows: list[ScheduledSeq] = []
-        wanted: list[int] = []
-        for s in plan.seqs:
-            if s.num_tokens == 1:
-                rows.append(s)
-            else:
-                rows.extend(
-                    ScheduledSeq(s.request_id, s.start + i, 1, (t,), s.block_table, False, 0)
-                    for i, t in enumerate(s.token_ids)
-                )
-            if s.sample:
-                wanted.append(len(rows) - 1)
-        return rows, wanted
+        return mixed_rows(plan, min(self.mixed_graph_rows, self.graph_sets["decode"].ladder[-1]))
 
     def decode_rows(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(hidden states, fp32 logits) of every row of ``plan``, in plan order, from a captured
@@ -639,37 +424,17 @@ class ModelRunner:
         g.steps += 1
         return tuple(o[:n] for o in g.outputs)
 
-    def _stage(self, g: _Graph, seqs: Sequence[ScheduledSeq], prev: Launched | None) -> None:
-        """Send the decode rows' ids, positions, slots, lengths and tables to ``g.inputs``;
-        padding rows: length 0, the cache's scratch slot. A row's table entries past its own
-        pages keep stale values: the kernel reads only the pages its length covers."""
-        assert g.inputs is not None
-        bs = self.block_size
-        n = len(seqs)
-        copy = g.steps % 2
-        if (sent := g.sent[copy]) is not None:
-            sent.synchronize()  # its last transfer has read it
-        host = g.staging[copy]
-        cols, table = staged_rows(host.numpy(), self.max_blocks)
-        cols[:, n:] = 0
-        cols[2, n:] = self.cache.scratch_slot
-        starts = np.fromiter((s.start for s in seqs), np.int64, n)
-        ids = np.fromiter((s.token_ids[0] for s in seqs), np.int64, n)
-        last_page = _fill_page_tables(table, seqs, starts // bs + 1)
-        cols[0, :n] = ids
-        cols[1, :n] = starts
-        cols[2, :n] = last_page * bs + starts % bs  # the last page read holds the row
-        cols[3, :n] = starts + 1
-        g.inputs.copy_(host, non_blocking=True)
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            done.record(torch.cuda.current_stream(self.device))  # where the copy went
-            g.sent[copy] = done
-        fix = np.flatnonzero(ids == PLACEHOLDER).tolist()
-        if fix:
-            assert prev is not None
-            srcs = [prev.index[seqs[i].request_id] for i in fix]
-            self._fill_placeholders(g.inputs[: cols.shape[1]], fix, srcs, prev)
+    def _stage(self, g: Graph, seqs: Sequence[ScheduledSeq], prev: Launched | None) -> None:
+        """Send the decode rows' inputs to ``g.inputs`` (:func:`~.graphs.stage`)."""
+        stage(
+            g,
+            seqs,
+            prev,
+            block_size=self.block_size,
+            max_blocks=self.max_blocks,
+            scratch_slot=self.cache.scratch_slot,
+            device=self.device,
+        )
 
     def _decode_body(
         self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, _: None
@@ -677,51 +442,24 @@ class ModelRunner:
         hidden = self.model(ids, positions, meta, self.cache.layers)
         return hidden, self.model.logits(hidden)
 
-    def _capture(self, gs: _GraphSet, bg: int) -> _Graph:
-        dev = self.device
-        x_in = None
-        if gs.x_in is not None:
-            x_in = torch.zeros(bg, gs.x_in[0], dtype=gs.x_in[1], device=dev)
-        if not gs.rows:
-
-            def run_x() -> tuple[torch.Tensor, ...]:
-                return gs.body(x_in)
-
-            graph, outputs = self._record(run_x)
-            return _Graph(graph, None, [], x_in, outputs, run_x)
-        mb = self.max_blocks
-        inputs = torch.zeros(bg * (4 + mb), dtype=torch.int64, device=dev)
-        inputs[2 * bg : 3 * bg] = self.cache.scratch_slot
-        pin = dev.type == "cuda"
-        staging = [torch.zeros(inputs.shape, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        ids, positions, slots = inputs[:bg], inputs[bg : 2 * bg], inputs[2 * bg : 3 * bg]
-        seq_lens32 = torch.zeros(bg, dtype=torch.int32, device=dev)
-        table32 = torch.zeros(bg, mb, dtype=torch.int32, device=dev)
-        meta = AttentionMetadata(
-            slots,
-            [],
-            decode_start=0,
-            block_table=table32,
-            seq_lens=seq_lens32,
+    def _capture(self, gs: GraphSet, bg: int) -> Graph:
+        return capture(
+            gs,
+            bg,
+            self._record,
+            device=self.device,
+            max_blocks=self.max_blocks,
             block_size=self.block_size,
+            scratch_slot=self.cache.scratch_slot,
             num_splits=self._graph_splits(bg),
         )
-
-        def run() -> tuple[torch.Tensor, ...]:
-            # The kernel takes int32 lengths and tables: converted inside the graph.
-            seq_lens32.copy_(inputs[3 * bg : 4 * bg])
-            table32.copy_(inputs[4 * bg :].view(bg, mb))
-            return gs.body(ids, positions, meta, x_in)
-
-        graph, outputs = self._record(run)
-        return _Graph(graph, inputs, staging, x_in, outputs, run)
 
     def _record(
         self, run: Callable[[], tuple[torch.Tensor, ...]]
     ) -> tuple[Any, tuple[torch.Tensor, ...]]:
-        """Capture ``run`` (a CUDA graph; an _EagerReplay when emulated): (graph, outputs)."""
+        """Capture ``run`` (a CUDA graph; an EagerReplay when emulated): (graph, outputs)."""
         if self._emulated:
-            eager = _EagerReplay(run)
+            eager = EagerReplay(run)
             return eager, eager.outputs
         dev = self.device
         # Warm up on a side stream (compiles Triton kernels, sets up cuBLAS) before capturing.

@@ -63,13 +63,37 @@ def weight_bytes(
         raise ValueError(f"experts must be model or fp4, got {experts!r}")
     b = dtype_bytes
     fp8 = weights == "fp8"
-    h, nh, i_moe = cfg.hidden_size, cfg.num_attention_heads, cfg.moe_intermediate_size
+    h, nh = cfg.hidden_size, cfg.num_attention_heads
+    count = _Counter(cfg, b, with_mtp)
+    rows = cfg.n_routed_experts if expert_slots is None else expert_slots
+    stored = "fp4" if experts == "fp4" else "fp8" if fp8 else "model"
+    params = count.model(rows, stored, fp8)
+    # Loading: experts arrive in the model dtype and are quantized once all are read; a preset
+    # is made whole (every expert, linears in the model dtype) and then cut and quantized.
+    peak = count.model(cfg.n_routed_experts if preset else rows, "model", fp8 and not preset)
+    attention_layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if with_mtp else 0)
+    moe_layers = attention_layers - cfg.first_k_dense_replace
+    derived = attention_layers * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank * b
+    if b != 4:
+        derived += moe_layers * cfg.n_routed_experts * h * 4
+    return WeightBytes(params, derived, max(params, peak))
 
-    def linear(out_f: int, in_f: int, bias: bool = False, quantized: bool = fp8) -> int:
+
+class _Counter:
+    """Bytes of the parts of ``cfg``'s model, ``b`` per weight in the model dtype; a quantized
+    linear is e4m3 with an fp32 scale per 128x128 tile (:func:`weight_bytes`)."""
+
+    def __init__(self, cfg: ModelConfig, b: int, with_mtp: bool) -> None:
+        self.cfg, self.b, self.with_mtp = cfg, b, with_mtp
+
+    def linear(self, out_f: int, in_f: int, bias: bool = False, quantized: bool = False) -> int:
+        b = self.b
         w = out_f * in_f + _tiles(out_f) * _tiles(in_f) * 4 if quantized else out_f * in_f * b
         return w + (out_f * b if bias else 0)
 
-    def attention(quantized: bool) -> int:
+    def attention(self, quantized: bool) -> int:
+        cfg, b, linear = self.cfg, self.b, self.linear
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
         bias = cfg.attention_bias
         if cfg.q_lora_rank is None:
             q = linear(nh * cfg.qk_head_dim, h, quantized=quantized)
@@ -91,10 +115,12 @@ def weight_bytes(
             + linear(h, nh * cfg.v_head_dim, bias, quantized)
         )
 
-    def mlp(inter: int, quantized: bool) -> int:
+    def mlp(self, inter: int, quantized: bool) -> int:
+        h, linear = self.cfg.hidden_size, self.linear
         return 2 * linear(inter, h, quantized=quantized) + linear(h, inter, quantized=quantized)
 
-    def routed(rows: int, how: str) -> int:
+    def routed(self, rows: int, how: str) -> int:
+        h, i_moe = self.cfg.hidden_size, self.cfg.moe_intermediate_size
         if how == "fp4":
             packed = 3 * h * i_moe // 2
             scales = (2 * i_moe * (h // _FP4_SCALE_BLOCK) + h * (i_moe // _FP4_SCALE_BLOCK)) * 2
@@ -102,44 +128,35 @@ def weight_bytes(
         if how == "fp8":
             scales = (_tiles(2 * i_moe) * _tiles(h) + _tiles(h) * _tiles(i_moe)) * 4
             return rows * (3 * h * i_moe + scales)
-        return rows * 3 * h * i_moe * b
+        return rows * 3 * h * i_moe * self.b
 
-    def moe(rows: int, how: str, quantized: bool) -> int:
-        router = cfg.n_routed_experts * h * b
+    def moe(self, rows: int, how: str, quantized: bool) -> int:
+        cfg = self.cfg
+        router = cfg.n_routed_experts * cfg.hidden_size * self.b
         if cfg.topk_method == "noaux_tc":
             router += cfg.n_routed_experts * 4
-        shared = mlp(i_moe * cfg.n_shared_experts, quantized) if cfg.n_shared_experts else 0
-        return router + shared + routed(rows, how)
+        i_moe = cfg.moe_intermediate_size
+        shared = self.mlp(i_moe * cfg.n_shared_experts, quantized) if cfg.n_shared_experts else 0
+        return router + shared + self.routed(rows, how)
 
-    def model_bytes(rows: int, how: str, quantized: bool) -> int:
+    def model(self, rows: int, how: str, quantized: bool) -> int:
         """The whole model with decoder layers keeping ``rows`` experts stored ``how``."""
+        cfg, b = self.cfg, self.b
+        h = cfg.hidden_size
         dense = cfg.first_k_dense_replace
         total = 2 * cfg.vocab_size * h * b + h * b  # embedding, lm_head, final norm
-        total += cfg.num_hidden_layers * attention(quantized)
-        total += dense * mlp(cfg.intermediate_size, quantized)
-        total += (cfg.num_hidden_layers - dense) * moe(rows, how, quantized)
-        n_mtp = cfg.num_nextn_predict_layers if with_mtp else 0
+        total += cfg.num_hidden_layers * self.attention(quantized)
+        total += dense * self.mlp(cfg.intermediate_size, quantized)
+        total += (cfg.num_hidden_layers - dense) * self.moe(rows, how, quantized)
+        n_mtp = cfg.num_nextn_predict_layers if self.with_mtp else 0
         mtp_layer = (
-            attention(quantized)
-            + moe(cfg.n_routed_experts, how, quantized)
+            self.attention(quantized)
+            + self.moe(cfg.n_routed_experts, how, quantized)
             + 2 * cfg.vocab_size * h * b  # its embedding and shared head
             + 3 * h * b  # enorm, hnorm, the shared head's norm
             + 2 * h * h * b  # eh_proj
         )
         return total + n_mtp * mtp_layer
-
-    rows = cfg.n_routed_experts if expert_slots is None else expert_slots
-    stored = "fp4" if experts == "fp4" else "fp8" if fp8 else "model"
-    params = model_bytes(rows, stored, fp8)
-    # Loading: experts arrive in the model dtype and are quantized once all are read; a preset
-    # is made whole (every expert, linears in the model dtype) and then cut and quantized.
-    peak = model_bytes(cfg.n_routed_experts if preset else rows, "model", fp8 and not preset)
-    attention_layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if with_mtp else 0)
-    moe_layers = attention_layers - cfg.first_k_dense_replace
-    derived = attention_layers * nh * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank * b
-    if b != 4:
-        derived += moe_layers * cfg.n_routed_experts * h * 4
-    return WeightBytes(params, derived, max(params, peak))
 
 
 @dataclass(frozen=True)

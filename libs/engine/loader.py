@@ -38,8 +38,9 @@ from .block_scales import dequantize
 from .config import ModelConfig
 from .hub import resolve_model
 from .kernels.fp8_gemm import FP8_DTYPE, quantize_fp8_blocks
-from .model.layers import Experts, Fp8Linear
+from .model.layers import Fp8Linear
 from .model.model import DeepseekForCausalLM
+from .model.moe import Experts
 from .presets import PRESETS, init_random_weights
 from .shard_reader import ShardReader
 

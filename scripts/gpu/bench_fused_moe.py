@@ -42,7 +42,7 @@ from libs.engine.kernels.fused_moe import (
     fused_moe_reference,
     quantize_fp4,
 )
-from libs.engine.model.layers import Experts
+from libs.engine.model.moe import Experts
 
 PEAK_BW = 4.15e12  # B/s, H200 HBM3e
 PEAK_FLOPS = 775e12  # dense bf16 FLOP/s quoted for comparison

@@ -17,7 +17,7 @@ from libs.engine.ep.moe import EPExperts, RouteTable, combine, plan_dispatch
 from libs.engine.ep.placement import EMPTY, Placement
 from libs.engine.ep.runtime import plan_moves
 from libs.engine.llm import LLM
-from libs.engine.model.layers import Experts
+from libs.engine.model.moe import Experts
 from tests.hf_reference import require_reference
 
 CFG = ModelConfig(

@@ -23,7 +23,7 @@ from libs.engine.kernels.fused_moe import (
     fused_moe_reference,
     quantize_fp4,
 )
-from libs.engine.model.layers import Experts
+from libs.engine.model.moe import Experts
 
 E = 8
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])

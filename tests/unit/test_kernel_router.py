@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from libs.engine.kernels.router import route, supported
-from libs.engine.model.layers import Router
+from libs.engine.model.moe import Router
 from libs.engine.presets import PRESETS
 
 LAYOUTS = {

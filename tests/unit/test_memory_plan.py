@@ -10,8 +10,8 @@ from libs.engine.config import ModelConfig
 from libs.engine.engine import EngineConfig
 from libs.engine.kv.layout import mla_cache_spec
 from libs.engine.memory_plan import plan_memory, weight_bytes
-from libs.engine.model.layers import Experts
 from libs.engine.model.model import DeepseekForCausalLM
+from libs.engine.model.moe import Experts
 from libs.engine.presets import PRESETS
 from libs.engine.sizing import memory_plan_for, step_activation_bytes
 

@@ -1,6 +1,6 @@
 """Dispatch and combine: one MoE layer's routed experts spread over the ranks of an EP group.
 
-:class:`EPExperts` takes the place of a layer's :class:`~libs.engine.model.layers.Experts`
+:class:`EPExperts` takes the place of a layer's :class:`~libs.engine.model.moe.Experts`
 (same ``forward(x, weights, idx)``); its ``local`` Experts holds this rank's slots only.
 Per layer and step, on every rank (a rank without tokens takes part with 0 rows):
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..model.layers import Experts
+from ..model.moe import Experts
 from .group import EPGroup
 from .placement import EMPTY, Placement
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..model.layers import MoE
 from ..model.model import DeepseekForCausalLM
+from ..model.moe import MoE
 from .eplb import Balance, Eplb, EplbConfig, Rebalance
 from .group import EPGroup
 from .moe import EPExperts

@@ -17,7 +17,8 @@ from torch import nn
 from ..config import ModelConfig
 from ..kv.cache import LayerCache
 from .attention import AttentionMetadata, MLAttention
-from .layers import MLP, Experts, Fp8Linear, Linear, MoE, RMSNorm, Router, _linear
+from .layers import MLP, Fp8Linear, Linear, RMSNorm, _linear
+from .moe import Experts, MoE, Router
 from .rope import Rotary
 
 

@@ -13,8 +13,9 @@ from typing import cast
 
 import torch
 
-from ..model.layers import Experts, Fp8Linear
+from ..model.layers import Fp8Linear
 from ..model.model import DeepseekForCausalLM, MTPLayer
+from ..model.moe import Experts
 
 
 @torch.inference_mode()

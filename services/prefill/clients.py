@@ -13,7 +13,7 @@ from libs.proto.deepserve.v1 import control_pb2, kv_transfer_pb2, kv_transfer_pb
 from libs.serving.handoff import Holding, check_reply, peer_to_proto
 from libs.serving.instance_flags import PUSH_TIMEOUT_S
 
-from .handlers import PushFailed
+from .handoff import PushFailed
 
 CHUNK_BYTES = 1 << 20  # KV travels in chunks of <= 1 MiB, well under gRPC's 4 MiB message limit
 MATCH_TIMEOUT_S = 5.0

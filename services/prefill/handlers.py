@@ -8,15 +8,12 @@ One task, in order:
 
 1. cached prefix: of the ``cached_blocks`` leading blocks the entrypoint found in the kvstore,
    those still in this engine's own cache are used as they are; only the rest are fetched
-   (when loading them beats computing them at the measured rates), uploaded off the engine
-   thread and imported (any failure: compute them -- the cache is an optimisation);
+   when loading them beats computing them (``kvstore_io.py``; any failure: compute them);
 2. the engine computes the rest with ``max_tokens=1`` and keeps the KV (``hold_kv``);
 3. TokenEvent index 0 with the first token (finished if it is EOS/stop, or max_tokens == 1);
-4. hand-over (:mod:`libs.serving.handoff`): ask the decode instance which leading blocks it
-   holds (a session's previous turn usually left them there) and send only the rest -- as
-   references into this engine's KV pool when decode runs on this host (it copies them
-   device to device; the blocks stay held until it answers), else as a frame of bytes built
-   off the engine thread; the engine's copy is released right after;
+4. hand-over (``handoff.py``): only the blocks decode lacks, by reference into this engine's
+   KV pool when decode runs on this host, else as bytes; the engine's copy is released right
+   after;
 5. new full blocks go to the kvstore in the background (failures are logged, not fatal).
 
 A retry after tokens reached the client (``PrefillTask.num_prior_outputs``: the last N prompt
@@ -41,70 +38,37 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from opentelemetry import trace
-from prometheus_client import Counter, Histogram
 
 from libs.common import subjects
 from libs.common.errors import DeepserveError, InstanceFailed, InvalidArgument, Unavailable
-from libs.common.hashchain import chain_hashes
 from libs.common.sampling import SamplingParams
 from libs.common.telemetry import extract_context, inject_traceparent
-from libs.engine.engine import (
-    InvalidRequest,
-    KVFormatError,
-    KVIntegrityError,
-    NoFreeBlocks,
-    PreparedKV,
-)
-from libs.engine.kv.peer import host_id
-from libs.engine.kv.transfer import PeerKV
-from libs.kvstore.policy import LoadOrCompute
+from libs.engine.engine import InvalidRequest, KVFormatError, NoFreeBlocks
 from libs.proto.deepserve.v1 import control_pb2
 from libs.serving.aborts import RecentAborts, RecentIds
 from libs.serving.convert import error_event
 from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed, RequestStream
-from libs.serving.handoff import KVPusher, KVResend
+from libs.serving.handoff import KVPusher
 from libs.serving.instance import drain_tasks, instance_status
-from libs.serving.write_behind import WriteBehind
-from libs.transport.kvstore_client import Block, KVStore, write_back
+from libs.transport.kvstore_client import Block, KVStore
+
+from .handoff import HandOff, PushFailed
+from .kvstore_io import PrefixStore
+from .metrics import DUPLICATES, ERRORS, FORGED, LATENCY, REQUESTS
+
+__all__ = [  # and what tests read from here: the KV frame type, the forged-block counter
+    "Block",
+    "FORGED",
+    "LocalDecode",
+    "PrefillHandler",
+    "PushFailed",
+    "TaskMessage",
+]
 
 log = logging.getLogger("prefill")
 
 Publish = Callable[[str, bytes], Awaitable[None]]
 
-REQUESTS = Counter("deepserve_prefill_requests_total", "prefill tasks by outcome", ["outcome"])
-ERRORS = Counter("deepserve_prefill_errors_total", "prefill failures by stage", ["stage"])
-LATENCY = Histogram(
-    "deepserve_prefill_seconds",
-    "task received -> KV handed to decode",
-    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-)
-CACHED_BLOCKS = Counter(
-    "deepserve_prefill_kvstore_blocks_loaded_total", "prefix blocks loaded from the kvstore"
-)
-STORED_BLOCKS = Counter("deepserve_prefill_kvstore_blocks_put_total", "blocks sent to the kvstore")
-FORGED = Counter(
-    "deepserve_prefill_kv_integrity_failures_total",
-    "kvstore blocks whose MAC did not match (forged or altered): treated as a miss",
-)
-OWN_BLOCKS = Counter(
-    "deepserve_prefill_resident_blocks_total",
-    "cached prefix blocks found in this engine's own cache (not fetched)",
-)
-HANDOFF_BLOCKS = Counter(
-    "deepserve_prefill_handoff_blocks_total",
-    "prompt blocks at hand-over by how they reached decode",
-    ["how"],  # held (decode had them), peer (pool reference), bytes (a frame)
-)
-STORE_DROPPED = Counter(
-    "deepserve_prefill_kvstore_writes_dropped_total",
-    "kvstore writes not started: the write-behind bound was reached",
-)
-RESENDS = Counter("deepserve_prefill_handoff_resends_total", "hand-overs sent again", ["why"])
-DUPLICATES = Counter(
-    "deepserve_prefill_duplicate_tasks_total",
-    "copies of a PrefillTask already in flight or seen lately (sent again after a NATS outage)",
-)
-MAX_SENDS = 3  # a hand-over tries at most: peer refs, bytes, bytes from block 0
 # Copies of a task come while the entrypoint waits for a confirmation (each copy waits 1 s,
 # the whole at most --nats-wait + --instance-dead-after, ~13 s) or out of a client's buffer
 # right after a reconnection: a minute of ids covers them (100K ids: ~15 MB at most).
@@ -136,10 +100,6 @@ class LocalDecode(Protocol):
     ) -> None: ...
 
 
-class PushFailed(InstanceFailed):
-    """The decode instance did not take the KV (unreachable, refused, timed out)."""
-
-
 class PrefillHandler:
     def __init__(
         self,
@@ -165,15 +125,24 @@ class PrefillHandler:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.tracer = tracer or trace.get_tracer("prefill")
-        self.same_host_handoff = same_host_handoff  # False: always bytes (tests, debugging)
+        # same_host_handoff False: always bytes (tests, debugging)
+        self.handoff = HandOff(loop, pusher, block_size, self.tracer, same_host_handoff)
+        self.store = PrefixStore(loop, kvstore, block_size) if kvstore is not None else None
         self.local = local  # aggregated: this engine's own decode role
-        self.rates = LoadOrCompute()
         self.draining = False
         self.aborted = RecentAborts()
         self.seen = RecentIds(TASK_MEMORY_S, TASK_MEMORY_MAX)  # task ids taken lately
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._cut: dict[str, str] = {}  # request id -> why it was cancelled ("abort", "shutdown")
-        self.writes = WriteBehind()
+
+    @property
+    def same_host_handoff(self) -> bool:
+        """False: hand KV over as bytes even to a decode instance on this host."""
+        return self.handoff.same_host
+
+    @same_host_handoff.setter
+    def same_host_handoff(self, value: bool) -> None:
+        self.handoff.same_host = value
 
     # -- entry points -------------------------------------------------------------------------
     async def on_message(self, msg: TaskMessage) -> None:
@@ -327,8 +296,9 @@ class PrefillHandler:
                 logprobs=[ev.logprobs.to_proto()] if ev.logprobs is not None else [],
             ),
         )
-        if self.kvstore is not None and not (local and reason is None):
-            await self._write_back(task, len(prompt) // self.block_size - in_store, in_store)
+        if self.store is not None and not (local and reason is None):
+            n_new = len(prompt) // self.block_size - in_store
+            await self.store.write_back(task, n_new, in_store)
         if reason is not None:
             REQUESTS.labels("finished").inc()
             return  # (a local request held for the write-back is freed by _forget)
@@ -361,7 +331,7 @@ class PrefillHandler:
                     decode_task.draft_token_ids.extend(drafts[0])
                     decode_task.draft_confidences.extend(drafts[1])
             with self.tracer.start_as_current_span("prefill.handoff"):
-                await self._hand_over(task, decode_task, prompt)
+                await self.handoff.send(task, decode_task, prompt)
         except InstanceFailed as exc:
             ERRORS.labels("push").inc()
             REQUESTS.labels("push_failed").inc()
@@ -417,7 +387,7 @@ class PrefillHandler:
         rid = task.request_id
         salt = task.cache_salt
         try:
-            cached = await self._load_cached(task, prompt)
+            cached = await self.store.load(task, prompt) if self.store is not None else None
             if cached is not None:
                 try:
                     stream = await self.loop.add(
@@ -452,119 +422,11 @@ class PrefillHandler:
             )
             return None, 0
 
-    async def _load_cached(
-        self, task: control_pb2.PrefillTask, prompt: list[int]
-    ) -> PreparedKV | None:
-        """The kvstore's blocks of this prompt that this engine lacks, uploaded and ready to
-        import (None: nothing worth loading -- the engine's own prefix cache does the rest)."""
-        if self.kvstore is None or task.cached_blocks <= 0:
-            return None
-        usable = min(task.cached_blocks, (len(prompt) - 1) // self.block_size)
-        if usable <= 0:
-            return None
-        hashes = chain_hashes(prompt[: usable * self.block_size], self.block_size, task.cache_salt)
-        own = await self.loop.call(lambda e: e.resident_blocks(hashes))
-        OWN_BLOCKS.inc(own)
-        stats = self.loop.stats
-        if stats.tokens_per_s:
-            self.rates.observe_compute(stats.tokens_per_s)
-        bpb = self.loop.engine.spec.bytes_per_block
-        if not self.rates.worth_loading(usable - own, bpb, self.block_size):
-            return None
-        t0 = time.perf_counter()
-        try:
-            frames = await self.kvstore.get(hashes[own:])
-        except Exception as exc:  # noqa: BLE001 - the kvstore is an optimisation: compute instead
-            ERRORS.labels("kvstore_get").inc()
-            log.warning(
-                "request %s: kvstore Get failed (%s); computing the prefix", task.request_id, exc
-            )
-            return None
-        if not frames:
-            return None
-        self.rates.observe_load(sum(len(f) for f in frames), time.perf_counter() - t0)
-        CACHED_BLOCKS.inc(len(frames))
-        try:
-            return await self.loop.prepare_kv(frames)
-        except (KVFormatError, ValueError) as exc:
-            if isinstance(exc, KVIntegrityError):
-                FORGED.inc()  # a miss: the prefix is computed, the forged bytes never used
-            ERRORS.labels("kv_import").inc()
-            log.warning("request %s: kvstore blocks unusable (%s)", task.request_id, exc)
-            return None
-
-    async def _hand_over(
-        self, task: control_pb2.PrefillTask, decode_task: control_pb2.DecodeTask, prompt: list[int]
-    ) -> None:
-        """Send decode the blocks it lacks, by reference on this host, else as bytes."""
-        rid, address, bs = task.request_id, task.decode_address, self.block_size
-        full = chain_hashes(prompt[: (len(prompt) // bs) * bs], bs, task.cache_salt)
-        have, same_host = 0, False
-        if full:
-            try:
-                held = await self.pusher.match(address, full)
-                have = max(0, min(held.blocks, len(full)))
-                same_host = self.same_host_handoff and held.host == host_id()
-            except InstanceFailed as exc:  # the push says what is wrong, or works
-                log.info("request %s: Match on %s failed (%s); sending every block", rid, exc)
-        total = -(-len(prompt) // bs)
-        for _ in range(MAX_SENDS):
-            kv = await self._kv_from(rid, have, same_host)
-            try:
-                await self.pusher.push(address, decode_task, kv)
-            except KVResend as exc:
-                if exc.send_bytes:
-                    same_host = False
-                    RESENDS.labels("send_bytes").inc()
-                if exc.have_blocks is not None:
-                    have = max(0, min(have, exc.have_blocks))
-                    RESENDS.labels("missing_prefix").inc()
-                continue
-            HANDOFF_BLOCKS.labels("held").inc(have)
-            HANDOFF_BLOCKS.labels("peer" if isinstance(kv, PeerKV) else "bytes").inc(total - have)
-            return
-        raise PushFailed(f"decode {address} refused the KV {MAX_SENDS} times; see its log")
-
-    async def _kv_from(self, rid: str, start: int, same_host: bool) -> bytes | PeerKV:
-        if same_host:
-            ref = await self.loop.call(lambda e: e.peer_kv(rid, start))
-            if ref is not None:
-                return ref
-        finish = await self.loop.call(
-            lambda e: e.export_kv_async(rid, include_partial=True, start_block=start)
-        )
-        with self.tracer.start_as_current_span("prefill.export_kv"):
-            return await asyncio.to_thread(finish)
-
     async def _release(self, rid: str) -> None:
         try:
             await asyncio.shield(self.loop.call(lambda e: e.release(rid)))
         except (EngineLoopClosed, asyncio.CancelledError):
             pass  # _forget frees it (closing aborts everything anyway)
-
-    async def _write_back(self, task: control_pb2.PrefillTask, n_new: int, start: int) -> None:
-        """Copy the prompt's new full blocks out of the engine (before the KV is released) and
-        write them to the kvstore in the background, if the write-behind has room."""
-        nbytes = max(n_new, 0) * self.loop.engine.spec.bytes_per_block
-        rid = task.request_id
-        if nbytes and not await self.writes.submit(
-            nbytes,
-            lambda: self.loop.call(lambda e: e.export_blocks_async(rid, start)),
-            lambda finish: self._store(task, finish),
-        ):
-            STORE_DROPPED.inc()
-
-    async def _store(
-        self, task: control_pb2.PrefillTask, finish: Callable[[], list[Block]]
-    ) -> None:
-        assert self.kvstore is not None
-        n = await write_back(
-            self.kvstore, finish, task.cache_salt, task.traffic_class, log, task.request_id
-        )
-        if n < 0:
-            ERRORS.labels("kvstore_put").inc()
-        else:
-            STORED_BLOCKS.inc(n)
 
     # -- helpers ------------------------------------------------------------------------------
     async def _forget(self, rid: str) -> None:
@@ -600,4 +462,5 @@ class PrefillHandler:
         writes."""
         self.draining = True
         await drain_tasks(list(self._tasks.values()), timeout_s, "prefill tasks", log)
-        await self.writes.drain(5.0)
+        if self.store is not None:
+            await self.store.writes.drain(5.0)

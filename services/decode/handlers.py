@@ -1,8 +1,8 @@
 """Decode: take a request's KV and task from prefill, continue generating, stream the tokens.
 
 :class:`DecodeHandler` holds the logic and no transport: ``accept`` is what ``KVTransfer.Push``
-calls once the whole frame has arrived, ``publish`` is how TokenEvents leave (NATS in the
-service, a list in tests).
+(``transfer.py``) calls once the whole frame has arrived, ``publish`` is how TokenEvents leave
+(NATS in the service, a list in tests).
 
 Indices: prefill published output position 0 (the first token); the engine here starts from
 prompt + [first token], so its k-th event is output position k (k >= 1).
@@ -26,11 +26,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
-import grpc
 from opentelemetry import trace
-from prometheus_client import Counter, Histogram
 
 from libs.common import subjects
 from libs.common.errors import (
@@ -50,49 +48,33 @@ from libs.engine.engine import (
     PreparedKV,
 )
 from libs.engine.kv.peer import PeerUnavailable, host_id
-from libs.engine.kv.transfer import MAX_HEADER_BYTES, PeerKV
-from libs.proto.deepserve.v1 import common_pb2, control_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
+from libs.engine.kv.transfer import PeerKV
+from libs.proto.deepserve.v1 import common_pb2, control_pb2, kv_transfer_pb2
 from libs.serving.aborts import RecentAborts
 from libs.serving.convert import error_event
 from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed, RequestStream
-from libs.serving.handoff import Holding, peer_from_proto
+from libs.serving.handoff import Holding
 from libs.serving.instance import drain_tasks, instance_status
 from libs.serving.replay import EventLog
 from libs.serving.write_behind import WriteBehind
 from libs.transport.kvstore_client import Block, KVStore, write_back
 
+from .metrics import (
+    ERRORS,
+    KV_BLOCKS,
+    KV_BYTES,
+    LATENCY,
+    REQUESTS,
+    RESENDS,
+    STORE_DROPPED,
+    STORE_ERRORS,
+    STORED_BLOCKS,
+    TOKENS,
+)
+
 log = logging.getLogger("decode")
 
 Publish = Callable[[str, bytes], Awaitable[None]]
-
-REQUESTS = Counter("deepserve_decode_requests_total", "KV pushes by outcome", ["outcome"])
-TOKENS = Counter("deepserve_decode_tokens_total", "tokens generated and published")
-ERRORS = Counter("deepserve_decode_errors_total", "requests that ended in an error event")
-KV_BYTES = Counter("deepserve_decode_kv_bytes_total", "KV frame bytes received")
-KV_BLOCKS = Counter(
-    "deepserve_decode_kv_blocks_total",
-    "prompt blocks of accepted requests by where they came from",
-    # resident (already here), peer (copied from prefill's pool), bytes (a frame), local (an
-    # aggregated instance's own prompt: never moved)
-    ["source"],
-)
-STORED_BLOCKS = Counter(
-    "deepserve_decode_kvstore_blocks_put_total", "generated blocks written to the kvstore"
-)
-STORE_ERRORS = Counter("deepserve_decode_kvstore_errors_total", "failed kvstore writes")
-STORE_DROPPED = Counter(
-    "deepserve_decode_kvstore_writes_dropped_total",
-    "kvstore writes not started: the write-behind bound was reached",
-)
-RESENDS = Counter(
-    "deepserve_decode_resends_total",
-    "KVTransfer.Resend calls answered with events (the entrypoint lost some: a NATS outage)",
-)
-LATENCY = Histogram(
-    "deepserve_decode_request_seconds",
-    "KV accepted -> last token published",
-    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
-)
 
 
 class DecodeHandler:
@@ -436,123 +418,7 @@ class DecodeHandler:
         await self.writes.drain(5.0)
 
 
-class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
-    """``Push``: the DecodeTask first, then the KV frame in chunks or one PeerBlocks
-    reference; ``Match``: what this instance holds of a chain. The handler does the rest.
-
-    A push is refused as soon as it is implausible: a task whose prompt length does not fit
-    its tokens before any chunk is read, and a frame at the first chunk that takes it past
-    the most a frame for that prompt can be (:func:`max_frame_bytes`), so a garbage stream
-    costs at most one frame's worth of memory and is never read to its end.
-    """
-
-    def __init__(self, handler: DecodeHandler) -> None:
-        self.handler = handler
-        # A prompt this engine could never hold is refused before its KV is read.
-        self.max_model_len = handler.loop.engine.scheduler_config.max_model_len
-
-    async def Push(
-        self,
-        request_iterator: AsyncIterator[kv_transfer_pb2.KVPush],
-        context: grpc.aio.ServicerContext,
-    ) -> kv_transfer_pb2.KVPushReply:
-        task: control_pb2.DecodeTask | None = None
-        frame = bytearray()
-        limit = 0
-        ref: PeerKV | None = None
-        async for part in request_iterator:
-            which = part.WhichOneof("part")
-            if task is None:
-                if which != "task":
-                    return _refuse("the first KVPush message must carry the DecodeTask")
-                task = part.task
-                why = _implausible(task, self.max_model_len)
-                if why:
-                    return _refuse(why)
-                limit = max_frame_bytes(
-                    kv_tokens(task), self.handler.block_size, self.handler.bytes_per_block
-                )
-            elif which == "chunk" and ref is None:
-                if len(frame) + len(part.chunk) > limit:
-                    return _refuse(
-                        f"KV frame for request {task.request_id!r} passed {limit} bytes, the "
-                        f"most {kv_tokens(task)} prompt tokens can need here "
-                        f"(block size {self.handler.block_size}, "
-                        f"{self.handler.bytes_per_block} bytes per block): was it made for "
-                        f"another model or prompt?"
-                    )
-                frame += part.chunk
-            elif which == "peer" and ref is None and not frame:
-                ref = peer_from_proto(part.peer)
-            else:
-                return _refuse(f"KVPush.{which} out of order: a task, then chunks or one peer")
-        if task is None:
-            return _refuse("empty KVPush stream")
-        meta = dict(context.invocation_metadata() or ())
-        traceparent = str(meta.get("traceparent", ""))
-        return await self.handler.accept(task, ref or bytes(frame), traceparent)
-
-    async def Match(
-        self, request: kv_transfer_pb2.MatchRequest, context: grpc.aio.ServicerContext
-    ) -> kv_transfer_pb2.MatchReply:
-        try:
-            held = await self.handler.match(list(request.block_hashes))
-        except EngineLoopClosed:
-            held = Holding(0, host_id())
-        return kv_transfer_pb2.MatchReply(blocks=held.blocks, host=held.host)
-
-    async def Resend(
-        self, request: kv_transfer_pb2.ResendRequest, context: grpc.aio.ServicerContext
-    ) -> kv_transfer_pb2.ResendReply:
-        return self.handler.resend(request)
-
-
-# A frame's bytes beyond its digests and blocks: the 10-byte prefix (magic, version, header
-# length) and the header's other JSON -- model id, layout hash, dtype, numbers and the mac
-# (~300 bytes today); 64 KiB leaves room for long model ids without letting much through.
-_HEADER_FIXED_BYTES = 64 << 10
-# One hex digest in the header's JSON list: 64 hex digits (SHA-256), quotes and a comma;
-# counted at twice that so a longer digest would still fit.
-_HEADER_BYTES_PER_BLOCK = 2 * (64 + 3)
-
-
-def max_frame_bytes(num_prompt_tokens: int, block_size: int, bytes_per_block: int) -> int:
-    """The most bytes a KV frame for a prompt of ``num_prompt_tokens`` can have: prefix and
-    header (the header at most ``MAX_HEADER_BYTES``) plus one block per ``block_size`` prompt
-    tokens (the tail block included), each ``bytes_per_block``."""
-    blocks = -(-num_prompt_tokens // block_size)
-    header = min(MAX_HEADER_BYTES, blocks * _HEADER_BYTES_PER_BLOCK)
-    return _HEADER_FIXED_BYTES + header + blocks * bytes_per_block
-
-
 def kv_tokens(task: control_pb2.DecodeTask) -> int:
     """The tokens whose KV comes with the task: all but the last (the first token prefill
     generated, computed by decode's first step)."""
     return max(0, len(task.token_ids) - 1)
-
-
-def _implausible(task: control_pb2.DecodeTask, max_model_len: int) -> str:
-    """Why this task cannot be real, before any of its KV is read ("" if it can)."""
-    if not 0 < task.num_prompt_tokens < max_model_len:
-        return (
-            f"DecodeTask.num_prompt_tokens must lie in [1, {max_model_len - 1}] (this "
-            f"engine's context), got {task.num_prompt_tokens} (request {task.request_id!r})"
-        )
-    if len(task.token_ids) <= task.num_prompt_tokens:
-        return (
-            f"DecodeTask.token_ids must hold the {task.num_prompt_tokens} prompt tokens and the "
-            f"first generated token, got {len(task.token_ids)} (request {task.request_id!r})"
-        )
-    if len(task.token_ids) >= max_model_len:
-        return (
-            f"DecodeTask.token_ids holds {len(task.token_ids)} tokens; this engine's context "
-            f"is {max_model_len} (request {task.request_id!r})"
-        )
-    return ""
-
-
-def _refuse(why: str) -> kv_transfer_pb2.KVPushReply:
-    """A push refused before it reached the engine: counted, logged, said in the reply."""
-    REQUESTS.labels("rejected").inc()
-    log.warning("KV push refused: %s", why)
-    return kv_transfer_pb2.KVPushReply(accepted=False, error=why)

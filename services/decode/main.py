@@ -30,7 +30,8 @@ from libs.serving.runtime import advertise_host
 from libs.transport.kvstore_client import KVStore, open_kvstore
 
 from .config import SERVICE, DecodeConfig, build_parser, config_from
-from .handlers import DecodeHandler, KVTransferServicer
+from .handlers import DecodeHandler
+from .transfer import KVTransferServicer
 
 MAX_MESSAGE_BYTES = 8 << 20  # KV arrives in chunks of <= 1 MiB; leave room
 

@@ -1,0 +1,100 @@
+"""DeepSeek-V4's MoE: sqrt-softplus or hash routing, clamped SwiGLU experts, a shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import V4Config
+from .layers import _linear, _param
+
+
+def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class SharedMLP(nn.Module):
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__()
+        inter = cfg.moe_intermediate_size
+        self.gate_proj = _linear(inter, cfg.hidden_size)
+        self.up_proj = _linear(inter, cfg.hidden_size)
+        self.down_proj = _linear(cfg.hidden_size, inter)
+        self.limit = cfg.swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down_proj(
+            _clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit)
+        )
+        return out
+
+
+class Router(nn.Module):
+    """Scores (sqrt-softplus or sigmoid) of every expert; the top-k by score plus the
+    correction bias, or (hash layers) the token's fixed ``tid2eid`` row; weights normalized
+    and scaled by ``routed_scaling_factor``."""
+
+    def __init__(self, cfg: V4Config, hashed: bool) -> None:
+        super().__init__()
+        self.cfg, self.hashed = cfg, hashed
+        self.weight = _param(cfg.n_routed_experts, cfg.hidden_size)
+        if hashed:
+            self.register_buffer(
+                "tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.long)
+            )
+        else:
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)
+        f = self.cfg.scoring_func
+        scores = torch.sqrt(F.softplus(logits)) if f == "sqrtsoftplus" else torch.sigmoid(logits)
+        if self.hashed:
+            table = self.get_buffer("tid2eid")
+            idx = table[ids].long()
+        else:
+            k = self.cfg.num_experts_per_tok
+            bias = self.get_buffer("e_score_correction_bias")
+            idx = torch.topk(scores + bias, k, dim=-1, sorted=False).indices
+        w = scores.gather(1, idx)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * self.cfg.routed_scaling_factor, idx
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__()
+        e, i, h = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_up_proj = _param(e, 2 * i, h)
+        self.down_proj = _param(e, h, i)
+        self.limit = cfg.swiglu_limit
+        self.use_kernels = False  # the fused Triton MoE (no host synchronization)
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        if self.use_kernels:
+            from ..kernels.fused_moe import fused_moe
+
+            return fused_moe(
+                x, self.gate_up_proj, self.down_proj, w.float(), idx, swiglu_limit=self.limit
+            )
+        out = torch.zeros_like(x)
+        for e in torch.unique(idx).tolist():
+            tok, slot = torch.nonzero(idx == e, as_tuple=True)
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(_clamped_swiglu(gate, up, self.limit), self.down_proj[e])
+            out.index_add_(0, tok, (y * w[tok, slot, None]).to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: V4Config, layer: int) -> None:
+        super().__init__()
+        self.gate = Router(cfg, cfg.mlp_layer_types[layer] == "hash_moe")
+        self.experts = Experts(cfg)
+        self.shared_experts = SharedMLP(cfg)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        w, idx = self.gate(x, ids)
+        out: torch.Tensor = self.experts(x, w, idx) + self.shared_experts(x)
+        return out

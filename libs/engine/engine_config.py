@@ -44,7 +44,7 @@ class EngineConfig:
     # dequantized); "auto": fp8 for checkpoints whose config carries that quantization_config.
     weight_dtype: str = "auto"
     cuda_graphs: bool = True  # decode-only steps replay captured graphs (CUDA with kernels)
-    # Speculative decoding (libs/engine/speculative.py): drafts per request and step made by
+    # Speculative decoding (libs/engine/speculative/): drafts per request and step made by
     # the model's MTP layer (loaded for it), 0 = off; which drafts a step verifies:
     # "confidence" (expected tokens per second) or "all".
     speculative_tokens: int = 0

@@ -121,7 +121,7 @@ class ScheduledSeq:
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
     sample_position: int  # position of the token to be sampled (keys seeded sampling)
     # Speculative decoding: the last ``num_drafts`` of ``token_ids`` are drafted tokens that
-    # this step verifies (a decode of 1 + num_drafts tokens; see libs/engine/speculative.py).
+    # this step verifies (a decode of 1 + num_drafts tokens; see libs/engine/speculative/).
     num_drafts: int = 0
 
 

@@ -55,6 +55,7 @@ from libs.serving.convert import error_event
 from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed, RequestStream
 from libs.serving.handoff import Holding
 from libs.serving.instance import drain_tasks, instance_status
+from libs.serving.peer_seal import PeerKVRefused, PeerSeals
 from libs.serving.replay import EventLog
 from libs.serving.write_behind import WriteBehind
 from libs.transport.kvstore_client import Block, KVStore, write_back
@@ -64,6 +65,7 @@ from .metrics import (
     KV_BLOCKS,
     KV_BYTES,
     LATENCY,
+    PEER_REFUSED,
     REQUESTS,
     RESENDS,
     STORE_DROPPED,
@@ -104,6 +106,8 @@ class DecodeHandler:
         self._stop_reason: dict[str, str] = {}  # request id -> why we cut it short ("abort", ...)
         self.writes = WriteBehind()
         self.bytes_per_block = loop.engine.spec.bytes_per_block
+        # Pool references are opened only signed by a prefill peer, for their request, once.
+        self.seals = PeerSeals(loop.engine.config.kv_mac_key)
         # What was published per request, for KVTransfer.Resend (events lost in a NATS outage)
         self.sent = EventLog()
 
@@ -192,6 +196,12 @@ class DecodeHandler:
         the engine thread first); returns once the KV is in this engine's pages."""
         rid = task.request_id
         arrived = time.monotonic()  # the engine metrics' end-to-end latency counts the upload
+        if isinstance(kv, PeerKV):
+            try:
+                kv = self.seals.open(kv, rid)  # before the pool is opened or anything imported
+            except PeerKVRefused:
+                PEER_REFUSED.inc()
+                raise
         try:
             # Prefill produced the first token (after a retry's prior outputs, if any): that
             # many fewer to generate, and to hold stops back for.

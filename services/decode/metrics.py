@@ -33,3 +33,8 @@ LATENCY = Histogram(
     "KV accepted -> last token published",
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
 )
+PEER_REFUSED = Counter(
+    "deepserve_decode_peer_refs_refused_total",
+    "KV pool references refused before the pool was opened: unsigned, forged, another "
+    "request's, stale or replayed (libs/serving/peer_seal.py)",
+)

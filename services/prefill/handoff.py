@@ -3,8 +3,9 @@
 
 Ask decode which leading blocks of the prompt it holds (a session's previous turn usually left
 them there) and send only the rest: as references into this engine's KV pool when decode runs
-on this host (it copies them device to device; the blocks stay held until it answers), else
-as a frame of bytes built off the engine thread. Decode may answer "send bytes" (it cannot
+on this host (it copies them device to device; the blocks stay held until it answers; the
+reference is signed for the request, :mod:`libs.serving.peer_seal`), else as a frame of bytes
+built off the engine thread. Decode may answer "send bytes" (it cannot
 open the pool) or "missing prefix" (it evicted blocks it said it held): the hand-over is sent
 again that way, at most ``MAX_SENDS`` times in all.
 """
@@ -23,6 +24,7 @@ from libs.engine.kv.transfer import PeerKV
 from libs.proto.deepserve.v1 import control_pb2
 from libs.serving.engine_loop import EngineLoop
 from libs.serving.handoff import KVPusher, KVResend
+from libs.serving.peer_seal import seal
 
 from .metrics import HANDOFF_BLOCKS, RESENDS
 
@@ -89,8 +91,8 @@ class HandOff:
     async def _kv_from(self, rid: str, start: int, same_host: bool) -> bytes | PeerKV:
         if same_host:
             ref = await self.loop.call(lambda e: e.peer_kv(rid, start))
-            if ref is not None:
-                return ref
+            if ref is not None:  # signed for this request: decode opens nothing else
+                return seal(ref, rid, self.loop.engine.config.kv_mac_key)
         finish = await self.loop.call(
             lambda e: e.export_kv_async(rid, include_partial=True, start_block=start)
         )

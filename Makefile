@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 SERVE_STAMP := $(VENV)/.serve-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup up test test-gpu test-container image lint clean
+.PHONY: setup up test test-gpu test-container image lint mutants clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,12 @@ image: setup
 
 test-container: image
 	$(PY) -m pytest tests/container -q -p no:cacheprovider
+
+# The mutation check, a slower tier outside `make test` (~30 min on 2 cores): each bug of
+# scripts/mutants.py's list, planted alone in a scratch copy, must fail the tests listed for it.
+# Prints a table; fails if one survives. MUTANTS_ARGS="--only ID,ID" or "--jobs 4". docs/testing.md.
+mutants: setup
+	$(PY) scripts/mutants.py $(MUTANTS_ARGS)
 
 # Fails on any finding: ruff (rules and the 100-column format) and mypy --strict over the
 # libraries, the services and the tools package.

@@ -26,6 +26,7 @@ from services.recipe.backend import GrpcGenerateBackend
 from services.recipe.encoding import PromptEncoder
 from services.recipe.handlers import AppConfig, Metrics
 
+from ..sdk_strict import strict_http
 from .recipe_fakes import MODEL, FakeBackend
 from .test_entrypoint_handlers import SECRET, Aborted, FakeBus, FakeContext, FakeLookup, req
 
@@ -87,7 +88,7 @@ def test_the_recipe_names_the_key_and_route_of_each_call() -> None:
     encoder = PromptEncoder([MODEL], default_thinking=False)
     backend = FakeBackend(encoder)
     cfg = AppConfig(model_name=MODEL, default_max_tokens=8, keys=KeyTable(KEYS))
-    client = TestClient(build_app(cfg, encoder, backend, Metrics(CollectorRegistry())))
+    client = strict_http(TestClient(build_app(cfg, encoder, backend, Metrics(CollectorRegistry()))))
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2}
     r = client.post("/v1/chat/completions", json=body, headers={"authorization": f"Bearer {KEY}"})
     assert r.status_code == 200
@@ -117,8 +118,8 @@ async def test_an_http_request_is_billed_under_its_key_and_route_over_grpc(
     cfg = AppConfig(model_name=MODEL, default_max_tokens=8, keys=KeyTable(KEYS))
     app = build_app(cfg, encoder, backend, Metrics(CollectorRegistry()))
     try:
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://recipe"
+        async with strict_http(
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://recipe")
         ) as client:
             r = await client.post(
                 "/v1/messages",

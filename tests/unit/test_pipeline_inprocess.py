@@ -408,7 +408,9 @@ async def test_a_schema_past_the_compile_budget_is_a_400_naming_the_limit(
     }
     try:
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+        async with strict_http(
+            httpx.AsyncClient(transport=transport, base_url="http://testserver")
+        ) as http:
             r = await http.post("/v1/chat/completions", json=body)
     finally:
         for loop in backend.loops:

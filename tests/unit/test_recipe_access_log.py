@@ -23,6 +23,7 @@ from services.recipe.access_log import access_log
 from services.recipe.encoding import PromptEncoder
 from services.recipe.server import build_server, run_server, stop_server
 
+from ..sdk_strict import strict_http
 from .recipe_fakes import MODEL, FakeBackend, FakeCall
 from .test_recipe import make_app
 
@@ -61,7 +62,7 @@ def backend(encoder: PromptEncoder) -> TracingBackend:
 @pytest.fixture
 def client(encoder: PromptEncoder, backend: TracingBackend) -> TestClient:
     app = make_app(encoder, backend, keys=KEYS, registry=CollectorRegistry())
-    return TestClient(access_log(app, KeyTable(KEYS)), raise_server_exceptions=False)
+    return strict_http(TestClient(access_log(app, KeyTable(KEYS)), raise_server_exceptions=False))
 
 
 def chat(**kw: Any) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from services.recipe.encoding import PromptEncoder
 from services.recipe.handlers import AppConfig, Metrics
 from services.recipe.usage import UsageRecord, subject_of
 
+from ..sdk_strict import strict_http
 from .recipe_fakes import MODEL, FakeBackend
 from .test_entrypoint_handlers import FakeBus, FakeContext, make, req
 
@@ -56,7 +57,9 @@ def test_the_recipe_names_a_tenant_by_its_salted_label_only(
     encoder = PromptEncoder([MODEL], default_thinking=False)
     cfg = AppConfig(model_name=MODEL, default_max_tokens=16, keys=KeyTable(KEYS), labels=labels)
     app = build_app(cfg, encoder, FakeBackend(encoder), Metrics(registry), usage=sink)
-    client = TestClient(access_log(app, KeyTable(KEYS), labels), raise_server_exceptions=False)
+    client = strict_http(
+        TestClient(access_log(app, KeyTable(KEYS), labels), raise_server_exceptions=False)
+    )
     caplog.set_level(logging.INFO)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     auth = {"authorization": f"Bearer {KEY}"}

@@ -369,9 +369,9 @@ def test_later_choices_start_after_the_first_ones_prefill(
     seen: list[int] = []  # events choice 0 had given when each call started
     generate = backend.generate
 
-    def watching(request: generate_pb2.GenerateRequest, traceparent: str = "") -> Any:
+    def watching(request: generate_pb2.GenerateRequest, *args: Any) -> Any:
         seen.append(backend.calls[0].consumed if backend.calls else 0)
-        return generate(request, traceparent)
+        return generate(request, *args)  # traceparent, on_behalf
 
     backend.generate = watching  # type: ignore[method-assign]
     oai.chat.completions.create(model=MODEL, messages=USER, n=3)

@@ -100,11 +100,13 @@ def test_greedy_continuations_match_transformers(saved, absorb: bool) -> None:
         assert ours == hf_greedy(hf, p, 32), f"{name}: greedy continuation differs for prompt {i}"
 
 
-@pytest.mark.parametrize("layout", ["sharded", "fused"])
+@pytest.mark.parametrize(
+    "saved,layout",
+    [*((name, "fused") for name in sorted(CONFIGS)), ("v3-yarn-grouped", "sharded")],
+    indirect=["saved"],
+)  # one config is enough for sharding
 def test_checkpoint_layouts_load_the_same_weights(saved, layout: str, tmp_path: Path) -> None:
     name, hf, path = saved
-    if name != "v3-yarn-grouped" and layout == "sharded":
-        pytest.skip("one config is enough for sharding")
     other = save_hf(hf, tmp_path / layout, layout)
     a = _engine(path)
     b = _engine(other)

@@ -264,12 +264,12 @@ def test_greedy_tokens_equal_transformers_on_the_same_tensors(
     assert _greedy(_engine(path, weight_dtype="bf16")) == expected
 
 
+@pytest.mark.parametrize("release", [V3], indirect=True)  # FP8 and MTP are the V3 layout's
 def test_the_v3_release_keeps_its_fp8_and_loads_its_mtp_module(
     release: tuple[str, Path, Path],
 ) -> None:
     layout, path, _ = release
-    if layout != V3:
-        pytest.skip("the V3 layout's FP8 and MTP")
+    assert layout == V3
     tensors = _tensors(path)
     name = "model.layers.1.self_attn.q_b_proj.weight"
     kept = dict(load(str(path)).model.named_parameters())  # auto: the release's FP8 kept
@@ -293,14 +293,14 @@ def test_the_v3_release_keeps_its_fp8_and_loads_its_mtp_module(
     assert torch.equal(gate_up[:128], want[f"model.layers.{LAYERS}.mlp.experts.5.gate_proj.weight"])
 
 
+@pytest.mark.parametrize("release", [V3], indirect=True)  # scales are the V3 layout's
 def test_a_scale_in_the_next_shard_than_its_weight_still_loads(
     release: tuple[str, Path, Path],
 ) -> None:
     """Nothing in the format keeps a weight and its scale in one shard; this release splits
     one pair (the shard cut falls between them), and the loads above read it."""
     layout, path, _ = release
-    if layout != V3:
-        pytest.skip("scales are the V3 layout's")
+    assert layout == V3
     where = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     split = [
         k

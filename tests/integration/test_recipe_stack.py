@@ -21,6 +21,8 @@ import openai
 import pytest
 
 from deepserve.up import Stack
+from libs.common.tenant_label import SECRET_ENV as TENANT_SECRET
+from libs.common.tenant_label import label_of
 from services.recipe.handlers import tenant_label
 
 from ..sdk_strict import anthropic_client, openai_client, strict_http
@@ -194,7 +196,10 @@ def test_tenant_salts_the_kvstore(keyed_stack: Stack) -> None:
     ops = recipe.argv[recipe.argv.index("--http-port") + 1]
     with urllib.request.urlopen(f"http://127.0.0.1:{ops}/metrics", timeout=10) as r:
         metrics = r.read().decode()
-    assert f'tenant="{tenant_label("acme")}"' in metrics and "acme" not in metrics
+    # Salted with the deployment's secret (deepserve up generates one): not computable without it.
+    salted = label_of(keyed_stack.secrets[TENANT_SECRET].encode(), "acme")
+    assert f'tenant="{salted}"' in metrics and "acme" not in metrics
+    assert f'tenant="{tenant_label("acme")}"' not in metrics
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(f"{keyed_stack.api_base}/metrics", timeout=10)
     assert e.value.code == 404

@@ -138,7 +138,8 @@ async def test_the_engine_loop_refuses_a_slow_schema_while_other_requests_step(
     try:
         await asyncio.to_thread(_wait_idle_probe, g)
         plain = await loop.add("plain", [5, 6, 7], SamplingParams(max_tokens=4000))
-        slow = SamplingParams(max_tokens=8, constraint=properties(1500))
+        # 1,501 properties: not the schema the test above got judged (a verdict is remembered)
+        slow = SamplingParams(max_tokens=8, constraint=properties(1501))
         refusal = asyncio.ensure_future(loop.add("slow", [5, 6, 7], slow))
         refused_at: list[float] = []
         refusal.add_done_callback(lambda _: refused_at.append(time.monotonic()))

@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # What `bench serve --url` runs: the CLI dispatches to http_load.run, which reads engine_view.
 SERVE_URL_MODULES = ("deepserve/cli.py", "deepserve/bench/http_load.py")
-SERVE_URL_MODULES += ("deepserve/bench/engine_view.py",)
+SERVE_URL_MODULES += ("deepserve/bench/engine_view.py", "deepserve/bench/traces.py")
 OURS = {"deepserve", "libs", "services"}
 
 

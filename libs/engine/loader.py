@@ -15,44 +15,38 @@ into ``mtp.{j}`` when asked for, and are skipped otherwise.
 routed experts. From a checkpoint that stores experts one by one, the others are never read;
 fused expert tensors are read whole and cut. A preset is built whole, then cut.
 
-Shards are read ``read_workers`` at a time on threads (``shard_reader.py``) while this thread
-places the shard before: on a CUDA model each tensor is copied from page-locked memory without
-blocking and dequantized or cut on the device, so the copies overlap the next shards' reads. A
-``weight_scale_inv`` may sit in another shard than its weight.
+Shards are read ``read_workers`` at a time on threads (``checkpoint_stream.py``, shared with
+the V4 loader) while this thread places the shard before: on a CUDA model each tensor is copied
+from page-locked memory without blocking and dequantized or cut on the device, so the copies
+overlap the next shards' reads. A ``weight_scale_inv`` may sit in another shard than its weight.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import re
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .block_scales import dequantize
+from .checkpoint_stream import DEFAULT_READ_WORKERS, CheckpointError, stream_tensors
+from .checkpoint_stream import weight_files as weight_files  # re-exported (bench load)
 from .config import ModelConfig
 from .hub import resolve_model
 from .kernels.fp8_gemm import FP8_DTYPE, quantize_fp8_blocks
+from .load_progress import ProgressSink
 from .model.layers import Fp8Linear
 from .model.model import DeepseekForCausalLM
 from .model.moe import Experts
 from .presets import PRESETS, init_random_weights
-from .shard_reader import ShardReader
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _FP8_TILE = 128
-DEFAULT_READ_WORKERS = 4  # shards read at once (shard_reader.py: what each one holds)
-log = logging.getLogger(__name__)
-
-
-class CheckpointError(ValueError):
-    """The checkpoint directory cannot be loaded as given (fatal; the message says why)."""
 
 
 @dataclass(frozen=True)
@@ -120,12 +114,14 @@ def load(
     expert_slots: tuple[int, ...] | None = None,
     weight_dtype: str = "auto",
     read_workers: int = DEFAULT_READ_WORKERS,
+    progress: ProgressSink | None = None,
 ) -> LoadedModel:
     """``weight_dtype`` (see :func:`resolve_weight_dtype`): fp8 keeps linear and routed-expert
     weights in e4m3 with 128x128 block scales (a preset's are quantized after init); the model
     id then says so, since the weights differ. ``source``: a preset, a checkpoint directory or
     a Hub repo id (loaded from its snapshot directory in the Hugging Face cache).
-    ``read_workers``: shards read at once (:func:`load_weights`)."""
+    ``read_workers``: shards read at once (:func:`load_weights`); ``progress`` hears how far
+    the read has got (:mod:`.load_progress`; a preset reads nothing and tells it nothing)."""
     source = resolve_model(source)
     cfg = model_config(source)
     fp8 = resolve_weight_dtype(source, weight_dtype) == "fp8"
@@ -142,7 +138,7 @@ def load(
     model = DeepseekForCausalLM(cfg, dtype, device, with_mtp=with_mtp, expert_slots=expert_slots)
     if fp8:
         model.quantize_weights_fp8(empty=True, experts=False)
-    load_weights(model, path, read_workers)
+    load_weights(model, path, read_workers, progress)
     if fp8:
         model.quantize_weights_fp8()
     return LoadedModel(model, f"{path.name}@{_checkpoint_digest(path)}{suffix}", str(path))
@@ -160,103 +156,6 @@ def _checkpoint_digest(path: Path) -> str:
                 + fh.read(min(head_len, 1 << 24))
             )
     return h.hexdigest()[:16]
-
-
-def weight_files(path: Path) -> list[Path]:
-    """A checkpoint directory's safetensors shards: the index's, else every one there."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [path / n for n in names]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"index names missing shard(s): {', '.join(missing)}")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no safetensors files in {path}")
-    return files
-
-
-def _iter_tensors(
-    path: Path,
-    wanted: Callable[[str], bool] = lambda name: True,
-    workers: int = DEFAULT_READ_WORKERS,
-    device: torch.device | None = None,
-) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
-    """Yield (name, tensor, its ``weight_scale_inv`` or None) for every ``wanted`` tensor that
-    is not a scale, shards read ``workers`` at a time (:class:`~.shard_reader.ShardReader`;
-    pinned for a CUDA ``device``). Tensors are on ``device`` already where given (copied
-    without blocking: the reads of the next shards go on meanwhile). A weight's scale may sit in
-    a later shard than the weight: the weight then waits for it. Logs each shard as it is
-    done -- bytes read, GB/s, progress -- and the whole load."""
-    files = weight_files(path)
-    total = sum(f.stat().st_size for f in files)
-    if device is not None and device.type != "cuda":
-        device = None  # tensors stay where they were read; the caller copies them
-    cuda = device is not None
-    done = read = 0
-    start = time.monotonic()
-    scales: dict[str, torch.Tensor] = {}
-    waiting: dict[str, torch.Tensor] = {}  # fp8 weights whose scale is in a later shard
-
-    def wanted_or_scale(name: str) -> bool:
-        return (
-            wanted(name.removesuffix("_scale_inv")) if name.endswith("_scale_inv") else wanted(name)
-        )
-
-    def placed(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, non_blocking=True) if device is not None else t
-
-    with ShardReader(files, wanted_or_scale, workers, pin=cuda) as reader:
-        for n, shard in enumerate(reader, 1):
-            t0 = time.monotonic()
-            for k, t in shard.tensors.items():
-                if k.endswith("_scale_inv"):
-                    scales[k] = placed(t).clone() if device is None else placed(t)
-            for k in [k for k in waiting if k + "_scale_inv" in scales]:
-                yield k, waiting.pop(k), scales[k + "_scale_inv"]
-            for k, t in shard.tensors.items():
-                if k.endswith("_scale_inv"):
-                    continue
-                scale = scales.get(k + "_scale_inv")
-                if t.dtype == FP8_DTYPE and scale is None:
-                    waiting[k] = placed(t).clone() if device is None else placed(t)
-                    continue
-                yield k, placed(t), scale
-            if cuda:
-                torch.cuda.current_stream(device).synchronize()  # the buffer is read out
-            reader.release(shard)
-            done += shard.path.stat().st_size
-            read += shard.nbytes
-            log.info(
-                "loading %s: shard %d/%d %s: %.2f GB read in %.1f s (%.2f GB/s), placed in "
-                "%.1f s; %.1f of %.1f GB in %.0f s",
-                path.name,
-                n,
-                len(files),
-                shard.path.name,
-                shard.nbytes / 1e9,
-                shard.seconds,
-                shard.nbytes / 1e9 / max(shard.seconds, 1e-9),
-                time.monotonic() - t0,
-                done / 1e9,
-                total / 1e9,
-                time.monotonic() - start,
-            )
-    if waiting:
-        name = next(iter(waiting))
-        raise CheckpointError(f"{name} is fp8 but has no {name}_scale_inv")
-    spent = time.monotonic() - start
-    log.info(
-        "loaded %s: %.2f GB read from %d shard(s) in %.1f s (%.2f GB/s, %d reading at once)",
-        path.name,
-        read / 1e9,
-        len(files),
-        spent,
-        read / 1e9 / max(spent, 1e-9),
-        workers,
-    )
 
 
 def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
@@ -277,10 +176,14 @@ def _target_name(name: str, cfg: ModelConfig, with_mtp: bool) -> str | None:
 
 
 def load_weights(
-    model: DeepseekForCausalLM, path: Path, read_workers: int = DEFAULT_READ_WORKERS
+    model: DeepseekForCausalLM,
+    path: Path,
+    read_workers: int = DEFAULT_READ_WORKERS,
+    progress: ProgressSink | None = None,
 ) -> None:
     """Fill ``model`` from the checkpoint directory ``path``, ``read_workers`` shards read at
-    once; on a CUDA model, tensors are copied in as they are read (dequantized and cut there)."""
+    once (:func:`~.checkpoint_stream.stream_tensors`, which tells ``progress``); on a CUDA
+    model, tensors are copied in as they are read (dequantized and cut there)."""
     cfg = model.cfg
     params = dict(model.named_parameters())
     device = next(iter(params.values())).device
@@ -301,7 +204,7 @@ def load_weights(
         return slots is None or int(m.group(2)) in slots
 
     on = device if device.type == "cuda" else None
-    for name, tensor, scale in _iter_tensors(path, wanted, read_workers, on):
+    for name, tensor, scale in stream_tensors(path, wanted, read_workers, on, progress):
         target = _target_name(name, cfg, with_mtp)
         if target is not None and target in fp8_linears:  # kept (or made) e4m3 + block scales
             _copy_fp8(params, target, tensor, scale, name)

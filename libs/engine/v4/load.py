@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ..checkpoint_stream import DEFAULT_READ_WORKERS, stream_tensors
+from ..load_progress import ProgressSink
 from ..presets import _name_key, init_random_weights
 from .blocks import V4BlockCache, prefill_blocks, restore
 from .config import V4Config
@@ -111,10 +113,13 @@ def load_v4(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    read_workers: int = DEFAULT_READ_WORKERS,
+    progress: ProgressSink | None = None,
 ) -> V4ForCausalLM:
     """A preset with seeded random weights, or a checkpoint directory in DeepSeek's release
     naming or transformers' (its block-scaled tensors -- FP8 e4m3 per 128x128 tile, the routed
-    experts' FP4 per 1x32 block, float32 or UE8M0 scales -- dequantized)."""
+    experts' FP4 per 1x32 block, float32 or UE8M0 scales -- dequantized), ``read_workers``
+    shards read at once, ``progress`` told how far (a preset reads nothing, tells nothing)."""
     device = torch.device(device)
     if model in V4_PRESETS:
         net = _build(V4Config.from_hf(V4_PRESETS[model]), device, dtype)
@@ -129,7 +134,7 @@ def load_v4(
     raw = json.loads((path / "config.json").read_text())
     net = _build(V4Config.from_hf(raw), device, dtype)
     net.hf_config = raw
-    net.load_hf_state(_read_state(path, device))
+    net.load_hf_state(_read_state(path, device, read_workers, progress))
     return net.eval()
 
 
@@ -229,41 +234,33 @@ def canonical_name(name: str) -> str:
     return out
 
 
-def _read_state(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
+def _read_state(
+    path: Path,
+    device: torch.device,
+    read_workers: int = DEFAULT_READ_WORKERS,
+    progress: ProgressSink | None = None,
+) -> dict[str, torch.Tensor]:
     """Every tensor under our names, block-scaled ones (FP8 e4m3 or packed FP4, with their
     ``weight_scale_inv`` in any shard) dequantized (:mod:`..block_scales`); per-expert
     ``w1``/``w3``/``w2`` stacked into ``gate_up_proj`` (gate rows, then up rows) and
-    ``down_proj``."""
-    from safetensors import safe_open
-
+    ``down_proj``. Shards are read ``read_workers`` at a time as the V3 loader reads them
+    (:func:`~..checkpoint_stream.stream_tensors`: on CUDA copied in while the next shards are
+    read), telling ``progress``."""
     from ..block_scales import dequantize
-    from ..loader import weight_files
 
-    files = weight_files(path)
-    scales: dict[str, torch.Tensor] = {}
-    for f in files:  # the scales first: a weight's may sit in another shard
-        with safe_open(str(f), framework="pt", device=str(device)) as st:
-            scales.update((k, st.get_tensor(k)) for k in st.keys() if k.endswith("_scale_inv"))
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt", device=str(device)) as st:
-            for k in st.keys():
-                if k.endswith("_scale_inv"):
-                    continue
-                t = st.get_tensor(k)
-                scale = scales.get(f"{k}_scale_inv")
-                if scale is not None and t.dim() != 2:
-                    raise ValueError(f"{f.name}: {k} is a {t.dim()}-D scaled tensor; only 2-D load")
-                t = dequantize(t, scale) if scale is not None else t
-                name = canonical_name(k)
-                m = _EXPERT.match(name)
-                if m:
-                    experts.setdefault(m.group(1), {}).setdefault(m.group(3), {})[
-                        int(m.group(2))
-                    ] = t
-                else:
-                    out[name] = t
+    on = device if device.type == "cuda" else None
+    for k, t, scale in stream_tensors(path, workers=read_workers, device=on, progress=progress):
+        if scale is not None and t.dim() != 2:
+            raise ValueError(f"{path.name}: {k} is a {t.dim()}-D scaled tensor; only 2-D load")
+        t = dequantize(t, scale) if scale is not None else t
+        name = canonical_name(k)
+        m = _EXPERT.match(name)
+        if m:
+            experts.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = t
+        else:
+            out[name] = t
     for prefix, parts in experts.items():
         try:
             n = len(parts["w1"])

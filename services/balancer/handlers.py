@@ -13,7 +13,8 @@ from google.protobuf.message import DecodeError
 from prometheus_client import Counter, Gauge, Histogram
 
 from libs.proto.deepserve.v1 import control_pb2
-from libs.routing.policy import DECODE, DIGEST_BYTES, PREFILL, Instance, NoInstance, RoutingPolicy
+from libs.routing.heartbeat import instance_from_status
+from libs.routing.policy import DECODE, PREFILL, NoInstance, RoutingPolicy
 
 from .metrics import BalancerMetrics
 
@@ -36,31 +37,9 @@ RESIDENT_BLOCKS = Histogram(
 )
 LIVE = Gauge("deepserve_balancer_live_instances", "Instances with a recent heartbeat", ["role"])
 
-_ROLE_NAMES = {control_pb2.ROLE_PREFILL: PREFILL, control_pb2.ROLE_DECODE: DECODE}
-
 
 def _reply(decision: control_pb2.RouteDecision) -> bytes:
     return cast(bytes, decision.SerializeToString())
-
-
-def instance_from_status(status: control_pb2.InstanceStatus) -> Instance:
-    """The routing view of a heartbeat; ValueError if it names no valid role or instance."""
-    role = _ROLE_NAMES.get(status.role)
-    if role is None:
-        raise ValueError(f"heartbeat of {status.instance_id!r} has no role")
-    return Instance(
-        instance_id=status.instance_id,
-        role=role,
-        model=status.model,
-        address=status.address,
-        running=status.running,
-        waiting=status.waiting,
-        queued_tokens=status.queued_tokens,
-        free_kv_blocks=status.free_kv_blocks,
-        total_kv_blocks=status.total_kv_blocks,
-        draining=status.draining,
-        resident=frozenset(bytes(p[:DIGEST_BYTES]) for p in status.resident_prefixes),
-    )
 
 
 class BalancerHandlers:

@@ -148,7 +148,9 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
         self._background: set[asyncio.Task[None]] = set()
 
     def on_status(self, status: control_pb2.InstanceStatus) -> None:
-        """A heartbeat (``ds.heartbeat.*``): refresh capacity, admit waiting requests it fits."""
+        """A heartbeat (``ds.heartbeat.*``): refresh the routing view kept for when no balancer
+        answers (``last_view.py``) and capacity, admit waiting requests it fits."""
+        self.upstream.view.observe(status)
         if self.capacity is None:
             return
         try:

@@ -40,3 +40,11 @@ LOOKUP_ERRORS = Counter(
     "deepserve_entrypoint_kvstore_lookup_errors_total",
     "kvstore lookups that failed (treated as a miss)",
 )
+LOCAL_ROUTES = Counter(
+    "deepserve_entrypoint_local_routes_total",
+    "requests routed on the entrypoint's own view of the instances: no balancer answered",
+)
+BALANCER_AWAY = Gauge(
+    "deepserve_entrypoint_balancer_away",
+    "1 while no balancer answers and requests are routed on the entrypoint's own view",
+)

@@ -1,7 +1,8 @@
 """The entrypoint's calls upstream for one attempt: the tenant's cache salt and the prompt's
-block names, the kvstore lookup, the balancer's route, the PrefillTask to the chosen prefill
-instance and the abort of an attempt given up. Everything goes through the handler's two
-seams, :class:`~.contracts.Bus` and :class:`~.contracts.PrefixLookup`, so tests drive it with
+block names, the kvstore lookup, the balancer's route (while no balancer answers, this
+entrypoint's own, ``last_view.py``), the PrefillTask to the chosen prefill instance and the
+abort of an attempt given up. Everything goes through the handler's two seams,
+:class:`~.contracts.Bus` and :class:`~.contracts.PrefixLookup`, so tests drive it with
 in-process fakes."""
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from libs.proto.deepserve.v1 import control_pb2
 from .contracts import Bus, LookupFailed, PrefixLookup
 from .delivery import TaskSender, deliver
 from .handler_config import HandlerConfig
-from .metrics import LOOKUP_ERRORS, TASK_COPIES
+from .last_view import LastView
+from .metrics import BALANCER_AWAY, LOCAL_ROUTES, LOOKUP_ERRORS, TASK_COPIES
 
 log = logging.getLogger("entrypoint")
 
@@ -51,6 +53,9 @@ class Upstream:
                 "process (cached prefixes will not survive a restart or match other entrypoints)"
             )
         self._salts: dict[str, bytes] = {}
+        # the instances heard in heartbeats, routed on while no balancer answers
+        self.view = LastView(config.instance_dead_after)
+        self._probes: set[asyncio.Task[None]] = set()
 
     def salt(self, tenant: str) -> bytes:
         """The tenant's cache salt: a keyed hash, never the tenant's name."""
@@ -97,21 +102,60 @@ class Upstream:
             block_hashes=hashes[:MAX_ROUTE_HASHES],
             exclude=[*exclude, *(i for i in avoid if i not in exclude)],
         )
-        decision = await self._ask_balancer(req)
+        decision = await self._decide(req)
         if (decision.error or not decision.prefill_instance) and len(req.exclude) > len(exclude):
             del req.exclude[:]
             req.exclude.extend(exclude)
-            decision = await self._ask_balancer(req)
+            decision = await self._decide(req)
         while (decision.error or not decision.prefill_instance) and self._bus_settling():
             # Just after a NATS outage the balancer has not heard the instances again yet
             # (heartbeats every 1 s): ask again while the bus settles (a few seconds).
             await asyncio.sleep(ROUTE_RETRY_PAUSE_S)
-            decision = await self._ask_balancer(req)
+            decision = await self._decide(req)
         if decision.error or not decision.prefill_instance:
             raise Unavailable(
                 f"no instance can take the request: {decision.error or 'empty decision'}"
             )
         return decision
+
+    async def _decide(self, req: control_pb2.RouteRequest) -> control_pb2.RouteDecision:
+        """The balancer's answer; while none answers, this entrypoint's own (``last_view.py``)."""
+        view = self.view
+        if view.away:
+            local = view.route(req)
+            if local is not None:
+                LOCAL_ROUTES.inc()
+                if view.probe_due():  # is a balancer back? (not awaited: it may hang)
+                    self._spawn_probe(req)
+                return local
+        try:
+            decision = await self._ask_balancer(req)
+        except Unavailable as exc:
+            local = view.route(req)
+            if local is None:
+                raise
+            view.away_now(str(exc))
+            BALANCER_AWAY.set(1)
+            LOCAL_ROUTES.inc()
+            return local
+        self._answered()
+        return decision
+
+    def _answered(self) -> None:
+        self.view.answered()
+        BALANCER_AWAY.set(0)
+
+    def _spawn_probe(self, req: control_pb2.RouteRequest) -> None:
+        async def probe() -> None:
+            try:
+                await self._ask_balancer(req)
+            except (Unavailable, Internal):
+                return
+            self._answered()
+
+        task = asyncio.get_running_loop().create_task(probe())
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
 
     def _bus_settling(self) -> bool:
         return self.tasks is not None and self.tasks.settling()

@@ -1,5 +1,6 @@
-"""Instances that die mid-request (kill -9) and an overloaded entrypoint, on the real stack
-(every service its own process, fake engine, 2 prefill + 2 decode).
+"""Instances that die mid-request (kill -9), a balancer that dies under a stream of requests,
+and an overloaded entrypoint, on the real stack (every service its own process, fake engine,
+2 prefill + 2 decode).
 
 What a client must see: the exact uninterrupted completion (computed here in-process by the
 fake model) or a clear retryable error -- never a wrong completion, never a hang -- and the
@@ -13,12 +14,13 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import nats
 import pytest
 
-from deepserve.up import Stack
+from deepserve.up import RestartPolicy, Stack
 from libs.common import subjects
 from libs.proto.deepserve.v1 import common_pb2, control_pb2, generate_pb2, generate_pb2_grpc
 from libs.serving.fake_engine import fake_completion
@@ -56,6 +58,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 str(DEAD_AFTER),
             ],
         },
+        # Only to start the killed balancer again: supervise() runs when a test calls it.
+        restart=RestartPolicy(first_delay=0.5, max_delay=1.0),
     )
     try:
         s.start()
@@ -194,3 +198,55 @@ async def test_decode_killed_mid_stream_continues_exactly(stack: Stack) -> None:
     assert took < RECOVERY_S, f"recovery took {took:.1f}s"
     free = await survivors_free_everything(stack)
     assert all(f == t for f, t in free.values()), f"KV blocks leaked on survivors: {free}"
+
+
+async def test_a_killed_balancer_costs_no_request(stack: Stack) -> None:
+    """kill -9 the balancer under a stream of requests, then let the supervisor start it again
+    (as ``deepserve up`` does): while it is away the entrypoint routes on the instances it hears
+    (``services/entrypoint/last_view.py``), so no request fails; once it answers, the
+    balancer routes again. Before, every request in that window was UNAVAILABLE."""
+    (balancer,) = [c for c in stack.children if c.service == "balancer"]
+    (entrypoint,) = [c for c in stack.children if c.service == "entrypoint"]
+    prompt = list(range(2000, 2040))
+    want = fake_completion(prompt, 8)
+    served, failed = 0, []
+    async with grpc.aio.insecure_channel(stack.grpc_address) as ch:
+        stub = generate_pb2_grpc.GenerateStub(ch)
+
+        async def one() -> None:
+            nonlocal served
+            got: list[int] = []
+            try:
+                async for ev in stub.Generate(
+                    request(prompt, 8), timeout=30, metadata=stack.call_metadata
+                ):
+                    if ev.WhichOneof("event") == "tokens":
+                        got.extend(ev.tokens.token_ids)
+            except grpc.aio.AioRpcError as exc:
+                failed.append(f"{exc.code().name}: {exc.details()}")
+                return
+            assert got == want
+            served += 1
+
+        await one()
+        assert balancer.proc is not None
+        os.kill(balancer.proc.pid, signal.SIGKILL)
+        balancer.proc.wait(10)
+        killed = time.monotonic()
+        while time.monotonic() - killed < 0.5:  # away, and nothing restarts it yet
+            await one()
+        away = served
+        while not (balancer.running() and balancer.healthy):
+            assert time.monotonic() - killed < 60, dump_logs(stack)
+            stack.supervise()
+            await one()
+        back = time.monotonic() - killed
+        print(f"{served} requests, {away} before the restart; balancer back in {back:.1f}s")
+        assert not failed, (len(failed), served, failed[:3])
+        assert away >= 3 and balancer.restarts == 1
+        # routing is the balancer's again: the entrypoint says so once one answered
+        log = Path(entrypoint.log_path)
+        while "a balancer answers again" not in log.read_text(errors="replace"):
+            assert time.monotonic() - killed < back + 10, dump_logs(stack)
+            await one()
+    assert not failed, failed

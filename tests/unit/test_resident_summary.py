@@ -8,9 +8,9 @@ from typing import Any
 from libs.common.hashchain import chain_hashes
 from libs.engine.kv.block_manager import BlockManager
 from libs.proto.deepserve.v1 import control_pb2
+from libs.routing.heartbeat import instance_from_status
 from libs.serving.engine_stats import EngineStats, resident_summary
 from libs.serving.instance import instance_status
-from services.balancer.handlers import instance_from_status
 
 
 def test_recent_names_lists_released_cached_blocks_most_recent_first() -> None:

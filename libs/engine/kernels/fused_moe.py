@@ -718,7 +718,7 @@ def _align_kernel(
     while c0 < num_pairs:
         ok = c0 + offs < num_pairs
         ids = tl.load(ids_ptr + c0 + offs, mask=ok, other=0).to(tl.int32)
-        counts += tl.histogram(ids, E_POW2, mask=ok)
+        counts += tl.histogram(ids, E_POW2, mask=ok & (ids < NUM_EXPERTS))
         c0 += BLOCK
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ex = tl.arange(0, E_POW2)
@@ -768,12 +768,14 @@ def _align(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Sort (token, slot) pairs by expert and pad each expert's run to a multiple of ``block_m``.
 
-    Returns ``sorted_ids`` (int32, flat pair index per padded row, ``T*k`` for padding; within an
-    expert pairs keep their flat order), ``expert_ids`` (int32, expert per M-block, ``E - 1``
-    past the end), ``total`` (int64 [1], padded row count) and the number of M-blocks the buffers
-    hold. Device ops only. ``method``: ``"kernel"`` (one Triton launch, histogram + per-expert
-    prefix ranks; the default up to ``ALIGN_KERNEL_MAX_PAIRS`` pairs) or ``"sort"`` (torch ops
-    around a stable argsort); both give identical buffers.
+    A pair whose id is ``num_experts`` has no expert (an expert-parallel padding row,
+    :mod:`libs.engine.ep.fixed`): it is placed in no block, so no GEMM reads it and its output row
+    is never written. Returns ``sorted_ids`` (int32, flat pair index per padded row, ``T*k`` for
+    padding; within an expert pairs keep their flat order), ``expert_ids`` (int32, expert per
+    M-block, ``E - 1`` past the end), ``total`` (int64 [1], padded row count) and the number of
+    M-blocks the buffers hold. Device ops only. ``method``: ``"kernel"`` (one Triton launch,
+    histogram + per-expert prefix ranks; the default up to ``ALIGN_KERNEL_MAX_PAIRS`` pairs) or
+    ``"sort"`` (torch ops around a stable argsort); both give identical buffers.
     """
     m = topk_ids.numel()
     if method is None:
@@ -804,15 +806,19 @@ def _align(
     if method != "sort":
         raise ValueError(f"unknown alignment method {method!r}")
     flat = topk_ids.reshape(-1).to(torch.int64)
+    live = flat < num_experts  # no-expert pairs sort last and land in a dropped extra row
+    key = flat.clamp(max=num_experts - 1)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    counts.scatter_add_(0, key, live.to(torch.int64))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     first_row = padded_end - padded - (counts.cumsum(0) - counts)  # padded start - unpadded start
     order = torch.argsort(flat, stable=True)
-    dest = first_row[flat[order]] + torch.arange(m, device=dev)
-    sorted_ids = torch.full((num_blocks * block_m,), m, dtype=torch.int32, device=dev)
+    dest = first_row[key[order]] + torch.arange(m, device=dev)
+    dest = torch.where(live[order], dest, num_blocks * block_m)
+    sorted_ids = torch.full((num_blocks * block_m + 1,), m, dtype=torch.int32, device=dev)
     sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    sorted_ids = sorted_ids[:-1]
     block_start = torch.arange(0, num_blocks * block_m, block_m, device=dev)
     expert_ids = torch.searchsorted(padded_end, block_start, right=True)
     expert_ids = expert_ids.clamp_(max=num_experts - 1).to(torch.int32)
@@ -849,12 +855,14 @@ def fused_moe(
     """Routed experts: ``sum_j w[t,j] * (silu(x Wg^T) * (x Wu^T)) W2^T`` of expert ``ids[t,j]``
     (``swiglu_limit``: DeepSeek-V4's clamped SwiGLU, ``silu(min(g, L)) * clamp(u, -L, L)``).
 
-    ``x [T, H]`` (bf16/fp32), ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` (tensors, :class:`Fp4Weight`
-    or, both or neither, :class:`Fp8Weight`), ``topk_weights [T, k]`` fp32, ``topk_ids [T, k]``
-    int. Returns ``[T, H]`` in ``x.dtype`` (written into ``out`` when given). No host
-    synchronisation. With FP8 weights the activations are quantized as DeepSeek's FP8 inference
-    does (per token and 128 channels, :func:`quantize_fp8_tokens`): ``x`` before kernel 1, the
-    ``silu(gate) * up`` rows (kept in ``x.dtype``) before kernel 2.
+    ``x [T, H]`` (bf16/fp32), ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` (tensors, :class:`Fp4Weight` or,
+    both or neither, :class:`Fp8Weight`), ``topk_weights [T, k]`` fp32, ``topk_ids [T, k]`` int
+    (``E``: no expert, for expert-parallel padding rows with ``k == 1``: no GEMM reads the row and
+    its output is left unwritten, garbage the caller never reads). Returns ``[T, H]`` in ``x.dtype``
+    (written into ``out`` when given). No host synchronisation. With FP8 weights the activations are
+    quantized as DeepSeek's FP8 inference does (per token and 128 channels,
+    :func:`quantize_fp8_tokens`): ``x`` before kernel 1, the ``silu(gate) * up`` rows (kept in
+    ``x.dtype``) before kernel 2.
 
     ``config`` (default :func:`default_config`) sets ``BLOCK_M`` (rows per M-block, also the
     alignment padding), ``BLOCK_N`` (GEMM tile width; in kernel 1 it holds ``BLOCK_N/2`` gate and

@@ -14,8 +14,11 @@ the tokenizer with *no added tokens at all*, so it can only produce ids of the B
 (0..127999); the three control tokens inside that range (0, 1, 2) are spelled with U+FF5C and
 U+2581, which byte-level BPE never emits as one piece. The ranges become their token ids by
 lookup. This is the library's own ``encode`` (tests prove the ids identical), split so that
-long prompts can be encoded in parallel: the pieces go to ``tokenizers``' ``encode_batch_fast``,
-which releases the GIL and encodes on a Rayon pool.
+long prompts can be encoded in parallel: the pieces, long ones cut further at positions where
+the ids cannot change (``chunking.py``), go in bounded batches to ``tokenizers``'
+``encode_batch_fast``, which releases the GIL and encodes on a Rayon pool. So no tokenizer call
+holds the GIL for long, one request's tokenizer memory is bounded by a batch, and a prompt
+found longer than the context stops being tokenized.
 
 Encoding choice: served model names are aliases of ``ModelVersion.DeepseekV4Pro`` and render
 with ``DeepseekV4Encoding``. ``DeepseekV41Encoding`` needs a ``<｜System｜>`` token that the
@@ -47,13 +50,12 @@ from libs.engine.tokenizer import (
 )
 
 from .chat_template import ChatTemplateEncoder
-from .limits import chars_per_token_bound, check_fits
+from .chunking import BATCH_CHARS, TooLong, encode_pieces, splittable
+from .limits import chars_per_token_bound, check_fits, too_many_tokens, untokenizable
 from .tool_markup import OutputProcessor
 
 EOS = "<｜end▁of▁sentence｜>"
 BOS = "<｜begin▁of▁sentence｜>"
-# Below this many characters a prompt is encoded in one call: a thread hop costs more than it saves.
-PARALLEL_MIN_CHARS = 64_000
 
 
 class Encoder(Protocol):
@@ -153,6 +155,7 @@ class PromptEncoder:
         self.tokenizer = dr.Tokenizer.from_file(path)  # the StreamProcessor decodes with it
         self.full = Tokenizer.from_file(path)
         self.plain = plain_text_tokenizer(self.full)
+        self.split = splittable(self.plain)  # long texts may be cut (chunking.py)
         self.encoding = dr.DeepseekV4Encoding().with_tokenizer(self.tokenizer)
         self.options = dr.ConversionOptions(
             default_thinking_mode=default_thinking
@@ -249,27 +252,33 @@ class PromptEncoder:
             out.append(r.prompt[pos:])
         return out
 
-    def encode_rendered(self, r: Rendered, parallel: bool | None = None) -> list[int]:
-        """Prompt ids; plain pieces in parallel when ``parallel`` (default: long prompts)."""
-        pieces = self.pieces(r)
-        texts = [p for p in pieces if isinstance(p, str)]
-        if parallel is None:
-            parallel = len(r.prompt) >= PARALLEL_MIN_CHARS and len(texts) > 1
-        if parallel:
-            # encode_batch_fast: no offsets to compute; the GIL is released and Rayon spreads the
-            # pieces over every core.
-            encoded = iter(
-                [e.ids for e in self.plain.encode_batch_fast(texts, add_special_tokens=False)]
+    def encode_rendered(
+        self,
+        r: Rendered,
+        parallel: bool | None = None,
+        *,
+        limit: int | None = None,
+        param: str = "messages",
+    ) -> list[int]:
+        """Prompt ids. ``parallel`` False: one piece per tokenizer call (for comparison);
+        otherwise pieces are batched. APIError 400 (``param``) as soon as more than ``limit``
+        ids are known."""
+        try:
+            return encode_pieces(
+                self.plain,
+                self.pieces(r),
+                split=self.split,
+                batch_chars=1 if parallel is False else BATCH_CHARS,
+                limit=limit,
             )
-        else:
-            encoded = iter([self.plain.encode(t, add_special_tokens=False).ids for t in texts])
-        ids: list[int] = []
-        for p in pieces:
-            if isinstance(p, int):
-                ids.append(p)
-            else:
-                ids += next(encoded)
-        return ids
+        except TooLong as exc:
+            raise too_many_tokens(exc.tokens, limit, param) from None
+        except BaseException as exc:  # pyo3's PanicException derives from BaseException
+            if type(exc).__name__ != "PanicException":
+                raise
+            # Oniguruma's retry limit: a whitespace run of ~10 million characters (which the
+            # character check lets through: 128 spaces are one token) was a 500 after seconds
+            raise untokenizable(param) from None
 
     def encode(
         self,
@@ -280,14 +289,15 @@ class PromptEncoder:
     ) -> list[int]:
         rendered = self.render(conversation)
         check_fits(len(rendered.prompt), self.chars_per_token, max_prompt_tokens)
-        return self.encode_rendered(rendered, parallel)
+        return self.encode_rendered(rendered, parallel, limit=max_prompt_tokens)
 
     def encode_text(self, text: str, *, max_prompt_tokens: int | None = None) -> list[int]:
         """BOS, then ``text`` as plain text: a control token's spelling stays text (a caller who
         means the token sends token ids); long texts in parallel pieces, as :meth:`encode`."""
         check_fits(len(text), self.chars_per_token, max_prompt_tokens, param="prompt")
         head = [] if self.bos is None else [self.bos]
-        return head + self.encode_rendered(Rendered(text, []))
+        limit = None if max_prompt_tokens is None else max_prompt_tokens - len(head)
+        return head + self.encode_rendered(Rendered(text, []), limit=limit, param="prompt")
 
     def encode_reference(self, conversation: dr.Conversation) -> list[int]:
         """The library's own single-threaded ``DeepseekV4Encoding.encode``."""

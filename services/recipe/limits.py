@@ -75,3 +75,26 @@ def check_fits(
             param=param,
             code="context_length_exceeded",
         )
+
+
+def too_many_tokens(tokens: int, max_context: int | None, param: str = "messages") -> APIError:
+    """The 400 for a prompt found, while tokenizing, to be more than ``max_context`` tokens
+    (tokenizing stopped there: ``tokens`` is a lower bound)."""
+    return APIError(
+        400,
+        f"the prompt is more than {tokens} tokens; this server's context limit "
+        f"(--max-context) is {max_context} tokens",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+def untokenizable(param: str = "messages") -> APIError:
+    """The 400 for a prompt the tokenizer gave up on (a panic in its regex engine)."""
+    return APIError(
+        400,
+        "the tokenizer cannot split this prompt: it holds a run of millions of repeated "
+        "characters (such as whitespace) past its regex engine's backtracking limit; shorten it",
+        param=param,
+        code="invalid_prompt",
+    )

@@ -102,9 +102,9 @@ def test_prompt_that_cannot_fit_is_refused_before_tokenizing(
     tokenized: list[int] = []
     real = PromptEncoder.encode_rendered
 
-    def spy(self: PromptEncoder, r: Any, parallel: bool | None = None) -> list[int]:
+    def spy(self: PromptEncoder, r: Any, parallel: bool | None = None, **kw: Any) -> list[int]:
         tokenized.append(len(r.prompt))
-        return real(self, r, parallel)
+        return real(self, r, parallel, **kw)
 
     monkeypatch.setattr(PromptEncoder, "encode_rendered", spy)
     backend = FakeBackend(encoder)

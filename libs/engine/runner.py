@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -60,7 +60,16 @@ from .step_inputs import EagerInputs, fill_placeholders, to_device
 log = logging.getLogger(__name__)
 
 # Importable from here as before: the ladder and the staged-input layout (scripts, tests).
-__all__ = ["GRAPH_LADDER", "Launched", "ModelRunner", "graph_ladder", "staged_rows"]
+__all__ = ["GRAPH_LADDER", "Launched", "ModelRunner", "StepGroup", "graph_ladder", "staged_rows"]
+
+
+class StepGroup(Protocol):
+    """The ranks a step runs with (:class:`~libs.engine.ep.runtime.EPRuntime`): before each
+    forward they agree on its rows (a collective), after queueing it they forget them."""
+
+    def begin_step(self, tokens: int, ladder: Sequence[int]) -> int: ...
+
+    def end_step(self) -> None: ...
 
 
 @dataclass
@@ -117,6 +126,9 @@ class ModelRunner:
             self.block_size, self.device, use_kernels, batch_invariant, self.num_heads
         )
         self.add_graphs("decode", self._decode_body, max(max_graph_batch, mixed_graph_rows))
+        # An expert-parallel rank: the group agrees on each step's rows (set by the builder).
+        self.group: StepGroup | None = None
+        self.group_rows = 0  # this step's agreed rows: the decode graph replayed holds them
 
     # -- public ------------------------------------------------------------------------------
     def launch(
@@ -234,7 +246,18 @@ class ModelRunner:
 
     # -- forward -----------------------------------------------------------------------------
     def _forward(self, plan: StepPlan, prev: Launched | None) -> torch.Tensor:
-        """fp32 logits of the sampling seqs, in plan order."""
+        """fp32 logits of the sampling seqs, in plan order; in an EP group, the ranks first
+        agree on the step's rows, so each runs the same graph or the same exchange shapes."""
+        if self.group is None:
+            return self._forward_rows(plan, prev)
+        self.group_rows = self.group.begin_step(plan.num_tokens, self.graph_sets["decode"].ladder)
+        try:
+            return self._forward_rows(plan, prev)
+        finally:
+            self.group.end_step()
+            self.group_rows = 0
+
+    def _forward_rows(self, plan: StepPlan, prev: Launched | None) -> torch.Tensor:
         if self._graphable(plan):
             return self._replay("decode", plan.seqs, prev)[1]
         mixed = self._mixed_rows(plan)
@@ -355,9 +378,11 @@ class ModelRunner:
 
     def _graphable(self, plan: StepPlan) -> bool:
         """Whether a captured graph runs ``plan``: one sampled token per seq, few enough."""
+        top = self.graph_sets["decode"].ladder[-1]
         return (
             self.cuda_graphs
-            and len(plan.seqs) <= self.graph_sets["decode"].ladder[-1]
+            and len(plan.seqs) <= top
+            and self.group_rows <= top
             and all(s.num_tokens == 1 and s.sample for s in plan.seqs)
         )
 
@@ -367,6 +392,8 @@ class ModelRunner:
         tokens from position p becomes k rows at p .. p+k-1 with lengths p+1 .. p+k."""
         if not self.cuda_graphs or self.batch_invariant or not self.mixed_graph_rows:
             return None
+        if self.group_rows > self.graph_sets["decode"].ladder[-1]:
+            return None  # the group's step is past the graphs: every rank runs it eagerly
         return mixed_rows(plan, min(self.mixed_graph_rows, self.graph_sets["decode"].ladder[-1]))
 
     def decode_rows(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -411,7 +438,8 @@ class ModelRunner:
         """Replay the smallest graph of set ``name`` that holds the rows; its outputs' rows."""
         gs = self.graph_sets[name]
         n = seqs if isinstance(seqs, int) else len(seqs)
-        g = gs.graphs[next(b for b in gs.ladder if b >= n)]  # every size is captured
+        least = max(n, self.group_rows) if name == "decode" else n  # EP: the group's size
+        g = gs.graphs[next(b for b in gs.ladder if b >= least)]  # every size is captured
         if not isinstance(seqs, int):
             self._stage(g, seqs, prev)
         if ids is not None:

@@ -44,8 +44,9 @@ def v3_parts(
 
     ``ep``: this process is one rank of an expert-parallel group; the routed experts are
     sharded by ``placement`` (default: contiguous, no spare slots) and the model changed in
-    place (a ``loaded`` model given here is this rank's own from then on). CUDA graphs are
-    off then: every MoE layer's exchange sizes change from step to step.
+    place (a ``loaded`` model given here is this rank's own from then on). The decode CUDA
+    graphs stay on: the ranks agree on each step's rows and the MoE exchanges within the
+    graphs' sizes are fixed-shape (:mod:`libs.engine.ep.fixed`).
     """
     device = torch.device(config.device)
     dtype = config.torch_dtype
@@ -138,17 +139,13 @@ def _model_runner(
     use_kernels: bool,
     runtime: EPRuntime | None,
 ) -> ModelRunner:
-    graphs = config.cuda_graphs
-    if runtime is not None and graphs and use_kernels and device.type == "cuda":
-        log.info("engine: CUDA graphs off with expert parallelism (exchange sizes vary per step)")
-        graphs = False
     cfg = model.cfg
-    return ModelRunner(
+    runner = ModelRunner(
         model,
         cache,
         Sampler(device, config.sampler_seed, cfg.eos_token_ids, config.batch_invariant),
         use_kernels,
-        graphs,
+        config.cuda_graphs,
         max_model_len(config, cfg),
         # Speculative decoding verifies up to 1 + K rows per request through the same graphs.
         max_graph_batch=config.max_running * (1 + config.speculative_tokens),
@@ -157,6 +154,12 @@ def _model_runner(
         # step may not hold that many).
         mixed_graph_rows=min(512, config.max_tokens_per_step),
     )
+    if runtime is not None:
+        # EP: the ranks agree on each step's rows; up to the decode graphs' largest the MoE
+        # exchanges are fixed-shape (no host sync), so the graphs capture them too.
+        runtime.use_ladder(runner.graph_sets["decode"].ladder)
+        runner.group = runtime
+    return runner
 
 
 def _price_verification(runner: ModelRunner, cost: CostModel, speculative_tokens: int) -> None:

@@ -6,9 +6,14 @@ Per layer and step, on every rank (a rank without tokens takes part with 0 rows)
 
 1. route: each (token, expert) pair picks a slot holding the expert -- a local replica if
    this rank has one, else replica ``token % replicas`` (deterministic, spreads a hot expert's
-   tokens over its replicas); pairs are sorted by (rank, slot);
-2. exchange the pair counts per (rank, slot) (``N x S`` numbers), then the hidden rows, with
-   ``all_to_all_single`` and explicit split sizes;
+   tokens over its replicas);
+2. exchange the rows: while the group's agreed token bound for the step (:class:`StepBound`,
+   set by the engine once per step) is at most ``fixed_max_tokens``, as fixed-capacity
+   buffers with one ``all_to_all_single`` of equal splits -- no host sync, so the layer runs
+   inside the decode step's CUDA graph (:mod:`.fixed`); above it (a large prefill chunk), by
+   the pair counts: pairs sorted by (rank, slot), counts exchanged (``N x S`` numbers), one
+   host sync for the split sizes, then the rows with explicit splits. Every rank takes the
+   same path: the bound is the group's;
 3. run the local experts on what arrived, grouped by local slot (``Experts``' own math, with
    weight 1 and one expert per row, so each row comes back as the expert's raw output);
 4. send the outputs back the same way and combine them at home with the router weights, per
@@ -24,6 +29,7 @@ import torch
 from torch import nn
 
 from ..model.moe import Experts
+from . import fixed
 from .group import EPGroup
 from .placement import EMPTY, Placement
 
@@ -51,7 +57,10 @@ class RouteTable:
             if e != EMPTY and local[e] < 0:
                 local[e] = rank * s + slot
         reps = [[r * s + slot for r, slot in placement.replicas(e)] for e in range(len(local))]
-        width = max(len(x) for x in reps)
+        # As wide as any placement of this shape can need (the other experts hold a slot
+        # each), so a re-placement copies into the same tensors a CUDA graph reads.
+        most = placement.num_ranks * s - placement.num_experts + 1
+        width = max(most, *(len(x) for x in reps))
         padded = [[x[i % len(x)] for i in range(width)] for x in reps]
         return RouteTable(
             torch.tensor(local, dtype=torch.int64, device=device),
@@ -60,6 +69,17 @@ class RouteTable:
             placement.num_ranks,
             s,
         )
+
+    def update(self, new: RouteTable) -> bool:
+        """Take ``new``'s routes in place (the tensors stay those a captured graph reads);
+        False when the shapes differ (then the caller takes ``new`` itself)."""
+        mine = (self.local, self.replicas, self.num_replicas)
+        theirs = (new.local, new.replicas, new.num_replicas)
+        if any(a.shape != b.shape for a, b in zip(mine, theirs)):
+            return False
+        for a, b in zip(mine, theirs):
+            a.copy_(b)
+        return True
 
     def route(self, idx: torch.Tensor) -> torch.Tensor:
         """Global slot id of each (token, expert) pair of ``idx`` [T, k], flattened [T * k]."""
@@ -107,16 +127,23 @@ def combine(
     t, k = idx.shape
     h = y_sent.shape[1]
     pairs = torch.empty_like(y_sent).index_copy_(0, plan.order, y_sent).view(t, k, h)
+    return weigh_pairs(pairs, weights, idx)
+
+
+def weigh_pairs(pairs: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``sum_j weights[t, j] * pairs[t, j]`` in fp32, ``j`` in ascending expert id, in
+    ``pairs``' dtype; ``pairs`` [T, k, H]: each (token, expert) pair's raw expert output."""
+    t, k, h = pairs.shape
     by_expert = torch.argsort(idx, dim=1, stable=True)
     ys = pairs.gather(1, by_expert.unsqueeze(-1).expand(t, k, h))
     ws = weights.gather(1, by_expert).to(torch.float32)
     # Every product in one launch (fp32(y) * w, rounded as the reference rounds it), then
     # the k adds in expert order: k + 3 launches instead of 3k + 1 (v2-lite k = 6: 9 vs 19).
     prods = ys.to(torch.float32) * ws.unsqueeze(-1)
-    out = torch.zeros(t, h, dtype=torch.float32, device=y_sent.device)
+    out = torch.zeros(t, h, dtype=torch.float32, device=pairs.device)
     for j in range(k):
         out += prods[:, j]
-    return out.to(y_sent.dtype)
+    return out.to(pairs.dtype)
 
 
 class EPExperts(nn.Module):
@@ -127,7 +154,13 @@ class EPExperts(nn.Module):
     :meth:`take_load` and EPLB do, so one counter serves both with one launch per layer).
     """
 
-    def __init__(self, local: Experts, group: EPGroup, placement: Placement) -> None:
+    def __init__(
+        self,
+        local: Experts,
+        group: EPGroup,
+        placement: Placement,
+        shape: fixed.StepBound | None = None,
+    ) -> None:
         super().__init__()
         if local.slots != placement.experts_of(group.rank):
             raise ValueError(
@@ -141,11 +174,17 @@ class EPExperts(nn.Module):
         self.table = RouteTable.build(placement, group.rank, device)
         self.load = torch.zeros(placement.num_experts, dtype=torch.int64, device=device)
         self._taken = torch.zeros_like(self.load)
+        # The group's agreed bound for the step (shared by the runtime's layers): picks the
+        # fixed-shape or the variable-size exchange and sizes the fixed buffers.
+        self.shape = shape or fixed.StepBound()
 
     def set_placement(self, placement: Placement) -> None:
-        """Route by ``placement`` from now on (``local`` must already hold its slots)."""
+        """Route by ``placement`` from now on (``local`` must already hold its slots); with
+        the same slots per rank the routes change in place (captured graphs follow)."""
         self.placement = placement
-        self.table = RouteTable.build(placement, self.group.rank, self.load.device)
+        table = RouteTable.build(placement, self.group.rank, self.load.device)
+        if not self.table.update(table):
+            self.table = table
 
     def take_load(self) -> torch.Tensor:
         """Tokens per expert since the last call (or the start)."""
@@ -155,9 +194,34 @@ class EPExperts(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        group, n, s = self.group, self.table.num_ranks, self.table.slots_per_rank
         flat = idx.reshape(-1)
         self.load.index_add_(0, flat, torch.ones_like(flat))
+        if self.shape.fixed(x.shape[0]):
+            return self._forward_fixed(x, weights, idx)
+        return self._forward_variable(x, weights, idx)
+
+    def _forward_fixed(
+        self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
+    ) -> torch.Tensor:
+        """Fixed-capacity buffers, one exchange each way, no host sync (:mod:`.fixed`)."""
+        n, s = self.table.num_ranks, self.table.slots_per_rank
+        t, k = idx.shape
+        cap = fixed.capacity(self.shape.bound(t), k, s)
+        if cap == 0:  # the group agreed: no rank has a token
+            return torch.zeros_like(x)
+        dest = self.table.route(idx)
+        rows = fixed.rows_of(dest, n, s, cap)
+        splits = [cap] * n
+        got = self.group.all_to_all(fixed.pack(x, dest, rows, k, n * cap, s), splits, splits)
+        x_recv, slot = fixed.unpack(got, x.shape[1], x.dtype)
+        y_back = self.group.all_to_all(self._run_fixed(x_recv, slot), splits, splits)
+        return weigh_pairs(y_back.index_select(0, rows).view(t, k, x.shape[1]), weights, idx)
+
+    def _forward_variable(
+        self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
+    ) -> torch.Tensor:
+        """Exchanges sized by the counts: one host sync and three collectives per layer."""
+        group, n, s = self.group, self.table.num_ranks, self.table.slots_per_rank
         plan = plan_dispatch(idx, self.table)
         recv_counts = group.exchange_counts(plan.counts)
         # One host sync per layer: the split sizes (the price of variable-size exchanges).
@@ -167,6 +231,21 @@ class EPExperts(nn.Module):
         y_recv = self._run_local(x_recv, recv_counts, sum(recv_splits))
         y_sent = group.all_to_all(y_recv, recv_splits, send_splits)
         return combine(y_sent, plan, weights, idx)
+
+    def _run_fixed(self, x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """Each arrived row through its slot's expert; padding rows (slot ``S``) are not run
+        and come back as garbage that no rank reads. The fused kernel skips them itself (no
+        host sync); the PyTorch experts (which sync on their own counts anyway) get the
+        real rows only, in arrival order -- the rows the variable-size exchange gives them."""
+        ones = torch.ones(slot.shape, dtype=torch.float32, device=x.device)
+        if self.local.use_kernels:
+            out: torch.Tensor = self.local(x, ones, slot)
+            return out
+        live = (slot.squeeze(1) < self.table.slots_per_rank).nonzero().squeeze(1)
+        y = torch.zeros_like(x)
+        if live.numel():
+            y[live] = self.local(x[live], ones[live], slot[live])
+        return y
 
     def _run_local(self, x: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:
         """Each arrived row through its slot's expert (rows come by source rank, then slot)."""

@@ -5,6 +5,9 @@ keeps only this rank's slots (the rest of the model -- attention, dense layers, 
 experts, embeddings, head -- stays replicated, and the model code stays single-device).
 The :class:`EPRuntime` it returns gives the engine:
 
+* :meth:`EPRuntime.begin_step`: before each forward the ranks agree on the step's rows (one
+  small all-reduce), which sizes every MoE layer's fixed-shape exchange (:mod:`.fixed`) and
+  picks the decode graph every rank replays;
 * :meth:`EPRuntime.empty_step`: a rank with nothing scheduled still takes part in every MoE
   layer's exchanges (with 0 rows), so the ranks' collectives always pair up;
 * :meth:`EPRuntime.load_counts`: tokens per expert and MoE layer since the last call (EPLB's
@@ -30,6 +33,7 @@ import torch
 from ..model.model import DeepseekForCausalLM
 from ..model.moe import MoE
 from .eplb import Balance, Eplb, EplbConfig, Rebalance
+from .fixed import StepBound
 from .group import EPGroup
 from .moe import EPExperts
 from .placement import EMPTY, Placement
@@ -54,6 +58,7 @@ def apply_ep(model: DeepseekForCausalLM, group: EPGroup, placement: Placement) -
             f"{cfg.n_routed_experts}"
         )
     mine = placement.experts_of(group.rank)
+    shape = StepBound()
     layers: list[EPExperts] = []
     for layer in model.model.layers:
         moe = layer.mlp
@@ -62,7 +67,7 @@ def apply_ep(model: DeepseekForCausalLM, group: EPGroup, placement: Placement) -
         experts = moe.experts
         if experts.slots is None:
             experts.keep_slots(mine)
-        wrapped = EPExperts(experts, group, placement)
+        wrapped = EPExperts(experts, group, placement, shape)
         moe.add_module("experts", wrapped)
         layers.append(wrapped)
     return EPRuntime(group, layers, cfg.hidden_size, cfg.num_experts_per_tok, model.dtype)
@@ -140,23 +145,58 @@ class EPRuntime:
         self._hidden = hidden
         self._top_k = top_k
         self._dtype = dtype
+        # One bound for every layer (apply_ep shares it; layers built apart are joined here).
+        self.shape = layers[0].shape if layers else StepBound()
+        for layer in layers:
+            layer.shape = self.shape
+        self.ladder: tuple[int, ...] = ()  # the decode graphs' row counts (the runner's)
+
+    def use_ladder(self, ladder: Sequence[int]) -> None:
+        """Pad each step's rows to these sizes; up to the largest the exchange is fixed-shape
+        (set before the graphs are captured, so each captures that path)."""
+        self.ladder = tuple(ladder)
+        if self.ladder:
+            self.shape.fixed_max_tokens = self.ladder[-1]
 
     @property
     def placements(self) -> list[Placement]:
         return [layer.placement for layer in self.layers]
 
+    def begin_step(self, tokens: int, ladder: Sequence[int]) -> int:
+        """Agree with the group on this step's token bound; a collective, once per step, before
+        the forward (the only host round trip of an EP step). ``tokens``: this rank's;
+        ``ladder``: the decode graphs' row counts. Returns the rows every rank runs: the
+        smallest ladder size holding the group's largest step (so every rank replays the
+        same graph, or runs eagerly with the same buffers), or that step itself past the
+        ladder -- then the layers take the variable-size exchange."""
+        most = self.group.all_max([tokens])[0] if self.group.size > 1 else tokens
+        self.use_ladder(ladder)
+        rows = next((b for b in self.ladder if b >= most), most)
+        self.shape.tokens = rows
+        return rows
+
+    def end_step(self) -> None:
+        """The forward is queued: no bound is agreed until the next :meth:`begin_step` (a
+        graph captured in between sizes its buffers by its own rows)."""
+        self.shape.tokens = 0
+
     def empty_step(self) -> None:
-        """This rank's part of one forward with no tokens: every MoE layer's exchanges, in
-        the order the model runs them (it may still compute experts for other ranks)."""
+        """This rank's part of one forward with no tokens: the step's agreement, then every
+        MoE layer's exchanges in the order the model runs them, with the buffers the other
+        ranks use (it may still compute experts for them). Eager: only the MoE layers run."""
         if not self.layers:
             return
+        self.begin_step(0, self.ladder)
         device = self.layers[0].load.device
         x = torch.empty(0, self._hidden, dtype=self._dtype, device=device)
         weights = torch.empty(0, self._top_k, dtype=torch.float32, device=device)
         idx = torch.empty(0, self._top_k, dtype=torch.int64, device=device)
-        with torch.inference_mode():
-            for layer in self.layers:
-                layer(x, weights, idx)
+        try:
+            with torch.inference_mode():
+                for layer in self.layers:
+                    layer(x, weights, idx)
+        finally:
+            self.end_step()
 
     def load_totals(self) -> torch.Tensor:
         """[MoE layers, experts] int64 on the layers' device: tokens this rank's routers sent
@@ -203,7 +243,13 @@ class EPRuntime:
                 if moves.recv_dst:
                     out[_ix(moves.recv_dst, t)] = got
             state.append(out)
-        local.set_slot_state(state, slots)
+        mine = local.slot_state()
+        if all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(mine, state)):
+            for a, b in zip(mine, state):  # in place: a captured graph reads these tensors
+                a.copy_(b)
+            local.slots = slots
+        else:
+            local.set_slot_state(state, slots)
         layer.set_placement(new)
         return len(moves.recv_dst)
 

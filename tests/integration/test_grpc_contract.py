@@ -74,3 +74,44 @@ def test_readme_python_client_streams_tokens(stack: Stack) -> None:
     assert isinstance(tokens, list) and 0 < len(tokens) <= 8
     assert all(isinstance(t, int) for t in tokens)
     assert "finish:" in proc.stderr
+
+
+# Bytes that are no protobuf message: a server that parsed them would answer INTERNAL
+# ("Exception deserializing request"), not UNAUTHENTICATED.
+GARBAGE = b"\xff\xff\xff\xff\x0f"
+UNREAD = {  # each gRPC server's method that takes one message, and its streaming shape
+    "entrypoint": ("/deepserve.v1.Generate/Generate", "unary_stream"),
+    "kvstore": ("/deepserve.v1.KVStore/Lookup", "unary_unary"),
+    "decode": ("/deepserve.v1.KVTransfer/Resend", "unary_unary"),
+}
+
+
+@pytest.mark.parametrize("service", sorted(UNREAD))
+def test_a_call_without_a_credential_is_refused_before_its_body_is_read(
+    stack: Stack, service: str
+) -> None:
+    """Issue 33's probe: gRPC parsed a stranger's body before checking the credential."""
+    method, shape = UNREAD[service]
+    with grpc.insecure_channel(_address(stack, service)) as channel:
+        call = getattr(channel, shape)(method)  # no (de)serializers: raw bytes both ways
+        with pytest.raises(grpc.RpcError) as err:
+            reply = call(GARBAGE, timeout=10)
+            if shape == "unary_stream":
+                list(reply)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, (service, err.value.details())
+
+
+def test_an_unknown_traffic_class_is_refused_naming_the_field(stack: Stack) -> None:
+    from libs.proto.deepserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+
+    request = generate_pb2.GenerateRequest(
+        prompt_token_ids=[1, 2, 3],
+        sampling=common_pb2.SamplingParams(max_tokens=2),
+        traffic_class=99,  # type: ignore[arg-type]
+    )
+    with grpc.insecure_channel(stack.grpc_address) as channel:
+        stub = generate_pb2_grpc.GenerateStub(channel)  # type: ignore[no-untyped-call]
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(request, timeout=30, metadata=stack.call_metadata))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "traffic_class" in (err.value.details() or "")

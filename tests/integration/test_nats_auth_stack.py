@@ -17,8 +17,8 @@ from typing import Any
 import nats
 import pytest
 
-from deepserve.up import Stack
-from libs.common import subjects
+from deepserve.up import SERVICE_SECRETS, Stack
+from libs.common import nats_auth, subjects
 from libs.proto.deepserve.v1 import control_pb2
 
 from .conftest import MODEL_NAME, dump_logs, start_stack
@@ -156,6 +156,61 @@ def test_other_roles_cannot_send_what_is_not_theirs(stack: Stack) -> None:
             assert any("permissions violation" in e.lower() for e in errors), (role, errors)
 
     asyncio.run(run())
+
+
+def test_roles_that_need_no_prompt_cannot_read_tasks_or_tokens(stack: Stack) -> None:
+    """Issue 33's probe read a tenant's prompt and cache salt off the bus: only prefill (tasks)
+    and the entrypoint (token events) may subscribe there."""
+
+    async def run() -> None:
+        admin = await nats.connect(stack.nats_url)
+        try:
+            for role in ("balancer", "decode", "kvstore", "tools"):
+                errors: list[str] = []
+                nc = await _connect(stack.nats_url_of(role), errors)
+                stolen: list[bytes] = []
+
+                async def on_stolen(msg: Any, into: list[bytes] = stolen) -> None:
+                    into.append(msg.data)
+
+                try:
+                    await nc.subscribe("ds.prefill.>", cb=on_stolen)
+                    await nc.subscribe("ds.tokens.>", cb=on_stolen)
+                    await nc.flush()
+                    await asyncio.sleep(0.2)
+                    await admin.publish(subjects.prefill_task("nobody"), b"prompt")
+                    await admin.publish(subjects.token_events("r1"), b"tokens")
+                    await admin.flush()
+                    await asyncio.sleep(0.2)
+                finally:
+                    await nc.close()
+                assert stolen == [], role
+                text = "\n".join(errors).lower()
+                assert text.count("permissions violation") >= 2, (role, errors)
+        finally:
+            await admin.close()
+
+    asyncio.run(run())
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    return dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
+
+
+def test_each_service_is_handed_only_the_secrets_it_uses(stack: Stack) -> None:
+    """Issue 33's probe: up handed every secret to every service. Read from each process's
+    own environment: the stack's secrets only where SERVICE_SECRETS says, one NATS login."""
+    for c in stack.children:
+        env = _environ(c.pid)
+        values = "\0".join(env.values())
+        given = {name for name, secret in stack.secrets.items() if secret in values}
+        assert given == set(SERVICE_SECRETS.get(c.service, ())), c.name
+        logins = {role for role, pw in stack.nats_passwords.items() if pw in values}
+        assert logins <= {c.service} and env.get(nats_auth.USER_ENV, c.service) == c.service, (
+            c.name,
+            logins,
+        )
 
 
 def test_prefill_pushes_kv_only_to_decode_instances_it_heard(stack: Stack) -> None:

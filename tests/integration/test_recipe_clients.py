@@ -85,6 +85,7 @@ def check_city(value: Any) -> None:
         ("/chat/completions", {"max_tokens": 7}, "completion_tokens"),
         ("/chat/completions", {"max_completion_tokens": 7}, "completion_tokens"),
         ("/responses", {"max_output_tokens": 7}, "output_tokens"),
+        ("/responses", {"max_tokens": 7}, "output_tokens"),  # issue 33: once ignored
         ("/completions", {"max_tokens": 7}, "completion_tokens"),
     ],
 )

@@ -98,6 +98,9 @@ def test_completions_refusals(stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError) as e:  # prompt logprobs are not computed
         c.completions.create(model=MODEL_NAME, prompt="x", logprobs=1, echo=True)
     assert e.value.body["param"] == "echo"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as e:  # issue 33: once silently the prompt "a"
+        c.completions.create(model=MODEL_NAME, prompt=["a", 5])  # type: ignore[list-item]
+    assert e.value.body["param"] == "prompt"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(
             model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], n=17

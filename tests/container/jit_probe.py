@@ -1,11 +1,24 @@
 """Run inside the image by test_image_jit.py: what Triton's JIT needs at the first kernel launch
-(a C compiler, Python's headers), then every import."""
+(a C compiler, Python's headers, Triton's bundled CUDA headers), then every import.
+
+1. A small C extension through ``compile_module_from_src``, Triton's own path (cc, Python.h,
+   dlopen), loaded and called.
+2. Triton's real CUDA sources: ``driver.c`` (its ``cuda_utils``) and the launcher
+   ``make_launcher`` generates for a kernel taking two fp32 pointers and an int, compiled with
+   Triton's include dirs. Where the GPU driver's libcuda.so.1 is found (a GPU host) they are
+   linked against it and loaded, exactly as at a first launch; without one (a build machine)
+   they are compiled and linked with libcuda's symbols left unresolved, which checks every
+   header and the compiler but not the load.
+"""
 
 import importlib
 import json
+import os
 import sys
+import tempfile
+from pathlib import Path
 
-from triton.runtime.build import compile_module_from_src
+from triton.runtime.build import _build, compile_module_from_src
 
 SRC = r"""
 #define PY_SSIZE_T_CLEAN
@@ -22,6 +35,29 @@ PyMODINIT_FUNC PyInit_jit_probe(void) { return PyModule_Create(&module); }
 
 probe = compile_module_from_src(SRC, "jit_probe")  # Triton's own path: cc, Python.h, dlopen
 assert probe.add(2, 3) == 5
+
+from triton.backends.nvidia import driver as nv  # noqa: E402
+
+sources = {
+    "cuda_utils": Path(nv.dirname, "driver.c").read_text(),
+    "__triton_launcher": nv.make_launcher({}, {"x": "*fp32", "y": "*fp32", "n": "i32"}, None),
+}
+try:
+    library_dirs = nv.library_dirs()  # asserts that libcuda.so.1 is found
+except AssertionError:
+    library_dirs = None
+if library_dirs is not None:
+    for name, src in sources.items():
+        compile_module_from_src(src, name, library_dirs, nv.include_dirs, nv.libraries)
+    launcher = "linked and loaded"
+else:
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, src in sources.items():
+            path = os.path.join(tmp, f"{name}.c")
+            Path(path).write_text(src)
+            _build(name, path, tmp, [nv.libdevice_dir], nv.include_dirs, [], [])
+    launcher = "compiled (no libcuda.so.1)"
+
 import torch  # noqa: E402
 import triton  # noqa: E402
 
@@ -35,6 +71,7 @@ print(
             "triton": triton.__version__,
             "python": sys.version.split()[0],
             "services": len(services),
+            "launcher": launcher,
         }
     )
 )

@@ -23,6 +23,7 @@ import pytest
 from deepserve.up import Stack
 from libs.common.tenant_label import SECRET_ENV as TENANT_SECRET
 from libs.common.tenant_label import label_of
+from libs.gateway.keylimits import key_id
 from services.recipe.handlers import tenant_label
 
 from ..sdk_strict import anthropic_client, openai_client, strict_http
@@ -30,6 +31,7 @@ from .conftest import MODEL_NAME, READY_TIMEOUT, dump_logs
 
 pytestmark = pytest.mark.timeout(600)
 LONG_TEXT = " ".join(f"w{i}" for i in range(400))  # > 2 full 128-token blocks
+GAMMA_CAP = ["--key-limits", f"{key_id('sk-gamma')}=1"]  # one generation at a time
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +51,15 @@ def keyed_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         extra_args={
             "recipe": [
                 "--api-keys",
-                "sk-alpha=acme",
+                "sk-alpha=acme,sk-gamma=initech",
                 "--api-keys-file",
                 str(keys_file),
                 "--max-body-bytes",
                 str(1 << 20),
-            ]
+                *GAMMA_CAP,
+            ],
+            # Generate takes API keys too: sk-gamma's one generation is one cap on both doors
+            "entrypoint": ["--api-keys", "sk-alpha=acme,sk-gamma=initech", *GAMMA_CAP],
         },
     )
     try:
@@ -429,3 +434,66 @@ def test_usage_records_reach_jetstream_and_the_reader(keyed_stack: Stack) -> Non
             break
         time.sleep(0.5)
     assert grew == want
+
+
+def test_n_choices_count_against_a_keys_cap(keyed_stack: Stack) -> None:
+    """Issue 33's probe: a tenant capped at 4 ran 64 generations with n. sk-gamma may run one."""
+    with pytest.raises(openai.RateLimitError) as e:
+        oai(keyed_stack, "sk-gamma").chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=2, n=2
+        )
+    assert "n" in str(e.value.message), e.value.message
+
+
+def test_a_key_on_generate_is_capped_with_http_and_billed(keyed_stack: Stack) -> None:
+    """Issue 33's probe: a tenant's key on gRPC Generate bypassed its caps and wrote no usage
+    record. While one Generate of sk-gamma runs, another (gRPC) and a chat (HTTP) are refused;
+    the call's record names the key's tenant, its key id and route grpc, with what it got."""
+    import grpc
+    import redis
+
+    from libs.proto.deepserve.v1 import common_pb2, generate_pb2
+    from libs.proto.deepserve.v1 import generate_pb2_grpc as gen
+
+    md = (("authorization", "Bearer sk-gamma"),)
+    rid = f"probe-grpc-{time.monotonic_ns()}"
+
+    def request(request_id: str) -> generate_pb2.GenerateRequest:
+        return generate_pb2.GenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=[5, 6, 7, 8],
+            model=MODEL_NAME,
+            tenant="acme",  # not the key's: ignored
+            sampling=common_pb2.SamplingParams(max_tokens=400, ignore_eos=True),
+        )
+
+    got = 0
+    with grpc.insecure_channel(keyed_stack.grpc_address) as ch:
+        stub = gen.GenerateStub(ch)  # type: ignore[no-untyped-call]
+        held = stub.Generate(request(rid), timeout=120, metadata=md)
+        for ev in held:  # the slot is taken once tokens flow
+            got += len(ev.tokens.token_ids)
+            if got >= 2:
+                break
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(request(rid + "-2"), timeout=30, metadata=md))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+        with pytest.raises(openai.RateLimitError):
+            oai(keyed_stack, "sk-gamma").chat.completions.create(
+                model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=2
+            )
+        held.cancel()
+    r = redis.Redis.from_url(keyed_stack.redis_url, decode_responses=True)
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            names = list(r.scan_iter(match=f"*:rec:*:{rid}"))
+            rec = r.hgetall(names[0]) if len(names) == 1 else {}
+            if rec.get("status", "open") != "open" or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    finally:
+        r.close()
+    want = {"tenant": "initech", "key_id": key_id("sk-gamma"), "route": "grpc"}
+    assert {k: rec.get(k) for k in want} == want, rec
+    assert int(rec["completion_tokens"]) >= got and rec["status"] != "open", rec

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -110,16 +110,18 @@ def boundary_after(text: str, at: int, end: int) -> int:
     return end
 
 
-def pieces_of(text: str, chunk: int = CHUNK_CHARS) -> Iterator[str]:
-    """``text`` cut at safe positions, each piece about ``chunk`` characters or more (a stretch
-    with no safe position stays whole)."""
-    start, n = 0, len(text)
+def pieces_of(
+    text: str, chunk: int = CHUNK_CHARS, start: int = 0, end: int | None = None
+) -> Iterator[str]:
+    """``text[start:end]`` cut at safe positions, each piece about ``chunk`` characters or more
+    (a stretch with no safe position stays whole); only the pieces are copied."""
+    n = len(text) if end is None else end
     while n - start > chunk:
         cut = boundary_after(text, start + chunk, n)
         yield text[start:cut]
         start = cut
-    if start < n or n == 0:
-        yield text[start:]
+    if start < n:
+        yield text[start:n]
 
 
 class TooLong(Exception):
@@ -132,17 +134,19 @@ class TooLong(Exception):
 
 def encode_pieces(
     tokenizer: Tokenizer,
-    parts: Sequence[str | int],
+    text: str,
+    parts: Sequence[int | tuple[int, int]],
     *,
     split: bool,
     batch_chars: int = BATCH_CHARS,
     chunk: int = CHUNK_CHARS,
     limit: int | None = None,
 ) -> list[int]:
-    """Ids of ``parts`` in order: an int is a token id as is, a str plain text for
-    ``tokenizer`` (no special tokens added). Texts are cut (when ``split``) and encoded
-    ``batch_chars`` characters at a time through ``encode_batch_fast``; :class:`TooLong` as soon
-    as more than ``limit`` ids are known (the rest is then never tokenized)."""
+    """Ids of ``parts`` in order: an int is a token id as is, ``(start, end)`` the plain text
+    ``text[start:end]`` for ``tokenizer`` (no special tokens added). Texts are cut (when
+    ``split``) and encoded ``batch_chars`` characters at a time through ``encode_batch_fast``;
+    :class:`TooLong` as soon as more than ``limit`` ids are known (the rest is then never
+    tokenized)."""
     ids: list[int] = []
     pending: list[str | int] = []  # in order; the strs go to the next encode_batch_fast call
     size = 0
@@ -163,14 +167,13 @@ def encode_pieces(
         if limit is not None and len(ids) > limit:
             raise TooLong(len(ids))
 
-    cut: Callable[[str], Iterator[str]] = (
-        (lambda t: pieces_of(t, chunk)) if split else (lambda t: iter((t,)))
-    )
     for part in parts:
         if isinstance(part, int):
             pending.append(part)
             continue
-        for piece in cut(part):
+        start, end = part
+        cuts = pieces_of(text, chunk, start, end) if split else iter((text[start:end],))
+        for piece in cuts:
             if size and size + len(piece) > batch_chars:
                 flush()
             if piece:

@@ -63,7 +63,9 @@ def test_cut_texts_give_identical_ids(encoder: PromptEncoder, chunk: int) -> Non
     for text in TRICKY:
         pieces = list(pieces_of(text, chunk))
         assert "".join(pieces) == text
-        got = encode_pieces(encoder.plain, [text], split=True, chunk=chunk, batch_chars=97)
+        got = encode_pieces(
+            encoder.plain, text, [(0, len(text))], split=True, chunk=chunk, batch_chars=97
+        )
         assert got == whole(encoder.plain, text), (chunk, text[:40], pieces[:8])
     # the cuts happen: plain prose is cut near every space
     assert len(list(pieces_of(TRICKY[0], 1))) > 10
@@ -73,7 +75,9 @@ def test_random_tricky_texts_give_identical_ids(encoder: PromptEncoder) -> None:
     rng = random.Random(33)
     for _ in range(300):
         text = "".join(rng.choice(ALPHABET) for _ in range(rng.randrange(1, 120)))
-        got = encode_pieces(encoder.plain, [text], split=True, chunk=1, batch_chars=50)
+        got = encode_pieces(
+            encoder.plain, text, [(0, len(text))], split=True, chunk=1, batch_chars=50
+        )
         assert got == whole(encoder.plain, text), repr(text)
 
 

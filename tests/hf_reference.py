@@ -5,9 +5,11 @@ transformers is a test dependency only: the engine never imports it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -285,6 +287,62 @@ V4_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# Where CSA's indexer chooses among exact ties (tests/unit/test_v4_indexer_parity.py): with 2
+# indexer heads a quarter of the entries score exactly 0 (ReLU zeroes both heads' products),
+# so several entries tie at the k-th pick in most rows that hold more than index_topk entries.
+# Not in V4_CONFIGS: transformers breaks those ties by torch.topk's algorithm (see
+# index_ties_to_lower_entry), so the tests that compare against it unpinned must not see them.
+V4_INDEXER_CONFIGS: dict[str, dict[str, Any]] = {
+    "v4-indexer-ties": dict(
+        num_hidden_layers=3,
+        layer_types=[_C, _H, _C],
+        mlp_layer_types=["hash_moe", "moe", "moe"],
+        index_n_heads=2,
+        index_topk=4,
+    ),
+}
+
+
+def _stable_topk(
+    x: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True
+) -> Any:
+    s = torch.sort(x, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((s.values.narrow(dim, 0, k), s.indices.narrow(dim, 0, k)))
+
+
+@contextlib.contextmanager
+def index_ties_to_lower_entry() -> Iterator[None]:
+    """transformers' CSA indexer with exactly tied scores going to the lower entry, as ours.
+
+    Its ``DeepseekV4Indexer`` keeps ``index_scores.topk(k)``; torch.topk leaves the order of
+    equal values to its algorithm, which on the CPU changes with the row's length (zeros at
+    entries 5 and 6 of a row: it keeps 6 in rows of 9, 20, 40 or 200 entries, 5 in rows of 80),
+    and a one-pass row holds every entry of the prompt, the not-yet-closed ones masked. So there
+    a position's picks, and logits, change with how many tokens follow it in the same call
+    (v4-tiny, 320-token prompt: the first 100 positions alone vs within the 320, up to 0.099
+    apart at 62 of them), and no cache can reproduce them. With this rule (a stable sort: the
+    top ``k`` by score, ties to the lower entry) it is the top-k the indexer defines, the same
+    for every chunking. Only torch.topk inside the indexer's forward changes (the routers'
+    top-k, on scores that do not tie, stays transformers' own)."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4
+
+    original = hf_v4.DeepseekV4Indexer.forward
+
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        topk = torch.Tensor.topk
+        torch.Tensor.topk = _stable_topk  # type: ignore[method-assign,assignment]
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            torch.Tensor.topk = topk  # type: ignore[method-assign]
+
+    hf_v4.DeepseekV4Indexer.forward = forward
+    try:
+        yield
+    finally:
+        hf_v4.DeepseekV4Indexer.forward = original
+
+
 def build_hf_v4(name: str, seed: int = 0) -> torch.nn.Module:
     """A transformers DeepSeek-V4 model of the named config, seeded random weights (fp32,
     eager), with the parameters transformers initializes to constants (sinks, pooling position
@@ -292,7 +350,7 @@ def build_hf_v4(name: str, seed: int = 0) -> torch.nn.Module:
     routing table, score correction bias) randomized too, so a swapped one must show."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-    kwargs = {**V4_BASE, **V4_CONFIGS[name]}
+    kwargs = {**V4_BASE, **{**V4_CONFIGS, **V4_INDEXER_CONFIGS}[name]}
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(DeepseekV4Config(**kwargs, attn_implementation="eager"))
     gen = torch.Generator().manual_seed(seed + 1)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pickle
 import signal
 import socket
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -249,6 +251,59 @@ def test_prefill_pushes_kv_only_to_decode_instances_it_heard(stack: Stack) -> No
         listener.close()
     assert "not a decode instance" in ev.error, ev
     assert ev.retryable, ev
+
+
+def test_decode_refuses_a_forged_pool_handle_without_opening_it(stack: Stack) -> None:
+    """Issue 33's probe: a well-formed pool handle naming a file of the caller's made decode
+    map it, grow it and stream its bytes as tokens. Sent with the service token itself, it is
+    refused (not signed by a prefill for this request) and the file stays untouched."""
+    import grpc
+
+    from libs.engine.kv import peer as kv_peer
+    from libs.proto.deepserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+
+    def forged_handle(fd: int) -> bytes:  # a file of this process, as a prefill's pool
+        return pickle.dumps(
+            kv_peer._Handle(
+                pool_id="made-up",
+                host=kv_peer.host_id(),
+                device_type="cpu",
+                num_blocks=256,
+                nbytes=1 << 20,
+                pid=os.getpid(),
+                fd=fd,
+            )
+        )
+
+    prompt = [(i * 7919) % 1000 + 10 for i in range(300)]
+    task = control_pb2.DecodeTask(
+        request_id="forged-pool",
+        token_ids=[*prompt, 11],
+        num_prompt_tokens=len(prompt),
+        events_subject=subjects.token_events("forged-pool"),
+    )
+    task.sampling.max_tokens = 4
+    (decode,) = [c for c in stack.children if c.service == "decode"]
+    with (
+        tempfile.TemporaryFile() as victim,
+        grpc.insecure_channel(f"127.0.0.1:{decode.grpc_port}") as ch,
+    ):
+        peer = kv_transfer_pb2.PeerBlocks(
+            pool=forged_handle(victim.fileno()),
+            block_ids=[0, 1],
+            num_tokens=256,
+            block_hashes=["ab" * 32, "cd" * 32],
+        )
+        stub = kv_transfer_pb2_grpc.KVTransferStub(ch)  # type: ignore[no-untyped-call]
+        reply = stub.Push(
+            iter([kv_transfer_pb2.KVPush(task=task), kv_transfer_pb2.KVPush(peer=peer)]),
+            timeout=30,
+            metadata=stack.call_metadata,
+        )
+        victim.seek(0, os.SEEK_END)
+        size = victim.tell()
+    assert not reply.accepted and "nothing imported" in reply.error, reply
+    assert size == 0, "decode mapped and grew the caller's file"
 
 
 def test_a_chat_completion_is_served_end_to_end(stack: Stack) -> None:

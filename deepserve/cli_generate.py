@@ -54,6 +54,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "NCCL), routed experts sharded over them; greedy tokens equal --ep 1's",
     )
     p.add_argument("--ep-redundant", type=int, default=0, help="spare expert slots per EP rank")
+    p.add_argument(
+        "--ep-master",
+        default="",
+        help="host:port of the EP group's rendezvous (rank 0's host), the same on every host; "
+        "empty: every rank on this host",
+    )
+    p.add_argument(
+        "--ep-ranks-per-host",
+        type=int,
+        default=0,
+        help="ranks of the group on each host (divides --ep; 0: all here); run the same "
+        "command on each host with its --ep-node-rank: the host of rank 0 prints the output",
+    )
+    p.add_argument("--ep-node-rank", type=int, default=0, help="this host's index in the group")
 
 
 def speculative_flag(p: argparse.ArgumentParser, what: str) -> None:
@@ -114,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, InvalidRequest) as exc:
         print(f"deepserve generate: {exc}", file=sys.stderr)
         return 2
+    if out is None:  # an EP host without rank 0: the host of rank 0 prints the output
+        return 0
     if args.json:
         print(
             json.dumps(
@@ -131,28 +147,47 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate_ep(args: argparse.Namespace, prompt: str | list[int], params: Any) -> Any:
-    """One prompt on an EP group: rank 0 serves it, the others run empty steps beside it."""
+    """One prompt on an EP group: rank 0 serves it, the others run empty steps beside it.
+    None on a host without rank 0."""
     from libs.engine.ep.placement import Placement
     from libs.engine.loader import model_config
-    from libs.serving.ep.generate import generate
+    from libs.serving.ep.generate import generate_ranks
     from libs.serving.ep.launch import RankFailed
 
     if args.ep < 1 or args.ep_redundant < 0:
         raise ValueError("--ep must be >= 1 and --ep-redundant >= 0")
+    ranks = _host_ranks(args)
     experts = model_config(args.model).n_routed_experts
     placement = Placement.contiguous(experts, args.ep, args.ep_redundant)
     try:
-        return generate(
+        results = generate_ranks(
             args.model,
             [prompt],
             params,
             ep=args.ep,
             device=args.device,
             placement=placement,
+            master=args.ep_master,
+            ranks=ranks,
             dtype=args.dtype,
             seed=args.weights_seed,
             # CPU ranks split the 1 GiB a single CPU engine takes for its KV cache.
-            kv_cache_bytes=(1 << 30) // args.ep if args.device == "cpu" else None,
-        )[0]
+            kv_cache_bytes=(1 << 30) // len(ranks) if args.device == "cpu" else None,
+        )
     except RankFailed as exc:
         raise ValueError(f"expert-parallel group failed: {exc}") from None
+    # Rank 0 serves the one prompt; another host's ranks only ran their experts beside it.
+    return next((out for r in results for _, out in r.outputs), None)
+
+
+def _host_ranks(args: argparse.Namespace) -> list[int]:
+    """The global ranks this host runs (``--ep-ranks-per-host``, ``--ep-node-rank``)."""
+    per_host = args.ep_ranks_per_host or args.ep
+    if args.ep_ranks_per_host < 0 or args.ep % per_host:
+        raise ValueError(f"--ep-ranks-per-host {args.ep_ranks_per_host} must divide --ep {args.ep}")
+    if not 0 <= args.ep_node_rank < args.ep // per_host:
+        raise ValueError(f"--ep-node-rank {args.ep_node_rank} outside {args.ep // per_host} hosts")
+    if per_host < args.ep and not args.ep_master:
+        raise ValueError("--ep over several hosts needs --ep-master host:port")
+    first = args.ep_node_rank * per_host
+    return list(range(first, first + per_host))

@@ -1,5 +1,6 @@
-"""The supervisor of one EP instance: starts its N rank processes, restarts the group smaller
-when a rank dies, stops them all together.
+"""The supervisor of one EP instance: starts its rank processes on healthy devices, restarts
+the group without a device whose rank failed, grows it back once that device is healthy, and
+stops them all together.
 
 Why a supervisor rather than rank 0 starting its siblings: after a rank dies, the survivors'
 ``torch.distributed`` group is broken for good (it cannot be re-initialised reliably in the
@@ -8,16 +9,26 @@ new group is a fresh process anyway; the one process that outlives every group m
 none of its ranks. It runs no engine and no NATS client: one ops port whose ``/healthz`` is
 200 while every rank of the current group answers its own ``/healthz`` with 200.
 
-A generation of the group: ``size`` processes ``python -m services.<service> <argv> --ep size
---ep-rank k --ep-rendezvous 127.0.0.1:<port> --instance-id <instance>-r<k>[-g<gen>]
---http-port <port k> [--device cuda:<gpu k>] [--grpc-port 0]`` (:func:`~.ep.rank_flags`;
-argparse keeps the last value of a repeated flag, so the service's own flags pass through
-unchanged; with ``--device cuda`` rank k gets ``--ep-gpus``' k-th GPU, else ``cuda:<k>``).
-When one exits, the others fail their next collective within ``--ep-timeout`` (a dead
-peer: at once) and exit with
-:data:`~libs.serving.ep.EXIT_GROUP_FAILED`; the survivors' count is the next group's size
-(``Placement.contiguous`` covers every expert at any size). Their requests failed with
-retryable errors, the dead rank's stop heartbeating: the entrypoint retries them elsewhere.
+A generation of the group: one process per healthy device, ``python -m services.<service>
+<argv> --ep size --ep-rank k --ep-rendezvous <master> ... --instance-id
+<instance>-r<k>[-g<gen>] --http-port <port k> [--device cuda:<gpu>] [--grpc-port 0]``
+(:func:`~.ep.rank_flags`; argparse keeps the last value of a repeated flag, so the service's
+own flags pass through unchanged). Devices are ``--ep-gpus`` (or ``0..N-1``; CPU ranks: slots
+that only name a place) and are probed before every start (:mod:`.ep.health`).
+
+When a rank exits, the others fail their next collective within ``--ep-timeout`` (a dead
+peer: at once) and exit with :data:`~libs.serving.ep.EXIT_GROUP_FAILED`. The device of the
+rank that failed (and of any rank that had to be killed) is left out for ``--ep-regrow-s``;
+the other devices are probed and the group restarts on the healthy ones, at that count
+(``Placement.contiguous`` covers every expert at any size). While the group is smaller than
+its devices, the left-out ones are probed every ``--ep-regrow-s``; once one is healthy the
+group is drained (SIGTERM) and restarted larger. Requests of a failed group fail with
+retryable errors and its ranks stop heartbeating: the entrypoint retries them elsewhere.
+
+Across hosts (``--ep-ranks-per-host`` < ``--ep``) each host's supervisor runs its own ranks and
+the group's size is fixed: the hosts agree on nothing but ``--ep-master``, so a host restarts
+its ranks at full size once every device of its own probes healthy (shrinking a multi-host
+group is not done).
 """
 
 from __future__ import annotations
@@ -27,14 +38,17 @@ import contextlib
 import signal
 import socket
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from libs.common.service import ServiceContext
 
 from .ep import EXIT_GROUP_FAILED, EPFlags, rank_flags, rank_instance_id
+from .ep.health import DeviceProbe
 
 HOST = "127.0.0.1"
 HEALTH_POLL_S = 0.5
@@ -61,6 +75,7 @@ class Rank:
     instance_id: str
     ops_port: int
     proc: asyncio.subprocess.Process
+    device: int  # a GPU index (--device cuda) or a CPU rank's slot
     healthy: bool = False
 
 
@@ -68,6 +83,7 @@ class Rank:
 class Group:
     generation: int
     size: int
+    device: str  # the service's --device
     ranks: list[Rank] = field(default_factory=list)
     was_up: bool = False  # every rank answered /healthz 200 at some point
 
@@ -77,11 +93,14 @@ class Group:
 
     def describe(self) -> str:
         ids = ", ".join(f"{r.instance_id}@{r.ops_port}" for r in self.ranks)
-        return f"ep group generation {self.generation}, {self.size} ranks: {ids}"
+        kind = "cuda:" if self.device == "cuda" else "slot "
+        devices = ", ".join(f"{kind}{r.device}" for r in self.ranks)
+        return f"ep group generation {self.generation}, {self.size} ranks: {ids} (on {devices})"
 
 
 class EPSupervisor:
-    """Runs ``python -m services.<service>`` ranks for ``ep.size``; see the module doc."""
+    """Runs ``python -m services.<service>`` ranks for ``ep``; see the module doc.
+    ``probe`` and ``command`` (the rank's argv before its flags) are for tests."""
 
     def __init__(
         self,
@@ -92,6 +111,8 @@ class EPSupervisor:
         *,
         own_grpc_port: bool,
         device: str = "cpu",
+        probe: DeviceProbe | None = None,
+        command: Sequence[str] | None = None,
     ) -> None:
         self.ctx, self.service, self.argv, self.ep = ctx, service, list(argv), ep
         self.device = device  # the service's --device: "cuda" gives each rank a GPU of its own
@@ -99,6 +120,15 @@ class EPSupervisor:
         self.instance_id = ctx.config.instance_id
         self.group: Group | None = None
         self.restarts = 0
+        gpus = ep.gpus[: ep.local_ranks] if device == "cuda" and ep.gpus else ()
+        self.devices: list[int] = list(gpus) or list(range(ep.local_ranks))
+        self.probe = probe or DeviceProbe(device, ep.health_file)
+        self.command = list(command or [sys.executable, "-m", f"services.{service}"])
+        self.left_out: dict[int, float] = {}  # device -> when its rank failed (monotonic)
+
+    @property
+    def multi_host(self) -> bool:
+        return self.ep.hosts > 1
 
     def health(self) -> tuple[bool, str]:
         g = self.group
@@ -113,78 +143,147 @@ class EPSupervisor:
         log = self.ctx.log
         log.info("ops on %s:%d", self.ctx.config.host, await self.ctx.start_ops(self.health))
         self.ctx.background(self._poll_health(), "ep-health")
-        size, generation = self.ep.size, 0
+        generation = 0
         while True:
-            group = self.group = await self._start(size, generation)
+            devices = await self._place()
+            if devices is None:  # stopped while waiting for devices
+                return 0
+            if not devices:
+                log.error("EP group cannot start: none of devices %s is healthy", self.devices)
+                return 1
+            group = self.group = await self._start(devices, generation)
             log.info("started %s", group.describe())
-            failed = await self._wait_exit_or_stop(group)
-            if failed is None:
+            outcome = await self._wait_exit_or_stop(group)
+            if outcome is None:
                 await self._stop(group)
                 return 0
-            survivors = await self._collapse(group, failed)
-            if survivors == 0 or not group.was_up:
-                # Never served (a rank failed at start) or nobody left: the service's own
-                # supervisor (deepserve up) restarts this process with backoff.
-                log.error(
-                    "EP group cannot restart (%d healthy ranks left, %s); exiting",
-                    survivors,
-                    "had served" if group.was_up else "never served",
-                )
+            generation += 1
+            if outcome == "grow":
+                log.info("a left-out device is healthy again: growing the EP group")
+                await self._stop(group)
+                continue
+            suspects = await self._collapse(group, outcome)
+            if not group.was_up:
+                # Never served (a rank failed at start): the service's own supervisor
+                # (deepserve up) restarts this process with backoff.
+                log.error("EP group cannot restart (it never served); exiting")
                 return 1
+            now = time.monotonic()
+            self.left_out.update((r.device, now) for r in suspects)
             self.restarts += 1
             log.warning(
-                "rank %s exited with %s; restarting the group with %d ranks (was %d)",
-                failed.instance_id,
-                failed.proc.returncode,
-                survivors,
-                size,
+                "rank %s exited with %s; restarting the group %s",
+                outcome.instance_id,
+                outcome.proc.returncode,
+                self._restart_how(suspects),
             )
-            size, generation = survivors, generation + 1
 
-    async def _start(self, size: int, generation: int) -> Group:
-        group = Group(generation, size)
-        rendezvous = f"{HOST}:{_free_port()}"
-        for k in range(size):
-            rid = rank_instance_id(self.instance_id, k, generation)
+    def _eligible(self, exclude: Sequence[int] = ()) -> list[int]:
+        """Devices not left out in the last ``--ep-regrow-s`` (nor in ``exclude``)."""
+        now = time.monotonic()
+        return [
+            d
+            for d in self.devices
+            if d not in exclude and now - self.left_out.get(d, -1e18) >= self.ep.regrow_s
+        ]
+
+    async def _place(self) -> list[int] | None:
+        """The devices of the next group; None if stopped while waiting. One host: the
+        healthy eligible ones. Several: all of this host's, waiting until they are healthy."""
+        if not self.multi_host:
+            return await self.probe.healthy(self._eligible())
+        while True:
+            healthy = await self.probe.healthy(self.devices)
+            if len(healthy) == len(self.devices):
+                return healthy
+            self.ctx.log.warning(
+                "EP group spans %d hosts: waiting for devices %s to be healthy",
+                self.ep.hosts,
+                sorted(set(self.devices) - set(healthy)),
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.ctx.stop.wait(), self.ep.regrow_s)
+                return None
+
+    def _restart_how(self, suspects: Sequence[Rank]) -> str:
+        if self.multi_host:
+            return "at full size once this host's devices probe healthy (it spans hosts)"
+        if not suspects:
+            return "on every healthy device (no rank of it failed on its own)"
+        return "without " + ", ".join(self._device_name(r.device) for r in suspects)
+
+    def _device_name(self, device: int) -> str:
+        return f"cuda:{device}" if self.device == "cuda" else f"slot {device}"
+
+    async def _start(self, devices: Sequence[int], generation: int) -> Group:
+        multi = self.multi_host
+        size = self.ep.size if multi else len(devices)
+        first = self.ep.first_rank if multi else 0
+        group = Group(generation, size, self.device)
+        rendezvous = self.ep.master or f"{HOST}:{_free_port()}"
+        for k, dev in enumerate(devices):
+            rank = first + k
+            rid = rank_instance_id(self.instance_id, rank, generation)
             ops = _free_port()
             flags = rank_flags(
                 self.ep,
-                k,
+                rank,
                 size,
                 rendezvous=rendezvous,
                 instance_id=rid,
                 ops_port=ops,
                 device=self.device,
                 own_grpc_port=self.own_grpc_port,
+                gpu=dev if self.device == "cuda" else None,
+                local_ranks=self.ep.local_ranks if multi else 0,
+                node_rank=self.ep.node_rank if multi else 0,
             )
             proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                f"services.{self.service}",
-                *self.argv,
-                *flags,
-                stdin=asyncio.subprocess.DEVNULL,
+                *self.command, *self.argv, *flags, stdin=asyncio.subprocess.DEVNULL
             )
-            group.ranks.append(Rank(k, rid, ops, proc))
+            group.ranks.append(Rank(rank, rid, ops, proc, dev))
         return group
 
-    async def _wait_exit_or_stop(self, group: Group) -> Rank | None:
-        """The first rank to exit, or None once a stop signal came."""
-        waits = {asyncio.ensure_future(r.proc.wait()): r for r in group.ranks}
+    async def _wait_exit_or_stop(self, group: Group) -> Rank | Literal["grow"] | None:
+        """The first rank to exit, "grow" once a left-out device is healthy again, or None
+        once a stop signal came."""
+        waits: dict[asyncio.Future[Any], Rank] = {
+            asyncio.ensure_future(r.proc.wait()): r for r in group.ranks
+        }
         stop = asyncio.ensure_future(self.ctx.stop.wait())
+        grow = asyncio.ensure_future(self._healthy_again(group))
         try:
-            done, _ = await asyncio.wait([*waits, stop], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([*waits, stop, grow], return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for f in [*waits, stop]:
+            for f in [*waits, stop, grow]:
                 f.cancel()
         exited = [waits[f] for f in done if f in waits]
-        if self.ctx.stop.is_set() or not exited:  # stopping: ranks exit by the same SIGTERM
+        if self.ctx.stop.is_set():  # stopping: ranks exit by the same SIGTERM
             return None
-        return exited[0]
+        if exited:
+            return exited[0]
+        return "grow" if grow in done else None
 
-    async def _collapse(self, group: Group, failed: Rank) -> int:
+    async def _healthy_again(self, group: Group) -> None:
+        """Returns once a device outside ``group`` probes healthy (one host only: a group
+        across hosts always runs at full size); probes every ``--ep-regrow-s``."""
+        if self.multi_host:
+            await asyncio.Event().wait()  # never
+        in_use = [r.device for r in group.ranks]
+        while True:
+            await asyncio.sleep(self.ep.regrow_s)
+            out = self._eligible(exclude=in_use)
+            try:
+                if out and await self.probe.healthy(out):
+                    return
+            except Exception:  # a probe that breaks must not take the serving group down
+                self.ctx.log.exception("ep: probing devices %s failed", out)
+
+    async def _collapse(self, group: Group, failed: Rank) -> list[Rank]:
         """Let the other ranks notice (their next collective fails) and exit; kill what has
-        not after ``--ep-timeout`` + the drain time. Returns how many exited healthy."""
+        not after ``--ep-timeout`` + the drain time. Returns the suspects: every rank that
+        did not exit as a healthy survivor of a failed group (:data:`EXIT_GROUP_FAILED`) --
+        ``failed`` unless it only noticed first that a peer hung."""
         grace = self.ep.timeout_s + self.ctx.config.drain_seconds + 5.0
         others = [r for r in group.ranks if r is not failed]
         await self._wait_all(others, grace)
@@ -192,7 +291,7 @@ class EPSupervisor:
             if r.proc.returncode is None:
                 self.ctx.log.warning("rank %s did not exit; killing it", r.instance_id)
                 await self._kill(r)
-        return sum(r.proc.returncode == EXIT_GROUP_FAILED for r in others)
+        return [r for r in group.ranks if r.proc.returncode != EXIT_GROUP_FAILED]
 
     async def _stop(self, group: Group) -> None:
         for r in group.ranks:

@@ -19,7 +19,7 @@ from libs.engine.ep.group import DEFAULT_TIMEOUT_S, EPGroup
 from libs.engine.ep.placement import Placement
 from libs.engine.llm import LLM, GenerationOutput
 
-from .launch import rank_device, run_group
+from .launch import run_group
 
 
 @dataclass(frozen=True)
@@ -87,9 +87,13 @@ def generate_ranks(
     replace: tuple[int, Placement] | None = None,
     decode_text: bool = True,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    master: str = "",
+    ranks: Sequence[int] | None = None,
     **engine_kwargs: Any,
 ) -> list[RankResult]:
-    """:func:`generate`, returning each rank's :class:`RankResult` (load counts, steps)."""
+    """:func:`generate`, returning each rank's :class:`RankResult` (load counts, steps).
+    Across hosts: ``master`` (rank 0's rendezvous) and this host's ``ranks``, whose results
+    alone come back (every host passes the same prompts)."""
     plist = (
         tuple(params)
         if isinstance(params, Sequence)
@@ -107,7 +111,9 @@ def generate_ranks(
         decode_text,
         device,
     )
-    return run_group(run_rank, ep, job, device=device, timeout_s=timeout_s)
+    return run_group(
+        run_rank, ep, job, device=device, timeout_s=timeout_s, master=master, ranks=ranks
+    )
 
 
 def collect_outputs(results: Sequence[RankResult], n: int) -> list[GenerationOutput]:
@@ -121,9 +127,8 @@ def run_rank(group: EPGroup, job: EPJob) -> RankResult:
 
     from libs.engine.engine import Engine, EngineConfig
 
-    config = EngineConfig(
-        model=job.model, device=rank_device(job.device, group.rank), **job.engine_kwargs
-    )
+    # The group's device: its GPU on this host (run_group picked it), or the CPU.
+    config = EngineConfig(model=job.model, device=str(group.device), **job.engine_kwargs)
     engine = Engine(config, ep=group, placement=job.placement)
     mine = [i for i in range(len(job.prompts)) if i % group.size == group.rank]
     steps = 0

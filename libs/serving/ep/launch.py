@@ -1,8 +1,11 @@
-"""Start the N rank processes of one EP group on this host and collect what each returns.
+"""Start the rank processes of one EP group on this host and collect what each returns.
 
 ``run_group(fn, n, arg)`` starts N processes, each joins the group (:meth:`EPGroup.init` on a
 free 127.0.0.1 port; rank ``r`` on ``cuda:r`` with NCCL when ``device`` is CUDA, else the CPU
-with gloo), calls ``fn(group, arg)`` and sends back its result. A rank that raises takes the
+with gloo), calls ``fn(group, arg)`` and sends back its result. A group across hosts runs
+``run_group`` on each host with the same ``master`` (``host:port`` where rank 0 serves the
+rendezvous) and that host's ``ranks`` (its k-th on ``cuda:k``); each host gets its own
+ranks' results. A rank that raises takes the
 group down: the others fail their next collective within the timeout (or are stopped), and
 ``run_group`` raises with the first failing rank's traceback. ``fn`` and ``arg`` must pickle
 (``fn`` a module-level function).
@@ -19,7 +22,7 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -44,9 +47,10 @@ def free_port() -> int:
         return port
 
 
-def rank_device(device: str, rank: int) -> str:
-    """``cuda`` -> ``cuda:{rank}`` (one GPU per rank); anything else as given."""
-    return f"cuda:{rank}" if device == "cuda" else device
+def rank_device(device: str, local: int) -> str:
+    """``cuda`` -> ``cuda:{local}`` (one GPU per rank, ``local``: its index on this host);
+    anything else as given."""
+    return f"cuda:{local}" if device == "cuda" else device
 
 
 def run_group(
@@ -57,25 +61,35 @@ def run_group(
     device: str = "cpu",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     deadline_s: float | None = None,
+    master: str = "",
+    ranks: Sequence[int] | None = None,
 ) -> list[T]:
-    """Run ``fn(group, arg)`` on ranks ``0..n-1``; their results in rank order.
+    """Run ``fn(group, arg)`` on ``ranks`` (None: ``0..n-1``) of an ``n``-rank group; their
+    results in rank order.
 
-    ``timeout_s``: every collective's timeout; ``deadline_s``: the whole run's (None: none).
+    ``timeout_s``: every collective's timeout; ``deadline_s``: the whole run's (None: none);
+    ``master``: the rendezvous ``host:port`` ("": a free port here, every rank here).
     """
     if n < 1:
         raise ValueError(f"an EP group needs at least one rank, got {n}")
+    mine = list(range(n)) if ranks is None else list(ranks)
+    if not mine or len(set(mine)) != len(mine) or not all(0 <= r < n for r in mine):
+        raise ValueError(f"ranks {mine} are not distinct ranks of a group of {n}")
+    if len(mine) < n and not master:
+        raise ValueError("a group whose ranks are on several hosts needs master host:port")
+    addr, _, port_text = master.rpartition(":") if master else (_ADDR, "", str(free_port()))
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["libs.serving.ep.generate"])
     results: Any = ctx.Queue()
-    port = free_port()
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, r, n, port, device, timeout_s, arg, results),
+            args=(fn, r, n, (k, len(mine)), (addr, int(port_text)), device, timeout_s, arg),
+            kwargs={"results": results},
             name=f"ep-rank-{r}",
             daemon=True,
         )
-        for r in range(n)
+        for k, r in enumerate(mine)
     ]
     for p in procs:
         p.start()
@@ -83,7 +97,7 @@ def run_group(
     failure: str | None = None
     end = None if deadline_s is None else time.monotonic() + deadline_s
     try:
-        while len(out) < n and failure is None:
+        while len(out) < len(mine) and failure is None:
             try:
                 rank, ok, value = results.get(timeout=1.0)
             except queue.Empty:
@@ -106,26 +120,29 @@ def run_group(
                 p.join(timeout=5.0)
     if failure is not None:
         raise RankFailed(failure)
-    return [out[r] for r in range(n)]
+    return [out[r] for r in mine]
 
 
 def _rank_main(
     fn: Callable[[EPGroup, Any], Any],
     rank: int,
     n: int,
-    port: int,
+    local: tuple[int, int],
+    master: tuple[str, int],
     device: str,
     timeout_s: float,
     arg: Any,
+    *,
     results: Any,
 ) -> None:
-    dev = rank_device(device, rank)
+    """Rank ``rank`` of ``n``, the ``local[0]``-th of the ``local[1]`` ranks on this host."""
+    dev = rank_device(device, local[0])
     if not dev.startswith("cuda"):
-        # N ranks share this host's cores: no rank oversubscribes them on its own.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
+        # The ranks on this host share its cores: none oversubscribes them on its own.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local[1]))
     group = None
     try:
-        group = EPGroup.init(rank, n, _ADDR, port, device=dev, timeout_s=timeout_s)
+        group = EPGroup.init(rank, n, master[0], master[1], device=dev, timeout_s=timeout_s)
         results.put((rank, True, fn(group, arg)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))

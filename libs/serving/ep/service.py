@@ -21,7 +21,12 @@ balance on its ops port (:mod:`libs.serving.ep_metrics`).
 
 GPUs: with ``--device cuda`` rank k runs on ``cuda:<k>``, or on ``cuda:<gpus[k]>`` with
 ``--ep-gpus`` (``deepserve up`` passes each instance its own); NCCL needs one GPU per rank, so
-two ranks on one GPU are refused at start.
+two ranks on one GPU are refused at start. The supervisor probes its devices before each
+start (:mod:`libs.serving.ep.health`) and places the group on the healthy ones only.
+
+Hosts: one group may span H hosts (``--ep N --ep-ranks-per-host N/H --ep-node-rank i
+--ep-master host:port``): each host runs a supervisor of its own that starts global ranks
+``i*N/H .. (i+1)*N/H - 1``; rank 0 (on node 0) serves the rendezvous at ``--ep-master``.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ log = logging.getLogger(__name__)
 EXIT_GROUP_FAILED = 75
 DEFAULT_TIMEOUT_S = 10.0  # a collective's wait once serving (a tiny model's step: ~10 ms)
 DEFAULT_START_TIMEOUT_S = 300.0  # rendezvous + model load of the slowest rank
+# A device left out after its rank failed is probed again this long after (and then every
+# this long): long enough that a flapping GPU does not restart the group every few seconds.
+DEFAULT_REGROW_S = 60.0
 EPLB_MODES = ("off", "decode", "prefill")
 
 
@@ -67,6 +75,14 @@ class EPFlags:
     eplb_window: int = 0
     eplb_every: int = 0
     gpus: tuple[int, ...] = ()  # --ep-gpus: rank k on cuda:<gpus[k]>; (): cuda:<k>
+    # Hosts: rank 0's rendezvous (""; this host, a free port), ranks per host (0: all of
+    # them), this host's index; a device left out after a failure is probed again after
+    # regrow_s; health_file lists devices an operator (or a test) marks unhealthy.
+    master: str = ""
+    ranks_per_host: int = 0
+    node_rank: int = 0
+    regrow_s: float = DEFAULT_REGROW_S
+    health_file: str = ""
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -83,10 +99,11 @@ class EPFlags:
                 f"--ep-gpus must list distinct GPU indices (NCCL needs one GPU per rank), "
                 f"got {','.join(map(str, self.gpus))}"
             )
-        if self.gpus and len(self.gpus) < self.size:
+        self._check_hosts()
+        if self.gpus and len(self.gpus) < self.local_ranks:
             raise ValueError(
                 f"--ep-gpus {','.join(map(str, self.gpus))}: {len(self.gpus)} GPUs for "
-                f"--ep {self.size} ranks; each rank needs a GPU of its own"
+                f"{self.local_ranks} ranks on this host; each rank needs a GPU of its own"
             )
         if self.timeout_s <= 0 or self.start_timeout_s <= 0:
             raise ValueError(
@@ -101,6 +118,43 @@ class EPFlags:
                 raise ValueError(
                     f"--ep-rank needs --ep-rendezvous host:port, got {self.rendezvous!r}"
                 )
+
+    def _check_hosts(self) -> None:
+        if self.ranks_per_host < 0 or self.size % (self.ranks_per_host or self.size):
+            raise ValueError(
+                f"--ep-ranks-per-host {self.ranks_per_host} must divide --ep {self.size} "
+                f"(0: every rank on this host)"
+            )
+        if not 0 <= self.node_rank < self.hosts:
+            raise ValueError(
+                f"--ep-node-rank {self.node_rank} outside {self.hosts} hosts "
+                f"(--ep {self.size} / --ep-ranks-per-host {self.local_ranks})"
+            )
+        if self.master:
+            host, _, port = self.master.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"--ep-master must be host:port, got {self.master!r}")
+        elif self.hosts > 1:
+            raise ValueError(
+                f"--ep {self.size} over {self.hosts} hosts needs --ep-master host:port "
+                f"(where node 0's rank 0 serves the rendezvous)"
+            )
+        if self.regrow_s <= 0:
+            raise ValueError(f"--ep-regrow-s must be positive, got {self.regrow_s}")
+
+    @property
+    def local_ranks(self) -> int:
+        """The ranks this host runs (``--ep-ranks-per-host``; 0: all of them)."""
+        return self.ranks_per_host or self.size
+
+    @property
+    def hosts(self) -> int:
+        return self.size // self.local_ranks
+
+    @property
+    def first_rank(self) -> int:
+        """This host's first global rank."""
+        return self.node_rank * self.local_ranks
 
     @property
     def supervises(self) -> bool:
@@ -128,9 +182,11 @@ class EPFlags:
 
     def rank_device(self, device: str, rank: int) -> str:
         """Rank ``rank``'s torch device for the service's ``--device``: ``cuda`` ->
-        ``cuda:<gpus[rank]>`` (or ``cuda:<rank>`` without ``--ep-gpus``); else as given."""
+        ``cuda:<gpus[k]>`` (or ``cuda:<k>`` without ``--ep-gpus``), ``k`` its index on this
+        host; else as given."""
         if device == "cuda":
-            return f"cuda:{self.gpus[rank] if self.gpus else rank}"
+            local = rank - self.first_rank
+            return f"cuda:{self.gpus[local] if self.gpus else local}"
         return device
 
 
@@ -191,9 +247,51 @@ def add_ep_flags(parser: argparse.ArgumentParser, role: str) -> None:
         help="with --ep N and --device cuda: the N GPUs of the ranks, e.g. 0,1 (rank k on the "
         "k-th); empty: cuda:0..N-1",
     )
+    add_host_flags(parser)
     # Set by the supervisor on the ranks it starts, not by people.
     flag(parser, "--ep-rank", type=int, default=-1, help=argparse.SUPPRESS)
     flag(parser, "--ep-rendezvous", default="", help=argparse.SUPPRESS)
+
+
+def add_host_flags(parser: argparse.ArgumentParser) -> None:
+    """Where the group meets and which of its ranks this host runs; its devices' health."""
+    flag(
+        parser,
+        "--ep-master",
+        default="",
+        help="host:port where rank 0 (on --ep-node-rank 0) serves the EP group's rendezvous; "
+        "the same on every host of the group. Empty: this host, a free port (one host only)",
+    )
+    flag(
+        parser,
+        "--ep-ranks-per-host",
+        type=int,
+        default=0,
+        help="ranks of the EP group on each host (divides --ep); 0: every rank on this host",
+    )
+    flag(
+        parser,
+        "--ep-node-rank",
+        type=int,
+        default=0,
+        help="this host's index in the EP group: it runs global ranks "
+        "node*ranks-per-host .. (node+1)*ranks-per-host - 1",
+    )
+    flag(
+        parser,
+        "--ep-regrow-s",
+        type=float,
+        default=DEFAULT_REGROW_S,
+        help="seconds before a device left out of the EP group after a failure is probed "
+        "again (and between probes); when healthy, the group restarts larger",
+    )
+    flag(
+        parser,
+        "--ep-health-file",
+        default="",
+        help="a file of device indices (one a line) the EP supervisor treats as unhealthy, "
+        "re-read at every probe: take a GPU out by hand (tests: CPU ranks' devices)",
+    )
 
 
 def ep_flags_from(args: argparse.Namespace) -> EPFlags:
@@ -207,6 +305,11 @@ def ep_flags_from(args: argparse.Namespace) -> EPFlags:
         eplb_window=args.eplb_window,
         eplb_every=args.eplb_every,
         gpus=parse_gpu_indices(args.ep_gpus, "--ep-gpus"),
+        master=args.ep_master,
+        ranks_per_host=args.ep_ranks_per_host,
+        node_rank=args.ep_node_rank,
+        regrow_s=args.ep_regrow_s,
+        health_file=args.ep_health_file,
     )
 
 
@@ -256,10 +359,14 @@ def rank_flags(
     ops_port: int,
     device: str,
     own_grpc_port: bool,
+    gpu: int | None = None,
+    local_ranks: int = 0,
+    node_rank: int = 0,
 ) -> list[str]:
-    """The flags the supervisor appends to its own argv for rank ``rank`` of a group of
-    ``size`` (argparse keeps the last of a repeated flag): its identity, ports and device --
-    ``--device cuda:<gpu>`` of its own when the service runs on ``cuda``."""
+    """The flags the supervisor appends to its own argv for global rank ``rank`` of a group
+    of ``size`` (argparse keeps the last of a repeated flag): its identity, ports, the hosts'
+    shape (``local_ranks`` on each; 0: all on one) and device -- ``--device cuda:<gpu>`` of its
+    own when the service runs on ``cuda`` (``gpu`` None: ``--ep-gpus``' pick by rank)."""
     flags = [
         "--ep",
         str(size),
@@ -267,13 +374,17 @@ def rank_flags(
         str(rank),
         "--ep-rendezvous",
         rendezvous,
+        "--ep-ranks-per-host",
+        str(local_ranks),
+        "--ep-node-rank",
+        str(node_rank),
         "--instance-id",
         instance_id,
         "--http-port",
         str(ops_port),
     ]
     if device == "cuda":
-        flags += ["--device", ep.rank_device(device, rank)]
+        flags += ["--device", f"cuda:{gpu}" if gpu is not None else ep.rank_device(device, rank)]
     if own_grpc_port:
         flags += ["--grpc-port", "0"]
     return flags
@@ -293,7 +404,7 @@ def build_rank_engine(model: ModelFlags, ep: EPFlags) -> Engine:
     config = rank_engine_config(model, ep)
     if not config.device.startswith("cuda"):
         # N ranks share this host's cores: none oversubscribes them on its own.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ep.size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ep.local_ranks))
     group = EPGroup.init(
         ep.rank, ep.size, host, int(port), device=config.device, timeout_s=ep.start_timeout_s
     )

@@ -49,6 +49,13 @@ def _inbox(role: str) -> str:
 
 
 _P = subjects.PREFIX
+
+
+def _load(role: str) -> str:
+    """``role``'s load progress (``ds.load.<role>.<id>``): only its own."""
+    return subjects.load_status(role, "*")
+
+
 _HEARTBEAT_DECODE = f"{_P}.heartbeat.decode.*"
 _HEARTBEAT_PREFILL = f"{_P}.heartbeat.prefill.*"
 _TASKS = f"{_P}.prefill.*.task"
@@ -56,15 +63,15 @@ _TOKENS = f"{_P}.tokens.>"
 _JS = "$JS.API"
 
 PERMISSIONS: dict[str, Permissions] = {
-    # /status page reads heartbeats; usage records go to the JetStream stream (creates it
-    # if missing, then publishes with an ack)
+    # /status page reads heartbeats and load progress; usage records go to the JetStream
+    # stream (creates it if missing, then publishes with an ack)
     "recipe": Permissions(
         publish=(
             USAGE_SUBJECTS,
             f"{_JS}.STREAM.INFO.{USAGE_STREAM}",
             f"{_JS}.STREAM.CREATE.{USAGE_STREAM}",
         ),
-        subscribe=(subjects.HEARTBEAT_ALL, _inbox("recipe")),
+        subscribe=(subjects.HEARTBEAT_ALL, subjects.LOAD_ALL, _inbox("recipe")),
     ),
     # routes (request), sends tasks (request) and aborts; reads token events and heartbeats
     "entrypoint": Permissions(
@@ -78,17 +85,17 @@ PERMISSIONS: dict[str, Permissions] = {
     # takes tasks (receipt as reply), publishes the first token; hears decode heartbeats for
     # the addresses it may push KV to (libs/serving/known_decoders.py)
     "prefill": Permissions(
-        publish=(_HEARTBEAT_PREFILL, _TOKENS),
+        publish=(_HEARTBEAT_PREFILL, _TOKENS, _load("prefill")),
         subscribe=(_TASKS, subjects.ABORT, _HEARTBEAT_DECODE),
         responses=True,
     ),
     "decode": Permissions(
-        publish=(_HEARTBEAT_DECODE, _TOKENS),
+        publish=(_HEARTBEAT_DECODE, _TOKENS, _load("decode")),
         subscribe=(subjects.ABORT,),
     ),
     # both roles in one engine: beats as prefill and as decode
     "aggregated": Permissions(
-        publish=(_HEARTBEAT_PREFILL, _HEARTBEAT_DECODE, _TOKENS),
+        publish=(_HEARTBEAT_PREFILL, _HEARTBEAT_DECODE, _TOKENS, _load("aggregated")),
         subscribe=(_TASKS, subjects.ABORT, _HEARTBEAT_DECODE),
         responses=True,
     ),

@@ -13,6 +13,7 @@ import torch
 
 from .ep.eplb import EplbConfig
 from .kv.cache import TORCH_DTYPES
+from .load_progress import ProgressSink
 from .speculative import SCHEDULES
 
 
@@ -65,6 +66,11 @@ class EngineConfig:
     # a token was prefilled or decoded, so greedy output reproduces and a continuation after an
     # instance dies is exact. Slower; bf16 weights, no expert parallelism, no V4.
     batch_invariant: bool = False
+    # Loading a checkpoint: shards read at once (libs/engine/checkpoint_stream.py; on CUDA
+    # each holds a pinned buffer of one shard), and who hears how far the read has got
+    # (libs/engine/load_progress.py; called on the loading thread). Neither changes the model.
+    read_workers: int = 4
+    load_progress: ProgressSink | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -85,6 +91,8 @@ class EngineConfig:
             raise ValueError("weight_dtype='fp8' and expert_dtype='fp4' exclude each other")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.read_workers < 1:
+            raise ValueError(f"read_workers must be at least 1, got {self.read_workers}")
         if self.batch_invariant:
             if self.weight_dtype == "fp8" or self.expert_dtype == "fp4":
                 raise ValueError(

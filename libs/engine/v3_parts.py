@@ -70,6 +70,8 @@ def v3_parts(
         config.with_mtp or config.speculative_tokens > 0,
         expert_slots=keep,
         weight_dtype=_weight_dtype(config),
+        read_workers=config.read_workers,
+        progress=config.load_progress,
     )
     model = loaded.model
     if ep is not None:

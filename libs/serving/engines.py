@@ -9,14 +9,18 @@ from .model_flags import ModelFlags
 if TYPE_CHECKING:
     from libs.engine.engine import Engine
     from libs.engine.grammar_probe import GrammarBudget
+    from libs.engine.load_progress import ProgressSink
 
 
-def build_engine(flags: ModelFlags) -> Engine:
-    """Load the model ``flags`` name, or build the deterministic fake for ``--model fake``.
+def build_engine(flags: ModelFlags, progress: ProgressSink | None = None) -> Engine:
+    """Load the model ``flags`` name, or build the deterministic fake for ``--model fake``;
+    ``progress`` hears how far a checkpoint's read has got (``libs/engine/load_progress.py``).
 
     Slow (loads weights, allocates the KV cache, captures CUDA graphs): call it off the
     event loop. Raises ValueError / OSError for a model that cannot be served.
     """
+    import dataclasses
+
     from libs.engine.engine import Engine  # torch: only once an engine is built
 
     from .fake_engine import FAKE_MODEL, build_fake_engine
@@ -27,7 +31,7 @@ def build_engine(flags: ModelFlags) -> Engine:
             step_seconds=flags.fake_step_ms / 1e3,
             token_seconds=flags.fake_token_us / 1e6,
         )
-    engine = Engine(flags.engine_config())
+    engine = Engine(dataclasses.replace(flags.engine_config(), load_progress=progress))
     if engine.device.type == "cuda":  # compile the kernels' shapes before the first request
         import logging
 

@@ -25,6 +25,7 @@ from nats.aio.client import Client
 from prometheus_client import CollectorRegistry
 
 from libs.common import subjects
+from libs.common.redact import redact_text
 from libs.common.service import ServiceContext
 from libs.proto.deepserve.v1 import control_pb2
 
@@ -32,11 +33,13 @@ from .engine_loop import EngineLoop
 from .engine_metrics import EngineMetrics, log_stats
 from .engine_stats import EngineStats
 from .ep import EXIT_GROUP_FAILED, EPFlags, tag_rank_logs
+from .load_report import LoadReport, publish_load
 from .model_flags import ModelFlags
 from .runtime import heartbeat_loop, publish_status
 
 if TYPE_CHECKING:
     from libs.engine.engine import Engine
+    from libs.engine.load_progress import ProgressSink
 
 
 class Drainable(Protocol):
@@ -82,10 +85,11 @@ class InstanceRuntime:
         self._hb: list[asyncio.Task[None]] = []
         # An aggregated instance heartbeats once per role: (subject, status) of the others.
         self._more_beats: list[tuple[str, Callable[[], control_pb2.InstanceStatus]]] = []
+        self._report = LoadReport(self.instance_id, self.service, model.model_name)
 
     def healthy(self) -> tuple[bool, str]:
         if self.loop is None:
-            return False, "loading the model"
+            return False, self._report.line()
         if not self._ready or self.nc is None or not self.nc.is_connected:
             return False, "NATS is not connected"
         return True, f"{self.instance_id} serving {self.model.model_name}"
@@ -98,21 +102,34 @@ class InstanceRuntime:
 
         from .engines import build_engine  # torch: after the ops port answers
 
-        build: Callable[[ModelFlags], Engine] = build_engine
+        build: Callable[[ModelFlags, ProgressSink], Engine] = build_engine
         if self.ep is not None:
             from .ep import build_rank_engine
 
             ep = self.ep
-            build = lambda flags: build_rank_engine(flags, ep)  # noqa: E731
+            # An EP rank reports that it loads, not yet how far (its engine is built in ep/).
+            build = lambda flags, _progress: build_rank_engine(flags, ep)  # noqa: E731
             self.ctx.background(self._watch_supervisor(os.getppid()), "ep-supervisor-watch")
+        # NATS comes up while the weights load, so their progress is published meanwhile.
+        nats = asyncio.ensure_future(self.ctx.connect_nats())
+        announce = self._announce_load(nats)
+        engine = None
         try:
             engine = await self._load(build)
         except (ValueError, OSError) as exc:
             self.log.error("cannot load model %r: %s", self.model.model, exc)
-            return 1
+            self._report.finish(redact_text(f"cannot load model: {exc}"))
+            await asyncio.wait((announce,), timeout=2.0)  # the error, if NATS is up
+        finally:
+            if engine is None:  # failed or stopped: no NATS wanted any more
+                announce.cancel()
+                nats.cancel()
         if engine is None:
+            if self._report.error:
+                return 1
             self.log.info("stopped while the model was loading")
             return 0
+        self._report.finish()
         try:
             metrics = EngineMetrics(self.model.model_name, self.service)  # the ops port's
         except ValueError as exc:  # another engine of this process exports them already
@@ -138,10 +155,28 @@ class InstanceRuntime:
             engine.blocks.num_blocks,
             self.model.block_size,
         )
-        self.nc = await self.ctx.connect_nats()  # closed at once: leave() already drained
+        self.nc = await nats  # closed at once: leave() already drained
         if self.nc is None:
             return 0
         return None
+
+    def _announce_load(self, nats: asyncio.Future[Client | None]) -> asyncio.Task[None]:
+        """Publish the load's progress (``ds.load.<service>.<id>``) until it is over, and
+        export it on ``/metrics`` for the service's life."""
+        from prometheus_client import REGISTRY
+
+        collector = self._report.collector()
+        try:
+            REGISTRY.register(collector)
+        except ValueError as exc:  # another instance of this process exports them already
+            self.log.debug("model load gauges not exported: %s", exc)
+        else:
+            self.ctx.stack.callback(REGISTRY.unregister, collector)
+        subject = subjects.load_status(self.service, self.instance_id)
+        return self.ctx.background(
+            publish_load(nats, subject, self._report, self.log, self.heartbeat_interval),
+            "load-progress",
+        )
 
     def _export_balance(self, loop: EngineLoop) -> None:
         from prometheus_client import REGISTRY
@@ -168,7 +203,7 @@ class InstanceRuntime:
         self.exit_code = EXIT_GROUP_FAILED
         self.ctx.stop.set()
 
-    async def _load(self, build: Callable[[ModelFlags], Engine]) -> Engine | None:
+    async def _load(self, build: Callable[[ModelFlags, ProgressSink], Engine]) -> Engine | None:
         """The engine, built in a daemon thread (minutes for a large model); None if a stop
         signal came first -- the service then exits at once instead of after the load (a
         daemon thread does not hold the interpreter's exit)."""
@@ -181,7 +216,7 @@ class InstanceRuntime:
 
         def work() -> None:
             try:
-                engine = build(self.model)
+                engine = build(self.model, self._report)
                 self._warm_grammar(engine)
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting side
                 err = exc

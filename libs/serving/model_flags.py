@@ -50,6 +50,9 @@ class ModelFlags:
     # seconds in a probe process (0: unbounded, no probe) and MiB of memory.
     grammar_compile_seconds: float = 5.0
     grammar_memory_mib: int = 256
+    # Checkpoint shards read at once while loading (libs/engine/checkpoint_stream.py); on CUDA
+    # each holds a pinned buffer of one shard's size (about 4.3 GB for DeepSeek-V3's).
+    read_workers: int = 4
 
     def __post_init__(self) -> None:
         if self.fake_step_ms < 0 or self.fake_token_us < 0:
@@ -98,7 +101,13 @@ class ModelFlags:
             raise ValueError(
                 f"--grammar-memory-mib must be positive, got {self.grammar_memory_mib}"
             )
-        for name in ("num_kv_blocks", "block_size", "max_tokens_per_step", "max_running"):
+        for name in (
+            "num_kv_blocks",
+            "block_size",
+            "max_tokens_per_step",
+            "max_running",
+            "read_workers",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(
                     f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}"
@@ -136,6 +145,7 @@ class ModelFlags:
             speculative_tokens=self.speculative_tokens,
             speculative_schedule=self.speculative_schedule,
             batch_invariant=self.batch_invariant,
+            read_workers=self.read_workers,
         )
         return config
 
@@ -281,6 +291,15 @@ def add_model_flags(
     )
     flag(
         parser,
+        "--read-workers",
+        type=int,
+        default=4,
+        help="checkpoint shards read at once while loading, overlapped with placing the one "
+        "before; on CUDA each holds a page-locked buffer of one shard (about 4.3 GB for "
+        "DeepSeek-V3's shards): fewer on a host short of memory, more on fast NVMe arrays",
+    )
+    flag(
+        parser,
         "--fake-step-ms",
         type=float,
         default=2.0,
@@ -323,4 +342,5 @@ def model_flags_from(args: argparse.Namespace) -> ModelFlags:
         speculative_schedule=args.speculative_schedule,
         grammar_compile_seconds=args.grammar_compile_seconds,
         grammar_memory_mib=args.grammar_memory_mib,
+        read_workers=args.read_workers,
     )

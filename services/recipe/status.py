@@ -2,6 +2,7 @@
 feeds it; ``status_http.py`` serves it).
 
 Inputs, each a plain value: heartbeats (``InstanceStatus`` from ``ds.heartbeat.<role>.<id>``),
+instances loading their model (``LoadStatus`` from ``ds.load.<role>.<id>``: ``status_load.py``),
 the recipe's own counters (requests by status, prompt and cached tokens), and samples scraped
 from other services' ops ports (``/metrics`` text): the balancer's
 ``deepserve:balancer_prefill_bucket`` (which bucket each prefill instance serves), the
@@ -27,6 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from libs.proto.deepserve.v1 import control_pb2
 from libs.routing.policy import ANY_BUCKET
+
+from .status_load import LoadTable
 
 # The balancer's default --heartbeat-timeout: an instance silent longer is not routed to.
 SILENT_AFTER_S = 3.0
@@ -280,6 +283,7 @@ class StatusBoard:
         self.interval, self.history_s = interval, history_s
         self.clock, self.wall = clock, wall
         self.instances: dict[tuple[str, str], Instance] = {}
+        self.loading = LoadTable()
         self._samples: deque[Counters] = deque(maxlen=math.ceil(RATE_WINDOW_S / interval) + 1)
         self._history: deque[dict[str, Any]] = deque(maxlen=math.ceil(history_s / interval))
         self._snapshot: dict[str, Any] = self._build([], [], [], (False, "starting"), {})
@@ -295,6 +299,10 @@ class StatusBoard:
                 return
         self.instances[key] = inst
 
+    def observe_load(self, status: control_pb2.LoadStatus) -> None:
+        """An instance's load progress (its row on the page until it has loaded)."""
+        self.loading.observe(status, self.clock())
+
     def _forget(self, now: float) -> None:
         for key in [k for k, i in self.instances.items() if now - i.seen > FORGET_AFTER_S]:
             del self.instances[key]
@@ -309,6 +317,7 @@ class StatusBoard:
     ) -> dict[str, Any]:
         """Record one tick's counters and scrapes; the new snapshot."""
         self._forget(counters.t)
+        self.loading.forget(self.clock())
         window_start = counters.t - RATE_WINDOW_S - self.interval / 2
         base = next((s for s in self._samples if s.t >= window_start), None)
         self._samples.append(counters)
@@ -351,6 +360,7 @@ class StatusBoard:
                 "entrypoint": [s.source() for s in entrypoints],
             },
             "instances": self._instances(buckets, reached=any(b.samples for b in balancers)),
+            "loading": self.loading.rows(self.clock()),
             "kvstore": kv,
             "rates": {k: now.get(k) for k in (*HISTORY_SERIES, "error_ratio")},
             "totals": {

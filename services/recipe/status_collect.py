@@ -2,7 +2,8 @@
 :class:`~.status.StatusBoard`, never a request handler.
 
 * NATS (its own connection, ``<instance>-status``, connected in the background like the usage
-  publisher's): every ``InstanceStatus`` on ``ds.heartbeat.>`` goes to the board as it comes.
+  publisher's): every ``InstanceStatus`` on ``ds.heartbeat.>`` and every ``LoadStatus`` on
+  ``ds.load.>`` (an instance loading its model) goes to the board as it comes.
 * Every ``interval`` seconds: the recipe's own counters (``Metrics``: responses by status,
   prompt and cached tokens, summed over tenants) and one ``GET /metrics`` of each configured
   ops port (balancer: bucket placement; entrypoint: retries; kvstore: capacity, targets,
@@ -140,7 +141,14 @@ class StatusCollector:
             except DecodeError:
                 pass  # the balancer counts and logs bad heartbeats; the page just skips them
 
+        async def on_load(msg: Msg) -> None:
+            try:
+                self.board.observe_load(control_pb2.LoadStatus.FromString(msg.data))
+            except DecodeError:
+                pass
+
         await self.nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_heartbeat)
+        await self.nc.subscribe(subjects.LOAD_ALL, cb=on_load)
 
     def _nats_state(self) -> tuple[bool, str]:
         if self.nc is None:

@@ -6,7 +6,8 @@ does (the image installs ``services`` as a package, which carries no data files)
 
 Hooks the browser test reads (``tests/integration/test_status_page.py``): ``body[data-rendered]``
 counts successful renders, ``body[data-error]`` holds the last fetch error, each panel is
-``section.panel#panel-*``, instance rows are ``tr.instance``, and each chart canvas has
+``section.panel#panel-*``, instance rows are ``tr.instance``, instances loading their model are
+``tr.loading`` rows (``data-state``: loading, loaded, failed, silent), and each chart canvas has
 ``data-points``: the data points it drew.
 """
 
@@ -54,7 +55,10 @@ PAGE = r"""<!doctype html>
                                font-size:12px; }
   .state { font-size:11px; padding:1px 6px; border-radius:8px; color:#fff; }
   .state.live { background:var(--ok); } .state.draining { background:var(--warn); }
-  .state.silent { background:var(--bad); }
+  .state.silent, .state.failed { background:var(--bad); }
+  .state.loading { background:var(--blue); } .state.loaded { background:var(--ok); }
+  #loading-box h3 { font-size:13px; margin:12px 0 4px; font-weight:600; }
+  td.error { color:var(--bad); text-align:left; font-size:12px; }
   .bar { display:inline-block; width:80px; height:8px; background:#e5e7eb; border-radius:4px;
          vertical-align:middle; margin-right:6px; overflow:hidden; }
   .bar > span { display:block; height:100%; background:var(--blue); }
@@ -93,6 +97,14 @@ PAGE = r"""<!doctype html>
       <tbody></tbody>
     </table>
     <div class="empty" id="inst-empty">No heartbeats yet.</div>
+    <div id="loading-box" style="display:none">
+      <h3>Loading their model</h3>
+      <table id="loading">
+        <thead><tr><th>instance</th><th>state</th><th>loaded</th><th>shards</th>
+          <th>read</th><th>rate</th><th>time left</th><th>took</th></tr></thead>
+        <tbody></tbody>
+      </table>
+    </div>
   </section>
   <section class="panel" id="panel-hit">
     <h2>Prompt cache hit rate <small id="hit-window"></small></h2>
@@ -226,6 +238,44 @@ function renderInstances(rows) {
     " decode, " + live + " live";
 }
 
+function secs(v) {
+  if (v === null || v === undefined) return "\u2013";
+  return v >= 120 ? (v / 60).toFixed(1) + " min" : v.toFixed(0) + " s";
+}
+
+function renderLoading(rows) {
+  const body = document.querySelector("#loading tbody");
+  body.replaceChildren();
+  $("loading-box").style.display = rows.length ? "block" : "none";
+  for (const r of rows) {
+    const tr = el("tr", "loading");
+    tr.dataset.state = r.state;
+    tr.dataset.role = r.role;
+    const state = el("td");
+    const badge = el("span", "state " + r.state, r.state);
+    badge.title = "last report " + r.age_s + " s ago";
+    state.appendChild(badge);
+    const frac = el("td");
+    if (r.fraction !== null) frac.append(bar(r.fraction), pct(r.fraction));
+    else frac.textContent = "\u2013";
+    tr.append(el("td", "", r.role + " " + r.id + (r.source ? " (" + r.source + ")" : "")),
+              state, frac);
+    if (r.error) {
+      const err = el("td", "error", r.error);
+      err.colSpan = 5;
+      tr.appendChild(err);
+    } else {
+      tr.append(el("td", "", r.shards_total ? r.shards_done + " / " + r.shards_total : "\u2013"),
+                el("td", "", r.bytes_total ? bytes(r.bytes_done) + " / " + bytes(r.bytes_total) :
+                  "\u2013"),
+                el("td", "", r.read_bytes_per_s === null ? "\u2013" :
+                  (r.read_bytes_per_s / 1e9).toFixed(2) + " GB/s"),
+                el("td", "", secs(r.eta_s)), el("td", "", secs(r.seconds)));
+    }
+    body.appendChild(tr);
+  }
+}
+
 function renderKv(kv, sources) {
   const state = $("kv-state");
   const cls = {ok: "ok", degraded: "degraded", unreachable: "unreachable"}[kv.state] || "none";
@@ -323,6 +373,7 @@ function render(d) {
   last = d;
   renderSources(d.sources);
   renderInstances(d.instances);
+  renderLoading(d.loading || []);
   renderKv(d.kvstore, d.sources.kvstore);
   const h = d.history, r = d.rates, span = Math.max(60000, h.t_ms.length * d.interval_s * 1000);
   const win = "over " + d.rate_window_s + " s, every " + d.interval_s + " s";

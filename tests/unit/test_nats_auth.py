@@ -22,7 +22,7 @@ S = "DEEPSERVE_USAGE"
 EXPECTED = {
     "recipe": (
         {"ds.usage.>", f"{JS}.STREAM.INFO.{S}", f"{JS}.STREAM.CREATE.{S}"},
-        {"ds.heartbeat.>", "_INBOX.recipe.>"},
+        {"ds.heartbeat.>", "ds.load.>", "_INBOX.recipe.>"},
         False,
     ),
     "entrypoint": (
@@ -32,13 +32,17 @@ EXPECTED = {
     ),
     "balancer": (set(), {"ds.heartbeat.>", "ds.balancer.route"}, True),
     "prefill": (
-        {"ds.heartbeat.prefill.*", "ds.tokens.>"},
+        {"ds.heartbeat.prefill.*", "ds.tokens.>", "ds.load.prefill.*"},
         {"ds.prefill.*.task", "ds.abort", "ds.heartbeat.decode.*"},
         True,
     ),
-    "decode": ({"ds.heartbeat.decode.*", "ds.tokens.>"}, {"ds.abort"}, False),
+    "decode": (
+        {"ds.heartbeat.decode.*", "ds.tokens.>", "ds.load.decode.*"},
+        {"ds.abort"},
+        False,
+    ),
     "aggregated": (
-        {"ds.heartbeat.prefill.*", "ds.heartbeat.decode.*", "ds.tokens.>"},
+        {"ds.heartbeat.prefill.*", "ds.heartbeat.decode.*", "ds.tokens.>", "ds.load.aggregated.*"},
         {"ds.prefill.*.task", "ds.abort", "ds.heartbeat.decode.*"},
         True,
     ),
@@ -117,7 +121,7 @@ def test_the_architecture_doc_lists_every_subject_and_the_readers() -> None:
 def test_server_config_and_the_deployment_file() -> None:
     text = nats_auth.server_config({"decode": 'pw"x'}, admin_password="a")
     assert '"decode"' in text and '"pw\\"x"' in text and '"admin"' in text
-    assert '"allow": ["ds.heartbeat.decode.*", "ds.tokens.>"]' in text
+    assert '"allow": ["ds.heartbeat.decode.*", "ds.tokens.>", "ds.load.decode.*"]' in text
     kv = nats_auth.server_config({"kvstore": "$P"})
     assert "password: $P" in kv and '"deny": [">"]' in kv
     committed = (ROOT / "docker/k8s/nats.conf").read_text()

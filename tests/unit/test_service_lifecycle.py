@@ -233,7 +233,7 @@ def test_sigterm_during_a_long_model_load_exits_at_once(monkeypatch: pytest.Monk
 
     loading = threading.Event()
 
-    def slow_build(flags: ModelFlags) -> object:
+    def slow_build(flags: ModelFlags, progress: object = None) -> object:
         loading.set()
         time.sleep(30)
         raise AssertionError("the load should have been abandoned")

@@ -383,7 +383,9 @@ def v4_parts(
         net = load_v4(config.model, device, dtype, config.seed)
         model_id = f"{config.model}-seed{config.seed}@{layout_hash(net)}"
     else:
-        net = load_v4(config.model, device, dtype, config.seed)
+        net = load_v4(
+            config.model, device, dtype, config.seed, config.read_workers, config.load_progress
+        )
         path = Path(config.model)
         model_id = f"{path.name}@{_checkpoint_digest(path)}"
     cfg = net.cfg

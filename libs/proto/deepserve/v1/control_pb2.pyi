@@ -53,6 +53,36 @@ class InstanceStatus(_message.Message):
     busy_fraction: float
     def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., address: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., bucket: _Optional[str] = ..., resident_prefixes: _Optional[_Iterable[bytes]] = ..., sent_unix_ms: _Optional[int] = ..., draining: _Optional[bool] = ..., block_size: _Optional[int] = ..., compute_tokens_per_s: _Optional[float] = ..., busy_fraction: _Optional[float] = ...) -> None: ...
 
+class LoadStatus(_message.Message):
+    __slots__ = ("instance_id", "role", "model", "source", "shards_done", "shards_total", "bytes_done", "bytes_total", "bytes_read", "seconds", "done", "error", "sent_unix_ms")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_DONE_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    SENT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    role: str
+    model: str
+    source: str
+    shards_done: int
+    shards_total: int
+    bytes_done: int
+    bytes_total: int
+    bytes_read: int
+    seconds: float
+    done: bool
+    error: str
+    sent_unix_ms: int
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., source: _Optional[str] = ..., shards_done: _Optional[int] = ..., shards_total: _Optional[int] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., bytes_read: _Optional[int] = ..., seconds: _Optional[float] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., sent_unix_ms: _Optional[int] = ...) -> None: ...
+
 class RouteRequest(_message.Message):
     __slots__ = ("request_id", "model", "prompt_tokens", "cached_blocks", "block_hashes", "exclude")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

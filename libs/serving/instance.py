@@ -107,8 +107,7 @@ class InstanceRuntime:
             from .ep import build_rank_engine
 
             ep = self.ep
-            # An EP rank reports that it loads, not yet how far (its engine is built in ep/).
-            build = lambda flags, _progress: build_rank_engine(flags, ep)  # noqa: E731
+            build = lambda flags, progress: build_rank_engine(flags, ep, progress)  # noqa: E731
             self.ctx.background(self._watch_supervisor(os.getppid()), "ep-supervisor-watch")
         # NATS comes up while the weights load, so their progress is published meanwhile.
         nats = asyncio.ensure_future(self.ctx.connect_nats())

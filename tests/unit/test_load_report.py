@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from libs.common import subjects
 from libs.engine import loader
@@ -150,3 +151,26 @@ async def test_an_instance_publishes_its_progress_until_it_has_loaded() -> None:
     assert {(m.instance_id, m.role, m.model) for m in msgs} == {
         ("decode-2", "decode", "deepseek-test")
     }
+
+
+def test_an_ep_rank_hands_its_loader_the_progress_sink(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An EP rank builds its engine in ``ep/service.py``: the sink and the flag reach it too."""
+    from libs.engine import engine as engine_mod
+    from libs.engine.ep import group as group_mod
+    from libs.serving.ep import EPFlags, build_rank_engine
+    from libs.serving.model_flags import ModelFlags
+
+    seen: list[Any] = []
+
+    def engine(config: Any, **_: Any) -> None:
+        seen.append(config)
+        raise _Stop
+
+    monkeypatch.setattr(group_mod.EPGroup, "init", staticmethod(lambda *a, **k: object()))
+    monkeypatch.setattr(engine_mod, "Engine", engine)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # this process's, not a rank's
+    report = LoadReport("d-r1", "decode", "m")
+    ep = EPFlags(size=2, rank=1, rendezvous="127.0.0.1:1")
+    with pytest.raises(_Stop):
+        build_rank_engine(ModelFlags(model="tiny", read_workers=2), ep, report)
+    assert (seen[0].load_progress, seen[0].read_workers) == (report, 2)

@@ -43,6 +43,7 @@ from libs.common.logs import tag_rank
 if TYPE_CHECKING:
     from libs.engine.engine import Engine, EngineConfig
     from libs.engine.ep.eplb import EplbConfig
+    from libs.engine.load_progress import ProgressSink
 
     from ..model_flags import ModelFlags
 
@@ -390,10 +391,15 @@ def rank_flags(
     return flags
 
 
-def build_rank_engine(model: ModelFlags, ep: EPFlags) -> Engine:
+def build_rank_engine(
+    model: ModelFlags, ep: EPFlags, progress: ProgressSink | None = None
+) -> Engine:
     """This rank's engine: join the group, load the model with this rank's experts, meet the
     peers once loaded (``start_timeout_s``), then tighten every collective to ``timeout_s``.
-    Slow (loads weights): call off the event loop."""
+    ``progress`` hears how far its read of the checkpoint has got. Slow (loads weights): call
+    off the event loop."""
+    import dataclasses
+
     import torch
 
     from libs.engine.engine import Engine
@@ -401,7 +407,7 @@ def build_rank_engine(model: ModelFlags, ep: EPFlags) -> Engine:
 
     assert ep.rank is not None
     host, _, port = ep.rendezvous.rpartition(":")
-    config = rank_engine_config(model, ep)
+    config = dataclasses.replace(rank_engine_config(model, ep), load_progress=progress)
     if not config.device.startswith("cuda"):
         # N ranks share this host's cores: none oversubscribes them on its own.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ep.local_ranks))

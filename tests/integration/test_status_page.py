@@ -222,3 +222,51 @@ def test_a_dead_kvstore_shows_as_unreachable(status_stack: Stack, browser: Any) 
     browser.get(f"{ops_base(status_stack)}/status")
     wait_for(browser, "return document.getElementById('kv-state').textContent === 'unreachable'")
     assert "unreachable" in browser.find_element("id", "kv-errors").text
+
+
+def test_an_instance_loading_its_model_shows_with_its_progress(
+    status_stack: Stack, browser: Any
+) -> None:
+    """A LoadStatus as an engine instance publishes it while its weights load (with the prefill
+    role's NATS rights) reaches the page; the instance is no routing row."""
+    import asyncio
+
+    import nats
+
+    from libs.common import subjects
+    from libs.proto.deepserve.v1 import control_pb2
+
+    iid = "prefill-loading"
+    status = control_pb2.LoadStatus(
+        instance_id=iid,
+        role="prefill",
+        model=MODEL,
+        source="DeepSeek-V3",
+        shards_done=40,
+        shards_total=163,
+        bytes_done=170 * 10**9,
+        bytes_total=689 * 10**9,
+        bytes_read=170 * 10**9,
+        seconds=80.0,
+    )
+
+    async def publish() -> None:
+        nc = await nats.connect(status_stack.nats_url_of("prefill"))
+        for _ in range(3):  # one per collector tick, as the instance sends them
+            await nc.publish(subjects.load_status("prefill", iid), status.SerializeToString())
+            await nc.flush()
+            await asyncio.sleep(0.5)
+        await nc.close()
+
+    asyncio.run(publish())
+    data = status_json(status_stack, lambda d: any(r["id"] == iid for r in d["loading"]))
+    (row,) = [r for r in data["loading"] if r["id"] == iid]
+    assert (row["shards_done"], row["shards_total"]) == (40, 163), row
+    assert 0.24 < row["fraction"] < 0.25 and row["eta_s"] > 200 and row["read_bytes_per_s"] > 0
+    assert iid not in {r["id"] for r in data["instances"]}
+    if browser is None:
+        pytest.skip(f"/status.json checked; the page not: {NO_BROWSER}")
+    browser.get(f"{ops_base(status_stack)}/status")
+    wait_for(browser, "return document.querySelectorAll('tr.loading').length >= 1")
+    text = browser.find_element("css selector", "tr.loading").text
+    assert iid in text and "40 / 163" in text and "GB/s" in text, text

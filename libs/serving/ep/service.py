@@ -216,7 +216,7 @@ def add_ep_flags(parser: argparse.ArgumentParser, role: str) -> None:
         type=float,
         default=DEFAULT_TIMEOUT_S,
         help="seconds any collective of a serving EP group may wait: a rank whose peer hangs "
-        "fails within it, and the group restarts with the ranks that are left",
+        "fails within it, and the group restarts without the failed rank's device",
     )
     flag(
         parser,

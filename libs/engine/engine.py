@@ -41,11 +41,12 @@ from .kv_port import KVInput, KVPort, MissingPrefix, PreparedKV
 from .loader import LoadedModel
 from .model.model import DeepseekForCausalLM
 from .parts import EngineParts, max_model_len
+from .prefill_fairness import FairScheduler
 from .registry import build_parts
 from .rows import join_logprobs, sampling_inputs
 from .runner import Launched, ModelRunner
 from .sampler import Sampler
-from .scheduler import Scheduler, SchedulerConfig, Status, StepPlan, TokenEvent
+from .scheduler import SchedulerConfig, Status, StepPlan, TokenEvent
 from .speculative import SpecDecoder
 
 if TYPE_CHECKING:
@@ -118,7 +119,9 @@ class Engine:
             config.max_running,
             max_model_len(config, cfg),
         )
-        self.scheduler = Scheduler(self.scheduler_config, self.blocks, self.cost, cfg.eos_token_ids)
+        self.scheduler = FairScheduler(  # prompt chunks interleave by tenant (cache salt)
+            self.scheduler_config, self.blocks, self.cost, cfg.eos_token_ids
+        )
         self.kv = KVPort(
             self.model_id, self.spec, self.cache, self.blocks, self.scheduler, config.kv_mac_key
         )

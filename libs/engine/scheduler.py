@@ -34,10 +34,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from libs.common.hashchain import chain_hashes
-from libs.common.sampling import SamplingParams, TokenLogprob
+from libs.common.sampling import SamplingParams
 
 from .cost_model import CostModel, StepShape
 from .kv.block_manager import BlockManager
+from .step_plan import ScheduledSeq, StepBuilder, StepPlan, TokenEvent
+
+__all__ = [
+    "PLACEHOLDER",
+    "Request",
+    "ScheduledSeq",
+    "Scheduler",
+    "SchedulerConfig",
+    "Status",
+    "StepPlan",
+    "TokenEvent",
+]
 
 PLACEHOLDER = -1  # a sampled token not yet copied back from the device
 
@@ -88,6 +100,7 @@ class Request:
     finish_reason: str | None = None
     pending_finish: str | None = None  # "length": finishes once its last placeholder is filled
     num_prior_outputs: int = 0  # of the prompt, generated elsewhere (prefill): penalties count
+    weight: float = 1.0  # its tenant's weight when tenants share prompt tokens (prefill_fairness)
 
     @property
     def num_output_tokens(self) -> int:
@@ -109,47 +122,6 @@ class Request:
                 )
             )
         return self.block_hashes[:need]
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    request_id: str
-    start: int  # first position computed this step
-    num_tokens: int
-    token_ids: tuple[int, ...]
-    block_table: tuple[int, ...]
-    sample: bool  # this chunk reaches the end of the known tokens: sample the next one
-    sample_position: int  # position of the token to be sampled (keys seeded sampling)
-    # Speculative decoding: the last ``num_drafts`` of ``token_ids`` are drafted tokens that
-    # this step verifies (a decode of 1 + num_drafts tokens; see libs/engine/speculative/).
-    num_drafts: int = 0
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    seqs: tuple[ScheduledSeq, ...]
-    preempted: tuple[str, ...] = ()
-    shape: StepShape = StepShape()
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.seqs)
-
-    @property
-    def empty(self) -> bool:
-        return not self.seqs
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    request_id: str
-    token_id: int | None  # None for events without a token (abort)
-    finished: bool = False
-    finish_reason: str | None = None  # "stop", "length" or "abort"
-    num_cached_tokens: int = 0  # prompt tokens served from cache (prefix hit or KV import)
-    logprobs: TokenLogprob | None = None  # when the request asked (SamplingParams.logprobs)
-    # On a finishing event of a speculatively decoded request: (drafted, verified, accepted).
-    speculative: tuple[int, int, int] | None = None
 
 
 class Scheduler:
@@ -245,47 +217,44 @@ class Scheduler:
 
     # -- schedule -----------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        budget = self.config.max_tokens_per_step
-        # (new tokens, context after) per seq: the step's shape, made a StepShape only where a
-        # prompt chunk is priced and at the end (StepShape.add copies: O(batch^2) seq by seq).
-        shape: list[tuple[int, int]] = []
-        seqs: list[ScheduledSeq] = []
-        preempted: list[str] = []
-        scheduled: set[str] = set()
-
+        step = StepBuilder(self.config.max_tokens_per_step)
         for req in list(self.running):
-            if req.status is not Status.RUNNING or budget <= 0:
+            if req.status is not Status.RUNNING or step.budget <= 0:
                 continue
-            n = self._fit(shape, req, budget)
-            if n == 0:
-                continue  # out of time for a prompt chunk; later decodes may still fit
-            if not self._reserve(req, n, scheduled, preempted):
-                continue  # the request itself was preempted
-            seqs.append(self._seq(req, n))
-            scheduled.add(req.request_id)
-            shape.append((n, req.num_computed + n))
-            budget -= n
-
+            self._run_chunk(step, req, step.budget)  # 0: out of time, later decodes may fit
         while (
             self.waiting
-            and not preempted
-            and budget > 0
+            and not step.preempted
+            and step.budget > 0
             and len(self.running) < self.config.max_running
         ):
-            req = self.waiting[0]
-            hits = self._admit_prefix(req)
-            n = self._fit(shape, req, budget)
-            if n == 0 or not self._try_allocate(req, n):
-                self._undo_prefix(req, hits)
+            if not self._admit(step, self.waiting[0], step.budget):
                 break
+        return step.plan()
+
+    def _run_chunk(self, step: StepBuilder, req: Request, limit: int) -> int:
+        """Schedule up to ``limit`` tokens of a running request; how many were."""
+        n = self._fit(step.shape, req, limit)
+        if n == 0 or not self._reserve(req, n, step.scheduled, step.preempted):
+            return 0  # out of time, or the request itself was preempted
+        step.add(self._seq(req, n), req.num_computed + n)
+        return n
+
+    def _admit(self, step: StepBuilder, req: Request, limit: int) -> int:
+        """Start a waiting request with up to ``limit`` tokens; how many (0: it stays)."""
+        hits = self._admit_prefix(req)
+        n = self._fit(step.shape, req, limit)
+        if n == 0 or not self._try_allocate(req, n):
+            self._undo_prefix(req, hits)
+            return 0
+        if self.waiting[0] is req:
             self.waiting.popleft()
-            req.status = Status.RUNNING
-            self.running.append(req)
-            seqs.append(self._seq(req, n))
-            scheduled.add(req.request_id)
-            shape.append((n, req.num_computed + n))
-            budget -= n
-        return StepPlan(tuple(seqs), tuple(preempted), StepShape(tuple(shape)))
+        else:
+            self.waiting.remove(req)
+        req.status = Status.RUNNING
+        self.running.append(req)
+        step.add(self._seq(req, n), req.num_computed + n)
+        return n
 
     def _fit(self, shape: list[tuple[int, int]], req: Request, budget: int) -> int:
         remaining = min(len(req.token_ids) - req.num_computed, budget)

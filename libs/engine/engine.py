@@ -33,6 +33,7 @@ from libs.common.sampling import SamplingParams, TokenLogprob
 from .config import ModelConfig
 from .engine_config import EngineConfig
 from .ep.eplb import Balance
+from .features import check
 from .grammar import GrammarBackend
 from .intake import Intake, InvalidRequest, RequestInfo, request_info, warmup_prompts
 from .kv.block_manager import BlockManager, NoFreeBlocks
@@ -429,8 +430,7 @@ def _spec_decoder(config: EngineConfig, runner: Any, ep: EPRuntime | None) -> Sp
     """The speculative half of the engine's steps, if ``config`` asks for drafts."""
     if not config.speculative_tokens:
         return None
-    if ep is not None:
-        raise ValueError("speculative decoding does not run with expert parallelism yet")
+    check(config.setup(expert_parallel=ep is not None))  # libs/engine/features.py
     if not isinstance(runner, ModelRunner):
         raise ValueError("speculative decoding needs a model runner")
     return SpecDecoder(runner, config.speculative_tokens, config.speculative_schedule)

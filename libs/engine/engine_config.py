@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .ep.eplb import EplbConfig
+from .features import Setup, check
 from .kv.cache import TORCH_DTYPES
 from .load_progress import ProgressSink
 from .speculative import SCHEDULES
@@ -87,23 +88,11 @@ class EngineConfig:
             raise ValueError(f"expert_dtype must be auto or fp4, got {self.expert_dtype!r}")
         if self.weight_dtype not in ("auto", "bf16", "fp8"):
             raise ValueError(f"weight_dtype must be auto, bf16 or fp8, got {self.weight_dtype!r}")
-        if self.weight_dtype == "fp8" and self.expert_dtype == "fp4":
-            raise ValueError("weight_dtype='fp8' and expert_dtype='fp4' exclude each other")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.read_workers < 1:
             raise ValueError(f"read_workers must be at least 1, got {self.read_workers}")
-        if self.batch_invariant:
-            if self.weight_dtype == "fp8" or self.expert_dtype == "fp4":
-                raise ValueError(
-                    "batch_invariant serves bf16 weights: drop weight_dtype='fp8' / "
-                    "expert_dtype='fp4'"
-                )
-            if self.device.startswith("cuda") and self.kernels == "torch":
-                raise ValueError(
-                    "batch_invariant on CUDA runs the Triton kernels: use kernels='auto' or "
-                    "'triton'"
-                )
+        check(self.setup())  # what the config alone decides; the family's factory the rest
         if self.gpu_memory_fraction is not None and not 0 < self.gpu_memory_fraction <= 1:
             raise ValueError(
                 f"gpu_memory_fraction must lie in (0, 1], got {self.gpu_memory_fraction}"
@@ -119,6 +108,21 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if isinstance(self.eplb, str):
             object.__setattr__(self, "eplb", EplbConfig.named(self.eplb))
+
+    def setup(self, family: str = "", expert_parallel: bool = False) -> Setup:
+        """What :mod:`.features` reads of this config (``family`` "": before the model is
+        resolved, so no family's rows apply)."""
+        return Setup(
+            family=family,
+            weights=self.weight_dtype,
+            experts=self.expert_dtype,
+            batch_invariant=self.batch_invariant,
+            speculative=self.speculative_tokens > 0,
+            expert_parallel=expert_parallel,
+            kv_cache_dtype=self.kv_cache_dtype is not None,
+            cuda=self.device.startswith("cuda"),
+            kernels=self.kernels,
+        )
 
     @property
     def use_kernels(self) -> bool:

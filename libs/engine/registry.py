@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .cost_model import CostModel
+from .features import check
 from .hub import resolve_model
 from .kv.layout import CacheSpec, mla_cache_spec
 from .loader import LoadedModel, load, model_config
@@ -97,6 +98,6 @@ def build_parts(
     source = resolve_model(config.model)  # a Hub repo id: its snapshot directory
     if source != config.model:
         config = dataclasses.replace(config, model=source)
-    if config.batch_invariant and ep is not None:
-        raise ValueError("batch-invariant mode does not run with expert parallelism yet")
-    return family_for(config.model).build_parts(config, loaded, ep, placement)
+    family = family_for(config.model)
+    check(config.setup(family.name, ep is not None))  # the combinations refused, by name
+    return family.build_parts(config, loaded, ep, placement)

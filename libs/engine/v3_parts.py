@@ -124,11 +124,7 @@ def _cost_model(
         torch.finfo(config.torch_dtype).bits // 8,
         torch.finfo(TORCH_DTYPES[kv_dtype]).bits // 8,
         *nominal_rates(device),
-        expert_param_bytes=0.5 + 2 / 32
-        if config.expert_dtype == "fp4"
-        else 1 + 4 / 128**2
-        if model.weight_dtype == "fp8"
-        else None,
+        expert_param_bytes=model.experts_method.param_bytes,
         kv_token_layer_bytes=per_layer,
     )
 
@@ -161,6 +157,7 @@ def _model_runner(
         # exchanges are fixed-shape (no host sync), so the graphs capture them too.
         runtime.use_ladder(runner.graph_sets["decode"].ladder)
         runner.group = runtime
+        runtime.idle = runner.replay_idle  # an idle rank steps through the graph too
     return runner
 
 

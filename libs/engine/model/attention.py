@@ -21,12 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
 from ..kv.cache import LayerCache
 from .layers import RMSNorm, _linear, linear_weight, stack_weights
+from .quant import SummedBy
 from .rope import Rotary, softmax_scale
 
 # Query rows per attention tile in the expanded path: bounds the score matrix to
@@ -59,7 +59,7 @@ class AttentionMetadata:
     ``decode_start`` on, described by ``block_table`` (int32 [B, max_blocks]) and
     ``seq_lens`` (int32 [B], 0 for CUDA-graph padding rows).
 
-    Batch-invariant steps (:meth:`MLAttention.forward` with ``batch_invariant``) describe every
+    Batch-invariant steps (:meth:`MLAttention.forward`, batch-invariant ``arith``) describe every
     row that way, prompt rows too (``decode_start = 0``; a prompt row at position ``p`` has its
     sequence's table and length ``p + 1``), on either path, and leave ``seqs`` empty.
     """
@@ -76,7 +76,7 @@ class AttentionMetadata:
     num_splits: int = 1
 
 
-class MLAttention(nn.Module):
+class MLAttention(SummedBy, nn.Module):
     def __init__(
         self,
         cfg: ModelConfig,
@@ -90,9 +90,6 @@ class MLAttention(nn.Module):
         self.rotary = rotary
         self.absorb_decode = absorb_decode
         self.use_kernels = False
-        # Every query through the absorbed form in one fixed order, prompt rows as decode
-        # rows: a row's output depends on its own context only (see _forward_invariant).
-        self.batch_invariant = False
         self._absorbed_weights: tuple[torch.Tensor, torch.Tensor] | None = None
         self._invariant_weights: tuple[torch.Tensor, torch.Tensor] | None = None
         self._input_weight: torch.Tensor | None = None  # [q_proj | kv_a_proj], stacked
@@ -162,7 +159,7 @@ class MLAttention(nn.Module):
             q_nope, q_pe = self._queries(x, cos, sin)
             latents = self._latents(x, cos, sin)
             cache.write(meta.slot_mapping, latents)
-        if self.batch_invariant:
+        if self.arith.invariant:  # prompt rows as decode rows, one fixed order (see there)
             out = self._forward_invariant(q_nope, q_pe, meta, cache)
         elif self.use_kernels:
             out = self._forward_kernels(q_nope, q_pe, latents, meta, cache)
@@ -214,9 +211,8 @@ class MLAttention(nn.Module):
         :meth:`_stacked_input`), then the latent's norm, the key's rotation and the cache write
         as one launch (``latent_write``)."""
         from ..kernels.fused_ops import latent_write
-        from .layers import invariant_linear
 
-        both = invariant_linear(x, w, None, True) if self.batch_invariant else F.linear(x, w)
+        both = self.arith.linear(x, w, None, True)
         first, kv_a = torch.split(
             both, [w.shape[0] - self.cfg.kv_cache_dim, self.cfg.kv_cache_dim], -1
         )

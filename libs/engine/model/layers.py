@@ -1,6 +1,8 @@
-"""RMSNorm, linears (bf16, FP8 block-scaled, batch-invariant) and the dense SwiGLU MLP.
+"""RMSNorm, linears (the model's dtype or FP8 block-scaled) and the dense SwiGLU MLP.
 
-DeepSeekMoE (router, routed and shared experts) is :mod:`.moe`.
+Each sums its products by the :class:`~.quant.Arithmetic` it holds (``arith``: plain or
+batch-invariant, set once by ``set_batch_invariant``). DeepSeekMoE (router, routed and shared
+experts) is :mod:`.moe`; the methods themselves are :mod:`.quant`.
 """
 
 from __future__ import annotations
@@ -9,20 +11,20 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from .quant import SummedBy
 
 if TYPE_CHECKING:
     from ..kernels.fp8_gemm import Fp8Weight
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(SummedBy, nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
         self.eps = eps
         self.use_kernels = False
-        self.batch_invariant = False
 
     def add_forward(
         self, x: torch.Tensor, residual: torch.Tensor
@@ -40,8 +42,8 @@ class RMSNorm(nn.Module):
             from ..kernels.fused_ops import rms_norm
 
             return rms_norm(x, self.weight, self.eps)[0]
-        if self.batch_invariant and x.dim() == 2:
-            return invariant_rows(self._norm, x)
+        if x.dim() == 2:
+            return self.arith.rows(self._norm, x)
         return self._norm(x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,17 +53,14 @@ class RMSNorm(nn.Module):
         return out
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` that can run batch-invariant (:mod:`libs.engine.kernels.invariant`):
-    with ``batch_invariant`` a row's output does not depend on the other rows of the call."""
+class Linear(SummedBy, nn.Linear):
+    """``nn.Linear`` summed by its ``arith`` (:mod:`.quant`): batch-invariant, a row's output
+    does not depend on the other rows of the call."""
 
-    batch_invariant = False
     use_kernels = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.batch_invariant:
-            return invariant_linear(x, self.weight, self.bias, self.use_kernels)
-        return F.linear(x, self.weight, self.bias)
+        return self.arith.linear(x, self.weight, self.bias, self.use_kernels)
 
 
 def invariant_linear(
@@ -90,10 +89,6 @@ def stack_weights(first: nn.Linear, second: nn.Linear) -> torch.Tensor:
     n = first.weight.shape[0]
     first.weight.data, second.weight.data = w[:n], w[n:]
     return w
-
-
-def _silu(x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
-    return invariant_rows(F.silu, x) if batch_invariant else F.silu(x)
 
 
 def _linear(out_f: int, in_f: int, bias: bool, dtype: torch.dtype, device: torch.device) -> Linear:
@@ -173,7 +168,7 @@ def linear_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     return w if w.dtype == dtype else w.to(dtype)
 
 
-class MLP(nn.Module):
+class MLP(SummedBy, nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -182,7 +177,6 @@ class MLP(nn.Module):
         self.up_proj = _linear(inter, hidden, False, dtype, device)
         self.down_proj = _linear(hidden, inter, False, dtype, device)
         self.use_kernels = False
-        self.batch_invariant = False
         self._gate_up: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -193,9 +187,9 @@ class MLP(nn.Module):
             w = self._gate_up
             if w is None or w.data_ptr() != self.gate_proj.weight.data_ptr():
                 w = self._gate_up = stack_weights(self.gate_proj, self.up_proj)
-            gate_up = invariant_linear(x, w, None, True) if self.batch_invariant else F.linear(x, w)
+            gate_up = self.arith.linear(x, w, None, True)
             y: torch.Tensor = self.down_proj(silu_mul(gate_up))
             return y
-        gate = _silu(self.gate_proj(x), self.batch_invariant)
+        gate = self.arith.silu(self.gate_proj(x))
         out: torch.Tensor = self.down_proj(gate * self.up_proj(x))
         return out

@@ -19,6 +19,7 @@ from ..kv.cache import LayerCache
 from .attention import AttentionMetadata, MLAttention
 from .layers import MLP, Fp8Linear, Linear, RMSNorm, _linear
 from .moe import Experts, MoE, Router
+from .quant import BF16_EXPERTS, Bf16Experts, ExpertsMethod, arithmetic
 from .rope import Rotary
 
 
@@ -167,6 +168,11 @@ class DeepseekForCausalLM(nn.Module):
         """Attention layers that own cache pages: the decoder layers, then the MTP layers."""
         return self.cfg.num_hidden_layers + len(self.mtp)
 
+    @property
+    def experts_method(self) -> ExpertsMethod:
+        """How the routed experts are stored and run (every MoE layer alike; :mod:`.quant`)."""
+        return next((m.method for m in self.modules() if isinstance(m, Experts)), BF16_EXPERTS)
+
     def set_absorb_decode(self, on: bool) -> None:
         for module in self.modules():
             if isinstance(module, MLAttention):
@@ -188,14 +194,14 @@ class DeepseekForCausalLM(nn.Module):
         if on and self.weight_dtype == "fp8":
             raise ValueError("batch-invariant mode serves bf16 weights, not FP8 ones")
         if on and any(
-            isinstance(m, Experts) and (m.fp4 is not None or m.fp8 is not None)
-            for m in self.modules()
+            isinstance(m, Experts) and not isinstance(m.method, Bf16Experts) for m in self.modules()
         ):
             raise ValueError("batch-invariant mode serves bf16 experts, not FP4/FP8 ones")
+        arith = arithmetic(on)
         for module in self.modules():
             if isinstance(module, (MLAttention, Experts, MLP, Linear, Router, RMSNorm)):
-                module.batch_invariant = on
-        self.rotary.batch_invariant = on
+                module.arith = arith
+        self.rotary.arith = arith
 
     def keep_experts(self, slots: tuple[int, ...]) -> None:
         """Decoder MoE layers keep only these routed experts (see ``expert_slots``)."""

@@ -15,14 +15,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .layers import MLP, _silu, invariant_linear, invariant_rows
+from .layers import MLP
+from .quant import (
+    BF16_EXPERTS,
+    ExpertsMethod,
+    Ffn,
+    Fp4Experts,
+    Fp8Experts,
+    SummedBy,
+)
 
 if TYPE_CHECKING:
     from ..kernels.fp8_gemm import Fp8Weight
     from ..kernels.fused_moe import Fp4Weight
 
 
-class Router(nn.Module):
+class Router(SummedBy, nn.Module):
     """Chooses ``num_experts_per_tok`` experts per token and their combine weights.
 
     V3 (``scoring_func='sigmoid'``, ``topk_method='noaux_tc'``): sigmoid scores; selection on
@@ -43,7 +51,6 @@ class Router(nn.Module):
             torch.empty(e, cfg.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
         self._weight_fp32: torch.Tensor | None = None
-        self.batch_invariant = False
         self.use_kernels = False
         if cfg.topk_method == "noaux_tc":
             # Kept in fp32 whatever the model dtype: it shifts sigmoid scores near 1e-3 apart.
@@ -59,21 +66,18 @@ class Router(nn.Module):
             if self.weight.dtype != torch.float32:
                 self._weight_fp32 = w32  # made once, not every step
         xf = x.to(torch.float32)
-        if self.use_kernels and not self.batch_invariant:
+        arith = self.arith
+        if self.use_kernels and not arith.invariant:
             from ..kernels.router import route, supported
 
             if supported(cfg):  # scores to weights in one launch, best pick first
                 bias = getattr(self, "e_score_correction_bias", None)
                 return route(F.linear(xf, w32), cfg, bias)
-        logits = (
-            invariant_linear(xf, w32, None, self.use_kernels)
-            if self.batch_invariant
-            else F.linear(xf, w32)
-        )
+        logits = arith.linear(xf, w32, None, self.use_kernels)
         score: Callable[[torch.Tensor], torch.Tensor] = (
             torch.sigmoid if cfg.scoring_func == "sigmoid" else lambda t: t.softmax(dim=-1)
         )
-        scores = invariant_rows(score, logits) if self.batch_invariant else score(logits)
+        scores = arith.rows(score, logits)
         k = cfg.num_experts_per_tok
         per_group = cfg.n_routed_experts // cfg.n_group
         if cfg.topk_method == "noaux_tc":
@@ -88,30 +92,20 @@ class Router(nn.Module):
             weights, idx = masked.topk(k, dim=-1, sorted=False)
         else:
             weights, idx = scores.topk(k, dim=-1, sorted=False)
-        if self.batch_invariant:
+        if arith.invariant:
             # Unsorted top-k returns a row's picks in an order that depends on the batch;
             # by expert id, their weights are summed in one order.
             idx, order = idx.sort(dim=-1)
             weights = weights.gather(1, order)
         if cfg.scoring_func == "sigmoid":
             if cfg.norm_topk_prob:
-                weights = weights / (self._sum(weights) + 1e-20)
+                weights = weights / (arith.row_sum(weights) + 1e-20)
             weights = weights * cfg.routed_scaling_factor
         elif cfg.norm_topk_prob and k > 1:
-            weights = weights / (self._sum(weights) + 1e-20)
+            weights = weights / (arith.row_sum(weights) + 1e-20)
         else:
             weights = weights * cfg.routed_scaling_factor
         return weights, idx
-
-    def _sum(self, weights: torch.Tensor) -> torch.Tensor:
-        """Each row's sum ``[T, 1]``; batch-invariant: left to right (a library reduction
-        may split a row differently for different ``T``)."""
-        if not self.batch_invariant:
-            return weights.sum(dim=-1, keepdim=True)
-        total = weights[:, :1].clone()
-        for j in range(1, weights.shape[1]):
-            total += weights[:, j : j + 1]
-        return total
 
 
 def _mask_groups(
@@ -123,12 +117,14 @@ def _mask_groups(
     return scores.masked_fill(~score_mask, fill)
 
 
-class Experts(nn.Module):
+class Experts(SummedBy, nn.Module):
     """Routed experts stored fused: ``w13`` [E, 2I, H] (gate rows then up rows), ``w2`` [E, H, I].
 
     This is transformers' fused layout (``gate_up_proj``/``down_proj``); the loader stacks the
-    original per-expert tensors into it. :meth:`quantize_fp4` replaces both with FP4 (e2m1,
-    one scale per 32 weights) copies that the fused kernel dequantizes inside its GEMMs.
+    original per-expert tensors into it. ``method`` (:mod:`.quant`) says how they are stored
+    and run, chosen once at load: bf16 (these parameters), or FP8/FP4 copies that replace them
+    (:meth:`quantize_fp8`, :meth:`quantize_fp4`) and that the fused kernel dequantizes inside
+    its GEMMs. ``arith``: batch-invariant products or not.
 
     ``slots``: the expert each row holds when this module keeps only some of them (one rank of
     an expert-parallel group, :mod:`libs.engine.ep`); None: all ``n_routed_experts`` in order.
@@ -153,36 +149,45 @@ class Experts(nn.Module):
             torch.empty(e, h, i, dtype=dtype, device=device), requires_grad=False
         )
         self.use_kernels = False
-        self.batch_invariant = False
-        self.fp4: tuple[Fp4Weight, Fp4Weight] | None = None
-        self.fp8: tuple[Fp8Weight, Fp8Weight] | None = None
+        self.method: ExpertsMethod = BF16_EXPERTS
         for row, expert in enumerate(slots or ()):
             if expert < 0:  # an empty slot: never loaded, never routed to
                 self.w13.data[row].zero_()
                 self.w2.data[row].zero_()
 
+    @property
+    def fp8(self) -> tuple[Fp8Weight, Fp8Weight] | None:
+        m = self.method
+        return (m.w13, m.w2) if isinstance(m, Fp8Experts) else None
+
+    @fp8.setter
+    def fp8(self, weights: tuple[Fp8Weight, Fp8Weight]) -> None:
+        self.method = Fp8Experts(*weights)
+
+    @property
+    def fp4(self) -> tuple[Fp4Weight, Fp4Weight] | None:
+        m = self.method
+        return (m.w13, m.w2) if isinstance(m, Fp4Experts) else None
+
     def quantize_fp4(self) -> None:
         """Swap the bf16 expert weights for FP4 ones (frees the originals); once."""
-        from ..kernels.fused_moe import quantize_fp4
-
-        if self.fp4 is not None:
+        if isinstance(self.method, Fp4Experts):
             return
-
-        self.fp4 = (quantize_fp4(self.w13.data), quantize_fp4(self.w2.data))
-        dev, dt = self.w13.device, self.w13.dtype
-        self.w13 = nn.Parameter(torch.empty(0, dtype=dt, device=dev), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(0, dtype=dt, device=dev), requires_grad=False)
+        if isinstance(self.method, Fp8Experts):
+            raise ValueError("experts are already FP8")
+        self._replace(Fp4Experts.quantize(self))
 
     def quantize_fp8(self) -> None:
         """Swap the expert weights for e4m3 ones with 128x128 block scales (frees the
         originals); once."""
-        from ..kernels.fp8_gemm import quantize_fp8_blocks
-
-        if self.fp8 is not None:
+        if isinstance(self.method, Fp8Experts):
             return
-        if self.fp4 is not None:
+        if isinstance(self.method, Fp4Experts):
             raise ValueError("experts are already FP4")
-        self.fp8 = (quantize_fp8_blocks(self.w13.data), quantize_fp8_blocks(self.w2.data))
+        self._replace(Fp8Experts.quantize(self))
+
+    def _replace(self, method: ExpertsMethod) -> None:
+        self.method = method
         dev, dt = self.w13.device, self.w13.dtype
         self.w13 = nn.Parameter(torch.empty(0, dtype=dt, device=dev), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(0, dtype=dt, device=dev), requires_grad=False)
@@ -203,97 +208,26 @@ class Experts(nn.Module):
 
     def slot_state(self) -> list[torch.Tensor]:
         """The tensors that hold the experts, each with one row per slot (bf16: ``w13``, ``w2``;
-        FP4: packed codes and scales of each): what moves when a slot changes hands."""
-        if self.fp4 is not None:
-            a, b = self.fp4
-            return [a.packed, a.scales, b.packed, b.scales]
-        if self.fp8 is not None:
-            c, d = self.fp8
-            return [c.q, c.scale, d.q, d.scale]
-        return [self.w13.data, self.w2.data]
+        FP8/FP4: codes and scales of each): what moves when a slot changes hands."""
+        return self.method.slot_state(self)
 
     def set_slot_state(self, state: list[torch.Tensor], slots: tuple[int, ...]) -> None:
         """Take ``state`` (laid out as :meth:`slot_state`) as the weights of ``slots``."""
-        if self.fp4 is not None:
-            from ..kernels.fused_moe import Fp4Weight
-
-            self.fp4 = (Fp4Weight(state[0], state[1]), Fp4Weight(state[2], state[3]))
-        elif self.fp8 is not None:
-            from ..kernels.fp8_gemm import Fp8Weight
-
-            self.fp8 = (Fp8Weight(state[0], state[1]), Fp8Weight(state[2], state[3]))
-        else:
-            self.w13 = nn.Parameter(state[0], requires_grad=False)
-            self.w2 = nn.Parameter(state[1], requires_grad=False)
+        self.method = self.method.with_slot_state(self, state)
         self.slots = slots
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         if self.use_kernels:
             from ..kernels.fused_moe import fused_moe
 
-            w13, w2 = (
-                self.fp8
-                if self.fp8 is not None
-                else self.fp4
-                if self.fp4 is not None
-                else (self.w13, self.w2)
-            )
-            out: torch.Tensor = fused_moe(x, w13, w2, weights, idx, invariant=self.batch_invariant)
+            w13, w2 = self.method.kernel_weights(self)
+            out: torch.Tensor = fused_moe(x, w13, w2, weights, idx, invariant=self.arith.invariant)
             return out
-        if self.fp8 is not None:
-            return self._grouped_fp8(x, weights, idx, self.fp8[0], self.fp8[1])
-        if self.fp4 is not None:
-            from ..kernels.fused_moe import dequantize_fp4
-
-            return self._grouped(
-                x,
-                weights,
-                idx,
-                dequantize_fp4(self.fp4[0], x.dtype),
-                dequantize_fp4(self.fp4[1], x.dtype),
-            )
-        return self._grouped(x, weights, idx, self.w13, self.w2, self.batch_invariant)
-
-    def _grouped_fp8(
-        self,
-        x: torch.Tensor,
-        weights: torch.Tensor,
-        idx: torch.Tensor,
-        w13: Fp8Weight,
-        w2: Fp8Weight,
-    ) -> torch.Tensor:
-        """Reference FP8 experts (no kernels): one block-scaled FP8 linear pair per expert
-        hit in plain PyTorch, activations quantized as the fused kernels do."""
-        from ..kernels.fp8_gemm import Fp8Weight, fp8_linear
-
-        def ffn(xe: torch.Tensor, e: int) -> torch.Tensor:
-            a = Fp8Weight(w13.q[e], w13.scale[e])
-            gate, up = fp8_linear(xe, a, kernel=False).chunk(2, dim=-1)
-            return fp8_linear(F.silu(gate) * up, Fp8Weight(w2.q[e], w2.scale[e]), kernel=False)
-
-        return _route_grouped(x, weights, idx, w13.q.shape[0], ffn)
-
-    @staticmethod
-    def _grouped(
-        x: torch.Tensor,
-        weights: torch.Tensor,
-        idx: torch.Tensor,
-        w13: torch.Tensor,
-        w2: torch.Tensor,
-        batch_invariant: bool = False,
-    ) -> torch.Tensor:
-        """Reference grouped path: tokens sorted by expert, one GEMM pair per expert hit
-        (``batch_invariant``: products in fixed-shape chunks, so a token's rows do not depend
-        on how many others chose its experts)."""
-
-        def lin(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            return invariant_linear(a, w, None, False) if batch_invariant else F.linear(a, w)
-
-        def ffn(xe: torch.Tensor, e: int) -> torch.Tensor:
-            gate, up = lin(xe, w13[e]).chunk(2, dim=-1)
-            return lin(_silu(gate, batch_invariant) * up, w2[e])
-
-        return _route_grouped(x, weights, idx, w13.shape[0], ffn)
+        # Reference: tokens sorted by expert, one GEMM pair per expert hit (batch-invariant
+        # arithmetic: products in fixed-shape chunks, so a token's rows do not depend on how
+        # many others chose its experts).
+        ffn, n = self.method.ffn(self, x, self.arith)
+        return _route_grouped(x, weights, idx, n, ffn)
 
 
 def _route_grouped(
@@ -301,7 +235,7 @@ def _route_grouped(
     weights: torch.Tensor,
     idx: torch.Tensor,
     num_experts: int,
-    ffn: Callable[[torch.Tensor, int], torch.Tensor],
+    ffn: Ffn,
 ) -> torch.Tensor:
     """Tokens sorted by expert, ``ffn(rows, expert)`` once per expert hit, its output added
     back weighted, in fp32, in ascending expert order (the order EP's combine keeps)."""

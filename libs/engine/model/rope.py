@@ -13,6 +13,7 @@ import math
 import torch
 
 from ..config import ModelConfig, RopeConfig
+from .quant import SummedBy
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -59,7 +60,7 @@ def softmax_scale(cfg: ModelConfig) -> float:
     return float(scale)
 
 
-class Rotary:
+class Rotary(SummedBy):
     """Applies RoPE to the rotary slice of queries and keys at given positions.
 
     ``interleave`` rotates adjacent pairs (x0, x1), (x2, x3), ... as DeepSeek's checkpoints
@@ -75,16 +76,10 @@ class Rotary:
         self.inv_freq = inv_freq.to(device)
         self.interleave = cfg.rope_interleave
         self.use_kernels = False
-        self.batch_invariant = False
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        if self.batch_invariant:  # PyTorch's CPU cos/sin vary with the tensor's size
-            from ..kernels.invariant import rows_fixed
-
-            cos, sin = rows_fixed(torch.cos, freqs), rows_fixed(torch.sin, freqs)
-        else:
-            cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = self.arith.rows(torch.cos, freqs), self.arith.rows(torch.sin, freqs)
         return cos * self.attention_factor, sin * self.attention_factor
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

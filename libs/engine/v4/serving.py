@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import ModelConfig
+from ..features import check
 from ..kv.host import HostBlockStore
 from ..kv.layout import CacheSpec, PagedEntry
 from ..parts import EngineParts, kernels_on, nominal_rates
@@ -344,8 +345,7 @@ def build_v4_parts(
 ) -> EngineParts:
     """The V4 family's entry in :mod:`libs.engine.registry`: :func:`v4_parts` for the model
     ``config`` names, refusing what V4 does not take (expert parallelism, a V2/V3 model)."""
-    if ep is not None:
-        raise ValueError("DeepSeek-V4 models do not run with expert parallelism yet")
+    check(config.setup("deepseek-v4", ep is not None))
     if loaded is not None:
         raise ValueError("a loaded V2/V3 model cannot serve a DeepSeek-V4 name")
     return v4_parts(config)
@@ -360,19 +360,7 @@ def v4_parts(
     from ..kernels.v4_attention import unsupported
     from ..loader import _checkpoint_digest
 
-    refused = [
-        what
-        for what, on in (
-            ("speculative decoding", config.speculative_tokens > 0),
-            ("FP8 weights", config.weight_dtype == "fp8"),
-            ("FP4 experts", config.expert_dtype == "fp4"),
-            ("a KV cache dtype", config.kv_cache_dtype is not None),
-            ("batch-invariant mode", config.batch_invariant),
-        )
-        if on
-    ]
-    if refused:
-        raise ValueError(f"DeepSeek-V4 models are served without {', '.join(refused)} for now")
+    check(config.setup("deepseek-v4"))  # what V4 does not take (libs/engine/features.py)
     device = torch.device(config.device)
     dtype = config.torch_dtype
     if net is not None:

@@ -70,6 +70,11 @@ class LoadReport:
         p = self.latest
         if p is None or not p.shards_total:
             return "loading the model"
+        if p.done:  # the engine is still being set up (KV cache, kernels, grammar): seconds
+            return (
+                f"weights loaded ({p.shards_total} shards, {p.read_bytes_per_s / 1e9:.2f} GB/s); "
+                "preparing the engine"
+            )
         eta = "" if p.eta_s is None else f", about {p.eta_s:.0f} s left"
         return (
             f"loading the model: {100 * p.fraction:.0f}% ({p.shards_done}/{p.shards_total} "

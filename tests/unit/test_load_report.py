@@ -49,9 +49,11 @@ def test_a_load_shows_on_the_status_page_from_nothing_to_loaded(tmp_path: Path) 
     report = LoadReport("prefill-7", "prefill", "deepseek-test")
     assert _gauges(report)["deepserve_model_load_fraction"] == 0.0
     rows: list[dict[str, Any]] = []
+    lines: list[str] = []
 
     def publish(progress: LoadProgress) -> None:  # what the instance sends, as it goes
         report(progress)
+        lines.append(report.line())  # /readyz's reason meanwhile
         board.observe_load(report.message())
         clock[0] += 0.5
         rows.extend(_loading_rows(board, clock[0]))
@@ -67,7 +69,8 @@ def test_a_load_shows_on_the_status_page_from_nothing_to_loaded(tmp_path: Path) 
     }
     assert rows[-1]["bytes_done"] == rows[-1]["bytes_total"] == total
     assert rows[0]["eta_s"] is None and rows[-1]["read_bytes_per_s"] > 0
-    assert "100% (3/3 shards" in report.line()
+    assert "(1/3 shards, " in lines[1] and lines[1].startswith("loading the model: ")
+    assert lines[-1].startswith("weights loaded (3 shards, ")
 
     report.finish()  # the engine is built: one last message
     board.observe_load(report.message())

@@ -7,7 +7,8 @@ the sampled tokens and returns :class:`TokenEvent` s. Policy:
 * running requests first, oldest first: decodes (one token) and unfinished prompt chunks;
 * then waiting requests in arrival order, each admitted with its longest cached prefix
   (hash chain over full blocks, never the last prompt token, which must be computed to
-  sample from);
+  sample from); the engine's :class:`~.prefill_fairness.FairScheduler` shares the prompt
+  tokens between tenants instead, when several have prompts to compute;
 * a per-step token budget (default 32,768) and a time budget: the :class:`CostModel`
   decides how many prompt tokens still fit, so long prompts are prefilled in chunks;
 * when blocks run out, the most recently arrived running request is preempted: its blocks

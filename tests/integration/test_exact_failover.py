@@ -2,9 +2,10 @@
 + 2 decode): the decode instance serving a request is killed with SIGKILL mid-stream, the
 entrypoint resumes the request elsewhere with the tokens the client already has as prior
 output, and the client's whole output equals an uninterrupted run's -- for a JSON-schema
-constrained request (the grammar goes on mid-JSON) and a penalized one (the penalties remember
-the earlier completion). The killed decode is started again after each case (Stack.supervise),
-so every case has a survivor to fail over to.
+constrained request (the grammar goes on mid-JSON) and a seeded, penalized one with a min_tokens
+larger than what remains after the kill (the penalties remember the earlier completion, the
+seed's draws go on, min_tokens counts the prior output). The killed decode is started again
+after each case (Stack.supervise), so every case has a survivor to fail over to.
 """
 
 from __future__ import annotations
@@ -52,8 +53,15 @@ CASES = {
         max_tokens=400,
         constraint=common_pb2.OutputConstraint(kind="json_schema", spec=json.dumps(SCHEMA)),
     ),
-    "penalized": common_pb2.SamplingParams(
-        max_tokens=300, presence_penalty=1.5, frequency_penalty=1.0, ignore_eos=True
+    # seeded sampling, penalties that remember the earlier completion, and a min_tokens above
+    # what remains after the kill (once refused with INVALID_ARGUMENT mid-stream)
+    "penalized_seeded_min_tokens": common_pb2.SamplingParams(
+        max_tokens=300,
+        min_tokens=290,
+        presence_penalty=1.5,
+        frequency_penalty=1.0,
+        temperature=0.9,
+        seed=11,
     ),
 }
 

@@ -10,6 +10,7 @@ surviving instances must get every KV block back.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -250,3 +251,43 @@ async def test_a_killed_balancer_costs_no_request(stack: Stack) -> None:
             assert time.monotonic() - killed < back + 10, dump_logs(stack)
             await one()
     assert not failed, failed
+
+
+def test_usage_of_a_stream_survives_a_killed_recipe(stack: Stack) -> None:
+    """Issue 33's probe: killing the recipe mid-stream lost the usage of its streams (they were
+    recorded by the recipe at the end). The entrypoint's ledger closes the call with at least
+    the tokens the client had. The recipe stays dead: the other tests here use gRPC only."""
+    import httpx
+    import redis
+
+    r = redis.Redis.from_url(stack.redis_url, decode_responses=True)
+    before = set(r.scan_iter(match="*{usage}:rec:*"))
+    (recipe,) = [c for c in stack.children if c.service == "recipe"]
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "count"}],
+        "max_tokens": 3000,  # ~9 s of fake decode: killed long before the end
+        "stream": True,
+        "ignore_eos": True,
+    }
+    received = 0
+    try:
+        with httpx.stream("POST", f"{stack.api_url}/chat/completions", json=body, timeout=60) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    received += bool(json.loads(line[6:])["choices"][0]["delta"].get("content"))
+                if received >= 3:
+                    os.kill(recipe.pid, signal.SIGKILL)
+                    break
+    except httpx.HTTPError:
+        pass  # the server went away mid-stream: that is the point
+    deadline, rec = time.monotonic() + 20, {}
+    while time.monotonic() < deadline:
+        new = set(r.scan_iter(match="*{usage}:rec:*")) - before
+        rec = r.hgetall(new.pop()) if len(new) == 1 else {}
+        if rec.get("status", "open") != "open":
+            break
+        time.sleep(0.1)
+    r.close()
+    assert rec.get("status", "open") != "open", (rec, dump_logs(stack))
+    assert int(rec["completion_tokens"]) >= received, (rec, received)

@@ -105,17 +105,21 @@ def run(args: argparse.Namespace) -> int:
             ignore_eos=args.ignore_eos,
         )
         prompt = args.prompt if args.prompt is not None else args.prompt_ids
+        from libs.engine.features import Setup, check
         from libs.engine.v4.load import is_v4
 
-        if is_v4(args.model) and (args.ep > 1 or args.ep_redundant):
-            raise ValueError("DeepSeek-V4 models do not run with --ep yet")
-        if args.batch_invariant and (args.ep > 1 or args.ep_redundant):
-            raise ValueError("--batch-invariant does not run with --ep yet")
-        if args.ep > 1 or args.ep_redundant:
+        ep = args.ep > 1 or bool(args.ep_redundant)
+        check(  # the engine's table of refused combinations, before any rank starts
+            Setup(
+                family="deepseek-v4" if is_v4(args.model) else "deepseek-v3",
+                batch_invariant=args.batch_invariant,
+                speculative=args.speculative_tokens > 0,
+                expert_parallel=ep,
+            )
+        )
+        if ep:
             out = _generate_ep(args, prompt, params)
         else:
-            if args.speculative_tokens and (args.ep > 1 or args.ep_redundant):
-                raise ValueError("--speculative-tokens does not run with --ep yet")
             llm = LLM(
                 args.model,
                 device=args.device,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -23,6 +23,16 @@ from .scheduler import PLACEHOLDER, ScheduledSeq, StepPlan
 from .step_inputs import InFlight, fill_page_tables, fill_placeholders
 
 GRAPH_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+class StepGroup(Protocol):
+    """The ranks a step runs with (an expert-parallel group, :mod:`libs.engine.ep.runtime`):
+    before each forward they agree on its rows -- every rank replays the decode graph of that
+    size, or runs eagerly with the same exchange buffers -- and forget them once it is queued."""
+
+    def begin_step(self, tokens: int, ladder: Sequence[int]) -> int: ...
+
+    def end_step(self) -> None: ...
 
 
 def graph_ladder(max_rows: int) -> list[int]:

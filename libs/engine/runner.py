@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ from .graphs import (
     EagerReplay,
     Graph,
     GraphSet,
+    StepGroup,
     capture,
     graph_ladder,
     mixed_rows,
@@ -60,16 +61,7 @@ from .step_inputs import EagerInputs, fill_placeholders, to_device
 log = logging.getLogger(__name__)
 
 # Importable from here as before: the ladder and the staged-input layout (scripts, tests).
-__all__ = ["GRAPH_LADDER", "Launched", "ModelRunner", "StepGroup", "graph_ladder", "staged_rows"]
-
-
-class StepGroup(Protocol):
-    """The ranks a step runs with (:class:`~libs.engine.ep.runtime.EPRuntime`): before each
-    forward they agree on its rows (a collective), after queueing it they forget them."""
-
-    def begin_step(self, tokens: int, ladder: Sequence[int]) -> int: ...
-
-    def end_step(self) -> None: ...
+__all__ = ["GRAPH_LADDER", "Launched", "ModelRunner", "graph_ladder", "staged_rows"]
 
 
 @dataclass
@@ -126,9 +118,8 @@ class ModelRunner:
             self.block_size, self.device, use_kernels, batch_invariant, self.num_heads
         )
         self.add_graphs("decode", self._decode_body, max(max_graph_batch, mixed_graph_rows))
-        # An expert-parallel rank: the group agrees on each step's rows (set by the builder).
-        self.group: StepGroup | None = None
-        self.group_rows = 0  # this step's agreed rows: the decode graph replayed holds them
+        self.group: StepGroup | None = None  # an EP rank's group (set by the builder)
+        self.group_rows = 0  # the rows the group agreed on for this step: the graph's least
 
     # -- public ------------------------------------------------------------------------------
     def launch(
@@ -246,16 +237,13 @@ class ModelRunner:
 
     # -- forward -----------------------------------------------------------------------------
     def _forward(self, plan: StepPlan, prev: Launched | None) -> torch.Tensor:
-        """fp32 logits of the sampling seqs, in plan order; in an EP group, the ranks first
-        agree on the step's rows, so each runs the same graph or the same exchange shapes."""
+        """fp32 logits of the sampling seqs, in plan order (EP: the group agrees on rows first)."""
         if self.group is None:
             return self._forward_rows(plan, prev)
         self.group_rows = self.group.begin_step(plan.num_tokens, self.graph_sets["decode"].ladder)
-        try:
-            return self._forward_rows(plan, prev)
-        finally:
-            self.group.end_step()
-            self.group_rows = 0
+        logits = self._forward_rows(plan, prev)
+        self.group.end_step()
+        return logits
 
     def _forward_rows(self, plan: StepPlan, prev: Launched | None) -> torch.Tensor:
         if self._graphable(plan):
@@ -378,11 +366,9 @@ class ModelRunner:
 
     def _graphable(self, plan: StepPlan) -> bool:
         """Whether a captured graph runs ``plan``: one sampled token per seq, few enough."""
-        top = self.graph_sets["decode"].ladder[-1]
         return (
             self.cuda_graphs
-            and len(plan.seqs) <= top
-            and self.group_rows <= top
+            and max(len(plan.seqs), self.group_rows) <= self.graph_sets["decode"].ladder[-1]
             and all(s.num_tokens == 1 and s.sample for s in plan.seqs)
         )
 
@@ -390,11 +376,19 @@ class ModelRunner:
         """A step with prompt chunks as decode rows for the decode graphs: (rows, the row of
         each sampling seq in plan order), or None when it does not fit them. A chunk of k
         tokens from position p becomes k rows at p .. p+k-1 with lengths p+1 .. p+k."""
+        top = self.graph_sets["decode"].ladder[-1]  # EP: a group's step past it runs eagerly
         if not self.cuda_graphs or self.batch_invariant or not self.mixed_graph_rows:
             return None
-        if self.group_rows > self.graph_sets["decode"].ladder[-1]:
-            return None  # the group's step is past the graphs: every rank runs it eagerly
-        return mixed_rows(plan, min(self.mixed_graph_rows, self.graph_sets["decode"].ladder[-1]))
+        return None if self.group_rows > top else mixed_rows(plan, min(self.mixed_graph_rows, top))
+
+    def replay_idle(self, rows: int) -> bool:
+        """An idle EP rank replays the graph of the group's ``rows``, all padding (False: none)."""
+        gs = self.graph_sets["decode"]
+        if not self.cuda_graphs or not gs.graphs or not 0 < rows <= gs.ladder[-1]:
+            return False
+        self.group_rows = rows
+        self._replay("decode", [], None)
+        return True
 
     def decode_rows(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(hidden states, fp32 logits) of every row of ``plan``, in plan order, from a captured

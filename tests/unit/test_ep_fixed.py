@@ -50,6 +50,29 @@ def test_fixed_exchange_gives_the_variable_exchanges_numbers(group, placement, t
     torch.testing.assert_close(got, full, rtol=1e-6, atol=1e-6)
 
 
+def test_a_graphs_padding_rows_are_sent_as_padding_and_counted_nowhere(group) -> None:
+    """A graph runs its padding rows through the router too: past this rank's real rows (the
+    device count the step fills in before the replay) their pairs go out as "no expert" and
+    add no load, and the real rows come back as without them."""
+    x, weights, idx = _routing(12)
+    alone = _layer(group, ODD, fixed.StepBound(tokens=16))
+    want = alone(x[:7], weights[:7], idx[:7])
+    live = torch.tensor([7])
+    padded = _layer(group, ODD, fixed.StepBound(tokens=16, live=live))
+    sent = []
+    run = padded.local.forward
+
+    def counting(a: torch.Tensor, w: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        sent.append(i.numel())
+        return run(a, w, i)
+
+    padded.local.forward = counting  # type: ignore[method-assign]
+    got = padded(x, weights, idx)
+    assert torch.equal(got[:7], want)
+    assert sent == [7 * 3]  # the experts ran the real pairs only
+    assert torch.equal(padded.load, alone.load) and int(padded.load.sum()) == 7 * 3
+
+
 def test_rows_are_packed_per_rank_in_pair_order() -> None:
     # Global slots of 2 ranks x 3 slots; capacity 4 rows per rank.
     dest = torch.tensor([4, 0, 5, 2, 3, 1])
@@ -82,7 +105,7 @@ def test_the_fixed_path_never_reads_the_device(group, monkeypatch) -> None:
     tensor-to-Python conversion raises while a layer dispatches, runs (a stand-in for the
     fused kernel, which takes padding ids itself) and combines."""
     placement = ODD
-    layer = _layer(group, placement, fixed.StepBound(tokens=48))
+    layer = _layer(group, placement, fixed.StepBound(tokens=48, live=torch.tensor([37])))
     layer.local.use_kernels = True
     slots = placement.slots_per_rank
 
@@ -145,3 +168,29 @@ def test_three_ranks_uneven_redundant_fp8_weights_give_one_engines_tokens() -> N
     )
     assert [o.token_ids for o in collect_outputs(results, len(PROMPTS))] == want
     assert len({r.steps for r in results}) == 1  # lockstep
+
+
+@pytest.mark.slow
+def test_decode_graphs_replay_under_ep_with_the_eager_steps_tokens(tiny_loaded, group) -> None:
+    """An EP rank keeps its decode graphs (emulated on the CPU: the captured closures replay
+    over the static buffers, kernels under Triton's interpreter): decode steps replay the
+    graph of the group's agreed rows with the fixed-shape exchange inside, prompt steps past
+    the ladder take the variable-size one, and the tokens are the eager EP engine's."""
+    from tests.unit.test_engine import prompt, run
+
+    kw = dict(ENGINE, model="tiny", kernels="triton", max_running=4, max_tokens_per_step=64)
+    reqs = {
+        "a": (prompt(6, 1), SamplingParams(max_tokens=5, ignore_eos=True)),
+        "b": (prompt(21, 2), SamplingParams(max_tokens=3, ignore_eos=True)),
+        "c": (prompt(3, 3), SamplingParams(max_tokens=4, ignore_eos=True)),
+    }
+    eager = Engine(EngineConfig(**kw), loaded=copy.deepcopy(tiny_loaded), ep=group)
+    want = run(eager, reqs)
+    graphs = Engine(EngineConfig(**kw), loaded=copy.deepcopy(tiny_loaded), ep=group)
+    runner = graphs.runner
+    runner.emulate_graphs()  # ladder 1, 2, 4: the 30-token prompt step is past it
+    assert runner.group is graphs.ep
+    got = run(graphs, reqs)
+    assert got == want
+    assert sum(g.steps for g in runner.graph_sets["decode"].graphs.values()) >= 3
+    assert graphs.ep is not None and graphs.ep.shape.tokens == 0  # nothing agreed between steps

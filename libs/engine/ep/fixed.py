@@ -42,6 +42,19 @@ class StepBound:
 
     tokens: int = 0
     fixed_max_tokens: int = DEFAULT_FIXED_MAX_TOKENS
+    # This rank's real rows this step, on the device ([1] int64; None: every row is real).
+    # A CUDA graph runs padding rows after them; their pairs are sent as padding (no expert
+    # runs them) and not counted as load. Filled before each forward, read inside the graph.
+    live: torch.Tensor | None = None
+
+    def real_pairs(self, idx: torch.Tensor) -> torch.Tensor:
+        """1 for each (token, expert) pair of ``idx`` [T, k] whose token is real, else 0
+        (int64, flat pair order)."""
+        flat = idx.reshape(-1)
+        if self.live is None:
+            return torch.ones_like(flat)
+        token = torch.arange(flat.numel(), device=flat.device) // max(idx.shape[1], 1)
+        return (token < self.live).to(torch.int64)
 
     def bound(self, rows: int) -> int:
         """The token bound of a layer seeing ``rows`` rows: the agreed one, at least ``rows``."""
@@ -83,9 +96,11 @@ def pack(
     top_k: int,
     total_rows: int,
     slots_per_rank: int,
+    real: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The send buffer [total_rows, row bytes] uint8: pair ``p``'s token row and local slot at
-    row ``rows[p]``; every other row holds slot ``slots_per_rank`` (no expert)."""
+    row ``rows[p]``; every other row, and a pair whose ``real`` is 0, holds slot
+    ``slots_per_rank`` (no expert)."""
     off, width = row_bytes(x.shape[1], x.dtype)
     buf = torch.empty(total_rows, width, dtype=torch.uint8, device=x.device)
     hidden = buf[:, : x.shape[1] * x.dtype.itemsize].view(x.dtype)
@@ -94,7 +109,10 @@ def pack(
     if rows.numel():
         token = torch.arange(rows.numel(), device=x.device) // top_k
         hidden.index_copy_(0, rows, x.index_select(0, token))
-        slot.index_copy_(0, rows, dest % slots_per_rank)
+        local = dest % slots_per_rank
+        if real is not None:
+            local = torch.where(real.bool(), local, slots_per_rank)
+        slot.index_copy_(0, rows, local)
     return buf
 
 

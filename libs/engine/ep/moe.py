@@ -194,14 +194,14 @@ class EPExperts(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        flat = idx.reshape(-1)
-        self.load.index_add_(0, flat, torch.ones_like(flat))
+        real = self.shape.real_pairs(idx)  # a graph's padding rows are no one's load
+        self.load.index_add_(0, idx.reshape(-1), real)
         if self.shape.fixed(x.shape[0]):
-            return self._forward_fixed(x, weights, idx)
+            return self._forward_fixed(x, weights, idx, real)
         return self._forward_variable(x, weights, idx)
 
     def _forward_fixed(
-        self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
+        self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, real: torch.Tensor
     ) -> torch.Tensor:
         """Fixed-capacity buffers, one exchange each way, no host sync (:mod:`.fixed`)."""
         n, s = self.table.num_ranks, self.table.slots_per_rank
@@ -212,10 +212,14 @@ class EPExperts(nn.Module):
         dest = self.table.route(idx)
         rows = fixed.rows_of(dest, n, s, cap)
         splits = [cap] * n
-        got = self.group.all_to_all(fixed.pack(x, dest, rows, k, n * cap, s), splits, splits)
+        buf = fixed.pack(x, dest, rows, k, n * cap, s, real)
+        got = self.group.all_to_all(buf, splits, splits)
         x_recv, slot = fixed.unpack(got, x.shape[1], x.dtype)
         y_back = self.group.all_to_all(self._run_fixed(x_recv, slot), splits, splits)
-        return weigh_pairs(y_back.index_select(0, rows).view(t, k, x.shape[1]), weights, idx)
+        pairs = y_back.index_select(0, rows).view(t, k, x.shape[1])
+        # A graph's padding rows got nothing back (no expert ran them): zeros, not garbage.
+        pairs = torch.where(real.view(t, k, 1).bool(), pairs, 0)
+        return weigh_pairs(pairs, weights, idx)
 
     def _forward_variable(
         self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +39,8 @@ from .moe import EPExperts
 from .placement import EMPTY, Placement
 
 log = logging.getLogger(__name__)
+
+_ALL_ROWS = 2**62  # the live-row count outside a step: every row is real
 
 
 def apply_ep(model: DeepseekForCausalLM, group: EPGroup, placement: Placement) -> EPRuntime:
@@ -150,6 +152,12 @@ class EPRuntime:
         for layer in layers:
             layer.shape = self.shape
         self.ladder: tuple[int, ...] = ()  # the decode graphs' row counts (the runner's)
+        if layers and self.shape.live is None:  # every row real until a step says otherwise
+            device = layers[0].load.device
+            self.shape.live = torch.full((1,), _ALL_ROWS, dtype=torch.int64, device=device)
+        # Replays the decode graph of the agreed rows with none of this rank's (the runner's
+        # ModelRunner.replay_idle): an idle rank then steps through the graph like the others.
+        self.idle: Callable[[int], bool] | None = None
 
     def use_ladder(self, ladder: Sequence[int]) -> None:
         """Pad each step's rows to these sizes; up to the largest the exchange is fixed-shape
@@ -173,25 +181,34 @@ class EPRuntime:
         self.use_ladder(ladder)
         rows = next((b for b in self.ladder if b >= most), most)
         self.shape.tokens = rows
+        if self.shape.live is not None:
+            self.shape.live.fill_(tokens)  # queued before the forward, no sync
         return rows
 
     def end_step(self) -> None:
         """The forward is queued: no bound is agreed until the next :meth:`begin_step` (a
-        graph captured in between sizes its buffers by its own rows)."""
+        graph captured in between sizes its buffers by its own rows, a forward outside a step
+        takes every row as real; the queued forward has read the step's count by then)."""
         self.shape.tokens = 0
+        if self.shape.live is not None:
+            self.shape.live.fill_(_ALL_ROWS)
 
     def empty_step(self) -> None:
         """This rank's part of one forward with no tokens: the step's agreement, then every
         MoE layer's exchanges in the order the model runs them, with the buffers the other
-        ranks use (it may still compute experts for them). Eager: only the MoE layers run."""
+        ranks use (it may still compute experts for them): a replay of the decode graph of the
+        agreed rows, all padding, where :attr:`idle` has one; else only the MoE layers,
+        eagerly."""
         if not self.layers:
             return
-        self.begin_step(0, self.ladder)
-        device = self.layers[0].load.device
-        x = torch.empty(0, self._hidden, dtype=self._dtype, device=device)
-        weights = torch.empty(0, self._top_k, dtype=torch.float32, device=device)
-        idx = torch.empty(0, self._top_k, dtype=torch.int64, device=device)
+        rows = self.begin_step(0, self.ladder)
         try:
+            if self.idle is not None and self.idle(rows):
+                return
+            device = self.layers[0].load.device
+            x = torch.empty(0, self._hidden, dtype=self._dtype, device=device)
+            weights = torch.empty(0, self._top_k, dtype=torch.float32, device=device)
+            idx = torch.empty(0, self._top_k, dtype=torch.int64, device=device)
             with torch.inference_mode():
                 for layer in self.layers:
                     layer(x, weights, idx)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from collections.abc import Iterator
 from typing import Annotated, Any
 
@@ -47,6 +48,10 @@ class GetWeather(BaseModel):
     city: str = Field(max_length=10)
 
 
+COMPILE_S = 2.0
+ENGINES = ("prefill", "decode")
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The stack, with the default heartbeat timeouts (3 s): an engine builds its grammar
@@ -60,6 +65,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         ready_timeout=READY_TIMEOUT,
         drain_seconds=5.0,
         env=dict(os.environ),
+        # schemas here compile in ~0.01 s; the last test's wide one would take ~25 s
+        extra_args={r: ["--grammar-compile-seconds", str(COMPILE_S)] for r in ENGINES},
     )
     try:
         s.start()
@@ -246,3 +253,28 @@ def test_litellm_openai_provider(stack: Stack) -> None:
     assert calls, r
     for call in calls:
         jsonschema.validate(json.loads(call.function.arguments), GetWeather.model_json_schema())
+
+
+def test_a_slow_schema_is_a_400_naming_the_limit_and_others_are_served(stack: Stack) -> None:
+    """Issue 33's probe: a schema of 4,000 optional properties compiled for 59 s (a 504), and
+    another client's worst latency rose to 19 s meanwhile. 1,500 (~25 s to compile) past this
+    stack's 2 s budget: a 400 naming the limit; a plain request meanwhile is served at once.
+    Last in the module: the killed compiler process is started again by the next schema."""
+    import concurrent.futures
+
+    props = {f"p{i}": {"type": "string"} for i in range(1500)}
+    schema = {"name": "wide", "schema": {"type": "object", "properties": props}}
+    say_hi = [{"role": "user", "content": "Say hi"}]
+    wide = {"model": MODEL_NAME, "messages": say_hi, "max_tokens": 8}
+    wide["response_format"] = {"type": "json_schema", "json_schema": schema}
+    http = strict_http(httpx.Client(timeout=120))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(http.post, f"{stack.api_url}/chat/completions", json=wide)
+        sdk(stack).chat.completions.create(model=MODEL_NAME, messages=say_hi, max_tokens=2)
+        t0 = time.monotonic()  # the wide schema is being compiled now (or refused already)
+        sdk(stack).chat.completions.create(model=MODEL_NAME, messages=say_hi, max_tokens=2)
+        plain_s = time.monotonic() - t0
+        r = slow.result()
+    assert r.status_code == 400, r.text
+    assert "--grammar-compile-seconds" in r.json()["error"]["message"], r.text
+    assert plain_s < COMPILE_S + 3, plain_s

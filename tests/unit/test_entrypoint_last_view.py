@@ -129,7 +129,7 @@ async def test_a_hung_balancer_costs_one_request_its_timeout_not_every_one() -> 
     for k in range(5):
         await collect(h, req([1, 3 + k]))
     rest = loop.time() - t0
-    assert first >= 0.2 and rest < 0.1, (first, rest)
+    assert first >= 0.2 and rest < 0.5, (first, rest)  # 5 x 0.2 s if each waited
     assert bus.asked == 1 and len(bus.tasks()) == 6
 
 

@@ -76,8 +76,8 @@ def test_readme_python_client_streams_tokens(stack: Stack) -> None:
     assert "finish:" in proc.stderr
 
 
-# Bytes that are no protobuf message: a server that parsed them would answer INTERNAL
-# ("Exception deserializing request"), not UNAUTHENTICATED.
+# Bytes that are no protobuf message: a server that parses a body before the credential never
+# answers UNAUTHENTICATED for them (grpc.aio gives no answer at all until the deadline).
 GARBAGE = b"\xff\xff\xff\xff\x0f"
 UNREAD = {  # each gRPC server's method that takes one message, and its streaming shape
     "entrypoint": ("/deepserve.v1.Generate/Generate", "unary_stream"),

@@ -43,6 +43,10 @@ class Demand:
     tokens: int  # prompt tokens the tenant's requests still have to compute
     weight: float = 1.0
 
+    def __post_init__(self) -> None:
+        if not self.weight > 0:
+            raise ValueError(f"a tenant's weight must be positive, got {self.weight}")
+
 
 def fair_shares(demands: Mapping[bytes, Demand], capacity: int) -> dict[bytes, int]:
     """Max-min fair (weighted water-filling) split of ``capacity`` tokens over ``demands``:
@@ -130,7 +134,8 @@ class FairScheduler(Scheduler):
                 self._run_chunk(step, req, step.budget)
         demands = {t: Demand(sum(map(self._left, q)), q[0].weight) for t, q in queues.items()}
         starting = True  # a start that fails ends this step's starts, as in FIFO order
-        for turn in self.fairness.turns(demands, self._prompt_capacity(step)):
+        ctx = sum(q[0].num_computed for q in queues.values()) // len(queues)
+        for turn in self.fairness.turns(demands, self._prompt_capacity(step, ctx)):
             left = turn.share
             for req in queues[turn.tenant]:
                 limit = min(left, step.budget)
@@ -176,11 +181,11 @@ class FairScheduler(Scheduler):
             and len(self.running) < self.config.max_running
         )
 
-    def _prompt_capacity(self, step: StepBuilder) -> int:
+    def _prompt_capacity(self, step: StepBuilder, ctx: int) -> int:
         """Prompt tokens the step still has room for: the token budget, or fewer where the
-        time budget ends first (priced as one fresh chunk after what is scheduled)."""
+        time budget ends first (priced as one chunk after ``ctx`` tokens, the heads' mean)."""
         if self.config.time_budget_s is None or step.budget <= 0:
             return max(step.budget, 0)
         shape = StepShape(tuple(step.shape))
-        n = self.cost.max_chunk(shape, 0, step.budget, self.config.time_budget_s)
+        n = self.cost.max_chunk(shape, ctx, step.budget, self.config.time_budget_s)
         return n if n or step.shape else min(step.budget, self.bm.block_size)

@@ -54,6 +54,8 @@ def test_fair_shares_give_small_demands_all_and_split_the_rest_by_weight() -> No
     d = {A: Demand(30000), B: Demand(6), C: Demand(30000, weight=3.0)}
     assert fair_shares(d, 4096) == {B: 6, A: 1023, C: 3067}
     assert sum(fair_shares({A: Demand(10), B: Demand(20)}, 4096).values()) == 30
+    with pytest.raises(ValueError, match="weight must be positive"):
+        Demand(10, weight=0.0)
 
 
 def test_an_arriving_tenant_starts_level_and_smaller_demands_break_ties() -> None:
@@ -155,6 +157,18 @@ def test_two_long_prompts_share_every_step_by_weight() -> None:
     for _ in range(3):
         plan = s.schedule()
         assert chunks(plan) == {"a": 1024, "c": 3072}
+        drive(s, plan)
+
+
+def test_under_the_time_budget_two_long_prompts_share_each_step() -> None:
+    s = sched(max_tokens_per_step=32768, time_budget_s=0.05)
+    s.add(req("a", 30000, A))
+    s.add(req("c", 30000, C))
+    for _ in range(3):
+        plan = s.schedule()
+        got = chunks(plan)
+        assert min(got.values()) >= 0.4 * max(got.values())  # about half the step each
+        assert s.cost.seconds(plan.shape) <= 0.05 * 1.05  # and the step stays in its budget
         drive(s, plan)
 
 

@@ -13,11 +13,17 @@ from .policy import DECODE, DIGEST_BYTES, PREFILL, Instance
 _ROLE_NAMES = {control_pb2.ROLE_PREFILL: PREFILL, control_pb2.ROLE_DECODE: DECODE}
 
 
-def instance_from_status(status: control_pb2.InstanceStatus) -> Instance:
-    """The routing view of a heartbeat; ValueError if it names no valid role or instance."""
+def role_of(status: control_pb2.InstanceStatus) -> str:
+    """The heartbeat's role (``PREFILL`` or ``DECODE``); ValueError if it names none."""
     role = _ROLE_NAMES.get(status.role)
     if role is None:
         raise ValueError(f"heartbeat of {status.instance_id!r} has no role")
+    return role
+
+
+def instance_from_status(status: control_pb2.InstanceStatus) -> Instance:
+    """The routing view of a heartbeat; ValueError if it names no valid role or instance."""
+    role = role_of(status)
     return Instance(
         instance_id=status.instance_id,
         role=role,

@@ -7,8 +7,9 @@ from collections.abc import Mapping
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from libs.gateway.capacity import DECODE, PREFILL, ROLES, Capacity, Load, Need
+from libs.gateway.capacity import PREFILL, ROLES, Capacity, Load, Need
 from libs.proto.deepserve.v1 import control_pb2
+from libs.routing.heartbeat import role_of
 from libs.routing.policy import resident_run
 
 ADMISSIONS = Counter(
@@ -40,14 +41,10 @@ QUEUED_BUSY = Histogram(
     buckets=(0.1, 0.25, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0),
 )
 
-_ROLE_NAMES = {control_pb2.ROLE_PREFILL: PREFILL, control_pb2.ROLE_DECODE: DECODE}
-
 
 def load_from_status(status: control_pb2.InstanceStatus) -> Load:
     """Admission's view of a heartbeat; ValueError if it names no role or instance."""
-    role = _ROLE_NAMES.get(status.role)
-    if role is None:
-        raise ValueError(f"heartbeat of {status.instance_id!r} has no role")
+    role = role_of(status)
     return Load(
         instance_id=status.instance_id,
         role=role,

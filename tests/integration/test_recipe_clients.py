@@ -110,7 +110,10 @@ def test_every_length_field_holds(
     )
     assert r.status_code == 200, r.text
     used = r.json()["usage"][usage_key]
-    assert 1 <= used <= 7 and (path == "/responses" or used == 7), r.json()
+    assert 1 <= used <= 7, r.json()
+    if path != "/responses":  # ignore_eos: the limit, not the model, ended it (usage leaves
+        # out EOS ids the random model may emit on the way, so it can read less than 7)
+        assert r.json()["choices"][0]["finish_reason"] == "length", r.json()
 
 
 # -- LangChain -----------------------------------------------------------------------------------

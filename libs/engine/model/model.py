@@ -193,9 +193,7 @@ class DeepseekForCausalLM(nn.Module):
         chunked, or on whether its tokens were prefilled or decoded. bf16/fp32 weights only."""
         if on and self.weight_dtype == "fp8":
             raise ValueError("batch-invariant mode serves bf16 weights, not FP8 ones")
-        if on and any(
-            isinstance(m, Experts) and not isinstance(m.method, Bf16Experts) for m in self.modules()
-        ):
+        if on and not isinstance(self.experts_method, Bf16Experts):
             raise ValueError("batch-invariant mode serves bf16 experts, not FP4/FP8 ones")
         arith = arithmetic(on)
         for module in self.modules():

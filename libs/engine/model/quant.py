@@ -21,7 +21,7 @@ combinations run at all is :mod:`libs.engine.features`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -135,36 +135,47 @@ class ExpertsMethod:
 
     def ffn(self, experts: Experts, x: torch.Tensor, arith: Arithmetic) -> tuple[Ffn, int]:
         """The reference per-expert FFN and the number of experts it holds."""
-        w13, w2 = experts.w13, experts.w2
+        return _swiglu(experts.w13, experts.w2, arith), experts.w13.shape[0]
 
-        def ffn(xe: torch.Tensor, e: int) -> torch.Tensor:
-            gate, up = arith.linear(xe, w13[e]).chunk(2, dim=-1)
-            return arith.linear(arith.silu(gate) * up, w2[e])
 
-        return ffn, w13.shape[0]
+def _swiglu(w13: torch.Tensor, w2: torch.Tensor, arith: Arithmetic) -> Ffn:
+    """``down(silu(gate) * up)`` of expert ``e`` from the fused ``w13`` / ``w2`` matrices."""
+
+    def ffn(xe: torch.Tensor, e: int) -> torch.Tensor:
+        gate, up = arith.linear(xe, w13[e]).chunk(2, dim=-1)
+        return arith.linear(arith.silu(gate) * up, w2[e])
+
+    return ffn
 
 
 class Bf16Experts(ExpertsMethod):
     pass
 
 
-class Fp8Experts(ExpertsMethod):
+class QuantizedExperts(ExpertsMethod):
+    """Experts held as quantized copies (``w13``, ``w2``), which the fused kernel takes as
+    they are; the module's own parameters are freed."""
+
+    def __init__(self, w13: Any, w2: Any) -> None:
+        self.w13, self.w2 = w13, w2
+
+    def kernel_weights(self, experts: Experts) -> tuple[KernelWeight, KernelWeight]:
+        return self.w13, self.w2
+
+
+class Fp8Experts(QuantizedExperts):
     """e4m3 experts with one fp32 scale per 128x128 tile of each expert's matrices."""
 
     name = "fp8"
     param_bytes = 1 + 4 / 128**2  # an e4m3 byte, and an fp32 scale per 128x128 tile
-
-    def __init__(self, w13: Fp8Weight, w2: Fp8Weight) -> None:
-        self.w13, self.w2 = w13, w2
+    w13: Fp8Weight
+    w2: Fp8Weight
 
     @classmethod
     def quantize(cls, experts: Experts) -> Fp8Experts:
         from ..kernels.fp8_gemm import quantize_fp8_blocks
 
         return cls(quantize_fp8_blocks(experts.w13.data), quantize_fp8_blocks(experts.w2.data))
-
-    def kernel_weights(self, experts: Experts) -> tuple[KernelWeight, KernelWeight]:
-        return self.w13, self.w2
 
     def slot_state(self, experts: Experts) -> list[torch.Tensor]:
         return [self.w13.q, self.w13.scale, self.w2.q, self.w2.scale]
@@ -188,24 +199,20 @@ class Fp8Experts(ExpertsMethod):
         return ffn, w13.q.shape[0]
 
 
-class Fp4Experts(ExpertsMethod):
+class Fp4Experts(QuantizedExperts):
     """e2m1 experts with one scale per 32 weights, dequantized inside the fused kernel's GEMMs
     (the reference dequantizes them whole)."""
 
     name = "fp4"
     param_bytes = 0.5 + 2 / 32  # an e2m1 nibble, and a 2-byte scale entry per 32 weights
-
-    def __init__(self, w13: Fp4Weight, w2: Fp4Weight) -> None:
-        self.w13, self.w2 = w13, w2
+    w13: Fp4Weight
+    w2: Fp4Weight
 
     @classmethod
     def quantize(cls, experts: Experts) -> Fp4Experts:
         from ..kernels.fused_moe import quantize_fp4
 
         return cls(quantize_fp4(experts.w13.data), quantize_fp4(experts.w2.data))
-
-    def kernel_weights(self, experts: Experts) -> tuple[KernelWeight, KernelWeight]:
-        return self.w13, self.w2
 
     def slot_state(self, experts: Experts) -> list[torch.Tensor]:
         return [self.w13.packed, self.w13.scales, self.w2.packed, self.w2.scales]
@@ -219,12 +226,7 @@ class Fp4Experts(ExpertsMethod):
         from ..kernels.fused_moe import dequantize_fp4
 
         w13, w2 = dequantize_fp4(self.w13, x.dtype), dequantize_fp4(self.w2, x.dtype)
-
-        def ffn(xe: torch.Tensor, e: int) -> torch.Tensor:
-            gate, up = F.linear(xe, w13[e]).chunk(2, dim=-1)
-            return F.linear(F.silu(gate) * up, w2[e])
-
-        return ffn, w13.shape[0]
+        return _swiglu(w13, w2, PLAIN), w13.shape[0]
 
 
 BF16_EXPERTS = Bf16Experts()

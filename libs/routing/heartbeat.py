@@ -1,4 +1,5 @@
-"""The routing view of a heartbeat (``InstanceStatus`` on ``ds.heartbeat.<role>.<id>``).
+"""The routing policy's messages: a heartbeat (``InstanceStatus`` on
+``ds.heartbeat.<role>.<id>``) in, a ``RouteRequest`` routed, a ``RouteDecision`` out.
 
 One conversion for every process that routes: the balancer, and the entrypoint while no
 balancer answers (``services/entrypoint/last_view.py``).
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from libs.proto.deepserve.v1 import control_pb2
 
-from .policy import DECODE, DIGEST_BYTES, PREFILL, Instance
+from .policy import DECODE, DIGEST_BYTES, PREFILL, Decision, Instance, RoutingPolicy
 
 _ROLE_NAMES = {control_pb2.ROLE_PREFILL: PREFILL, control_pb2.ROLE_DECODE: DECODE}
 
@@ -36,4 +37,24 @@ def instance_from_status(status: control_pb2.InstanceStatus) -> Instance:
         total_kv_blocks=status.total_kv_blocks,
         draining=status.draining,
         resident=frozenset(bytes(p[:DIGEST_BYTES]) for p in status.resident_prefixes),
+    )
+
+
+def route(policy: RoutingPolicy, req: control_pb2.RouteRequest) -> Decision:
+    """``policy``'s decision for a route request; NoInstance if nothing live can take it."""
+    return policy.route(
+        req.model,
+        req.exclude,
+        request_id=req.request_id,
+        prompt_tokens=req.prompt_tokens,
+        block_hashes=list(req.block_hashes),
+    )
+
+
+def decision_message(decision: Decision) -> control_pb2.RouteDecision:
+    """A decision as the ``RouteDecision`` its requester reads."""
+    return control_pb2.RouteDecision(
+        prefill_instance=decision.prefill.instance_id,
+        decode_instance=decision.decode.instance_id,
+        decode_address=decision.decode.address,
     )

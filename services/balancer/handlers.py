@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError
 from prometheus_client import Counter, Gauge, Histogram
 
 from libs.proto.deepserve.v1 import control_pb2
-from libs.routing.heartbeat import instance_from_status
+from libs.routing.heartbeat import decision_message, instance_from_status, route
 from libs.routing.policy import DECODE, PREFILL, NoInstance, RoutingPolicy
 
 from .metrics import BalancerMetrics
@@ -76,13 +76,7 @@ class BalancerHandlers:
                 ROUTES.labels("bad_request").inc()
                 return _reply(control_pb2.RouteDecision(error=f"unreadable RouteRequest: {exc}"))
             try:
-                decision = self.policy.route(
-                    req.model,
-                    req.exclude,
-                    request_id=req.request_id,
-                    prompt_tokens=req.prompt_tokens,
-                    block_hashes=list(req.block_hashes),
-                )
+                decision = route(self.policy, req)
             except NoInstance as exc:
                 ROUTES.labels("no_instance").inc()
                 log.warning("request %s: %s", req.request_id, exc)
@@ -90,13 +84,7 @@ class BalancerHandlers:
             ROUTES.labels("ok").inc()
             self.metrics.on_decision(decision)
             RESIDENT_BLOCKS.observe(decision.resident_blocks)
-            return _reply(
-                control_pb2.RouteDecision(
-                    prefill_instance=decision.prefill.instance_id,
-                    decode_instance=decision.decode.instance_id,
-                    decode_address=decision.decode.address,
-                )
-            )
+            return _reply(decision_message(decision))
 
     def prune(self) -> None:
         """Forget dead instances and refresh the live gauge (called about once a second)."""

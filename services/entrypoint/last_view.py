@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 
 from libs.proto.deepserve.v1 import control_pb2
-from libs.routing.heartbeat import instance_from_status
+from libs.routing.heartbeat import decision_message, instance_from_status, route
 from libs.routing.policy import NoInstance, RoutingPolicy
 
 log = logging.getLogger("entrypoint")
@@ -66,21 +66,11 @@ class LastView:
     def route(self, req: control_pb2.RouteRequest) -> control_pb2.RouteDecision | None:
         self.policy.prune()
         try:
-            d = self.policy.route(
-                req.model,
-                req.exclude,
-                request_id=req.request_id,
-                prompt_tokens=req.prompt_tokens,
-                block_hashes=list(req.block_hashes),
-            )
+            decision = route(self.policy, req)
         except NoInstance:
             return None
         self.routed_here += 1
-        return control_pb2.RouteDecision(
-            prefill_instance=d.prefill.instance_id,
-            decode_instance=d.decode.instance_id,
-            decode_address=d.decode.address,
-        )
+        return decision_message(decision)
 
     def away_now(self, why: str) -> None:
         now = self._clock()

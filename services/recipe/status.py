@@ -27,6 +27,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from libs.proto.deepserve.v1 import control_pb2
+from libs.routing.heartbeat import role_of
 from libs.routing.policy import ANY_BUCKET
 
 from .status_load import LoadTable
@@ -43,8 +44,6 @@ RATE_WINDOW_S = 10.0
 UNKNOWN_BUCKET = "unknown"  # a prefill instance no balancer (reached) has placed
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
-
-_ROLES = {control_pb2.ROLE_PREFILL: "prefill", control_pb2.ROLE_DECODE: "decode"}
 
 
 def parse_metrics(text: str) -> Samples:
@@ -111,8 +110,11 @@ class Instance:
 
 def instance_of(status: control_pb2.InstanceStatus, now: float) -> Instance | None:
     """The page's view of a heartbeat; None for one with no role or no id."""
-    role = _ROLES.get(status.role)
-    if role is None or not status.instance_id:
+    try:
+        role = role_of(status)
+    except ValueError:
+        return None
+    if not status.instance_id:
         return None
     return Instance(
         instance_id=status.instance_id,

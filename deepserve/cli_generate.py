@@ -185,13 +185,14 @@ def _generate_ep(args: argparse.Namespace, prompt: str | list[int], params: Any)
 
 
 def _host_ranks(args: argparse.Namespace) -> list[int]:
-    """The global ranks this host runs (``--ep-ranks-per-host``, ``--ep-node-rank``)."""
-    per_host = args.ep_ranks_per_host or args.ep
-    if args.ep_ranks_per_host < 0 or args.ep % per_host:
-        raise ValueError(f"--ep-ranks-per-host {args.ep_ranks_per_host} must divide --ep {args.ep}")
-    if not 0 <= args.ep_node_rank < args.ep // per_host:
-        raise ValueError(f"--ep-node-rank {args.ep_node_rank} outside {args.ep // per_host} hosts")
-    if per_host < args.ep and not args.ep_master:
-        raise ValueError("--ep over several hosts needs --ep-master host:port")
-    first = args.ep_node_rank * per_host
-    return list(range(first, first + per_host))
+    """The global ranks this host runs (``--ep-ranks-per-host``, ``--ep-node-rank``), the host
+    flags checked as the services check them."""
+    from libs.serving.ep.service import EPFlags
+
+    ep = EPFlags(
+        size=args.ep,
+        master=args.ep_master,
+        ranks_per_host=args.ep_ranks_per_host,
+        node_rank=args.ep_node_rank,
+    )
+    return list(range(ep.first_rank, ep.first_rank + ep.local_ranks))

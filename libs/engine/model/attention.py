@@ -19,6 +19,7 @@ attention (flash/cuDNN on CUDA) and decodes through the Triton paged decode kern
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,6 +35,14 @@ from .rope import Rotary, softmax_scale
 _QUERY_TILE = 512
 # Rows per call of the batch-invariant PyTorch attention (one shape for every batch).
 _INVARIANT_TILE = 16
+# Context rows up-projected at once for the prompt chunks over cached prefixes of one step
+# (their keys and values: 8 KiB a row for V2-Lite's 16 heads, 64 KiB for V3's 128); a group
+# holds at least one request, however long its context.
+EXTEND_GROUP_ROWS = 32768
+# Whether the kernel path sends prompt chunks over cached prefixes through the one-launch
+# varlen kernel (:mod:`libs.engine.kernels.extend_attention`) instead of one fused attention
+# call per request (kept for comparison: scripts/gpu/profile_extend.py).
+EXTEND_KERNEL = True
 
 
 @dataclass
@@ -74,6 +83,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor | None = None
     block_size: int = 128
     num_splits: int = 1
+    # The kernel path's prompt chunks over cached prefixes, grouped for one launch each
+    # (:meth:`MLAttention._extend_groups`): made by the first layer, reused by the others.
+    extend_groups: list[tuple[torch.Tensor, Any]] | None = None
 
 
 class MLAttention(SummedBy, nn.Module):
@@ -253,9 +265,12 @@ class MLAttention(SummedBy, nn.Module):
         cfg = self.cfg
         t = q_nope.shape[0]
         out = q_nope.new_empty(t, cfg.num_attention_heads, cfg.v_head_dim)
+        groups = self._extend_groups(meta)
         for seq in meta.seqs:
-            rows = slice(seq.q_start, seq.q_start + seq.q_len)
             ctx_len = seq.ctx_slots.shape[0]
+            if groups and ctx_len > seq.q_len:
+                continue  # in an extend group below
+            rows = slice(seq.q_start, seq.q_start + seq.q_len)
             # A prompt with nothing cached before it attends to the latents it just made --
             # unless the cache is FP8: then to the cached values, as its later decodes will, so
             # a prompt reads the same numbers whether it is prefilled whole or in chunks.
@@ -272,6 +287,13 @@ class MLAttention(SummedBy, nn.Module):
                 (k_nope, k_pe[:, None, :].expand(-1, cfg.num_attention_heads, -1)), dim=-1
             )
             out[rows] = prefill_attention(q, k, v, self.scale)
+        for slots, plan in groups:
+            from ..kernels.extend_attention import extend_attention
+
+            ctx = cache.gather(slots, q_nope.dtype)
+            latent, k_pe = torch.split(ctx, [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+            kv = self.kv_b_proj(latent).view(slots.shape[0], cfg.num_attention_heads, -1)
+            extend_attention(q_nope, q_pe, kv, k_pe, out, plan, self.scale)
         if meta.decode_start is not None and meta.decode_start < t:
             assert meta.block_table is not None and meta.seq_lens is not None
             d = slice(meta.decode_start, t)
@@ -280,6 +302,42 @@ class MLAttention(SummedBy, nn.Module):
             o_lat = self._paged_decode(q_lat, q_pe[d], meta, cache, meta.num_splits)
             out[d] = torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
         return out
+
+    def _extend_groups(self, meta: AttentionMetadata) -> list[tuple[torch.Tensor, Any]]:
+        """The step's prompt chunks over cached prefixes as launches of the extend kernel: each
+        group's context slots (concatenated) and its :class:`ExtendPlan`, at most
+        :data:`EXTEND_GROUP_ROWS` context rows a group unless one request alone has more.
+        Chunks with nothing cached keep the fused attention call (flash, one per request)."""
+        if meta.extend_groups is not None:
+            return meta.extend_groups
+        from ..kernels.extend_attention import ExtendPlan, supports
+
+        cfg = self.cfg
+        groups: list[tuple[torch.Tensor, Any]] = []
+        seqs = [s for s in meta.seqs if s.ctx_slots.shape[0] > s.q_len]
+        if not (EXTEND_KERNEL and seqs and supports(cfg)):
+            meta.extend_groups = groups
+            return groups
+        batches: list[list[SeqAttention]] = [[]]
+        rows = 0
+        for s in seqs:
+            n = int(s.ctx_slots.shape[0])
+            if batches[-1] and rows + n > EXTEND_GROUP_ROWS:
+                batches.append([])
+                rows = 0
+            batches[-1].append(s)
+            rows += n
+        for batch in batches:
+            slots = torch.cat([s.ctx_slots for s in batch])
+            plan = ExtendPlan(
+                [s.q_start for s in batch],
+                [s.q_len for s in batch],
+                [int(s.ctx_slots.shape[0]) for s in batch],
+                slots.device,
+            )
+            groups.append((slots, plan))
+        meta.extend_groups = groups
+        return groups
 
     # -- batch-invariant path -----------------------------------------------------------------
     def _forward_invariant(

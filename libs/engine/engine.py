@@ -49,6 +49,7 @@ from .runner import Launched, ModelRunner
 from .sampler import Sampler
 from .scheduler import SchedulerConfig, Status, StepPlan, TokenEvent
 from .speculative import SpecDecoder
+from .step_profile import StepProfile
 
 if TYPE_CHECKING:
     from .ep.eplb import EplbConfig
@@ -141,6 +142,7 @@ class Engine:
         self._inflight: Launched | None = None
         self.last_step_seconds = 0.0  # of the step that finished last
         self.last_step_tokens = 0  # of the step launched last
+        self._profile = StepProfile.from_env()
         self.last_finished_tokens = 0
         self.last_finished_seqs = 0  # requests in the step that finished last (its batch)
         self.finished_steps = 0  # steps whose results came back, since start
@@ -338,6 +340,12 @@ class Engine:
     def step(self) -> list[TokenEvent]:
         """Schedule and launch one step; return the events of the step that finished.
         With EP, always one forward: an empty one when nothing is scheduled here."""
+        if self._profile is not None:  # DEEPSERVE_TORCH_PROFILE (libs/engine/step_profile.py)
+            running = len(self.scheduler.running)
+            return self._profile.step(self._step, lambda: self.last_step_tokens, running)
+        return self._step()
+
+    def _step(self) -> list[TokenEvent]:
         if self.speculative is not None:
             return self._step_speculative(self.speculative)
         early: list[TokenEvent] = []

@@ -43,6 +43,15 @@ EXTEND_GROUP_ROWS = 32768
 # varlen kernel (:mod:`libs.engine.kernels.extend_attention`) instead of one fused attention
 # call per request (kept for comparison: scripts/gpu/profile_extend.py).
 EXTEND_KERNEL = True
+# Fresh prompts (nothing cached) of at least this many rows keep PyTorch's flash attention, one
+# call each (the quadratic part dominates there); shorter ones join the extend launch, so a
+# burst of short prompts is one launch per layer instead of one call per request.
+FLASH_MIN_ROWS = 1024
+
+
+def _extends(seq: SeqAttention) -> bool:
+    """Whether the kernel path attends ``seq`` through the extend launch."""
+    return seq.ctx_slots.shape[0] > seq.q_len or seq.q_len < FLASH_MIN_ROWS
 
 
 @dataclass
@@ -268,7 +277,7 @@ class MLAttention(SummedBy, nn.Module):
         groups = self._extend_groups(meta)
         for seq in meta.seqs:
             ctx_len = seq.ctx_slots.shape[0]
-            if groups and ctx_len > seq.q_len:
+            if groups and _extends(seq):
                 continue  # in an extend group below
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
             # A prompt with nothing cached before it attends to the latents it just made --
@@ -304,17 +313,18 @@ class MLAttention(SummedBy, nn.Module):
         return out
 
     def _extend_groups(self, meta: AttentionMetadata) -> list[tuple[torch.Tensor, Any]]:
-        """The step's prompt chunks over cached prefixes as launches of the extend kernel: each
-        group's context slots (concatenated) and its :class:`ExtendPlan`, at most
-        :data:`EXTEND_GROUP_ROWS` context rows a group unless one request alone has more.
-        Chunks with nothing cached keep the fused attention call (flash, one per request)."""
+        """The step's prompt chunks over cached prefixes, and its short fresh prompts, as
+        launches of the extend kernel: each group's context slots (concatenated) and its
+        :class:`ExtendPlan`, at most :data:`EXTEND_GROUP_ROWS` context rows a group unless one
+        request alone has more. Fresh prompts of :data:`FLASH_MIN_ROWS` rows or more keep the
+        fused attention call (flash, one per request)."""
         if meta.extend_groups is not None:
             return meta.extend_groups
         from ..kernels.extend_attention import ExtendPlan, supports
 
         cfg = self.cfg
         groups: list[tuple[torch.Tensor, Any]] = []
-        seqs = [s for s in meta.seqs if s.ctx_slots.shape[0] > s.q_len]
+        seqs = [s for s in meta.seqs if _extends(s)]
         if not (EXTEND_KERNEL and seqs and supports(cfg)):
             meta.extend_groups = groups
             return groups

@@ -5,7 +5,7 @@ Where each value comes from -- the engine's own state, never an estimate:
 
 * gauges ``deepserve:num_requests_running`` / ``_waiting`` (the scheduler's queues) and
   ``deepserve:kv_cache_usage_perc`` (blocks not free / all blocks, 0..1),
-  ``deepserve:engine_busy_fraction`` (share of the last 5 s of wall time the engine spent
+  ``deepserve:engine_busy_fraction`` (share of the last 1 s of wall time the engine spent
   stepping, 0..1; deepserve's own, vLLM has none), and counters
   ``deepserve:num_preemptions_total``, ``deepserve:prefix_cache_queries_total`` /
   ``_hits_total`` (prompt tokens looked up in / found in this engine's own prefix cache), and
@@ -265,7 +265,7 @@ class _StateCollector(Collector):
             (
                 GaugeMetricFamily,
                 "engine_busy_fraction",
-                "Share of the last 5 s of wall time the engine spent stepping (1 = never idle)",
+                "Share of the last 1 s of wall time the engine spent stepping (1 = never idle)",
                 s.busy_fraction,
             ),
             (CounterMetricFamily, "num_preemptions", "Requests preempted", s.num_preemptions),

@@ -74,7 +74,10 @@ RATE_MAX_OVER_AVERAGE = 20.0  # the marginal rate is held within this many times
 RESIDENT_SUMMARY = 8192  # digests per heartbeat: 64 KiB, i.e. 1M prompt tokens of prefixes
 RESIDENT_REFRESH_S = 0.5  # the summary is rebuilt at most this often (heartbeats: every 1 s)
 RESIDENT_DIGEST_BYTES = 8
-BUSY_WINDOW_S = 5.0  # the busy fraction's window
+# The busy fraction's window: one heartbeat interval, so each heartbeat says how busy the
+# engine was since the one before -- a longer mean lags a burst (after an idle spell a 5 s mean
+# read ~0.5 while the engine had been stepping without a pause for a second or two).
+BUSY_WINDOW_S = 1.0
 
 
 class WaitingWork:

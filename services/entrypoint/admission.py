@@ -29,7 +29,7 @@ ADMISSION_WAITING = Gauge(
 )
 ENGINE_BUSY = Gauge(
     "deepserve_entrypoint_engine_busy_fraction",
-    "share of the last 5 s each live instance's engine spent stepping, from its latest "
+    "share of the last 1 s each live instance's engine spent stepping, from its latest "
     "heartbeat (instances silent past --instance-dead-after are dropped)",
     ["role", "instance"],
 )

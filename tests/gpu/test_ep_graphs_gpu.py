@@ -7,6 +7,7 @@ graphs under EP are all exercised as on N GPUs.
 from __future__ import annotations
 
 import copy
+import gc
 from collections.abc import Iterator
 
 import pytest
@@ -39,6 +40,10 @@ CFG = ModelConfig(
 def group() -> Iterator[EPGroup]:
     g = EPGroup.single("cuda")
     yield g
+    # The engines' CUDA graphs hold NCCL work of this group's communicator: free them, and let
+    # the device finish, before the communicator goes (destroying it under live graphs hung).
+    gc.collect()
+    torch.cuda.synchronize()
     g.close()
 
 

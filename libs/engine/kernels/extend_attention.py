@@ -53,6 +53,7 @@ def _key_tile(
     qn, qp, m_i, l_i, acc, n0, free_end, q_pos, KV, KPE, k0, nk, head, qk_scale,
     s_kv_t, s_kv_h, s_kpe_t,
     DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One ``BLOCK_N`` tile of keys into the online softmax; only the tiles reaching past the
     query tile's first row (its diagonal) are masked."""
@@ -66,7 +67,8 @@ def _key_tile(
         KV + ctx[None, :] * s_kv_t + head * s_kv_h + d_n[:, None], mask=key_ok[None, :], other=0.0
     )
     k_r = tl.load(KPE + ctx[None, :] * s_kpe_t + d_r[:, None], mask=key_ok[None, :], other=0.0)
-    s = (tl.dot(qn, k_n) + tl.dot(qp, k_r)) * qk_scale
+    s = tl.dot(qn, k_n, input_precision=DOT_PRECISION)
+    s = (s + tl.dot(qp, k_r, input_precision=DOT_PRECISION)) * qk_scale
     if n0 + BLOCK_N > free_end:
         s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -78,7 +80,7 @@ def _key_tile(
         mask=key_ok[:, None],
         other=0.0,
     )
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -111,6 +113,7 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WHILE_LOOP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -144,14 +147,14 @@ def _extend_kernel(
         while n0 < end:
             m_i, l_i, acc = _key_tile(
                 qn, qp, m_i, l_i, acc, n0, free_end, q_pos, KV, KPE, k0, nk, head, qk_scale,
-                s_kv_t, s_kv_h, s_kpe_t, DN, DR, DV, BLOCK_N,
+                s_kv_t, s_kv_h, s_kpe_t, DN, DR, DV, BLOCK_N, DOT_PRECISION,
             )  # fmt: skip
             n0 += BLOCK_N
     else:
         for n0 in range(0, end, BLOCK_N):
             m_i, l_i, acc = _key_tile(
                 qn, qp, m_i, l_i, acc, n0, free_end, q_pos, KV, KPE, k0, nk, head, qk_scale,
-                s_kv_t, s_kv_h, s_kpe_t, DN, DR, DV, BLOCK_N,
+                s_kv_t, s_kv_h, s_kpe_t, DN, DR, DV, BLOCK_N, DOT_PRECISION,
             )  # fmt: skip
     out = acc / l_i[:, None]
     tl.store(
@@ -248,6 +251,8 @@ def extend_attention(
         BLOCK_M=plan.block_m,
         BLOCK_N=BLOCK_N,
         WHILE_LOOP=_INTERPRET,
+        # fp32 inputs (the tests' fp32 engines) in full precision, not TF32
+        DOT_PRECISION="ieee" if q_nope.dtype == torch.float32 else "tf32",
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )

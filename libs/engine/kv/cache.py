@@ -105,6 +105,7 @@ class PagedKVCache:
         self.tensors = pool_views(self.backing, spec, num_blocks, self.offsets)
         self.layers = self._layer_views()
         self._handle: bytes | None = None
+        self._copy_stream: Any = None  # gather_async's device-to-host copies (CUDA)
 
     def _layer_views(self) -> list[LayerCache]:
         by_layer: dict[int, dict[str, torch.Tensor]] = {}
@@ -168,11 +169,28 @@ class PagedKVCache:
     # -- off the engine thread ------------------------------------------------------------------
     def gather_async(self, blocks: Sequence[int]) -> Pending:
         """Start copying ``blocks`` out (engine thread); :meth:`Pending.result` (any thread)
-        waits for the device and returns the bytes :meth:`read_blocks` would."""
+        waits for the copy and returns the bytes :meth:`read_blocks` would.
+
+        On CUDA the blocks are gathered on the engine's stream, then copied to pinned host
+        memory on a stream of their own, so the copy overlaps the next steps' kernels: copied
+        to pageable memory on the default stream, a request's new blocks (for the kvstore or a
+        hand-off) stalled the engine ~76 ms per copy on an H100 at 250 agent sessions."""
         if not blocks:
             return Pending(None, None)
         raw = self._gather(blocks)
-        return Pending(raw, _record(raw.device))
+        if raw.device.type != "cuda":
+            return Pending(raw, None)
+        with torch.cuda.device(raw.device):
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            copy = self._copy_stream
+            host = torch.empty(raw.shape, dtype=raw.dtype, pin_memory=True)
+            copy.wait_stream(torch.cuda.current_stream(raw.device))
+            with torch.cuda.stream(copy):
+                host.copy_(raw, non_blocking=True)
+                raw.record_stream(copy)  # its memory stays ours until the copy ran
+                event = _record(raw.device)
+        return Pending(host, event)
 
     def stage(self, payloads: Sequence[bytes | memoryview]) -> Staged:
         """Upload whole blocks (``payloads`` joined) to the cache's device: any thread, touches
@@ -269,9 +287,10 @@ class Staged:
 
 @dataclass
 class Pending:
-    """Blocks gathered on the device; :meth:`result` brings them to the host as bytes."""
+    """Blocks gathered and being copied to host memory; :meth:`result` waits for the copy and
+    returns them as bytes."""
 
-    raw: torch.Tensor | None
+    raw: torch.Tensor | None  # on the host (pinned on CUDA, where ``event`` marks the copy)
     event: Any
 
     def result(self) -> bytes:
@@ -279,7 +298,7 @@ class Pending:
             return b""
         if self.event is not None:
             self.event.synchronize()
-        return self.raw.cpu().numpy().tobytes()
+        return self.raw.numpy().tobytes()
 
 
 def _record(device: torch.device) -> Any:

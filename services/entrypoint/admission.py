@@ -35,8 +35,8 @@ ENGINE_BUSY = Gauge(
 )
 QUEUED_BUSY = Histogram(
     "deepserve_entrypoint_admission_queued_busy_fraction",
-    "when a request starts waiting at admission: the least busy live instance's busy fraction, "
-    "per role (a request should wait only while the engines are busy)",
+    "at each heartbeat while any request waits at admission: that instance's busy fraction, per "
+    "role (a request should wait only while the engines are busy)",
     ["role"],
     buckets=(0.1, 0.25, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0),
 )
@@ -66,22 +66,24 @@ class AdmissionMetrics:
     def __init__(self, capacity: Capacity | None = None) -> None:
         self.capacity = capacity
         self._shown: set[tuple[str, str]] = set()  # (role, instance) series exported
+        self.waiting = 0  # requests waiting at admission now
 
     def on_admission(self, result: str, waited: float | None, waiting: int) -> None:
         ADMISSIONS.labels(result).inc()
         if waited is not None:
             ADMISSION_WAIT.labels(result).observe(waited)
         ADMISSION_WAITING.set(waiting)
-        if result == "queued" and self.capacity is not None:
-            for role in ROLES:
-                live = self.capacity.live(role)
-                if live:
-                    QUEUED_BUSY.labels(role).observe(min(i.busy_fraction for i in live))
+        self.waiting = waiting
 
-    def on_heartbeat(self) -> None:
-        """After a heartbeat was observed: the busy gauges of the live instances."""
+    def on_heartbeat(self, load: Load | None = None) -> None:
+        """After a heartbeat (``load``) was observed: the busy gauges of the live instances,
+        and, while requests wait, how busy the engine that sent it was over its last interval
+        (a heartbeat's busy fraction covers the second before it: one sampled when a request
+        starts waiting would describe the engine before the burst that made it wait)."""
         if self.capacity is None:
             return
+        if load is not None and self.waiting > 0:
+            QUEUED_BUSY.labels(load.role).observe(load.busy_fraction)
         shown = set()
         for role in ROLES:
             for load in self.capacity.live(role):

@@ -159,7 +159,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             log.debug("ignoring a heartbeat: %s", exc)
             return
         self.capacity.observe(load)
-        self.admission_metrics.on_heartbeat()
+        self.admission_metrics.on_heartbeat(load)
         if status.role == control_pb2.ROLE_PREFILL:
             self._resident[status.instance_id] = frozenset(status.resident_prefixes)
         self.admission.wake()

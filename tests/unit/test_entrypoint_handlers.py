@@ -481,7 +481,7 @@ async def test_a_prefill_heartbeat_with_a_measured_rate_admits_by_seconds_of_wor
     """The same queue (30 tokens, limit 8 tokens) holds a request back while the instance has
     measured no rate, and admits it once its heartbeat says it computes 100 tokens/s (30 + 20
     tokens = 0.5 s, within --prefill-queue-seconds 1); the entrypoint exports the instances'
-    busy fractions, and the least busy one's whenever a request starts waiting."""
+    busy fractions, and each heartbeat's while a request waits."""
     from prometheus_client import REGISTRY
 
     def sample(name: str, **labels: str) -> float:
@@ -499,16 +499,15 @@ async def test_a_prefill_heartbeat_with_a_measured_rate_admits_by_seconds_of_wor
             admit_wait=0.1,
             max_waiting=4,
         )
-        h.on_status(
-            control_pb2.InstanceStatus(
-                instance_id="p1",
-                role=control_pb2.ROLE_PREFILL,
-                model="tiny",
-                queued_tokens=30,
-                compute_tokens_per_s=rate,
-                busy_fraction=0.9,
-            )
+        status = control_pb2.InstanceStatus(
+            instance_id="p1",
+            role=control_pb2.ROLE_PREFILL,
+            model="tiny",
+            queued_tokens=30,
+            compute_tokens_per_s=rate,
+            busy_fraction=0.9,
         )
+        h.on_status(status)
         beat(h, "d1", control_pb2.ROLE_DECODE, 100)
         assert sample(
             "deepserve_entrypoint_engine_busy_fraction", role="prefill", instance="p1"
@@ -516,11 +515,14 @@ async def test_a_prefill_heartbeat_with_a_measured_rate_admits_by_seconds_of_wor
         before = sample(queued_busy, role="prefill", le="0.85")
         before_all = sample(queued_busy, role="prefill", le="0.9")
         call = asyncio.ensure_future(collect_with(h, req(list(range(1, 21))), FakeContext()))
-        done, _ = await asyncio.wait([call], timeout=1.0)
-        outcomes[name] = (len(bus.tasks()), bool(done) and call.exception() is not None)
-        if name == "unmeasured":  # it waited: seen with the prefill 0.9 busy
+        if name == "unmeasured":  # it waits: the next heartbeat's 0.9 busy is seen
+            await asyncio.sleep(0.02)
+            assert sample(queued_busy, role="prefill", le="0.9") == before_all
+            h.on_status(status)
             assert sample(queued_busy, role="prefill", le="0.85") == before
             assert sample(queued_busy, role="prefill", le="0.9") == before_all + 1
+        done, _ = await asyncio.wait([call], timeout=1.0)
+        outcomes[name] = (len(bus.tasks()), bool(done) and call.exception() is not None)
         call.cancel()
         await asyncio.gather(call, return_exceptions=True)
     assert outcomes == {"unmeasured": (0, True), "measured": (1, False)}

@@ -76,13 +76,19 @@ T = TypeVar("T")
 TRAFFIC_CLASS_HEADER = "x-deepserve-traffic-class"
 
 
+# The largest request body by default: parsing it, and taking its rendered prompt into Python,
+# hold the GIL about 4-6 ms a MB (docs/security.md), so 8 MiB keeps every other request's wait
+# for the GIL within ~50 ms; a 163,840-token prompt of text is under 2 MB of JSON.
+MAX_BODY_BYTES = 8 << 20
+
+
 @dataclass(frozen=True)
 class AppConfig:
     model_name: str = "deepseek-tiny"
     default_max_tokens: int = 4096  # caps the library's default when a request names none
     max_context: int = 163840  # prompt + completion tokens (the entrypoint's default)
-    max_body_bytes: int = 32 << 20
-    # The whole body must arrive within this many seconds (32 MiB at 1 MB/s is 32 s); a client
+    max_body_bytes: int = MAX_BODY_BYTES
+    # The whole body must arrive within this many seconds (8 MiB at 1 MB/s is 8 s); a client
     # that trickles it (slowloris) gets a 408 and the connection closes.
     body_timeout: float = 60.0
     # the EncodePool's threads (long prompts also use Rayon's pool); 0: one per usable core

@@ -6,14 +6,19 @@ Softmax in fp32 throughout."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from ..kv.cache import LayerCache
 
-if TYPE_CHECKING:
-    from .attention import SeqAttention
+
+class _Seq(Protocol):
+    """What the expanded path reads of a :class:`~.attention.SeqAttention`."""
+
+    ctx_slots: torch.Tensor  # [ctx_len] cache slots of positions 0..ctx_len-1
+    q_positions: torch.Tensor  # [q_len] absolute positions of the queries
+
 
 # Query rows per attention tile in the expanded path: bounds the score matrix to
 # heads x 512 x context fp32 values (a 32K context with 128 heads: 8 GiB -> tiles of 512).
@@ -83,7 +88,7 @@ class TorchPaths:
         return out.to(q_lat.dtype)
 
     def _expanded(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, seq: SeqAttention, cache: LayerCache
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, seq: _Seq, cache: LayerCache
     ) -> torch.Tensor:
         cfg = self.cfg
         ctx = cache.gather(seq.ctx_slots, q_nope.dtype)

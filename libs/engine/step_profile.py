@@ -2,10 +2,11 @@
 
 ``DEEPSERVE_TORCH_PROFILE=DIR`` (with ``DEEPSERVE_TORCH_PROFILE_STEPS=START:COUNT[,START:COUNT
 ...]``, default ``200:100``) makes every engine of a process run steps ``START .. START + COUNT``
-under ``torch.profiler`` and write ``DIR/torch-profile-<pid>-<START>.txt`` for each window: each step's wall time, tokens and
-running requests, then the top operators and kernels by device time and by host time. It is how
-a served engine's step is taken apart on a GPU (scripts/gpu/serve.sh passes it through);
-without the variable nothing here runs.
+under ``torch.profiler`` and write ``DIR/torch-profile-<pid>-<START>.txt`` for each window:
+each step's wall time, tokens and running requests, then the top operators and kernels by
+device time and by host time. It is how a served engine's step is taken apart on a GPU (the
+services inherit the variable from ``deepserve up``'s environment); without it nothing here
+runs.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+T = TypeVar("T")
 ENV = "DEEPSERVE_TORCH_PROFILE"
 ENV_STEPS = "DEEPSERVE_TORCH_PROFILE_STEPS"
 
@@ -43,7 +45,7 @@ class StepProfile:
             windows.append((int(start), int(count or 100)))
         return cls(Path(out), windows)
 
-    def step(self, run: Callable[[], Any], tokens: Callable[[], int], running: int) -> Any:
+    def step(self, run: Callable[[], T], tokens: Callable[[], int], running: int) -> T:
         """Run one step (``run``), profiled when it falls in the window."""
         self.seen += 1
         if not self.start <= self.seen < self.start + self.count:

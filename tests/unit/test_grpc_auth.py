@@ -68,6 +68,15 @@ async def _call(channel: grpc.aio.Channel, shape: str, metadata: Any) -> list[by
     return [r async for r in channel.stream_stream(path)(iter([body, body]), metadata=metadata)]
 
 
+def _lost_the_race(exc: grpc.aio.AioRpcError) -> bool:
+    """A streamed request's client still writing its second message when the server's refusal
+    closed the stream: grpc reports its own failed write (INTERNAL, "execute_batch") instead of
+    the server's status. The call is tried again; the server parsed nothing either way."""
+    return exc.code() == grpc.StatusCode.INTERNAL and "execute_batch" in (
+        exc.debug_error_string() or ""
+    )
+
+
 @pytest.mark.parametrize("shape", ["UU", "US", "SU", "SS"])
 async def test_a_call_refused_for_its_credential_is_never_parsed(shape: str) -> None:
     parses = Parses()
@@ -75,8 +84,11 @@ async def test_a_call_refused_for_its_credential_is_never_parsed(shape: str) -> 
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             for metadata in (None, call_metadata("not-the-token")):
-                with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    await _call(channel, shape, metadata)
+                for _ in range(5):
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await _call(channel, shape, metadata)
+                    if not _lost_the_race(refused.value):
+                        break
                 assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
                 assert "service credential" in (refused.value.details() or "")
             assert parses.parsed == []  # no refused body reached the method's deserializer

@@ -202,7 +202,6 @@ class ExtendPlan:
         self.q_start, self.q_len, self.k_start, self.k_len = packed[: 4 * n].view(4, n)
         self.tile_seq, self.tile_row = packed[4 * n :].view(2, t)
         self.num_tiles = t
-        self.context_rows = sum(k_lens)
         self.block_m = block_m
 
 

@@ -265,6 +265,7 @@ class MLAttention(SummedBy, TorchPaths, nn.Module):
         meta: AttentionMetadata,
         cache: LayerCache,
     ) -> torch.Tensor:
+        from ..kernels.extend_attention import extend_attention
         from ..kernels.prefill_attention import prefill_attention
 
         cfg = self.cfg
@@ -293,8 +294,6 @@ class MLAttention(SummedBy, TorchPaths, nn.Module):
             )
             out[rows] = prefill_attention(q, k, v, self.scale)
         for slots, plan in groups:
-            from ..kernels.extend_attention import extend_attention
-
             ctx = cache.gather(slots, q_nope.dtype)
             latent, k_pe = torch.split(ctx, [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
             kv = self.kv_b_proj(latent).view(slots.shape[0], cfg.num_attention_heads, -1)

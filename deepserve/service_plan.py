@@ -114,12 +114,13 @@ class ServicePlan:
         model: str,
         model_name: str,
         ops_of: Mapping[str, Child],
+        name: str = "recipe",
     ) -> Child:
-        """The recipe on ``port``. Its health is on that main HTTP port; its ops port's
-        /status page reads the other services' ops ports (``ops_of``: kvstore, balancer,
-        entrypoint)."""
+        """A recipe (replica ``name``) on ``port``. Its health is on that main HTTP port; its
+        ops port's /status page reads the other services' ops ports (``ops_of``: kvstore,
+        balancer, entrypoint)."""
         c = self.child(
-            "recipe",
+            name,
             "recipe",
             args=[
                 "--port",

@@ -122,8 +122,10 @@ class Stack:
     """The deepserve stack as child processes; a context manager that always cleans up.
 
     ``extra_args`` adds flags per service (key: service name such as ``"prefill"``).
-    ``recipe_port`` 0 picks a free port. ``device`` is ``"cpu"`` or ``"cuda"``; with CUDA the
-    engines are placed over ``gpus`` (default: every visible GPU) by :func:`place_engines`,
+    ``recipe_port`` 0 picks a free port; ``recipes`` replicas of the recipe share the per-key
+    caps through Redis (the first on ``recipe_port``; every one's URL in :attr:`api_bases`).
+    ``device`` is ``"cpu"`` or ``"cuda"``; with CUDA the engines are placed over ``gpus``
+    (default: every visible GPU) by :func:`place_engines`,
     each with ``gpu_memory_fraction`` if given. After :meth:`start`, :attr:`api_url`,
     :attr:`grpc_address`, :attr:`nats_url`, :attr:`redis_url` and :attr:`instance_ids` are set.
     ``restart`` (True: the default :class:`RestartPolicy`) lets :meth:`supervise` restart
@@ -150,7 +152,11 @@ class Stack:
         ep: int | Mapping[str, int] = 1,
         ep_timeout: float | None = None,
         mode: str = "disaggregated",
+        recipes: int = 1,
     ) -> None:
+        if recipes < 1:
+            raise ValueError(f"recipes must be >= 1, got {recipes}")
+        self.recipes = recipes
         if device not in ("cpu", "cuda"):
             raise ValueError(
                 f"--device must be cpu or cuda (pick GPUs with --gpus), got {device!r}"
@@ -216,6 +222,7 @@ class Stack:
         self.grpc_address = ""
         self.kvstore_address = ""
         self.api_base = ""  # http://host:port
+        self.api_bases: list[str] = []  # every recipe replica's, api_base first
         self._stopped = False
         self.killed: list[str] = []  # services that did not exit within the drain time
 
@@ -334,16 +341,22 @@ class Stack:
             ],
         )
         stages.append([entrypoint])
-        recipe_port = self.recipe_port or procs.free_port()
-        self.api_base = f"http://{HOST}:{recipe_port}"
-        recipe = self.plan.recipe(
-            recipe_port,
-            entrypoint_address=self.grpc_address,
-            model=self.model,
-            model_name=self.model_name,
-            ops_of={"kvstore": kvstore, "balancer": balancer, "entrypoint": entrypoint},
-        )
-        stages.append([recipe])
+        replicas = []
+        for i in range(self.recipes):  # replicas share the per-key caps through Redis
+            port = (self.recipe_port if i == 0 else 0) or procs.free_port()
+            self.api_bases.append(f"http://{HOST}:{port}")
+            replicas.append(
+                self.plan.recipe(
+                    port,
+                    entrypoint_address=self.grpc_address,
+                    model=self.model,
+                    model_name=self.model_name,
+                    ops_of={"kvstore": kvstore, "balancer": balancer, "entrypoint": entrypoint},
+                    name="recipe" if i == 0 else f"recipe-{i}",
+                )
+            )
+        self.api_base = self.api_bases[0]
+        stages.append(replicas)
         for stage in stages:
             for c in stage:
                 self.children.append(c)

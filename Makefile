@@ -6,19 +6,24 @@ STAMP := $(VENV)/.installed-stamp
 SERVE_STAMP := $(VENV)/.serve-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup up test test-gpu test-container image lint mutants clean
+.PHONY: setup lock up test test-gpu test-container image lint mutants clean
 
 setup: $(STAMP)
 
 # Idempotent: re-runs only when the project's dependency list changes. The full setup (test
 # extras, Chromium) covers serving too; `make up` alone installs only what serving needs.
-$(STAMP): pyproject.toml scripts/setup.sh scripts/install-torch.sh
+$(STAMP): pyproject.toml requirements.lock scripts/setup.sh scripts/install-torch.sh
 	bash scripts/setup.sh $(VENV) test
 	touch $(STAMP) $(SERVE_STAMP)
 
-$(SERVE_STAMP): pyproject.toml scripts/setup.sh scripts/install-torch.sh
+$(SERVE_STAMP): pyproject.toml requirements.lock scripts/setup.sh scripts/install-torch.sh
 	bash scripts/setup.sh $(VENV) serve
 	touch $(SERVE_STAMP)
+
+# Re-pins requirements.lock at the versions .venv runs (after changing a dependency in
+# pyproject.toml and passing the tests); the image and the GPU bundle install the same pins.
+lock: setup
+	$(PY) scripts/lock.py
 
 up: $(SERVE_STAMP)
 	$(VENV)/bin/deepserve up

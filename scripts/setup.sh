@@ -19,10 +19,13 @@ fi
 # several-GB CUDA build): a local wheel from pip's --find-links if there is one (this
 # machine's disk), else PyTorch's CPU index.
 bash "$(dirname "$0")/install-torch.sh" "$venv/bin/python"
+# Under requirements.lock: the services' packages at the versions the image and the GPU
+# bundle install (the test extras beyond it resolve freely).
+lock="$(dirname "$0")/../requirements.lock"
 if [ "$part" = test ]; then
-  "$venv/bin/python" -m pip install -q -e '.[test]'
+  "$venv/bin/python" -m pip install -q -c "$lock" -e '.[test]'
 else
-  "$venv/bin/python" -m pip install -q -e .
+  "$venv/bin/python" -m pip install -q -c "$lock" -e .
 fi
 
 apt_install() {

@@ -37,9 +37,14 @@ if [ "${ENGINE_ONLY:-0}" = 1 ]; then
     pydantic pydantic-core annotated-types typing-inspection sniffio
   )
 fi
+# Each at requirements.lock's version (the image's); the bench client's, not in the lock, at
+# the version .venv runs.
 specs=()
 for n in "${names[@]}"; do
-  v=$("$venv/bin/python" -m pip show "$n" 2>/dev/null | sed -n 's/^Version: //p' || true)
+  v=$(sed -n "s/^$n==//p" requirements.lock)
+  if [ -z "$v" ]; then
+    v=$("$venv/bin/python" -m pip show "$n" 2>/dev/null | sed -n 's/^Version: //p' || true)
+  fi
   if [ -n "$v" ]; then specs+=("$n==$v"); fi
 done
 "$venv/bin/python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
@@ -63,6 +68,7 @@ _b=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site "$_b"/wheels/*.whl
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+python3 "$_b/../scripts/lock.py" --installed || true
 EOF
   rmdir "$out/bin" "$out/lib"
   du -sh "$out"
@@ -93,5 +99,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export PATH="$_b/bin:/tmp/site/bin:$PATH"
 export LD_LIBRARY_PATH="$_b/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# Which of the image's pins this machine runs at another version (its own torch build's).
+python3 "$_b/../scripts/lock.py" --installed || true
 EOF
 du -sh "$out" "$out"/*

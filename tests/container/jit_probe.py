@@ -9,6 +9,8 @@
    linked against it and loaded, exactly as at a first launch; without one (a build machine)
    they are compiled and linked with libcuda's symbols left unresolved, which checks every
    header and the compiler but not the load.
+3. Every pin of the image's requirements.lock (``/opt/deepserve``, the working directory) is
+   installed at its version: the same pins ``make setup`` and the GPU bundle install.
 """
 
 import importlib
@@ -16,6 +18,7 @@ import json
 import os
 import sys
 import tempfile
+from importlib import metadata
 from pathlib import Path
 
 from triton.runtime.build import _build, compile_module_from_src
@@ -64,6 +67,16 @@ import triton  # noqa: E402
 services = ("recipe", "entrypoint", "balancer", "prefill", "decode", "aggregated", "kvstore")
 for name in services:
     importlib.import_module(f"services.{name}.main")
+unlocked = []  # pins installed at another version, or not at all
+for line in Path("requirements.lock").read_text().splitlines():
+    if line and not line.startswith("#"):
+        name, _, want = line.partition("==")
+        try:
+            have = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            have = "missing"
+        if have != want:
+            unlocked.append(f"{name} {have} (lock {want})")
 print(
     json.dumps(
         {
@@ -72,6 +85,7 @@ print(
             "python": sys.version.split()[0],
             "services": len(services),
             "launcher": launcher,
+            "unlocked": unlocked,
         }
     )
 )

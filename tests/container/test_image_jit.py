@@ -5,7 +5,8 @@ Inside each image ``scripts/docker/build.sh`` builds, Triton's own
 ``compile_module_from_src`` compiles and loads a C extension, Triton's real CUDA sources (its
 ``driver.c`` and a launcher from ``make_launcher``) compile with its bundled CUDA headers (no
 GPU needed for that part: libcuda's symbols stay unresolved), then torch, Triton and every
-service import (``jit_probe.py``). Measured cold build times and sizes: docs/testing.md.
+service import, and every pin of requirements.lock is installed at its version
+(``jit_probe.py``). Measured cold build times and sizes: docs/testing.md.
 
 ``DEEPSERVE_JIT_VARIANTS`` picks the images (default ``cpu,cuda``; the CUDA build pulls
 PyTorch's CUDA wheels, several GB, the first time).
@@ -57,5 +58,6 @@ def test_triton_builds_its_launcher_and_everything_imports(image: str) -> None:
     found = json.loads(out.stdout.strip().splitlines()[-1])
     assert found["services"] == 7 and found["triton"], found
     assert found["launcher"].startswith(("compiled", "linked")), found
+    assert found["unlocked"] == [], found  # requirements.lock's pins, as make setup's
     if image.endswith(":cuda"):
         assert "+cpu" not in found["torch"], found  # a CUDA build of torch

@@ -191,9 +191,12 @@ class Engine:
         hold_kv: bool = False,
         prior_outputs: int = 0,
         drafts: tuple[Sequence[int], Sequence[float]] | None = None,
+        weight: float = 1.0,
     ) -> Any:
         """Queue a request (:meth:`Intake.add <libs.engine.intake.Intake.add>` states the
-        contract: what ``kv``, ``prior_outputs`` and ``drafts`` are, what it raises)."""
+        contract: what ``kv``, ``prior_outputs`` and ``drafts`` are, what it raises).
+        ``weight``: its tenant's (``cache_salt``'s) share of each step's prompt tokens beside
+        other tenants' (:mod:`~libs.engine.prefill_fairness`)."""
         return self.intake.add(
             request_id,
             [int(t) for t in prompt_token_ids],
@@ -203,6 +206,7 @@ class Engine:
             hold_kv,
             prior_outputs,
             drafts,
+            weight,
         )
 
     def abort(self, request_id: str) -> TokenEvent | None:

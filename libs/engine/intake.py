@@ -12,6 +12,7 @@ report.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -136,6 +137,7 @@ class Intake:
         hold_kv: bool,
         prior_outputs: int,
         drafts: tuple[Sequence[int], Sequence[float]] | None,
+        weight: float = 1.0,
     ) -> Any:
         """Queue a request. ``kv``: frames from :meth:`Engine.export_kv` covering a prefix of
         the tokens (or blocks ``first_block ..`` of it when this engine holds the blocks before),
@@ -166,7 +168,10 @@ class Intake:
                 offered = self.speculative.checked(*drafts)
             except ValueError as exc:
                 raise InvalidRequest(str(exc)) from None
+        if not (weight > 0 and math.isfinite(weight)):
+            raise InvalidRequest(f"a tenant's weight must be a positive number, got {weight}")
         req = Request(request_id, tokens, len(tokens), params, cache_salt, hold_kv)
+        req.weight = weight
         req.num_prior_outputs = prior_outputs
         if params.constraint is not None:
             try:  # compiled (cached) and advanced past the outputs the request already has

@@ -140,6 +140,10 @@ class Admission:
     def waiting(self) -> int:
         return self._waiting
 
+    def weight_of(self, tenant: str) -> float:
+        """``tenant``'s --tenant-weights entry (1 when unlisted)."""
+        return self.weights.get(tenant, 1.0)
+
     def waiting_of(self, tenant: str) -> int:
         t = self._tenants.get(tenant)
         return len(t.queue) if t else 0
@@ -267,7 +271,7 @@ class Admission:
     # -- fair queuing -----------------------------------------------------------------------------
     def _cost(self, tenant: str, need: Need) -> float:
         """Virtual work of a request: its uncached prompt tokens (at least 1) over the weight."""
-        return max(1, need.uncached_tokens) / self.weights.get(tenant, 1.0)
+        return max(1, need.uncached_tokens) / self.weight_of(tenant)
 
     def _tag_of_new(self, tenant: str, need: Need) -> float:
         """The tag a new request of ``tenant`` would have at the end of its tenant's queue."""
@@ -338,7 +342,7 @@ class Admission:
         return [w for wtag, _, w in self._order() if wtag <= tag]
 
     def _share(self, tenant: str) -> float:
-        return self.waiting_of(tenant) / self.weights.get(tenant, 1.0)
+        return self.waiting_of(tenant) / self.weight_of(tenant)
 
     def _displaceable(self, tenant: str) -> _Waiter | None:
         """With the queue full: the newest waiter of the tenant holding the largest share of
@@ -347,7 +351,7 @@ class Admission:
         if not heads:
             return None
         top = max(heads, key=self._share)
-        mine = (self.waiting_of(tenant) + 1) / self.weights.get(tenant, 1.0)
+        mine = (self.waiting_of(tenant) + 1) / self.weight_of(tenant)
         return self._tenants[top].queue[-1] if self._share(top) > mine else None
 
     def _displace(self, victim: _Waiter) -> None:

@@ -234,6 +234,7 @@ class EngineLoop:
         params: SamplingParams | None = None,
         *,
         cache_salt: bytes = b"",
+        weight: float = 1.0,
         kv: KVInput | None = None,
         hold_kv: bool = False,
         prior_outputs: int = 0,
@@ -244,6 +245,8 @@ class EngineLoop:
 
         ``arrival``: ``time.monotonic()`` when the request reached this instance (default:
         now); the latency metrics (time to first token, end to end) count from it.
+        ``weight``: its tenant's share of prompt tokens beside other tenants' (the
+        entrypoint's ``--tenant-weights``).
 
         Raises what :meth:`Engine.add_request` raises (InvalidRequest, KVFormatError,
         NoFreeBlocks), unchanged.
@@ -272,6 +275,7 @@ class EngineLoop:
                     tokens,
                     params,
                     cache_salt=cache_salt,
+                    weight=weight,
                     kv=kv,
                     hold_kv=hold_kv,
                     prior_outputs=prior_outputs,

@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="weights of weighted fair queuing over tenants at admission: TENANT=WEIGHT entries, "
         "comma-separated (e.g. a=2,b=1: a gets twice b's uncached prompt tokens admitted while "
-        "both wait); unlisted tenants weigh 1",
+        "both wait, and twice b's share of a prefill step's prompt tokens while both have "
+        "prompts there); unlisted tenants weigh 1",
     )
     flag(
         parser,

@@ -395,6 +395,7 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                 sampling=valid.sampling.to_proto(),
                 num_prior_outputs=progress.prior_outputs,
                 cache_salt=salt,
+                tenant_weight=self.admission.weight_of(valid.tenant),
                 traffic_class=cast(Any, valid.traffic_class),
                 cached_blocks=cached_blocks,
                 decode_instance=decision.decode_instance,

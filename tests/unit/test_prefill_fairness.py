@@ -10,6 +10,7 @@ import pytest
 from libs.common.sampling import SamplingParams
 from libs.engine.cost_model import CostModel
 from libs.engine.engine import Engine, EngineConfig
+from libs.engine.intake import InvalidRequest
 from libs.engine.kv.block_manager import BlockManager
 from libs.engine.prefill_fairness import Demand, FairScheduler, PrefillFairness, fair_shares
 from libs.engine.presets import PRESETS
@@ -227,3 +228,29 @@ def test_engine_gives_another_tenant_its_first_token_while_a_long_prompt_is_chun
     while want is None:
         want = next((ev.token_id for ev in alone.step() if ev.token_id is not None), None)
     assert first == want  # and it is the token the request gets alone
+
+
+def test_engine_shares_prompt_tokens_by_the_tenants_weights(tiny_loaded) -> None:
+    """The weight the entrypoint sends (``--tenant-weights``) reaches the engine's request:
+    64 prompt tokens a step split 16 / 48 between tenants weighted 1 and 3."""
+    cfg = EngineConfig(
+        model="tiny", block_size=16, num_kv_blocks=256, time_budget_s=None, max_tokens_per_step=64
+    )
+    e = Engine(cfg, loaded=tiny_loaded)
+    e.add_request("a", prompt(1024, 1), GREEDY, cache_salt=A)
+    e.add_request("c", prompt(1024, 3), GREEDY, cache_salt=C, weight=3.0)
+    for _ in range(2):
+        e.step()
+    assert (e.info("a").num_computed_tokens, e.info("c").num_computed_tokens) == (32, 96)
+    with pytest.raises(InvalidRequest, match="weight must be a positive number"):
+        e.add_request("z", prompt(8, 4), GREEDY, cache_salt=B, weight=0.0)
+
+
+async def test_the_entrypoint_sends_each_tenants_weight_with_its_prefill_task() -> None:
+    from .test_entrypoint_handlers import FakeBus, collect, make, req
+
+    bus = FakeBus()
+    h = make(bus, tenant_weights={"acme": 3.0})
+    await collect(h, req([1, 2, 3], tenant="acme"))
+    await collect(h, req([1, 2, 3], tenant="globex"))  # unlisted: 1
+    assert [t.tenant_weight for t in bus.tasks()] == [3.0, 1.0]

@@ -112,7 +112,7 @@ class RouteDecision(_message.Message):
     def __init__(self, prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ..., decode_address: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class PrefillTask(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "traffic_class", "cached_blocks", "decode_instance", "decode_address", "events_subject", "traceparent", "num_prior_outputs")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "traffic_class", "cached_blocks", "decode_instance", "decode_address", "events_subject", "traceparent", "num_prior_outputs", "tenant_weight")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,7 @@ class PrefillTask(_message.Message):
     EVENTS_SUBJECT_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     NUM_PRIOR_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -135,7 +136,8 @@ class PrefillTask(_message.Message):
     events_subject: str
     traceparent: str
     num_prior_outputs: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[bytes] = ..., traffic_class: _Optional[_Union[_common_pb2.TrafficClass, str]] = ..., cached_blocks: _Optional[int] = ..., decode_instance: _Optional[str] = ..., decode_address: _Optional[str] = ..., events_subject: _Optional[str] = ..., traceparent: _Optional[str] = ..., num_prior_outputs: _Optional[int] = ...) -> None: ...
+    tenant_weight: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[bytes] = ..., traffic_class: _Optional[_Union[_common_pb2.TrafficClass, str]] = ..., cached_blocks: _Optional[int] = ..., decode_instance: _Optional[str] = ..., decode_address: _Optional[str] = ..., events_subject: _Optional[str] = ..., traceparent: _Optional[str] = ..., num_prior_outputs: _Optional[int] = ..., tenant_weight: _Optional[float] = ...) -> None: ...
 
 class DecodeTask(_message.Message):
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "cache_salt", "events_subject", "cached_tokens", "traceparent", "traffic_class", "first_logprobs", "draft_token_ids", "draft_confidences")

@@ -340,16 +340,17 @@ def _instructions() -> list[str]:
 def _copies() -> list[str]:
     out = []
     for line in (ROOT / "docker" / "Dockerfile").read_text().splitlines():
-        m = re.match(r"COPY\s+(\S+)\s+\S+$", line.strip())
+        m = re.match(r"COPY\s+(\S+(?:\s+\S+)*)\s+\S+$", line.strip())
         if m:
-            out.append(m.group(1))
+            out += m.group(1).split()
         out += re.findall(r"type=bind,source=(\S+?),", line)
     return out
 
 
 def test_dockerfile_copies_exist_and_pass_the_ignore_file() -> None:
     copies = _copies()
-    assert {"pyproject.toml", "libs", "services", "deepserve", "docker/wheels"} <= set(copies)
+    want = {"pyproject.toml", "requirements.lock", "libs", "services", "deepserve", "docker/wheels"}
+    assert want <= set(copies)
     rules = [
         r.strip()
         for r in (ROOT / ".dockerignore").read_text().splitlines()
@@ -365,7 +366,8 @@ def test_dockerfile_copies_exist_and_pass_the_ignore_file() -> None:
 def test_dockerfile_installs_runtime_deps_only_and_never_bakes_the_ca() -> None:
     text = (ROOT / "docker" / "Dockerfile").read_text()
     assert re.search(r"^ARG BASE_IMAGE=debian:bookworm-slim$", text, re.M)
-    assert "['project']['dependencies']" in text  # not the test extras
+    # requirements.lock: the run-time closure only, never the test extras (tests/unit/test_lock.py)
+    assert re.search(r"pip install -q -r requirements\.lock$", text, re.M)
     assert "ca-certificates.crt" not in text.replace(
         "--secret id=ca-bundle,src=/etc/ssl/certs/ca-certificates.crt", ""
     ), "the CA bundle comes in as a build secret, never COPY'd"

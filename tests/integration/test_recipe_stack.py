@@ -322,6 +322,11 @@ def test_bench_serve_url_drives_the_stack_over_http(keyed_stack: Stack) -> None:
     sessions = http_load.make_sessions(shape, 2, seed=7)
     from deepserve.bench.engine_view import EngineView
 
+    from .test_tenant_probes import metric, wait_for  # the counts below must be this run's:
+
+    running = "deepserve:num_requests_running"  # an earlier test's aborted stream may step on
+    wait_for("an idle decode", lambda: metric(keyed_stack, "decode", running) == 0)
+
     view = EngineView(
         {
             c.name: f"http://127.0.0.1:{c.ops_port}/metrics"

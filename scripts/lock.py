@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
             return 1
         return 0
     LOCK.write_text(text)
-    print(f"wrote {LOCK.relative_to(ROOT)}: {len(text.splitlines()) - 3} packages")
+    print(f"wrote {LOCK.relative_to(ROOT)}: {len(pins(text))} packages")
     return 0
 
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,37 @@ def start_stack(run_dir: Path, **kwargs: object) -> Stack:
     kwargs.setdefault("ready_timeout", READY_TIMEOUT)
     kwargs.setdefault("drain_seconds", 5.0)
     return Stack(run_dir, model="tiny", model_name=MODEL_NAME, **kwargs).start()  # type: ignore[arg-type]
+
+
+def metrics_text(port: int) -> str:
+    """The ops port ``port``'s /metrics page."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        return str(resp.read().decode())
+
+
+def scrape_metric(port: int, name: str, label: str = "") -> float:
+    """The sum of ``name``'s samples on the ops port ``port``'s /metrics, over those whose
+    labels contain ``label`` (all by default); 0 when there is none."""
+    text = metrics_text(port)
+    pattern = rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$"
+    return sum(
+        float(m.group(2)) for m in re.finditer(pattern, text, re.M) if label in (m.group(1) or "")
+    )
+
+
+def service_metric(stack: Stack, service: str, name: str, label: str = "") -> float:
+    """:func:`scrape_metric` on the first child of ``service`` (e.g. "decode")."""
+    port = next(c.ops_port for c in stack.children if c.service == service)
+    return scrape_metric(port, name, label)
+
+
+def wait_for(what: str, ok: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Poll ``ok`` every 10 ms until it holds; an AssertionError naming ``what`` past
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
 
 def dump_logs(stack: Stack) -> str:

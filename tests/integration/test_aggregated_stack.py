@@ -7,9 +7,7 @@ kept decode on the same engine, and a repeated prompt still finds its blocks in 
 from __future__ import annotations
 
 import json
-import re
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from .conftest import (
     ReferenceRuns,
     dump_logs,
     grpc_generate,
+    scrape_metric,
     start_stack,
 )
 
@@ -65,15 +64,6 @@ def stub(stack: Stack) -> Iterator[AuthorizedStub]:
         channel.close()
 
 
-def _metric(port: int, name: str, label: str = "") -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    pattern = rf"^{name}(\{{[^}}]*\}})? (\S+)$"
-    return sum(
-        float(m.group(2)) for m in re.finditer(pattern, text, re.M) if label in (m.group(1) or "")
-    )
-
-
 def _ops(stack: Stack, name: str) -> int:
     return next(c.ops_port for c in stack.children if c.name == name)
 
@@ -103,10 +93,10 @@ def test_tokens_equal_one_process_and_no_kv_moves(
     )
     assert chat.usage is not None and chat.usage.completion_tokens >= 1
     agg = _ops(stack, "aggregated-0")
-    assert _metric(agg, "deepserve_prefill_requests_total", 'outcome="decoding_here"') >= 2
-    assert _metric(agg, "deepserve_prefill_requests_total", 'outcome="handed_over"') == 0
-    assert _metric(agg, "deepserve_prefill_handoff_blocks_total") == 0
-    routed = _metric(
+    assert scrape_metric(agg, "deepserve_prefill_requests_total", 'outcome="decoding_here"') >= 2
+    assert scrape_metric(agg, "deepserve_prefill_requests_total", 'outcome="handed_over"') == 0
+    assert scrape_metric(agg, "deepserve_prefill_handoff_blocks_total") == 0
+    routed = scrape_metric(
         _ops(stack, "balancer"),
         "deepserve:balancer_routing_decisions_total",
         'reason="same_engine"',
@@ -121,7 +111,9 @@ def test_a_repeated_prompt_hits_the_kvstore(
     assert first.token_ids == references.result("long")["token_ids"]
     deadline = time.monotonic() + 20
     while True:  # the blocks are written when the request ends, in the background
-        stored = _metric(_ops(stack, "aggregated-0"), "deepserve_decode_kvstore_blocks_put_total")
+        stored = scrape_metric(
+            _ops(stack, "aggregated-0"), "deepserve_decode_kvstore_blocks_put_total"
+        )
         if stored >= 2 or time.monotonic() > deadline:
             break
         time.sleep(0.3)

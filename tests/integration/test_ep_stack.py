@@ -17,7 +17,6 @@ import os
 import re
 import signal
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,10 +24,18 @@ from pathlib import Path
 import grpc
 import pytest
 
-from deepserve.up import HOST, Child, Stack, healthz
+from deepserve.up import Child, Stack, healthz
 
 from ..sdk_strict import openai_client
-from .conftest import MODEL_NAME, READY_TIMEOUT, AuthorizedStub, dump_logs, grpc_generate
+from .conftest import (
+    MODEL_NAME,
+    READY_TIMEOUT,
+    AuthorizedStub,
+    dump_logs,
+    grpc_generate,
+    metrics_text,
+    scrape_metric,
+)
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -106,16 +113,6 @@ def ranks(stack: Stack, name: str) -> dict[str, int]:
     return {m[0]: int(m[1]) for m in re.findall(r"([\w-]+)@(\d+)", detail)}
 
 
-def _metrics(port: int) -> str:
-    with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=5) as resp:
-        return str(resp.read().decode())
-
-
-def metric(port: int, name: str) -> float:
-    text = _metrics(port)
-    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
-
-
 def _generate_all(stub: AuthorizedStub, prompts: list[list[int]], n: int) -> list[list[int]]:
     with ThreadPoolExecutor(len(prompts)) as pool:
         gens = list(pool.map(lambda p: grpc_generate(stub, p, n), prompts))
@@ -148,14 +145,14 @@ def test_ep_ranks_serve_chat_and_greedy_tokens_equal_no_ep(
 
     prefill, decode = ranks(stack, "prefill-0"), ranks(stack, "decode-0")
     assert len(prefill) == 2 and len(decode) == 2, (prefill, decode)
-    served = {i: metric(p, "deepserve_prefill_requests_total") for i, p in prefill.items()}
+    served = {i: scrape_metric(p, "deepserve_prefill_requests_total") for i, p in prefill.items()}
     assert all(v > 0 for v in served.values()), f"a prefill rank got no task: {served}"
     tokens = _tokens_by_target(stack)
     assert all(v > 0 for v in tokens.values()), f"a decode target got no request: {tokens}"
     # EPLB runs on every rank by default (--eplb decode / prefill) and exports its balance.
     for port in [*prefill.values(), *decode.values()]:
-        assert _metrics(port).count("\ndeepserve_ep_balance_max_mean ") == 1
-    assert "deepserve_ep_balance" not in _metrics(_child(stack, "decode-1").ops_port)
+        assert metrics_text(port).count("\ndeepserve_ep_balance_max_mean ") == 1
+    assert "deepserve_ep_balance" not in metrics_text(_child(stack, "decode-1").ops_port)
 
 
 def _rank_pid(stack: Stack, supervisor: Child, rank: int) -> int:
@@ -181,9 +178,12 @@ def _rank_pid(stack: Stack, supervisor: Child, rank: int) -> int:
 def _tokens_by_target(stack: Stack) -> dict[str, float]:
     """Decode tokens so far, per routing target (decode-0's ranks and decode-1)."""
     tokens = {
-        i: metric(p, "deepserve_decode_tokens_total") for i, p in ranks(stack, "decode-0").items()
+        i: scrape_metric(p, "deepserve_decode_tokens_total")
+        for i, p in ranks(stack, "decode-0").items()
     }
-    tokens["decode-1"] = metric(_child(stack, "decode-1").ops_port, "deepserve_decode_tokens_total")
+    tokens["decode-1"] = scrape_metric(
+        _child(stack, "decode-1").ops_port, "deepserve_decode_tokens_total"
+    )
     return tokens
 
 
@@ -204,7 +204,7 @@ def _streams_with_a_kill(
             ]
             deadline = time.monotonic() + 30
             while not any(
-                metric(port, "deepserve:num_requests_running") for port in group.values()
+                scrape_metric(port, "deepserve:num_requests_running") for port in group.values()
             ):
                 assert time.monotonic() < deadline, "no stream reached decode-0's group"
                 if all(f.done() for f in futures):
@@ -231,11 +231,11 @@ def test_rank_killed_mid_stream_streams_finish_and_the_group_comes_back_smaller(
     supervisor = _child(stack, "decode-0")
     victim = _rank_pid(stack, supervisor, 1)
     entrypoint = _child(stack, "entrypoint").ops_port
-    retries = metric(entrypoint, "deepserve_entrypoint_retries_total")
+    retries = scrape_metric(entrypoint, "deepserve_entrypoint_retries_total")
     got, t_kill = _streams_with_a_kill(stack, stub, victim, references)
     took = time.monotonic() - t_kill
     assert got == references["stream"], dump_logs(stack)
-    continued = metric(entrypoint, "deepserve_entrypoint_retries_total") - retries
+    continued = scrape_metric(entrypoint, "deepserve_entrypoint_retries_total") - retries
     assert continued >= 1, "no stream was on the killed group: the kill came too late"
     print(f"4 streams exact; the last ended {took:.1f}s after kill -9 of a decode rank")
 
@@ -255,7 +255,7 @@ def test_rank_killed_mid_stream_streams_finish_and_the_group_comes_back_smaller(
     for k in range(12):  # the new rank is routed to again (ties broken by request id)
         got = grpc_generate(stub, PROMPTS[k % len(PROMPTS)], MAX_TOKENS)
         assert got.token_ids == references["short"][k % len(PROMPTS)]
-        if metric(port, "deepserve_decode_tokens_total") > 0:
+        if scrape_metric(port, "deepserve_decode_tokens_total") > 0:
             break
     else:
         raise AssertionError("the restarted rank never served a request")

@@ -27,7 +27,7 @@ from libs.gateway.keylimits import key_id
 from services.recipe.handlers import tenant_label
 
 from ..sdk_strict import anthropic_client, openai_client, strict_http
-from .conftest import MODEL_NAME, READY_TIMEOUT, dump_logs
+from .conftest import MODEL_NAME, READY_TIMEOUT, dump_logs, service_metric, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 LONG_TEXT = " ".join(f"w{i}" for i in range(400))  # > 2 full 128-token blocks
@@ -322,10 +322,9 @@ def test_bench_serve_url_drives_the_stack_over_http(keyed_stack: Stack) -> None:
     sessions = http_load.make_sessions(shape, 2, seed=7)
     from deepserve.bench.engine_view import EngineView
 
-    from .test_tenant_probes import metric, wait_for  # the counts below must be this run's:
-
-    running = "deepserve:num_requests_running"  # an earlier test's aborted stream may step on
-    wait_for("an idle decode", lambda: metric(keyed_stack, "decode", running) == 0)
+    # The counts below must be this run's alone: an earlier test's aborted stream may step on.
+    running = "deepserve:num_requests_running"
+    wait_for("an idle decode", lambda: service_metric(keyed_stack, "decode", running) == 0)
 
     view = EngineView(
         {

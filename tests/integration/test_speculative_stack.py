@@ -5,7 +5,6 @@ decode's ``/metrics`` count the drafts it verified."""
 
 from __future__ import annotations
 
-import urllib.request
 from collections.abc import Iterator
 
 import nats
@@ -14,6 +13,7 @@ import pytest
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig
 from libs.engine.llm import LLM
+from tests.integration.conftest import scrape_metric
 from tests.integration.test_prefill_decode import (
     NUM_KV_BLOCKS,
     PROMPT,
@@ -41,16 +41,6 @@ def llm(tiny_loaded) -> LLM:
     return LLM("tiny", engine=engine)
 
 
-def _metric(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{") or line.startswith(name + " ")
-    )
-
-
 async def test_speculative_prefill_and_decode_give_the_plain_tokens(
     spec_stack: Stack, llm: LLM
 ) -> None:
@@ -71,6 +61,6 @@ async def test_speculative_prefill_and_decode_give_the_plain_tokens(
     finally:
         await nc.close()
     port = spec_stack.decode.http_port
-    verified = _metric(port, "deepserve:spec_decode_num_draft_tokens_total")
+    verified = scrape_metric(port, "deepserve:spec_decode_num_draft_tokens_total")
     assert verified > 0, spec_stack.logs()
-    assert _metric(port, "deepserve:spec_decode_num_accepted_tokens_total") <= verified
+    assert scrape_metric(port, "deepserve:spec_decode_num_accepted_tokens_total") <= verified

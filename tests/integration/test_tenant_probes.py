@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -28,7 +27,7 @@ from deepserve.up import Stack
 from libs.gateway.keylimits import key_id
 
 from ..sdk_strict import openai_client
-from .conftest import MODEL_NAME, READY_TIMEOUT, dump_logs
+from .conftest import MODEL_NAME, READY_TIMEOUT, dump_logs, service_metric, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 KEYS = "sk-acme=acme,sk-globex=globex,sk-capped=initech"
@@ -66,21 +65,6 @@ def client(base: str, key: str) -> openai.OpenAI:
     return openai_client(True, base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=120)
 
 
-def metric(stack: Stack, service: str, name: str) -> float:
-    """The sum of a metric's samples on ``service``'s ops port."""
-    port = next(c.ops_port for c in stack.children if c.service == service)
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", re.M)
-    return sum(float(m.group(2)) for m in pattern.finditer(text))
-
-
-def wait_for(what: str, ok: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not ok():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 def first_token_at(cli: openai.OpenAI, prompt: str, max_tokens: int) -> float:
     """Streams a chat completion; the monotonic time its first content arrived."""
     stream = cli.chat.completions.create(
@@ -107,13 +91,13 @@ def test_a_short_prompt_is_not_stuck_behind_another_tenants_long_prefill(stack: 
     acme, globex = client(stack.api_base, "sk-acme"), client(stack.api_base, "sk-globex")
     running = "deepserve:num_requests_running"
     steps = "deepserve:engine_step_duration_seconds_count"
-    assert metric(stack, "prefill", running) == 0
-    before = metric(stack, "prefill", steps)
+    assert service_metric(stack, "prefill", running) == 0
+    before = service_metric(stack, "prefill", steps)
     with ThreadPoolExecutor(2) as pool:
         long = pool.submit(first_token_at, acme, long_prompt, 1)
         wait_for(  # its prompt is being computed: chunks have run, its first token has not
             "the long prompt's prefill",
-            lambda: metric(stack, "prefill", steps) >= before + 2 or long.done(),
+            lambda: service_metric(stack, "prefill", steps) >= before + 2 or long.done(),
         )
         assert not long.done(), "the long prefill finished before the short prompt was sent"
         short = pool.submit(first_token_at, globex, "hello there", 1)
@@ -144,7 +128,9 @@ def test_admission_queues_per_tenant_not_first_come_first_served(stack: Stack) -
     waiting = "deepserve_entrypoint_admission_waiting"
     with ThreadPoolExecutor(7) as pool:
         burst = [pool.submit(one, acme, f"acme-{i}") for i in range(6)]
-        wait_for("acme's 4 waiting requests", lambda: metric(stack, "entrypoint", waiting) >= 4)
+        wait_for(
+            "acme's 4 waiting requests", lambda: service_metric(stack, "entrypoint", waiting) >= 4
+        )
         burst.append(pool.submit(one, globex, "globex"))
         for f in burst:
             f.result()

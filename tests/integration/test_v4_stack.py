@@ -7,10 +7,8 @@ from the kvstore's blocks and continues the same."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
-import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -20,7 +18,7 @@ from deepserve.up import Stack
 from libs.engine.v4.load import generate_v4, load_v4
 
 from ..sdk_strict import openai_client
-from .conftest import READY_TIMEOUT, AuthorizedStub, dump_logs, grpc_generate
+from .conftest import READY_TIMEOUT, AuthorizedStub, dump_logs, grpc_generate, service_metric
 
 pytestmark = pytest.mark.timeout(600)
 MODEL_NAME = "deepseek-v4-tiny"
@@ -43,15 +41,6 @@ def v4_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield s
     finally:
         s.stop()
-
-
-def _metric(stack: Stack, service: str, name: str) -> float:
-    child = next(c for c in stack.children if c.service == service)
-    port = child.argv[child.argv.index("--http-port") + 1]
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
 
 
 def test_prompt_ids_through_prefill_and_decode_equal_one_process(v4_stack: Stack) -> None:
@@ -84,7 +73,7 @@ def test_a_repeated_long_prompt_is_restored_from_the_kvstore(v4_stack: Stack) ->
     first, cached = chat()
     assert cached == 0
     deadline = time.monotonic() + 30  # the prefill writes its blocks behind the hand-over
-    while _metric(v4_stack, "prefill", "deepserve_prefill_kvstore_blocks_put_total") < 2:
+    while service_metric(v4_stack, "prefill", "deepserve_prefill_kvstore_blocks_put_total") < 2:
         assert time.monotonic() < deadline, dump_logs(v4_stack)
         time.sleep(0.3)
     prefill = next(c for c in v4_stack.children if c.service == "prefill")
@@ -96,5 +85,5 @@ def test_a_repeated_long_prompt_is_restored_from_the_kvstore(v4_stack: Stack) ->
         time.sleep(0.3)
     again, cached = chat()
     assert cached >= 256, dump_logs(v4_stack)
-    assert _metric(v4_stack, "prefill", "deepserve_prefill_kvstore_blocks_loaded_total") >= 2
+    assert service_metric(v4_stack, "prefill", "deepserve_prefill_kvstore_blocks_loaded_total") >= 2
     assert again == first

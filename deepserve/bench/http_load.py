@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deepserve.bench import engine_view
+from deepserve.bench import engine_view, http_procs
 from deepserve.bench.traces import TRACES, Session, TraceShape, make_sessions
 
 OFF_PEAK_PRICE = (0.15, 0.003, 0.60)  # $/M tokens: uncached input, cached input, output
@@ -176,15 +176,19 @@ async def drive(
     api_key: str,
     seed: int,
     duration: float = 0.0,
+    quiet: bool = False,
 ) -> tuple[list[Result], float]:
     """Play the sessions; with ``duration`` > 0 no turn starts after that many seconds (those
-    in flight finish and count; the elapsed time includes them)."""
+    in flight finish and count; the elapsed time includes them). ``quiet``: no progress bar
+    (a client process of several)."""
     import openai
     from tqdm import tqdm
 
     client = openai.AsyncOpenAI(base_url=url, api_key=api_key or "none", max_retries=0)
     results: list[Result] = []
-    progress = tqdm(total=len(sessions) * shape.turns, unit="req", desc="bench serve")
+    progress = tqdm(
+        total=len(sessions) * shape.turns, unit="req", desc="bench serve", disable=quiet
+    )
     t0 = time.perf_counter()
     end = t0 + duration if duration > 0 else math.inf
     try:
@@ -342,6 +346,8 @@ def run(args: argparse.Namespace) -> int:
         price = _price(args.price)
         if args.gpus <= 0 or args.sessions <= 0:
             raise ValueError("--gpus and --sessions must be positive")
+        if args.client_processes < 0:
+            raise ValueError("--client-processes must be >= 0 (0: one per 32 sessions)")
         if args.rate < 0 or (args.rate == 0 and args.concurrency <= 0):
             raise ValueError("give --concurrency N (> 0) or --rate R (sessions per second)")
         engine = json.loads(Path(args.engine_json).read_text()) if args.engine_json else None
@@ -356,22 +362,42 @@ def run(args: argparse.Namespace) -> int:
         view = engine_view.EngineView(targets) if targets else None
         if view is not None:
             await view.start()
-        results, seconds = await drive(
-            args.url,
-            args.model,
-            sessions,
-            shape,
-            concurrency=args.concurrency,
-            rate=args.rate,
+        common = dict(
+            url=args.url,
+            model=args.model,
             timeout=args.request_timeout,
             api_key=args.api_key,
             seed=args.seed,
             duration=args.duration,
         )
+        if processes == 1:
+            cpu0 = time.process_time()
+            results, seconds = await drive(
+                sessions=sessions,
+                shape=shape,
+                concurrency=args.concurrency,
+                rate=args.rate,
+                **common,
+            )
+            cpu.append(time.process_time() - cpu0)
+        else:
+            results, seconds, used = await asyncio.to_thread(
+                http_procs.drive_processes,
+                processes,
+                sessions,
+                shape,
+                concurrency=args.concurrency,
+                rate=args.rate,
+                **common,
+            )
+            cpu.extend(used)
         return results, seconds, (await view.stop() if view is not None else None)
 
+    processes = args.client_processes or http_procs.auto_processes(args.concurrency, args.rate)
+    cpu: list[float] = []
     results, seconds, engines = asyncio.run(measured())
     summary = summarize(results, seconds, price=price, gpus=args.gpus, engine=engine)
+    summary["client"] = http_procs.client_report(processes, cpu, seconds)
     if engines is not None:
         summary["engines"] = engines
     report = {
@@ -391,6 +417,11 @@ def run(args: argparse.Namespace) -> int:
             {k: v for k, v in report.items() if k not in ("trace_shape", "engines")}, indent=1
         )
     )
+    if summary["client"]["throttled"]:
+        print(
+            f"warning: a client process was {summary['client']['busiest']:.0%} busy: the "
+            "figures may be the client's limit; raise --client-processes"
+        )
     if engines is not None:
         print("\n".join(engine_view.summary_lines(engines)))
     ceiling = summary.get("engine_ceiling")
@@ -446,6 +477,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="--url: a `deepserve bench engine` result: print the engine-only ceiling",
     )
     p.add_argument("--seed", type=int, default=0, help="--url: trace seed")
+    p.add_argument(
+        "--client-processes",
+        type=int,
+        default=0,
+        help="--url: client processes the sessions are dealt over (0: one per 32 concurrent "
+        "sessions, at most half the cores); the report gives each one's CPU use",
+    )
     p.add_argument(
         "--metrics",
         default="",

@@ -4,7 +4,8 @@
 #
 #   OUT=/tmp/out bash scripts/gpu/serve.sh agent:32 agent:128 chat:128
 #
-# Each TRACE:SESSIONS argument is one `deepserve bench serve --url` run at that concurrency;
+# Each TRACE:SESSIONS[:CLIENTS] argument is one `deepserve bench serve --url` run at that
+# concurrency (CLIENTS: its --client-processes; default one per 32 sessions);
 # results land in $OUT/serve-TRACE-SESSIONS.json; the plots, the services' logs, a /metrics
 # snapshot of each service after each run and (PROFILE=1, with a bundle built by
 # PROFILER=1 bash scripts/gpu/bundle.sh) py-spy dumps of every service PROFILE_AFTER seconds
@@ -62,21 +63,45 @@ profile() {  # py-spy dumps of every service's process
   done
 }
 
+cpu_times() {  # "name CPU-seconds" of every service's process so far (all its threads)
+  python3 - "$RUN/stack.json" <<'EOF'
+import json, os, sys
+tick = os.sysconf("SC_CLK_TCK")
+for name, pid in json.load(open(sys.argv[1]))["pids"].items():
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        print(name, (int(fields[11]) + int(fields[12])) / tick)
+    except OSError:
+        pass
+EOF
+}
+
+cpu_share() {  # each service's cores over the run: a Python service near 1.0 is a bottleneck
+  cpu_times | python3 -c 'import sys, time
+before = dict(line.split() for line in open(sys.argv[1]))
+secs = time.time() - float(sys.argv[2])
+print("cpu per service (cores):", " ".join(
+    f"{n}={(float(v) - float(before.get(n, 0))) / secs:.2f}" for n, v in (l.split() for l in sys.stdin)))' \
+    "$1" "$2"
+}
+
 status=0
 for spec in "$@"; do
-  trace=${spec%%:*}
-  n=${spec##*:}
-  tag="$trace-$n"
+  IFS=: read -r trace n clients <<< "$spec"  # TRACE:SESSIONS[:CLIENT_PROCESSES]
+  tag="$trace-$n${clients:+-c$clients}"
   echo "== $tag"
   prof=""
   if [ "${PROFILE:-0}" = 1 ]; then profile "$tag" & prof=$!; fi
+  cpu_times > "$OUT/logs/cpu-before-$tag.txt"
+  b0=$(date +%s.%N)
   # shellcheck disable=SC2086
   timeout "${BENCH_TIMEOUT:-300}" python3 -m deepserve.cli bench serve --url "http://127.0.0.1:$PORT/v1" \
     --model "deepseek-$MODEL" --trace "$trace" --sessions "$n" --concurrency "$n" --gpus 1 \
     --engine-json "$ENGINE_JSON" --json "$OUT/serve-$tag.json" --plot "$OUT/extra/serve-$tag.png" \
-    --stack-json "$RUN/stack.json" \
+    --stack-json "$RUN/stack.json" ${clients:+--client-processes $clients} \
     ${BENCH_ARGS:-} || status=$?
   if [ -n "$prof" ]; then wait "$prof" || true; fi  # not a bare wait: that waits for up too
+  cpu_share "$OUT/logs/cpu-before-$tag.txt" "$b0" | tee "$OUT/logs/cpu-$tag.txt"
   snapshot "$OUT/logs/metrics-$tag"
 done
 

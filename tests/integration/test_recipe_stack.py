@@ -314,7 +314,7 @@ def test_bench_serve_url_drives_the_stack_over_http(keyed_stack: Stack) -> None:
     usage read from the stream, and later turns of a session served from the prefix cache."""
     import asyncio
 
-    from deepserve.bench import http_load
+    from deepserve.bench import http_load, http_procs
 
     shape = http_load.TraceShape(
         turns=3, system_words=200, context_words=200, user_words=20, max_tokens=4
@@ -337,17 +337,20 @@ def test_bench_serve_url_drives_the_stack_over_http(keyed_stack: Stack) -> None:
 
     async def run() -> tuple[list[http_load.Result], float, dict[str, Any]]:
         await view.start()
-        results, seconds = await http_load.drive(
-            keyed_stack.api_url,
-            MODEL_NAME,
+        results, seconds, cpu = await asyncio.to_thread(  # one client process per session
+            http_procs.drive_processes,
+            2,
             sessions,
             shape,
             concurrency=2,
             rate=0.0,
+            url=keyed_stack.api_url,
+            model=MODEL_NAME,
             timeout=120.0,
             api_key="sk-alpha",
             seed=7,
         )
+        assert len(cpu) == 2 and all(0 < c < seconds for c in cpu), (cpu, seconds)
         return results, seconds, await view.stop()
 
     results, seconds, engines = asyncio.run(run())

@@ -80,6 +80,25 @@ def test_bad_flags_are_refused_with_a_message(capsys: pytest.CaptureFixture[str]
     args = parser.parse_args(["--url", "http://127.0.0.1:9/v1", "--price", "1,2"])
     assert http_load.run(args) == 2
     assert "--price takes three" in capsys.readouterr().out
+    args = parser.parse_args(["--url", "http://127.0.0.1:9/v1", "--client-processes", "-1"])
+    assert http_load.run(args) == 2
+    assert "--client-processes must be >= 0" in capsys.readouterr().out
+
+
+def test_client_processes_follow_the_load_and_flag_a_busy_client() -> None:
+    """One client process per 32 concurrent sessions (2 sessions/s open loop), never more
+    than half the cores; a process busy most of the run is flagged in the report."""
+    import os
+
+    from deepserve.bench import http_procs
+
+    half = max(1, (os.cpu_count() or 2) // 2)
+    assert http_procs.auto_processes(32, 0.0) == 1
+    assert http_procs.auto_processes(128, 0.0) == min(4, half)
+    assert http_procs.auto_processes(1, 9.0) == min(5, half)
+    report = http_procs.client_report(2, [9.0, 3.0], 10.0)
+    assert report["busy"] == [0.9, 0.3] and report["throttled"]
+    assert not http_procs.client_report(1, [3.0], 10.0)["throttled"]
 
 
 def test_no_turn_starts_after_the_duration(monkeypatch: pytest.MonkeyPatch) -> None:

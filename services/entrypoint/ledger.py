@@ -11,7 +11,10 @@ handed to the client: the tokens of every ``Tokens`` event it yields. So it reco
   sorted set ``{prefix}:{usage}:open`` with a lease.
 * **delivered** -- *before* each ``Tokens`` event is yielded, ``completion_tokens`` becomes the
   number of completion tokens the client will then have received (a write-ahead: a process
-  killed between the write and the send bills at most that one event more, never less).
+  killed between the write and the send bills at most that one event more, never less). The
+  writes are group-committed: every request's token that arrives while one write is in flight
+  goes in the next, one script call for all of them, and each waits for its own (a decode
+  step's tokens for 128 streams are one Redis call, not 128).
 * **close** -- when the call ends, however it ended: ``status`` (ok, error, cancelled...),
   ``finished_at``, the record leaves the open set and its name is appended to the stream
   ``{prefix}:{usage}:closed`` (what a billing exporter reads; the numbers are in the hash).
@@ -78,11 +81,16 @@ return 1
 """
 )
 
-# KEYS: record. ARGV: completion tokens delivered so far (only ever raises the count).
+# KEYS: records. ARGV: each one's completion tokens delivered so far (only ever raises the
+# count; a record that is gone -- expired -- is not brought back).
 _DELIVERED = """
-local c = tonumber(redis.call('HGET', KEYS[1], 'completion_tokens') or '0')
-if tonumber(ARGV[1]) > c then redis.call('HSET', KEYS[1], 'completion_tokens', ARGV[1]) end
-return 1
+for i = 1, #KEYS do
+  local c = redis.call('HGET', KEYS[i], 'completion_tokens')
+  if c and tonumber(ARGV[i]) > tonumber(c) then
+    redis.call('HSET', KEYS[i], 'completion_tokens', ARGV[i])
+  end
+end
+return #KEYS
 """
 
 # KEYS: record, open set, stream. ARGV: status, finished_at, completion tokens, ttl s, maxlen.
@@ -151,6 +159,13 @@ class Ledger(Protocol):
         """The call ended (returns at once; written in the background, retried)."""
 
 
+def _release(due: dict[str, tuple[int, list[asyncio.Future[None]]]]) -> None:
+    for _, waiters in due.values():
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+
 def record_name(prefix: str, tenant: str, request_id: str) -> str:
     digest = hashlib.sha256(tenant.encode()).hexdigest()[:16]
     return f"{prefix}:{{usage}}:rec:{digest}:{request_id}"
@@ -174,6 +189,9 @@ class RedisLedger:
         self._renew = redis.register_script(_RENEW)
         self._sweep = redis.register_script(_SWEEP)
         self._tasks: set[asyncio.Task[None]] = set()
+        # group commit of ``delivered``: record -> (count, its waiters), and the flusher
+        self._due: dict[str, tuple[int, list[asyncio.Future[None]]]] = {}
+        self._flusher: asyncio.Task[None] | None = None
 
     async def open(self, rec: Opened) -> str:
         name = record_name(self.prefix, rec.tenant, rec.request_id)
@@ -196,7 +214,34 @@ class RedisLedger:
         return name
 
     async def delivered(self, name: str, completion_tokens: int) -> None:
-        await self._step("delivered", self._delivered(keys=[name], args=[completion_tokens]))
+        """Returns once a write holding at least ``completion_tokens`` for ``name`` is done
+        (or failed: counted and logged; the request goes on)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        count, waiters = self._due.get(name, (0, []))
+        self._due[name] = (max(count, completion_tokens), [*waiters, done])
+        if self._flusher is None:
+            self._flusher = loop.create_task(self._flush_delivered())
+        await done
+
+    async def _flush_delivered(self) -> None:
+        """Writes what is due in one call; what came in meanwhile goes in the next."""
+        due: dict[str, tuple[int, list[asyncio.Future[None]]]] = {}
+        try:
+            while self._due:
+                due, self._due = self._due, {}
+                names = list(due)
+                try:
+                    await self._delivered(keys=names, args=[due[n][0] for n in names])
+                    WRITES.labels("delivered", "ok").inc(len(names))
+                except (RedisError, OSError) as exc:
+                    WRITES.labels("delivered", "failed").inc(len(names))
+                    log.warning("usage ledger delivered failed: %s", exc)
+                _release(due)
+        finally:  # cancelled (shutdown): nobody waits forever
+            _release(due)
+            _release(self._due)
+            self._due, self._flusher = {}, None
 
     def close(self, name: str, status: str, completion_tokens: int) -> None:
         task = asyncio.get_running_loop().create_task(

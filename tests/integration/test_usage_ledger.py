@@ -90,3 +90,34 @@ def test_a_request_id_seen_twice_is_billed_once(redis_url: str) -> None:
         assert other != name
 
     asyncio.run(go())
+
+
+def test_concurrent_streams_share_one_write_and_each_is_in_redis_before_it_returns(
+    redis_url: str,
+) -> None:
+    """Group commit: 64 streams' tokens delivered at once are one script call, and when each
+    ``delivered`` returns its count is in Redis; a record that is gone is not brought back."""
+
+    async def go() -> None:
+        client = await _client(redis_url)
+        ledger = RedisLedger(client, "ep")
+        names = [await ledger.open(_opened(f"g{i}")) for i in range(64)]
+
+        async def calls() -> int:
+            stats = await client.info("commandstats")  # type: ignore[attr-defined]
+            return sum(
+                v["calls"] for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval")
+            )
+
+        async def deliver(name: str, n: int) -> None:
+            await ledger.delivered(name, n)
+            assert (await _record(client, name))["completion_tokens"] == str(n)
+
+        before = await calls()
+        await asyncio.gather(*(deliver(n, i + 1) for i, n in enumerate(names)))
+        assert await calls() - before <= 2  # one for all 64 (a script load may add one)
+        gone = "ds:{usage}:rec:none:never-opened"
+        await ledger.delivered(gone, 3)
+        assert not await client.exists(gone)  # type: ignore[attr-defined]
+
+    asyncio.run(go())

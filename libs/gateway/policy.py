@@ -240,6 +240,19 @@ class Finish:
 Output = Ready | Tokens | Finish
 
 
+def joined(outputs: list[Output]) -> list[Output]:
+    """``outputs`` with each run of adjacent :class:`Tokens` made one (tokens and logprobs in
+    order): what was released together is sent together."""
+    out: list[Output] = []
+    for o in outputs:
+        last = out[-1] if out else None
+        if isinstance(o, Tokens) and isinstance(last, Tokens):
+            out[-1] = Tokens(last.token_ids + o.token_ids, last.logprobs + o.logprobs)
+        else:
+            out.append(o)
+    return out
+
+
 @dataclass
 class RequestStream:
     """What the client sees, from token events in any order: Ready, Tokens..., Finish.

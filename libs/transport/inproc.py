@@ -101,6 +101,10 @@ class InProcSubscription:
             out.append(self._messages.get_nowait())
         return out
 
+    def ready(self) -> bool:
+        """Whether a message is already here (the entrypoint's ``Subscription``)."""
+        return not self._messages.empty()
+
     async def next(self, timeout: float) -> bytes:
         """The next payload (the entrypoint's ``Subscription``)."""
         return (await self.next_msg(timeout)).data

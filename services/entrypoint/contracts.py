@@ -26,6 +26,9 @@ class Subscription(Protocol):
     async def next(self, timeout: float) -> bytes:
         """The next payload; raises TimeoutError after ``timeout`` seconds without one."""
 
+    def ready(self) -> bool:
+        """Whether a payload is already here (``next`` would not wait)."""
+
     async def close(self) -> None: ...
 
 

@@ -40,6 +40,7 @@ from libs.gateway.policy import (
     RequestStream,
     Tokens,
     ValidRequest,
+    joined,
     validate_request,
 )
 from libs.gateway.retry import (
@@ -416,28 +417,36 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                 else None
             )
             while not stream.done:
-                try:
-                    chunk = await self.reader.next_chunk(sub, wire, watch, stream, refill)
-                    watch.saw(chunk.index + max(0, len(chunk.token_ids) - 1))
-                    outputs = stream.push(chunk)
-                except AttemptFailed:
-                    abort_reason = "instance failed"
-                    raise
-                except DeepserveError as exc:
-                    abort_reason = outcome_of(exc)
-                    raise
-                except ReorderOverflow as exc:
-                    abort_reason = "error"
-                    raise Internal(f"request {rid}: {exc}") from None
-                generated = max(generated, chunk.index + len(chunk.token_ids))  # resends overlap
-                self.admission.saw(grant, chunk.index, generated)
-                for out in outputs:
+                outputs: list[Output] = []
+                failure: Exception | None = None  # raised once what came before it is sent
+                # Every event already here goes out as one: a client (or this loop) that fell
+                # behind catches up in one message, not one per token.
+                while not outputs or (sub.ready() and not stream.done):
+                    try:
+                        chunk = await self.reader.next_chunk(sub, wire, watch, stream, refill)
+                        watch.saw(chunk.index + max(0, len(chunk.token_ids) - 1))
+                        outputs += stream.push(chunk)
+                    except AttemptFailed as exc:
+                        abort_reason, failure = "instance failed", exc
+                    except DeepserveError as exc:
+                        abort_reason, failure = outcome_of(exc), exc
+                    except ReorderOverflow as exc:
+                        abort_reason, failure = "error", Internal(f"request {rid}: {exc}")
+                    if failure is not None:
+                        break
+                    generated = max(generated, chunk.index + len(chunk.token_ids))  # resends
+                    self.admission.saw(grant, chunk.index, generated)
+                    if stream.done:
+                        break
+                for out in joined(outputs):
                     shown = progress.translate(out)
                     if shown is None:
                         continue
                     if isinstance(shown, Tokens) and len(progress.sent) == len(shown.token_ids):
                         TTFT_SECONDS.observe(time.monotonic() - started)
                     yield shown
+                if failure is not None:
+                    raise failure
             finished_upstream = not stream.truncated
             abort_reason = "completion past max_tokens"
             TOKENS.labels("prompt").inc(len(progress.prompt))

@@ -53,6 +53,9 @@ class FakeSub:
     async def next(self, timeout: float) -> bytes:
         return await asyncio.wait_for(self.queue.get(), timeout)
 
+    def ready(self) -> bool:
+        return not self.queue.empty()
+
     async def close(self) -> None:
         self.bus.subs.pop(self.subject, None)
 
@@ -158,13 +161,13 @@ async def test_generate_relays_tokens_in_order_with_ready_and_usage() -> None:
     prompt = list(range(1, 11))  # 10 tokens, blocks of 4: prompt[:-1] holds 2 full blocks
     events = await collect(make(bus, kv), req(prompt, tenant="acme", request_id="r1"))
     kinds = [e.WhichOneof("event") for e in events]
-    assert kinds == ["ready", "tokens", "tokens", "tokens", "finish"]
+    assert kinds[0] == "ready" and kinds[-1] == "finish" and set(kinds[1:-1]) == {"tokens"}
     assert (
         events[0].ready.request_id,
         events[0].ready.prompt_tokens,
         events[0].ready.cached_tokens,
     ) == ("r1", 10, 4)
-    assert [t for e in events[1:4] for t in e.tokens.token_ids] == [7, 8, 9]
+    assert [t for e in events[1:-1] for t in e.tokens.token_ids] == [7, 8, 9]
     assert events[-1].finish.reason == "length"
     assert (
         events[-1].finish.usage.prompt_tokens,

@@ -92,26 +92,45 @@ class RequestStream:
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self._queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+        self._items: deque[TokenEvent | BaseException] = deque()
+        self._arrived = asyncio.Event()
         self.finished = False
         # What add_request returned: an event to wait on before a KV pool reference's owner
         # may reuse the blocks it lent (None: nothing to wait for).
         self.imported: Any = None
 
     def _put(self, item: TokenEvent | BaseException) -> None:
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        self._arrived.set()
 
     async def next(self) -> TokenEvent | None:
         """The next event, or None once the stream has ended."""
-        if self.finished and self._queue.empty():
+        if self.finished and not self._items:
             return None
-        item = await self._queue.get()
+        while not self._items:
+            self._arrived.clear()
+            await self._arrived.wait()
+        item = self._items.popleft()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
         if item.finished:
             self.finished = True
         return item
+
+    def ready_tokens(self) -> list[TokenEvent]:
+        """The token events already here, taken without waiting, up to and including a
+        finishing one; an abort or a failure stays for :meth:`next` (a relay that fell behind
+        the engine sends these in one message)."""
+        out: list[TokenEvent] = []
+        while not self.finished and self._items:
+            head = self._items[0]
+            if isinstance(head, BaseException) or head.token_id is None:
+                break
+            self._items.popleft()
+            out.append(head)
+            self.finished = head.finished
+        return out
 
     def __aiter__(self) -> AsyncIterator[TokenEvent]:
         return self._iter()

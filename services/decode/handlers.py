@@ -279,30 +279,37 @@ class DecodeHandler:
         ) as span:
             span.set_attribute("deepserve.request_id", rid)
             try:
-                async for ev in stream:
-                    if ev.token_id is None:  # aborted in the engine
+                async for first in stream:
+                    if first.token_id is None:  # aborted in the engine
                         await self._on_cut(rid, subject, index)
                         return
+                    # the engine's tokens that are already here (this loop fell behind): one
+                    # message for all of them
+                    evs = [first, *stream.ready_tokens()] if not first.finished else [first]
+                    last = evs[-1]
                     msg = control_pb2.TokenEvent(
                         request_id=rid,
                         index=index,
-                        token_ids=[ev.token_id],
-                        finished=ev.finished,
-                        finish_reason=ev.finish_reason or "",
+                        token_ids=[ev.token_id for ev in evs if ev.token_id is not None],
+                        finished=last.finished,
+                        finish_reason=last.finish_reason or "",
                         prompt_tokens=task.num_prompt_tokens,
                         cached_tokens=task.cached_tokens,
                     )
-                    if ev.logprobs is not None:
-                        msg.logprobs.append(ev.logprobs.to_proto())
-                    if ev.speculative is not None:
-                        d, v, a = ev.speculative
+                    for ev in evs:
+                        assert ev.token_id is not None  # ready_tokens stops before an abort
+                        if ev.logprobs is not None:
+                            msg.logprobs.append(ev.logprobs.to_proto())
+                        reason = ev.finish_reason or ""
+                        self.sent.token(rid, ev.token_id, ev.finished, reason, ev.logprobs)
+                    if last.speculative is not None:
+                        d, v, a = last.speculative
                         msg.speculative.CopyFrom(
                             control_pb2.SpecCounts(drafted=d, verified=v, accepted=a)
                         )
-                    self.sent.token(rid, ev.token_id, ev.finished, msg.finish_reason, ev.logprobs)
                     await self._send(subject, msg)
-                    TOKENS.inc()
-                    index += 1
+                    TOKENS.inc(len(evs))
+                    index += len(evs)
                 span.set_attribute("deepserve.completion_tokens", index)
                 LATENCY.observe(time.perf_counter() - t0)
                 if self.kvstore is not None:

@@ -445,3 +445,53 @@ async def test_abort_stops_decode_and_frees_its_blocks(stack) -> None:
     )
     reply = await decode.accept(late, b"")
     assert not reply.accepted and "aborted" in reply.error
+
+
+async def test_a_relay_behind_the_engine_sends_the_waiting_tokens_as_one_event(stack) -> None:
+    """Tokens the engine made while the relay was busy go out in one TokenEvent (positions in
+    order); an abort behind them is not swallowed, and a resend still starts anywhere."""
+    from libs.engine.step_plan import TokenEvent
+    from libs.proto.deepserve.v1 import kv_transfer_pb2
+    from libs.serving.engine_loop import RequestStream
+
+    bus, _, decode, _, _ = stack
+    relay = DecodeHandler(
+        decode.loop,
+        bus.publish,
+        instance_id="decode-1",
+        model_name="m",
+        address="inproc:1",
+        block_size=BS,
+    )
+
+    def decode_task(rid: str) -> control_pb2.DecodeTask:
+        return control_pb2.DecodeTask(
+            request_id=rid,
+            token_ids=[1, 2, 3, 4],
+            num_prompt_tokens=3,
+            sampling=SamplingParams(max_tokens=9).to_proto(),
+            events_subject=subjects.token_events(rid),
+        )
+
+    late = RequestStream("late")
+    for i, t in enumerate([5, 6, 7, 8]):
+        late._put(
+            TokenEvent("late", t, finished=i == 3, finish_reason="length" if i == 3 else None)
+        )
+    await relay.continue_here(decode_task("late"), late, 0)
+    events = await bus.wait_done("late")
+    assert [(e.index, list(e.token_ids), e.finish_reason) for e in events] == [
+        (1, [5, 6, 7, 8], "length")
+    ]
+    again = relay.resend(kv_transfer_pb2.ResendRequest(request_id="late", from_index=3))
+    assert [(e.index, list(e.token_ids)) for e in again.events] == [(3, [7, 8])]
+
+    cut = RequestStream("cut")
+    for t in (5, 6):
+        cut._put(TokenEvent("cut", t))
+    cut._put(TokenEvent("cut", None, finished=True, finish_reason="abort"))
+    await relay.continue_here(decode_task("cut"), cut, 0)  # an abort nobody asked for: an error
+    await bus.next()
+    await bus.next()
+    got = sorted(bus.events[subjects.token_events("cut")], key=lambda e: e.index)
+    assert [list(e.token_ids) for e in got] == [[5, 6], []] and got[-1].error

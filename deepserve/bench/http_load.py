@@ -298,38 +298,6 @@ def summarize(
     return summary
 
 
-def plot(results: list[Result], summary: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in results if r.ok]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.scatter(
-        [r.prompt_tokens for r in ok],
-        [r.ttft_s * 1e3 for r in ok],
-        s=8,
-        c=[r.cached_tokens / max(1, r.prompt_tokens) for r in ok],
-        cmap="viridis",
-    )
-    a.set_xlabel("prompt tokens")
-    a.set_ylabel("TTFT (ms)")
-    a.set_title("time to first token (colour: cached share)")
-    gaps = sorted(g * 1e3 for r in ok for g in r.itl_s)
-    if gaps:
-        b.plot(gaps, [i / len(gaps) for i in range(len(gaps))])
-    b.set_xlabel("inter-token latency (ms)")
-    b.set_ylabel("fraction of gaps")
-    b.set_title(
-        f"{summary['output_tokens_per_s']:.0f} output tok/s, "
-        f"${summary['revenue_per_gpu_hour']:.2f}/GPU-h"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def _price(text: str) -> tuple[float, float, float]:
     parts = [float(x) for x in text.split(",")]
     if len(parts) != 3 or any(p < 0 for p in parts):
@@ -395,9 +363,13 @@ def run(args: argparse.Namespace) -> int:
 
     processes = args.client_processes or http_procs.auto_processes(args.concurrency, args.rate)
     cpu: list[float] = []
+    services0 = http_procs.service_cpu(args.stack_json)
     results, seconds, engines = asyncio.run(measured())
     summary = summarize(results, seconds, price=price, gpus=args.gpus, engine=engine)
     summary["client"] = http_procs.client_report(processes, cpu, seconds)
+    shares = http_procs.service_shares(services0, http_procs.service_cpu(args.stack_json), seconds)
+    if shares:
+        summary["services_cores"] = shares
     if engines is not None:
         summary["engines"] = engines
     report = {
@@ -434,6 +406,8 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
     if args.plot:
+        from deepserve.bench.http_plot import plot
+
         plot(results, summary, Path(args.plot))
     return 0
 

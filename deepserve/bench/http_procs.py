@@ -6,17 +6,20 @@ pydantic objects: a few thousand chunks a second fill its core (128 chat session
 stream ~8K). Each process here drives every N-th session (its share of ``--concurrency`` or
 ``--rate``); all start at one signal, and the run's seconds are from the first start to the
 last finish (``perf_counter`` is the machine's monotonic clock, the same in every process).
-Each process reports the CPU it used, so a report says how busy its clients were.
+Each process reports the CPU it used, so a report says how busy its clients were; with a
+stack file, so does each service of the stack (read from ``/proc``, on the same host).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import multiprocessing as mp
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from deepserve.bench.traces import Session, TraceShape
@@ -116,3 +119,32 @@ def client_report(processes: int, cpu_s: list[float], seconds: float) -> dict[st
         "busy": busy,
         "throttled": max(busy, default=0.0) > BUSY_CLIENT,
     }
+
+
+def service_cpu(stack_json: str) -> dict[str, float]:
+    """CPU seconds each process of a ``deepserve up`` run (its stack.json's ``pids``) has used
+    so far, every thread counted; {} without a stack file or off its host."""
+    if not stack_json:
+        return {}
+    try:
+        pids = json.loads(Path(stack_json).read_text()).get("pids", {})
+    except (OSError, ValueError):
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
+
+
+def service_shares(
+    before: dict[str, float], after: dict[str, float], seconds: float
+) -> dict[str, float]:
+    """Each service's cores over the run (a Python service near 1.0 is a bottleneck)."""
+    if seconds <= 0:
+        return {}
+    return {n: (after[n] - before[n]) / seconds for n in after if n in before}

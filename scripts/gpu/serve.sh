@@ -63,28 +63,6 @@ profile() {  # py-spy dumps of every service's process
   done
 }
 
-cpu_times() {  # "name CPU-seconds" of every service's process so far (all its threads)
-  python3 - "$RUN/stack.json" <<'EOF'
-import json, os, sys
-tick = os.sysconf("SC_CLK_TCK")
-for name, pid in json.load(open(sys.argv[1]))["pids"].items():
-    try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        print(name, (int(fields[11]) + int(fields[12])) / tick)
-    except OSError:
-        pass
-EOF
-}
-
-cpu_share() {  # each service's cores over the run: a Python service near 1.0 is a bottleneck
-  cpu_times | python3 -c 'import sys, time
-before = dict(line.split() for line in open(sys.argv[1]))
-secs = time.time() - float(sys.argv[2])
-print("cpu per service (cores):", " ".join(
-    f"{n}={(float(v) - float(before.get(n, 0))) / secs:.2f}" for n, v in (l.split() for l in sys.stdin)))' \
-    "$1" "$2"
-}
-
 status=0
 for spec in "$@"; do
   IFS=: read -r trace n clients <<< "$spec"  # TRACE:SESSIONS[:CLIENT_PROCESSES]
@@ -92,8 +70,6 @@ for spec in "$@"; do
   echo "== $tag"
   prof=""
   if [ "${PROFILE:-0}" = 1 ]; then profile "$tag" & prof=$!; fi
-  cpu_times > "$OUT/logs/cpu-before-$tag.txt"
-  b0=$(date +%s.%N)
   # shellcheck disable=SC2086
   timeout "${BENCH_TIMEOUT:-300}" python3 -m deepserve.cli bench serve --url "http://127.0.0.1:$PORT/v1" \
     --model "deepseek-$MODEL" --trace "$trace" --sessions "$n" --concurrency "$n" --gpus 1 \
@@ -101,7 +77,6 @@ for spec in "$@"; do
     --stack-json "$RUN/stack.json" ${clients:+--client-processes $clients} \
     ${BENCH_ARGS:-} || status=$?
   if [ -n "$prof" ]; then wait "$prof" || true; fi  # not a bare wait: that waits for up too
-  cpu_share "$OUT/logs/cpu-before-$tag.txt" "$b0" | tee "$OUT/logs/cpu-$tag.txt"
   snapshot "$OUT/logs/metrics-$tag"
 done
 

@@ -52,9 +52,11 @@ MAX_RETRY_MS = 60_000
 
 
 class AdmissionObserver(Protocol):
-    def on_admission(self, result: str, waited: float | None, waiting: int) -> None:
+    def on_admission(self, result: str, waited: float | None, waiting: int, why: str = "") -> None:
         """``result``: admitted, queued, refused, unfit or unavailable; ``waited``: seconds in
-        the queue (None: decided without queueing); ``waiting``: queue length now."""
+        the queue (None: decided without queueing); ``waiting``: queue length now; ``why`` (a
+        queued request): what held it -- ``behind`` (others wait ahead of it), ``inflight``
+        (the ``max_inflight`` cap), ``prefill_queue``, ``decode_kv`` or ``no_instance``."""
 
 
 def parse_tenant_weights(text: str) -> dict[str, float]:
@@ -130,6 +132,7 @@ class Admission:
             if not (w > 0 and math.isfinite(w)):
                 raise ValueError(f"tenant {tenant!r}: a weight must be > 0, got {w}")
         self.running = 0
+        self._held_by = ""  # what the last request that did not fit lacked (see on_admission)
         self._tenants: dict[str, _Tenant] = {}  # those with requests waiting
         self._vtime = 0.0  # V: the largest tag admitted
         self._waiting = 0
@@ -167,12 +170,14 @@ class Admission:
             if unfit is not None:
                 self._note("unfit", None)
                 raise unfit
+        why = "behind"
         if self._first_in_line(tenant, need):
             grant = self._try(need, model)
             if grant is not None:
                 self._charge(self._tag_of_new(tenant, need))
                 self._note("admitted", None)
                 return grant
+            why = self._held_by
         if self._waiting >= self.max_waiting:
             victim = self._displaceable(tenant)
             if victim is None:
@@ -188,7 +193,7 @@ class Admission:
             asyncio.get_running_loop().create_future(),
         )
         self._join(waiter)
-        self._note("queued", None)
+        self._note("queued", None, why)
         self.wake()  # it may be first in the fair order, and fit
         limit = self._wait_limit(model)
         try:
@@ -371,11 +376,19 @@ class Admission:
     # -- internals ----------------------------------------------------------------------------
     def _try(self, need: Need, model: str) -> Grant | None:
         if self.max_inflight and self.running >= self.max_inflight:
+            self._held_by = "inflight"
             return None
         grant = Grant()
         if self.capacity is not None:
             fit = self.capacity.fit(need, model)
             if not fit.ok:
+                self._held_by = (
+                    "no_instance"
+                    if fit.missing
+                    else "prefill_queue"
+                    if not fit.prefill
+                    else "decode_kv"
+                )
                 return None
             grant = Grant(self.capacity.reserve(need, fit), fit.full)
         self.running += 1
@@ -401,9 +414,9 @@ class Admission:
         self.wake()  # it may have been the head holding the others back
         return ahead
 
-    def _note(self, result: str, waited: float | None) -> None:
+    def _note(self, result: str, waited: float | None, why: str = "") -> None:
         if self.observer is not None:
-            self.observer.on_admission(result, waited, self._waiting)
+            self.observer.on_admission(result, waited, self._waiting, why)
 
     def _refusal(
         self, need: Need, model: str, ahead: list[_Waiter], waited: float | None, why: str

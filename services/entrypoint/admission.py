@@ -12,6 +12,13 @@ from libs.proto.deepserve.v1 import control_pb2
 from libs.routing.heartbeat import role_of
 from libs.routing.policy import resident_run
 
+QUEUED_WHY = Counter(
+    "deepserve_entrypoint_admission_queued_reasons_total",
+    "requests that had to wait at admission, by what held them: behind (others waited ahead), "
+    "inflight (--max-inflight), prefill_queue (every prefill queue full), decode_kv (no decode "
+    "KV room), no_instance",
+    ["why"],
+)
 ADMISSIONS = Counter(
     "deepserve_entrypoint_admission_total",
     "admission decisions: admitted (at once or after queueing), queued, refused (overloaded), "
@@ -68,8 +75,10 @@ class AdmissionMetrics:
         self._shown: set[tuple[str, str]] = set()  # (role, instance) series exported
         self.waiting = 0  # requests waiting at admission now
 
-    def on_admission(self, result: str, waited: float | None, waiting: int) -> None:
+    def on_admission(self, result: str, waited: float | None, waiting: int, why: str = "") -> None:
         ADMISSIONS.labels(result).inc()
+        if why:
+            QUEUED_WHY.labels(why).inc()
         if waited is not None:
             ADMISSION_WAIT.labels(result).observe(waited)
         ADMISSION_WAITING.set(waiting)

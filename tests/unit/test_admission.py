@@ -255,9 +255,12 @@ def test_drain_seconds_follow_the_measured_rates() -> None:
 class Seen:
     def __init__(self) -> None:
         self.results: list[str] = []
+        self.why: list[str] = []
 
-    def on_admission(self, result: str, waited: float | None, waiting: int) -> None:
+    def on_admission(self, result: str, waited: float | None, waiting: int, why: str = "") -> None:
         self.results.append(result)
+        if why:
+            self.why.append(why)
 
 
 def admission(
@@ -301,6 +304,24 @@ async def test_admits_while_it_fits_then_refuses_quickly_with_a_hint() -> None:
             await w
     assert time.monotonic() - t0 < 1.0
     assert seen.results.count("refused") == 3 and adm.waiting == 0
+    assert seen.why == ["decode_kv", "behind"]  # what held each one that waited
+
+
+async def test_a_waiting_request_is_counted_under_what_held_it() -> None:
+    """The operator's view of why requests waited: the in-flight cap, or a full prefill queue."""
+    seen = Seen()
+    capped = admission(None, max_inflight=1, observer=seen)
+    await capped.acquire(agent_turn(), MODEL)
+    held = asyncio.ensure_future(capped.acquire(agent_turn(), MODEL))
+    await asyncio.sleep(0)
+    queue = capacity(Clock(), 1000, prefill(queued=1000), decode(free=10_000, total=10_000))
+    full = admission(queue, observer=seen)
+    busy = asyncio.ensure_future(full.acquire(agent_turn(), MODEL))
+    await asyncio.sleep(0)
+    assert seen.why == ["inflight", "prefill_queue"]
+    for w in (held, busy):
+        w.cancel()
+    await asyncio.gather(held, busy, return_exceptions=True)
 
 
 async def test_a_heartbeat_that_frees_capacity_wakes_the_waiter() -> None:

@@ -19,6 +19,8 @@ cancels them together, :func:`merged` reads their events as they come.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Protocol
 
@@ -59,33 +61,95 @@ class GenerateBackend(Protocol):
 
 
 class _GrpcCall:
+    """One ``Generate`` call. Its events are read ahead by a task of their own, so the events
+    that came while the consumer was busy (formatting and sending the last ones) are taken
+    together, runs of tokens joined into one event (:func:`joined_events`): a client stream
+    that falls behind catches up in one SSE chunk, not one per token."""
+
     def __init__(
         self, call: grpc.aio.UnaryStreamCall, address: str, first_timeout: float, timeout: float
     ) -> None:
         self._call, self._address = call, address
         self._first_timeout, self._timeout = first_timeout, timeout
+        self._got: deque[generate_pb2.GenerateEvent | BaseException | None] = deque()
+        self._arrived = asyncio.Event()
+
+    async def _read_ahead(self) -> None:
+        try:
+            while True:
+                event = await self._call.read()
+                if event is grpc.aio.EOF:
+                    self._got.append(None)
+                    return
+                assert isinstance(event, generate_pb2.GenerateEvent)
+                self._got.append(event)
+                self._arrived.set()
+        except grpc.aio.AioRpcError as exc:
+            self._got.append(from_status(exc.code(), exc.details() or "", exc.trailing_metadata()))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            self._got.append(exc)
+        finally:
+            self._arrived.set()
 
     async def __aiter__(self) -> AsyncIterator[generate_pb2.GenerateEvent]:
         wait, which = self._first_timeout, "--first-event-timeout"
+        reader = asyncio.get_running_loop().create_task(self._read_ahead())
         try:
             while True:
-                try:
-                    event = await asyncio.wait_for(self._call.read(), wait)
-                except TimeoutError:
-                    self._call.cancel()
-                    raise DeadlineExceeded(
-                        f"the entrypoint at {self._address} sent nothing for {wait:g} s ({which})"
-                    ) from None
-                if event is grpc.aio.EOF:
+                if not self._got:
+                    self._arrived.clear()
+                    try:  # a timer per wait, no task (wait_for makes one)
+                        async with asyncio.timeout(wait):
+                            await self._arrived.wait()
+                    except TimeoutError:
+                        self._call.cancel()
+                        raise DeadlineExceeded(
+                            f"the entrypoint at {self._address} sent nothing for {wait:g} s "
+                            f"({which})"
+                        ) from None
+                    if not self._got:  # the reader ended without a word: the call is gone
+                        return
+                ready: list[generate_pb2.GenerateEvent] = []
+                end: BaseException | None = None
+                done = False
+                while self._got:
+                    item = self._got.popleft()
+                    if item is None:
+                        done = True
+                        break
+                    if isinstance(item, BaseException):
+                        end = item
+                        break
+                    ready.append(item)
+                for event in joined_events(ready):
+                    yield event
+                if end is not None:
+                    raise end
+                if done:
                     return
-                assert isinstance(event, generate_pb2.GenerateEvent)
-                yield event
                 wait, which = self._timeout, "--event-timeout"
-        except grpc.aio.AioRpcError as exc:
-            raise from_status(exc.code(), exc.details() or "", exc.trailing_metadata()) from None
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
 
     def cancel(self) -> None:
         self._call.cancel()
+
+
+def joined_events(events: list[generate_pb2.GenerateEvent]) -> list[generate_pb2.GenerateEvent]:
+    """``events`` with each run of adjacent ``tokens`` events made one (ids and logprobs in
+    order); ``ready`` and ``finish`` stay as they are."""
+    out: list[generate_pb2.GenerateEvent] = []
+    for ev in events:
+        if ev.WhichOneof("event") == "tokens" and out and out[-1].WhichOneof("event") == "tokens":
+            out[-1].tokens.token_ids.extend(ev.tokens.token_ids)
+            out[-1].tokens.logprobs.extend(ev.tokens.logprobs)
+        else:
+            out.append(ev)
+    return out
 
 
 class GrpcGenerateBackend:

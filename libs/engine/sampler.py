@@ -127,6 +127,44 @@ def mask_stops(
     return logits.index_put(index, torch.tensor(float("-inf"), device=dev))
 
 
+@dataclass(frozen=True)
+class RowRules:
+    """What the sampler's rules need for a set of logits rows: each row's settings; the
+    outputs before its token (needed where a row sets ``min_tokens``); the token history of
+    the rows that use a penalty; the rows a constraint limits and the bitmask that says to
+    what. A plain step has one row per request; a verified request has ``1 + drafts`` rows,
+    row ``i`` counting the ``i`` drafts before it as output (``speculative/verify.py``)."""
+
+    params: Sequence[SamplingParams]
+    num_generated: Sequence[int] | None = None
+    history: TokenHistory | None = None
+    masks: tuple[list[int], torch.Tensor] | None = None
+
+
+def apply_rules(
+    logits: torch.Tensor, rules: RowRules, eos_token_ids: Sequence[int]
+) -> torch.Tensor:
+    """``logits`` [rows, V] as fp32 with the penalties, ``min_tokens`` and the constraint
+    masks applied, each skipped where no row uses it (the caller's tensor is never changed)."""
+    raw = logits.data_ptr()
+    logits = logits.float()
+    params = rules.params
+    if any(p.uses_penalties for p in params):
+        if rules.history is None:
+            raise ValueError("a row uses a penalty: pass the token history")
+        logits = apply_penalties(logits, params, rules.history)
+    if any(p.min_tokens for p in params):
+        if rules.num_generated is None:
+            raise ValueError("a row sets min_tokens: pass num_generated")
+        logits = mask_stops(logits, params, rules.num_generated, eos_token_ids)
+    if rules.masks is not None:
+        from .grammar import apply_masks
+
+        logits = logits.clone() if logits.data_ptr() == raw else logits
+        apply_masks(logits, rules.masks)
+    return logits
+
+
 def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
     """Mask (-inf) tokens outside top-k, below min_p times the top probability and outside
     the top-p nucleus; [V] fp32."""
@@ -226,21 +264,9 @@ class Sampler:
     ) -> torch.Tensor:
         """As :meth:`sample`, as an int64 tensor on the logits' device, without waiting for it.
         ``masks``: rows whose tokens a constraint limits, and the bitmask that says which."""
-        raw = logits.data_ptr()  # the caller's tensor: masked in place only as a copy
-        logits = logits.float()
-        if any(p.uses_penalties for p in params):
-            if history is None:
-                raise ValueError("a row uses a penalty: pass the token history")
-            logits = apply_penalties(logits, params, history)
-        if any(p.min_tokens for p in params):
-            if num_generated is None:
-                raise ValueError("a row sets min_tokens: pass num_generated")
-            logits = mask_stops(logits, params, num_generated, self.eos_token_ids)
-        if masks is not None:
-            from .grammar import apply_masks
-
-            logits = logits.clone() if logits.data_ptr() == raw else logits
-            apply_masks(logits, masks)
+        logits = apply_rules(
+            logits, RowRules(params, num_generated, history, masks), self.eos_token_ids
+        )
         out = logits.argmax(dim=-1)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         dists: dict[int, torch.Tensor] = {}  # row -> the logits it was drawn from

@@ -484,16 +484,17 @@ def test_penalized_requests_are_drafted_for_and_decode_the_same(tiny_mtp, layer_
 def test_each_verification_row_counts_the_drafts_before_it() -> None:
     """Row i of a verified run is penalized with the i drafts before it as output (a token
     drafted at row 0 is repeated at row 1's candidates), as one token a step would have."""
-    from libs.engine.sampler import TokenHistory, apply_penalties
+    from libs.engine.sampler import TokenHistory, apply_penalties, apply_rules
     from libs.engine.scheduler import ScheduledSeq
-    from libs.engine.speculative import penalize_rows
+    from libs.engine.speculative import verification_rules
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 50, generator=g)
     sp = SamplingParams(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.2)
     seq = ScheduledSeq("r", 9, 3, (7, 11, 11), (0,), True, 10, num_drafts=2)
     base = [1, 2, 3, 4, 5, 6, 7, 8, 9, 7]  # prompt of 6, then 4 outputs
-    got = penalize_rows(logits, [seq], 1, {"r": sp}, {"r": (base, 6)})
+    rules = verification_rules(4, [seq], 1, {"r": sp}, {}, {"r": (base, 6)}, None)
+    got = apply_rules(logits, rules, ())
     assert torch.equal(got[0], logits[0])  # row 0 is another request's
     for i, hist in enumerate([base, base + [11], base + [11, 11]]):
         one = apply_penalties(

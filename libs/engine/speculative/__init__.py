@@ -12,11 +12,9 @@ from .verify import (
     SpecStats,
     SpecStep,
     greedy_accept,
-    mask_constrained_rows,
-    mask_min_tokens_rows,
-    penalize_rows,
     seeded_generator,
     token_logprob,
+    verification_rules,
     verify_row,
 )
 
@@ -29,10 +27,8 @@ __all__ = [
     "choose_drafts",
     "greedy_accept",
     "make_mtp_test_model",
-    "mask_constrained_rows",
-    "mask_min_tokens_rows",
-    "penalize_rows",
     "seeded_generator",
     "token_logprob",
+    "verification_rules",
     "verify_row",
 ]

@@ -8,11 +8,12 @@ argmax, a deterministic proposal) is kept with probability ``p(d)`` under the re
 processed target distribution; at the first rejection the token is drawn from ``p`` with ``d``
 removed, renormalised; so each emitted token is distributed exactly as the target's.
 
-The sampler's rules hold row by row: a row's penalties count the drafts before it as output
-(:func:`penalize_rows`), a row before the request's ``min_tokens``-th output has its stop tokens
-masked (:func:`mask_min_tokens_rows`), and under a constraint row ``i`` allows what the grammar
-allows after the first ``i`` drafts (:func:`mask_constrained_rows`). Logprobs of verified tokens
-come from the target's distribution at their rows, as the sampler reports them.
+The sampler's rules hold row by row, applied by the sampler's own
+:func:`~libs.engine.sampler.apply_rules` to the rows :func:`verification_rules` lays out: a
+row's penalties count the drafts before it as output, a row before the request's
+``min_tokens``-th output has its stop tokens masked, and under a constraint row ``i`` allows
+what the grammar allows after the first ``i`` drafts. Logprobs of verified tokens come from the
+target's distribution at their rows, as the sampler reports them.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 from libs.common.sampling import SamplingParams, TokenLogprob
 
-from ..sampler import TokenHistory, apply_penalties, drawn_logits, mask_stops, position_seed
+from ..sampler import RowRules, TokenHistory, apply_rules, drawn_logits, position_seed
 from ..scheduler import ScheduledSeq
 
 if TYPE_CHECKING:
@@ -96,88 +97,54 @@ def row_offsets(seqs: list[ScheduledSeq], first: int) -> list[tuple[ScheduledSeq
     return out
 
 
-def penalize_rows(
-    logits: torch.Tensor,
-    verify: list[ScheduledSeq],
-    first: int,
-    params: dict[str, SamplingParams],
-    histories: dict[str, tuple[list[int], int]],
-) -> torch.Tensor:
-    """``logits`` (a step's sampled rows; ``verify``'s from row ``first`` on, 1 + drafts each)
-    with the verification rows of requests using a penalty penalized as the sampler does, row
-    ``i``'s history holding the ``i`` drafts before it as output. ``histories``: (prompt +
-    output tokens before the step, prompt length) per such request."""
-    rows: list[int] = []
-    tokens: list[list[int]] = []
-    prompts: list[int] = []
-    row_params = [SamplingParams()] * logits.shape[0]
-    for s, o in row_offsets(verify, first):
-        p = params[s.request_id]
-        if not p.uses_penalties:
-            continue
-        base, num_prompt = histories[s.request_id]
-        for i in range(s.num_tokens):
-            rows.append(o + i)
-            tokens.append([*base, *s.token_ids[1 : 1 + i]])
-            prompts.append(num_prompt)
-            row_params[o + i] = p
-    if not rows:
-        return logits
-    history = TokenHistory.build(rows, tokens, prompts, logits.device)
-    return apply_penalties(logits, row_params, history)
-
-
-def mask_min_tokens_rows(
-    logits: torch.Tensor,
+def verification_rules(
+    num_rows: int,
     verify: list[ScheduledSeq],
     first: int,
     params: dict[str, SamplingParams],
     generated: dict[str, int],
-    eos_token_ids: Sequence[int],
-) -> torch.Tensor:
-    """Verification rows of requests short of ``min_tokens`` with their stop tokens masked,
-    row ``i`` counting ``i`` more outputs (the sampler's rule, row by row)."""
-    rows, ps, counts = [], [], []
+    histories: dict[str, tuple[list[int], int]],
+    grammar: GrammarBackend | None,
+    device: torch.device | str = "cpu",
+) -> RowRules:
+    """The sampler's rules (:class:`~libs.engine.sampler.RowRules`) for a step's ``num_rows``
+    sampled rows, ``verify``'s laid out from row ``first`` on (1 + drafts each): row ``i`` of a
+    request has its settings, ``generated + i`` outputs before it, its history (prompt and
+    outputs before the step: ``histories``) with the ``i`` drafts before it appended, and under
+    a constraint what may follow those ``i`` drafts. Other rows get the default settings,
+    which no rule touches. ``device``: the logits' (the histories go there)."""
+    row_params = [SamplingParams()] * num_rows
+    counts = [0] * num_rows
+    hist_rows: list[int] = []
+    hist_tokens: list[list[int]] = []
+    hist_prompts: list[int] = []
+    mask_rows: list[int] = []
+    mask_parts: list[torch.Tensor] = []
     for s, o in row_offsets(verify, first):
-        p = params[s.request_id]
-        if not p.min_tokens:
-            continue
-        base = generated[s.request_id]
+        rid, p = s.request_id, params[s.request_id]
+        drafts = s.token_ids[1:]
         for i in range(s.num_tokens):
-            rows.append(o + i)
-            ps.append(p)
-            counts.append(base + i)
-    if not rows:
-        return logits
-    index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
-    masked = mask_stops(logits[index], ps, counts, eos_token_ids)
-    return logits.index_copy(0, index, masked)
-
-
-def mask_constrained_rows(
-    logits: torch.Tensor, verify: list[ScheduledSeq], off: int, grammar: GrammarBackend
-) -> torch.Tensor:
-    """The verification rows of constrained requests (from row ``off``, as
-    :func:`penalize_rows` lays them out) masked by their grammar: row ``i`` of a request to what
-    may follow its first ``i`` drafts, as the sampler masks a plain row."""
-    from ..grammar import apply_masks
-
-    rows: list[int] = []
-    parts: list[torch.Tensor] = []
-    for s, o in row_offsets(verify, off):
-        if not grammar.has(s.request_id):
-            continue
-        taken, bits = grammar.draft_masks(s.request_id, s.token_ids[1:])
-        assert taken == s.num_drafts, "drafts are cut to what the grammar allows when chosen"
-        rows.extend(range(o, o + s.num_tokens))
-        parts.append(bits)
-    if not rows:
-        return logits
-    bitmask = torch.zeros(logits.shape[0], parts[0].shape[1], dtype=parts[0].dtype)
-    bitmask[rows] = torch.cat(parts)
-    logits = logits.clone()
-    apply_masks(logits, (rows, bitmask))
-    return logits
+            row_params[o + i] = p
+            counts[o + i] = generated[rid] + i if p.min_tokens else 0
+            if p.uses_penalties:
+                base, num_prompt = histories[rid]
+                hist_rows.append(o + i)
+                hist_tokens.append([*base, *drafts[:i]])
+                hist_prompts.append(num_prompt)
+        if grammar is not None and grammar.has(rid):
+            taken, bits = grammar.draft_masks(rid, list(drafts))
+            assert taken == s.num_drafts, "drafts are cut to what the grammar allows when chosen"
+            mask_rows.extend(range(o, o + s.num_tokens))
+            mask_parts.append(bits)
+    history = None
+    if hist_rows:
+        history = TokenHistory.build(hist_rows, hist_tokens, hist_prompts, torch.device(device))
+    masks = None
+    if mask_rows:
+        bitmask = torch.zeros(num_rows, mask_parts[0].shape[1], dtype=mask_parts[0].dtype)
+        bitmask[mask_rows] = torch.cat(mask_parts)
+        masks = (mask_rows, bitmask)
+    return RowRules(row_params, counts, history, masks)
 
 
 def seeded_generator(
@@ -247,10 +214,10 @@ def sample_verified(
     and a scratch one for seeded requests), and the logprobs of those that asked."""
     sampled: dict[str, int | list[int]] = {}
     lps: dict[str, list[TokenLogprob]] = {}
-    logits = penalize_rows(logits, verify, off, params, histories)
-    logits = mask_min_tokens_rows(logits, verify, off, params, generated, eos_token_ids)
-    if grammar is not None:
-        logits = mask_constrained_rows(logits, verify, off, grammar)
+    rules = verification_rules(
+        logits.shape[0], verify, off, params, generated, histories, grammar, logits.device
+    )
+    logits = apply_rules(logits, rules, eos_token_ids)
     greedy_rows = [(s, off0) for s, off0 in row_offsets(verify, off) if params[s.request_id].greedy]
     if greedy_rows:
         best = logits.argmax(-1).tolist()

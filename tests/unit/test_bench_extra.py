@@ -12,9 +12,11 @@ from importlib.metadata import packages_distributions
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# What `bench serve --url` runs: the CLI dispatches to http_load.run, which reads engine_view.
+# What `bench serve --url` runs: the CLI dispatches to http_load.run, which reads engine_view,
+# deals sessions over client processes (http_procs) and draws the plot (http_plot).
 SERVE_URL_MODULES = ("deepserve/cli.py", "deepserve/bench/http_load.py")
 SERVE_URL_MODULES += ("deepserve/bench/engine_view.py", "deepserve/bench/traces.py")
+SERVE_URL_MODULES += ("deepserve/bench/http_procs.py", "deepserve/bench/http_plot.py")
 OURS = {"deepserve", "libs", "services"}
 
 
@@ -50,4 +52,5 @@ def test_bench_extra_covers_what_bench_serve_url_imports() -> None:
 
 def test_the_scan_sees_lazy_imports() -> None:
     found = third_party_imports(ROOT / "deepserve/bench/http_load.py")
+    found |= third_party_imports(ROOT / "deepserve/bench/http_plot.py")
     assert {"openai", "tqdm", "matplotlib"} <= found  # imported inside functions

@@ -351,6 +351,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             results, seconds, used = await asyncio.to_thread(
                 http_procs.drive_processes,
+                drive,
                 processes,
                 sessions,
                 shape,

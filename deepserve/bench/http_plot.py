@@ -4,13 +4,11 @@ inter-token gaps' distribution, of one run."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from deepserve.bench.http_load import Result
+from typing import Any
 
 
-def plot(results: list[Result], summary: dict[str, Any], path: Path) -> None:
+def plot(results: list[Any], summary: dict[str, Any], path: Path) -> None:
+    """``results``: ``http_load.Result`` s; ``summary``: its ``summarize``."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -18,6 +18,7 @@ import math
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,19 +47,18 @@ def auto_processes(concurrency: int, rate: float) -> int:
 
 
 def _child(
+    drive: Callable[..., Coroutine[Any, Any, tuple[list[Any], float]]],
     kwargs: dict[str, Any],
     sessions: list[Session],
     ready: Any,
     go: Any,
     out: Any,
 ) -> None:
-    from deepserve.bench import http_load
-
     ready.put(os.getpid())
     go.wait()
     cpu0, t0 = time.process_time(), time.perf_counter()
     try:
-        results, _ = asyncio.run(http_load.drive(sessions=sessions, quiet=True, **kwargs))
+        results, _ = asyncio.run(drive(sessions=sessions, quiet=True, **kwargs))
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
         out.put(("error", f"{type(exc).__name__}: {exc}"))
         return
@@ -66,6 +66,7 @@ def _child(
 
 
 def drive_processes(
+    drive: Callable[..., Coroutine[Any, Any, tuple[list[Any], float]]],
     processes: int,
     sessions: list[Session],
     shape: TraceShape,
@@ -74,8 +75,9 @@ def drive_processes(
     rate: float,
     **kwargs: Any,
 ) -> tuple[list[Any], float, list[float]]:
-    """``http_load.drive`` over ``processes`` spawned processes; returns every result, the
-    run's seconds, and each process's CPU seconds. Blocks: call it off the event loop."""
+    """``drive`` (``http_load.drive``: a module-level function, which a spawned process
+    imports by name) over ``processes`` processes; returns every result, the run's seconds,
+    and each process's CPU seconds. Blocks: call it off the event loop."""
     ctx = mp.get_context("spawn")  # nothing of this process's event loop or threads carries
     ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     shares = [sessions[i::processes] for i in range(processes)]
@@ -86,7 +88,9 @@ def drive_processes(
         child_kwargs = dict(
             kwargs, shape=shape, concurrency=max(1, conc), rate=rate / len(shares) if rate else 0.0
         )
-        p = ctx.Process(target=_child, args=(child_kwargs, share, ready, go, out), daemon=True)
+        p = ctx.Process(
+            target=_child, args=(drive, child_kwargs, share, ready, go, out), daemon=True
+        )
         p.start()
         procs.append(p)
     try:

@@ -339,6 +339,7 @@ def test_bench_serve_url_drives_the_stack_over_http(keyed_stack: Stack) -> None:
         await view.start()
         results, seconds, cpu = await asyncio.to_thread(  # one client process per session
             http_procs.drive_processes,
+            http_load.drive,
             2,
             sessions,
             shape,

@@ -165,7 +165,8 @@ async def test_generate_over_nats_and_grpc(
 
         stub = generate_pb2_grpc.GenerateStub(channel)
         events = [ev async for ev in stub.Generate(request([5, 6, 7], 5, "rid-1"), timeout=10)]
-        assert [e.WhichOneof("event") for e in events] == ["ready"] + ["tokens"] * 5 + ["finish"]
+        kinds = [e.WhichOneof("event") for e in events]  # events already there go as one
+        assert kinds[0] == "ready" and kinds[-1] == "finish" and set(kinds[1:-1]) == {"tokens"}
         assert [t for e in events[1:-1] for t in e.tokens.token_ids] == [8, 9, 10, 11, 12]
         assert events[-1].finish.reason == "length"
         assert events[-1].finish.usage.completion_tokens == 5

@@ -1,7 +1,7 @@
 """Issue 33's probes of fairness and of the API server's liveness, on the real stack: another
 tenant's short prompt is not stuck behind a long prefill, admission queues per tenant (not one
 FIFO), two recipe replicas hold one per-key cap between them, and a prompt at the body limit
-does not freeze ``/healthz``.
+does not freeze ``/healthz``; and a client that leaves stops costing the engine.
 
 Each of these failed on the stack as it was when the issue was filed: prompt chunks and
 admission went first come first served, the caps lived in each recipe process, and a big
@@ -217,3 +217,33 @@ def test_a_prompt_at_the_body_limit_does_not_freeze_health_checks(stack: Stack) 
     worst = max(gaps)
     print(f"\n{len(text):,} characters: 400 in {took:.2f} s; longest /healthz {worst * 1e3:.0f} ms")
     assert worst < max(1.0, took / 3), (worst, took)
+
+
+def test_a_client_that_leaves_stops_costing_the_engine(stack: Stack) -> None:
+    """A stream closed after its first token stops generating in decode within seconds, not
+    after its 4,000 tokens: the entrypoint's abort reaches the engine that was stepping it."""
+    running = "deepserve:num_requests_running"
+    made = "deepserve:generation_tokens_total"
+    wait_for("an idle decode", lambda: service_metric(stack, "decode", running) == 0)
+    body = {
+        "model": MODEL_NAME,
+        "max_tokens": 4000,
+        "stream": True,
+        "temperature": 1.0,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "ignore_eos": True,
+    }
+    headers = {"authorization": "Bearer sk-globex"}
+    with httpx.Client(timeout=60) as http:
+        with http.stream(
+            "POST", f"{stack.api_base}/v1/chat/completions", json=body, headers=headers
+        ) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            while '"content"' not in next(lines):  # the first token's chunk
+                pass
+            wait_for("decode to step it", lambda: service_metric(stack, "decode", running) == 1)
+    wait_for("decode to drop it", lambda: service_metric(stack, "decode", running) == 0, 10.0)
+    after = service_metric(stack, "decode", made)
+    time.sleep(1.0)
+    assert service_metric(stack, "decode", made) == after, "decode still generates for nobody"

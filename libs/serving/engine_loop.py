@@ -45,6 +45,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from libs.common.ready_queue import ReadyQueue
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, InvalidRequest, KVInput, PreparedKV
 from libs.engine.grammar import GrammarError
@@ -92,25 +93,20 @@ class RequestStream:
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self._items: deque[TokenEvent | BaseException] = deque()
-        self._arrived = asyncio.Event()
+        self._items: ReadyQueue[TokenEvent | BaseException] = ReadyQueue()
         self.finished = False
         # What add_request returned: an event to wait on before a KV pool reference's owner
         # may reuse the blocks it lent (None: nothing to wait for).
         self.imported: Any = None
 
     def _put(self, item: TokenEvent | BaseException) -> None:
-        self._items.append(item)
-        self._arrived.set()
+        self._items.put(item)
 
     async def next(self) -> TokenEvent | None:
         """The next event, or None once the stream has ended."""
         if self.finished and not self._items:
             return None
-        while not self._items:
-            self._arrived.clear()
-            await self._arrived.wait()
-        item = self._items.popleft()
+        item = await self._items.get()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -124,10 +120,10 @@ class RequestStream:
         the engine sends these in one message)."""
         out: list[TokenEvent] = []
         while not self.finished and self._items:
-            head = self._items[0]
+            head = self._items.peek()
             if isinstance(head, BaseException) or head.token_id is None:
                 break
-            self._items.popleft()
+            self._items.take()
             out.append(head)
             self.finished = head.finished
         return out

@@ -290,7 +290,6 @@ class DecodeHandler:
                     msg = control_pb2.TokenEvent(
                         request_id=rid,
                         index=index,
-                        token_ids=[ev.token_id for ev in evs if ev.token_id is not None],
                         finished=last.finished,
                         finish_reason=last.finish_reason or "",
                         prompt_tokens=task.num_prompt_tokens,
@@ -298,6 +297,7 @@ class DecodeHandler:
                     )
                     for ev in evs:
                         assert ev.token_id is not None  # ready_tokens stops before an abort
+                        msg.token_ids.append(ev.token_id)
                         if ev.logprobs is not None:
                             msg.logprobs.append(ev.logprobs.to_proto())
                         reason = ev.finish_reason or ""

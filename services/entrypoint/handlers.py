@@ -436,8 +436,6 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
                         break
                     generated = max(generated, chunk.index + len(chunk.token_ids))  # resends
                     self.admission.saw(grant, chunk.index, generated)
-                    if stream.done:
-                        break
                 for out in joined(outputs):
                     shown = progress.translate(out)
                     if shown is None:

@@ -7,7 +7,6 @@ servers; these are the real ones that ``main.py`` wires in.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from nats.aio.subscription import Subscription as NatsSub
 
 from libs.common import subjects
 from libs.common.grpc_auth import call_metadata
+from libs.common.ready_queue import ReadyQueue
 from libs.proto.deepserve.v1 import (
     control_pb2,
     kv_transfer_pb2,
@@ -46,8 +46,7 @@ class NatsSubscription:
 
     def __init__(self) -> None:
         self._sub: NatsSub | None = None
-        self._queue: collections.deque[bytes] = collections.deque()
-        self._arrived = asyncio.Event()
+        self._queue: ReadyQueue[bytes] = ReadyQueue()
 
     @classmethod
     async def open(cls, nc: Client, subject: str) -> NatsSubscription:
@@ -56,19 +55,14 @@ class NatsSubscription:
         return me
 
     async def _on_msg(self, msg: Msg) -> None:
-        self._queue.append(msg.data)
-        self._arrived.set()
+        self._queue.put(msg.data)
 
     async def next(self, timeout: float) -> bytes:
         """The next message's payload; TimeoutError after ``timeout`` seconds of silence."""
-        if not self._queue:
-            self._arrived.clear()
-            try:
-                async with asyncio.timeout(timeout):
-                    await self._arrived.wait()
-            except TimeoutError:
-                raise TimeoutError(f"no message for {timeout:.1f}s") from None
-        return self._queue.popleft()
+        try:
+            return await self._queue.get(timeout)
+        except TimeoutError:
+            raise TimeoutError(f"no message for {timeout:.1f}s") from None
 
     def ready(self) -> bool:
         return bool(self._queue)

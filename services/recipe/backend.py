@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Protocol
 
@@ -30,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from libs.common.errors import DeadlineExceeded
 from libs.common.grpc_auth import ANONYMOUS, OnBehalf, call_metadata
 from libs.common.grpc_errors import from_status
+from libs.common.ready_queue import ReadyQueue
 from libs.proto.deepserve.v1 import generate_pb2, generate_pb2_grpc
 
 
@@ -71,63 +71,46 @@ class _GrpcCall:
     ) -> None:
         self._call, self._address = call, address
         self._first_timeout, self._timeout = first_timeout, timeout
-        self._got: deque[generate_pb2.GenerateEvent | BaseException | None] = deque()
-        self._arrived = asyncio.Event()
+        # what the read-ahead got: events, then None (the end) or the error the call ended with
+        self._got: ReadyQueue[generate_pb2.GenerateEvent | BaseException | None] = ReadyQueue()
 
     async def _read_ahead(self) -> None:
         try:
             while True:
                 event = await self._call.read()
                 if event is grpc.aio.EOF:
-                    self._got.append(None)
+                    self._got.put(None)
                     return
                 assert isinstance(event, generate_pb2.GenerateEvent)
-                self._got.append(event)
-                self._arrived.set()
+                self._got.put(event)
         except grpc.aio.AioRpcError as exc:
-            self._got.append(from_status(exc.code(), exc.details() or "", exc.trailing_metadata()))
+            self._got.put(from_status(exc.code(), exc.details() or "", exc.trailing_metadata()))
         except asyncio.CancelledError:
+            self._got.put(None)  # the call was cancelled: its events end here
             raise
         except Exception as exc:  # noqa: BLE001 - handed to the consumer
-            self._got.append(exc)
-        finally:
-            self._arrived.set()
+            self._got.put(exc)
 
     async def __aiter__(self) -> AsyncIterator[generate_pb2.GenerateEvent]:
         wait, which = self._first_timeout, "--first-event-timeout"
         reader = asyncio.get_running_loop().create_task(self._read_ahead())
         try:
             while True:
-                if not self._got:
-                    self._arrived.clear()
-                    try:  # a timer per wait, no task (wait_for makes one)
-                        async with asyncio.timeout(wait):
-                            await self._arrived.wait()
-                    except TimeoutError:
-                        self._call.cancel()
-                        raise DeadlineExceeded(
-                            f"the entrypoint at {self._address} sent nothing for {wait:g} s "
-                            f"({which})"
-                        ) from None
-                    if not self._got:  # the reader ended without a word: the call is gone
-                        return
-                ready: list[generate_pb2.GenerateEvent] = []
-                end: BaseException | None = None
-                done = False
-                while self._got:
-                    item = self._got.popleft()
-                    if item is None:
-                        done = True
-                        break
-                    if isinstance(item, BaseException):
-                        end = item
-                        break
-                    ready.append(item)
-                for event in joined_events(ready):
+                try:
+                    first = await self._got.get(wait)
+                except TimeoutError:
+                    self._call.cancel()
+                    raise DeadlineExceeded(
+                        f"the entrypoint at {self._address} sent nothing for {wait:g} s ({which})"
+                    ) from None
+                got = [first, *self._got.take_all()]
+                events = [e for e in got if isinstance(e, generate_pb2.GenerateEvent)]
+                for event in joined_events(events):
                     yield event
-                if end is not None:
+                end = got[-1]  # the read-ahead puts nothing after the end
+                if isinstance(end, BaseException):
                     raise end
-                if done:
+                if end is None:
                     return
                 wait, which = self._timeout, "--event-timeout"
         finally:

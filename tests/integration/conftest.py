@@ -7,6 +7,7 @@ stopped, and its logs stay under the test's tmp dir (pytest prints the path on f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,10 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 
 from deepserve.up import REPO_ROOT, Stack, log_tail
 from libs.proto.deepserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+
+from ..sdk_strict import strict_http
 
 MODEL_NAME = "deepseek-tiny"
 READY_TIMEOUT = 240.0  # two CPU cores load several tiny models at once
@@ -34,6 +38,26 @@ def start_stack(run_dir: Path, **kwargs: object) -> Stack:
     kwargs.setdefault("ready_timeout", READY_TIMEOUT)
     kwargs.setdefault("drain_seconds", 5.0)
     return Stack(run_dir, model="tiny", model_name=MODEL_NAME, **kwargs).start()  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def long_stream(api_url: str, key: str) -> Iterator[tuple[httpx.Response, Iterator[str]]]:
+    """A streamed 4,000-token chat completion (sampled, EOS ignored) under API key ``key``:
+    the response (status 200) and its SSE lines. Leaving the block closes the connection, as a
+    client that goes away does."""
+    body = {
+        "model": MODEL_NAME,
+        "max_tokens": 4000,
+        "stream": True,
+        "temperature": 1.0,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "ignore_eos": True,
+    }
+    headers = {"authorization": f"Bearer {key}"}
+    with strict_http(httpx.Client(timeout=60)) as http:
+        with http.stream("POST", f"{api_url}/chat/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            yield r, r.iter_lines()
 
 
 def metrics_text(port: int) -> str:

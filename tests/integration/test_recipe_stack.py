@@ -26,8 +26,15 @@ from libs.common.tenant_label import label_of
 from libs.gateway.keylimits import key_id
 from services.recipe.handlers import tenant_label
 
-from ..sdk_strict import anthropic_client, openai_client, strict_http
-from .conftest import MODEL_NAME, READY_TIMEOUT, dump_logs, service_metric, wait_for
+from ..sdk_strict import anthropic_client, openai_client
+from .conftest import (
+    MODEL_NAME,
+    READY_TIMEOUT,
+    dump_logs,
+    long_stream,
+    service_metric,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(600)
 LONG_TEXT = " ".join(f"w{i}" for i in range(400))  # > 2 full 128-token blocks
@@ -211,28 +218,11 @@ def test_tenant_salts_the_kvstore(keyed_stack: Stack) -> None:
 
 
 def test_disconnect_aborts_downstream_within_a_second(keyed_stack: Stack) -> None:
-    import httpx
-
-    body = {
-        "model": MODEL_NAME,
-        "max_tokens": 4000,
-        "stream": True,
-        "temperature": 1.0,
-        "messages": [{"role": "user", "content": "Tell me a long story."}],
-    }
-    with strict_http(httpx.Client(timeout=60)) as http:
-        with http.stream(
-            "POST",
-            f"{keyed_stack.api_url}/chat/completions",
-            json=body,
-            headers={"authorization": "Bearer sk-alpha"},
-        ) as r:
-            assert r.status_code == 200
-            rid = r.headers["x-request-id"]
-            lines = r.iter_lines()
-            while not next(lines).startswith("data: "):
-                pass
-        gone = time.monotonic()  # leaving the block closed the connection
+    with long_stream(keyed_stack.api_url, "sk-alpha") as (r, lines):
+        rid = r.headers["x-request-id"]
+        while not next(lines).startswith("data: "):
+            pass
+    gone = time.monotonic()  # leaving the block closed the connection
     log = next(c.log_path for c in keyed_stack.children if c.name == "entrypoint")
     aborted = re.compile(
         rf"request {rid}(-\w+)?: aborting upstream"

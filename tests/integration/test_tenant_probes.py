@@ -27,7 +27,14 @@ from deepserve.up import Stack
 from libs.gateway.keylimits import key_id
 
 from ..sdk_strict import openai_client
-from .conftest import MODEL_NAME, READY_TIMEOUT, dump_logs, service_metric, wait_for
+from .conftest import (
+    MODEL_NAME,
+    READY_TIMEOUT,
+    dump_logs,
+    long_stream,
+    service_metric,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(300)
 KEYS = "sk-acme=acme,sk-globex=globex,sk-capped=initech"
@@ -225,24 +232,10 @@ def test_a_client_that_leaves_stops_costing_the_engine(stack: Stack) -> None:
     running = "deepserve:num_requests_running"
     made = "deepserve:generation_tokens_total"
     wait_for("an idle decode", lambda: service_metric(stack, "decode", running) == 0)
-    body = {
-        "model": MODEL_NAME,
-        "max_tokens": 4000,
-        "stream": True,
-        "temperature": 1.0,
-        "messages": [{"role": "user", "content": "Tell me a long story."}],
-        "ignore_eos": True,
-    }
-    headers = {"authorization": "Bearer sk-globex"}
-    with httpx.Client(timeout=60) as http:
-        with http.stream(
-            "POST", f"{stack.api_base}/v1/chat/completions", json=body, headers=headers
-        ) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            while '"content"' not in next(lines):  # the first token's chunk
-                pass
-            wait_for("decode to step it", lambda: service_metric(stack, "decode", running) == 1)
+    with long_stream(f"{stack.api_base}/v1", "sk-globex") as (_, lines):
+        while '"content"' not in next(lines):  # the first token's chunk
+            pass
+        wait_for("decode to step it", lambda: service_metric(stack, "decode", running) == 1)
     wait_for("decode to drop it", lambda: service_metric(stack, "decode", running) == 0, 10.0)
     after = service_metric(stack, "decode", made)
     time.sleep(1.0)

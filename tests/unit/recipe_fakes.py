@@ -7,7 +7,9 @@ the model to have said (thinking, tool calls, JSON, plain text), then EOS.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from concurrent import futures
 from typing import Any
 
 import grpc
@@ -15,7 +17,7 @@ import grpc
 from libs.common.errors import DeepserveError
 from libs.common.grpc_auth import ANONYMOUS, OnBehalf
 from libs.common.grpc_errors import from_status
-from libs.proto.deepserve.v1 import common_pb2, generate_pb2
+from libs.proto.deepserve.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from services.recipe.encoding import PromptEncoder
 
 MODEL = "deepseek-tiny"
@@ -113,3 +115,16 @@ class FakeBackend:
 
     async def close(self) -> None:
         pass
+
+
+@contextlib.contextmanager
+def generate_server(servicer: generate_pb2_grpc.GenerateServicer) -> Iterator[str]:
+    """``servicer`` as a real gRPC Generate server (threads) on a free port: its address."""
+    server = grpc.server(futures.ThreadPoolExecutor(8))
+    generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(0)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
@@ -16,6 +15,8 @@ import pytest
 from libs.common.errors import Unavailable
 from libs.proto.deepserve.v1 import generate_pb2, generate_pb2_grpc
 from services.recipe.backend import GrpcGenerateBackend
+
+from .recipe_fakes import generate_server
 
 
 def tokens(*ids: int) -> generate_pb2.GenerateEvent:
@@ -41,12 +42,8 @@ class Scripted(generate_pb2_grpc.GenerateServicer):
 @pytest.fixture
 def served() -> Iterator[tuple[Scripted, str]]:
     servicer = Scripted()
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield servicer, f"127.0.0.1:{port}"
-    server.stop(0)
+    with generate_server(servicer) as address:
+        yield servicer, address
 
 
 async def _events(address: str, pause: float) -> list[tuple[str, list[int]]]:

@@ -19,11 +19,9 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-import grpc
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
@@ -37,7 +35,7 @@ from services.recipe.handlers import AppConfig, Metrics, tenant_label
 from services.recipe.server import build_server, run_server, stop_server
 
 from ..sdk_strict import strict_http
-from .recipe_fakes import MODEL, FakeBackend
+from .recipe_fakes import MODEL, FakeBackend, generate_server
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -290,13 +288,9 @@ class FrozenEntrypoint(generate_pb2_grpc.GenerateServicer):
 @pytest.fixture
 def frozen() -> Iterator[tuple[FrozenEntrypoint, str]]:
     servicer = FrozenEntrypoint()
-    server = grpc.server(futures.ThreadPoolExecutor(8))
-    generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield servicer, f"127.0.0.1:{port}"
-    servicer.release.set()
-    server.stop(0)
+    with generate_server(servicer) as address:
+        yield servicer, address
+        servicer.release.set()
 
 
 @pytest.mark.parametrize("ready_first", [False, True], ids=["first-event", "next-event"])

@@ -295,6 +295,15 @@ MUTANTS: tuple[Mutant, ...] = (
         "a tenant given twice the share gets the same as everyone, at admission and in prefill",
     ),
     Mutant(
+        "engine-promises-ignored",
+        "admission",
+        "libs/gateway/capacity.py",
+        "        return load.free_kv_blocks - load.promised_kv_blocks - mine",
+        "        return load.free_kv_blocks - mine",
+        (U + "test_admission_held.py",),
+        "requests are admitted into KV the engine's running requests will grow into: preemptions",
+    ),
+    Mutant(
         "queue-one-over-cap",
         "admission",
         "libs/gateway/admission.py",

@@ -229,9 +229,10 @@ class Admission:
         grant.avoid = fit.full if fit.ok else ()
         self.wake()
 
-    def bind(self, grant: Grant, prefill: str, decode: str) -> None:
+    def bind(self, grant: Grant, prefill: str, decode: str, key: int | None = None) -> None:
+        """The attempt was routed (``key``: request_key() of the id it carries upstream)."""
         if self.capacity is not None and grant.ticket is not None:
-            self.capacity.bind(grant.ticket, prefill, decode)
+            self.capacity.bind(grant.ticket, prefill, decode, key)
 
     def saw(self, grant: Grant, index: int, generated: int) -> None:
         if self.capacity is not None and grant.ticket is not None:

@@ -17,19 +17,23 @@ Two resources gate a request:
   limit in time, so a fast engine is not held back by a figure sized for a slow one and a
   request waits only while the instance has that much work ahead of it.
 * **decode KV**: the heartbeat's ``free_kv_blocks`` (cached-but-unused blocks count as free)
-  minus what this entrypoint's requests there will still take: blocks for prompt +
-  ``max_tokens`` until the request's KV has landed there *and* a heartbeat shows it, then only
-  the blocks its completion may still grow into. A decode instance never has to preempt an
-  admitted request. An instance that reports no ``total_kv_blocks`` is not KV-gated.
+  less its ``promised_kv_blocks`` (what the requests the engine holds will still take as they
+  grow to prompt + ``max_tokens``), less what this entrypoint's requests the heartbeat does
+  not count yet will take: blocks for prompt + ``max_tokens``. A decode instance never has to
+  preempt an admitted request. An instance that reports no ``total_kv_blocks`` is not
+  KV-gated.
 
-Reservations between heartbeats. Heartbeats come every 1 s and their figures can be one engine
-step older than that (a prefill step runs up to its 1 s time budget), so the first heartbeat
-after a task was sent may not count it yet. A reservation is therefore held until the
-instance's :data:`SETTLE_BEATS`-th heartbeat after the event (task sent to the prefill, first
-decode token seen), or until the prefill is done (first token). Counting a request twice for
-up to ~2 s is the price of never counting it zero times, so a burst between heartbeats cannot
-overshoot. With several entrypoints each counts only what it sent; the heartbeats fold in
-everyone's within those ~2 s.
+Reservations between heartbeats. Each heartbeat lists the keys of the requests its engine held
+when it took its figures (``held``, :func:`~libs.common.request_key.request_key` of the
+attempt id), so a request is counted by this entrypoint until the first heartbeat that lists
+it and by the engine from then on: never twice, never zero times. A request that left the
+engine (its prefill done, or finished) is counted here until its first token (prefill) or its
+end arrives. An older engine lists nothing (``held`` None); then a reservation is held until
+the instance's :data:`SETTLE_BEATS`-th heartbeat after the event (task sent to the prefill,
+first decode token seen), or until the prefill is done, and after it has landed only the
+blocks its completion may still grow into are counted: a request counted twice for up to
+~2 s rather than zero times. With several entrypoints each counts only what it sent; the
+heartbeats fold in everyone's.
 
 Drain rates, for the retry hint: uncached prompt tokens whose prefill finished per second,
 and decode KV blocks given back by finished requests per second, both over the last
@@ -117,6 +121,10 @@ class Load:
     draining: bool = False
     tokens_per_s: float = 0.0  # the engine's measured compute rate (0: not measured yet)
     busy_fraction: float = 0.0  # share of recent wall time the engine spent stepping
+    promised_kv_blocks: int = 0  # of free_kv_blocks, what the engine's requests will still take
+    # request_key() of each request the engine held when it took these figures (None: not
+    # reported, an older engine: its requests are counted for SETTLE_BEATS heartbeats instead)
+    held: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -132,6 +140,7 @@ class Ticket:
     need: Need
     prefill: str = ""
     decode: str = ""
+    key: int | None = None  # request_key() of the attempt's id, once it is bound
     prefill_beat: int = 0  # the prefill's heartbeat count when the task was (about to be) sent
     landed_beat: int | None = None  # the decode's count when its first token was seen
     prefilled: bool = False
@@ -257,33 +266,36 @@ class Capacity:
 
     # -- the view -----------------------------------------------------------------------------
     def prefill_load(self, load: Load) -> int:
-        """Tokens queued on a prefill instance: its heartbeat's plus ours it may not show."""
+        """Tokens queued on a prefill instance: its heartbeat's plus ours it does not show
+        (not listed among its held requests; without that list, until SETTLE_BEATS)."""
         beats = self._beats(PREFILL, load.instance_id)
         mine = sum(
             t.need.uncached_tokens
             for t in self._tickets
             if t.prefill == load.instance_id
             and not t.prefilled
-            and beats < t.prefill_beat + SETTLE_BEATS
+            and not _counted(load, t)
+            and (load.held is not None or beats < t.prefill_beat + SETTLE_BEATS)
         )
         return load.queued_tokens + mine
 
     def decode_room(self, load: Load) -> int | None:
-        """KV blocks free on a decode instance after what ours will still take (None: not
-        reported)."""
+        """KV blocks free on a decode instance after what its own requests and ours will still
+        take (None: not reported). A request of ours the heartbeat lists is in the engine's
+        own figures and is not counted again."""
         if load.total_kv_blocks <= 0:
             return None
         beats, bs = self._beats(DECODE, load.instance_id), self.config.block_size
         mine = 0
         for t in self._tickets:
-            if t.decode != load.instance_id:
+            if t.decode != load.instance_id or _counted(load, t):
                 continue
             need = t.need.decode_blocks(bs)
             if t.landed_beat is None or beats < t.landed_beat + SETTLE_BEATS:
                 mine += need  # not in its heartbeat yet: all of it
             else:  # the heartbeat counts what it holds; it may still grow to ``need``
                 mine += max(need - blocks(t.need.prompt_tokens + t.generated, bs), 0)
-        return load.free_kv_blocks - mine
+        return load.free_kv_blocks - load.promised_kv_blocks - mine
 
     def prefill_limit(self, load: Load) -> int:
         """Tokens a prefill instance may have queued (0: no limit): ``prefill_queue_seconds``
@@ -373,9 +385,11 @@ class Capacity:
         )
         return ticket
 
-    def bind(self, ticket: Ticket, prefill: str, decode: str) -> None:
-        """The attempt goes to ``prefill`` and ``decode``: its reservations move there."""
-        ticket.prefill, ticket.decode = prefill, decode
+    def bind(self, ticket: Ticket, prefill: str, decode: str, key: int | None = None) -> None:
+        """The attempt goes to ``prefill`` and ``decode``: its reservations move there.
+        ``key``: request_key() of the id the attempt carries upstream (the instances'
+        heartbeats list it once its figures count it)."""
+        ticket.prefill, ticket.decode, ticket.key = prefill, decode, key
         ticket.prefill_beat = self._beats(PREFILL, prefill)
 
     def saw(self, ticket: Ticket, index: int, generated: int) -> None:
@@ -431,6 +445,11 @@ class Capacity:
             )
             waits.append(_at(deficit, self.decode_rate.per_second(now)))
         return None if None in waits else max(w for w in waits if w is not None)
+
+
+def _counted(load: Load, ticket: Ticket) -> bool:
+    """Whether ``load``'s own figures already count ``ticket``'s request."""
+    return load.held is not None and ticket.key is not None and ticket.key in load.held
 
 
 def _at(amount: float, rate: float | None) -> float | None:

@@ -57,6 +57,7 @@ from .engine_stats import (
     BusyMeter,
     ComputeRate,
     EngineStats,
+    HeldRequests,
     WaitingWork,
     engine_stats,
 )
@@ -175,8 +176,9 @@ class EngineLoop:
         self._on_group_failed = on_group_failed
         self.group_failure: BaseException | None = None  # set once an EP group broke
         self._work = WaitingWork()
+        self._held = HeldRequests()
         self.busy = BusyMeter()
-        self._stats = engine_stats(engine, work=self._work)
+        self._stats = engine_stats(engine, work=self._work, held=self._held)
         self._cond = threading.Condition()
         self._commands: deque[_Command] = deque()
         self._stopping = False
@@ -408,7 +410,7 @@ class EngineLoop:
             resident = self._stats.resident_prefixes
         else:
             self._resident_at = now
-        return engine_stats(self.engine, self._steps, self._rate, resident, self._work)
+        return engine_stats(self.engine, self._steps, self._rate, resident, self._work, self._held)
 
     def _apply(self, fn: Callable[[Engine], Any], fut: concurrent.futures.Future[Any]) -> None:
         if not fut.set_running_or_notify_cancel():
@@ -453,7 +455,9 @@ class EngineLoop:
     def _shutdown(self) -> None:
         sched = self.engine.scheduler
         events = [ev for rid in list(sched.requests) if (ev := self.engine.abort(rid)) is not None]
-        self.stats = engine_stats(self.engine, self._steps, self._rate, work=self._work)
+        self.stats = engine_stats(
+            self.engine, self._steps, self._rate, work=self._work, held=self._held
+        )
         if events:
             self._emit(events)
         with self._cond:  # commands that raced with close(): refuse them

@@ -1,9 +1,12 @@
 """What an engine reports about its load (heartbeats, metrics): the :class:`EngineStats`
 snapshot the engine thread takes after each iteration, and the measures it is made of.
 
-``queued_tokens`` is what the engine will compute for its waiting requests -- a request's
-leading blocks already resident in this engine's prefix cache are not counted
-(:class:`WaitingWork` looks them up once per request, not per snapshot); ``tokens_per_s`` is
+``queued_tokens`` is what the engine will compute for its waiting requests and the prompts it
+is part-way through -- a request's leading blocks already resident in this engine's prefix
+cache are not counted (:class:`WaitingWork` looks them up once per request, not per
+snapshot); ``promised_kv_blocks`` and ``held_requests`` are what the held requests will still
+take of the free KV blocks and which requests those are (:class:`HeldRequests`);
+``tokens_per_s`` is
 the measured marginal compute rate (:class:`ComputeRate`); ``busy_fraction`` the share of the
 last :data:`BUSY_WINDOW_S` seconds the engine spent stepping (:class:`BusyMeter`). Everything
 here runs on the engine thread except reading a finished snapshot.
@@ -11,12 +14,14 @@ here runs on the engine thread except reading a finished snapshot.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from libs.common.request_key import request_key
 from libs.engine.engine import Engine
 from libs.engine.ep.eplb import Balance
 from libs.engine.speculative import SpecStats
@@ -28,8 +33,9 @@ class EngineStats:
 
     running: int = 0
     waiting: int = 0
-    # Tokens the engine will compute for its waiting requests: prompt/recompute tokens not
-    # computed yet, less each one's leading blocks resident in this engine's prefix cache.
+    # Tokens the engine will compute for its waiting requests (prompt/recompute tokens not
+    # computed yet, less each one's leading blocks resident in this engine's prefix cache) and
+    # for the prompts of running requests still in their chunks.
     queued_tokens: int = 0
     free_kv_blocks: int = 0
     total_kv_blocks: int = 0
@@ -58,6 +64,10 @@ class EngineStats:
     # Fraction of the last BUSY_WINDOW_S seconds of wall time the engine spent stepping, as of
     # when this object was read from EngineLoop.stats (0..1).
     busy_fraction: float = 0.0
+    # KV blocks the held requests (waiting and running) will still take from free_kv_blocks as
+    # they grow to prompt + max_tokens, and request_key() of each of them (HeldRequests).
+    promised_kv_blocks: int = 0
+    held_requests: tuple[int, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:
@@ -81,7 +91,8 @@ BUSY_WINDOW_S = 1.0
 
 
 class WaitingWork:
-    """Tokens an engine will compute for its waiting requests (engine thread only).
+    """Tokens an engine will compute for its waiting requests and for the rest of the prompts
+    it is part-way through (engine thread only).
 
     A waiting request that has not started computes its prompt less the leading full blocks
     its prefix-cache lookup will find (:meth:`Scheduler._admit_prefix
@@ -99,6 +110,8 @@ class WaitingWork:
     def tokens(self, engine: Engine) -> int:
         bm = engine.blocks
         total, seen = 0, {}
+        for r in engine.scheduler.running:  # prompts part-way through their chunks
+            total += max(r.num_prompt_tokens - r.num_computed, 0)
         for r in engine.scheduler.waiting:
             if r.num_computed or r.blocks:  # holds KV already: it continues from there
                 total += len(r.token_ids) - r.num_computed
@@ -111,6 +124,39 @@ class WaitingWork:
             total += len(r.token_ids) - resident
         self._resident = seen  # those that left the queue are forgotten
         return total
+
+
+class HeldRequests:
+    """What the requests an engine holds still claim (engine thread only).
+
+    Each waiting or running request will grow to ``min(prompt + max_tokens, max_model_len)``
+    tokens; the blocks that takes beyond those it holds now are *promised* -- free in
+    ``free_kv_blocks`` but not free for a new request. A waiting request that holds no block
+    yet is promised all of its blocks, its prefix-cache hits included (they may sit among the
+    free cached blocks; the few that another request holds are counted twice, erring towards
+    waiting). The keys (:func:`~libs.common.request_key.request_key`) tell the entrypoint
+    which of the requests it sent these figures already count; they are remembered per
+    request id, so a snapshot costs O(held) dictionary reads.
+    """
+
+    def __init__(self) -> None:
+        self._keys: dict[str, int] = {}
+
+    def of(self, engine: Engine) -> tuple[int, tuple[int, ...]]:
+        """(promised KV blocks, keys of the held requests)."""
+        sched = engine.scheduler
+        size, limit = engine.blocks.block_size, sched.config.max_model_len
+        promised, keys, seen = 0, [], {}
+        for r in itertools.chain(sched.waiting, sched.running):
+            key = self._keys.get(r.request_id)
+            if key is None:
+                key = request_key(r.request_id)
+            seen[r.request_id] = key
+            keys.append(key)
+            final = min(r.num_prompt_tokens + r.params.max_tokens, limit)
+            promised += max(-(-final // size) - len(r.blocks), 0)
+        self._keys = seen  # those that left are forgotten
+        return promised, tuple(keys)
 
 
 class ComputeRate:
@@ -218,11 +264,14 @@ def engine_stats(
     tokens_per_s: float = 0.0,
     resident: tuple[bytes, ...] | None = None,
     work: WaitingWork | None = None,
+    held: HeldRequests | None = None,
 ) -> EngineStats:
-    """Snapshot of ``engine``'s load; call on the engine thread only. ``work``: the loop's
-    memory of waiting requests' resident prefixes (None: looked up now)."""
+    """Snapshot of ``engine``'s load; call on the engine thread only. ``work`` and ``held``:
+    the loop's memory of waiting requests' resident prefixes and of request keys (None:
+    looked up now)."""
     sched = engine.scheduler
     queued = (work or WaitingWork()).tokens(engine)
+    promised, keys = (held or HeldRequests()).of(engine)
     spec = engine.speculative.stats if engine.speculative is not None else SpecStats()
     return EngineStats(
         len(sched.running),
@@ -241,4 +290,6 @@ def engine_stats(
         spec.drafted,
         spec.verified,
         spec.accepted,
+        promised_kv_blocks=promised,
+        held_requests=keys,
     )

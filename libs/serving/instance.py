@@ -321,7 +321,8 @@ def instance_status(
     """The heartbeat payload from the engine thread's latest load snapshot.
 
     Prefill heartbeats carry the resident-prefix summary (for the balancer's cache-locality
-    routing); decode ones do not, nobody routes on it.
+    routing); decode ones do not, nobody routes on it. Both list the requests the engine holds
+    (admission counts a request it sent once: by the engine's figures once listed here).
     """
     resident = list(stats.resident_prefixes) if role == control_pb2.ROLE_PREFILL else []
     return control_pb2.InstanceStatus(
@@ -339,6 +340,9 @@ def instance_status(
         resident_prefixes=resident,
         compute_tokens_per_s=stats.tokens_per_s,
         busy_fraction=stats.busy_fraction,
+        promised_kv_blocks=stats.promised_kv_blocks,
+        held_requests=stats.held_requests,
+        reports_held=True,
     )
 
 

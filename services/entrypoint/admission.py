@@ -63,6 +63,8 @@ def load_from_status(status: control_pb2.InstanceStatus) -> Load:
         draining=status.draining,
         tokens_per_s=status.compute_tokens_per_s,
         busy_fraction=status.busy_fraction,
+        promised_kv_blocks=status.promised_kv_blocks,
+        held=frozenset(status.held_requests) if status.reports_held else None,
     )
 
 

@@ -29,6 +29,7 @@ from libs.common.errors import (
     Overloaded,
     Unavailable,
 )
+from libs.common.request_key import request_key
 from libs.common.telemetry import extract_context, inject_traceparent, tracer
 from libs.gateway.admission import Admission, Grant
 from libs.gateway.capacity import Capacity, CapacityConfig, Need
@@ -375,7 +376,9 @@ class EntrypointHandlers(generate_pb2_grpc.GenerateServicer):
             decision = await up.route(
                 valid, wire, len(prompt), hashes, cached_blocks, progress.excluded, grant.avoid
             )
-            self.admission.bind(grant, decision.prefill_instance, decision.decode_instance)
+            self.admission.bind(
+                grant, decision.prefill_instance, decision.decode_instance, request_key(wire)
+            )
             span.add_event(
                 "attempt",
                 {

@@ -9,6 +9,7 @@ import time
 
 from prometheus_client import CollectorRegistry
 
+from libs.common.request_key import request_key
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import EngineConfig
 from libs.proto.deepserve.v1 import control_pb2
@@ -74,6 +75,52 @@ def test_the_resident_run_is_looked_up_once_per_waiting_request() -> None:
         eng.step()
     assert engine_stats(eng, work=work).queued_tokens == 0
     assert work._resident == {}  # forgotten once it left the queue
+
+
+def test_a_chunked_prompt_counts_its_rest_as_queued_work() -> None:
+    eng = build_fake_engine(
+        EngineConfig(
+            model=FAKE_MODEL, block_size=BS, num_kv_blocks=64, max_tokens_per_step=32,
+            time_budget_s=None,
+        ),
+        step_seconds=0.0,
+        token_seconds=0.0,
+    )  # fmt: skip
+    eng.add_request("long", prompt(100, 1), ONE)
+    assert engine_stats(eng).queued_tokens == 100
+    eng.step()  # its first 32-token chunk: it runs now, 68 tokens still to compute
+    assert [r.request_id for r in eng.scheduler.running] == ["long"]
+    assert engine_stats(eng).queued_tokens == 68
+
+
+def test_the_heartbeat_lists_held_requests_and_what_they_will_still_take() -> None:
+    """What admission subtracts from the free blocks: each held request's growth to prompt +
+    max_tokens beyond the blocks it holds, and which requests those figures cover."""
+    eng = engine()
+    eng.add_request("a", prompt(40, 1), SamplingParams(max_tokens=30, ignore_eos=True))
+    eng.add_request("b", prompt(20, 2), SamplingParams(max_tokens=100, ignore_eos=True))
+    stats = engine_stats(eng)  # nothing computed: all of prompt + max_tokens is promised
+    assert stats.promised_kv_blocks == -(-70 // BS) + -(-120 // BS) == 5 + 8
+    assert set(stats.held_requests) == {request_key("a"), request_key("b")}
+    eng.step()  # both prompts computed, one token each
+    stats = engine_stats(eng)
+    held = {r.request_id: len(r.blocks) for r in eng.scheduler.running}
+    assert stats.promised_kv_blocks == (5 - held["a"]) + (8 - held["b"])
+    free_before = stats.free_kv_blocks
+    while eng.has_unfinished():  # growing uses exactly what was promised, no more
+        eng.step()
+        now = engine_stats(eng)
+        if eng.has_unfinished():
+            assert now.free_kv_blocks - now.promised_kv_blocks >= (
+                free_before - stats.promised_kv_blocks
+            )
+    stats = engine_stats(eng)
+    assert stats.promised_kv_blocks == 0 and stats.held_requests == ()
+    beat = instance_status(
+        stats, instance_id="i", role=control_pb2.ROLE_DECODE, model="m", address="a:1",
+        draining=False, block_size=BS,
+    )  # fmt: skip
+    assert beat.reports_held and list(beat.held_requests) == []
 
 
 def test_busy_meter_windows_wall_time() -> None:

@@ -18,7 +18,7 @@ ROLE_PREFILL: Role
 ROLE_DECODE: Role
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("instance_id", "role", "model", "address", "running", "waiting", "queued_tokens", "free_kv_blocks", "total_kv_blocks", "bucket", "resident_prefixes", "sent_unix_ms", "draining", "block_size", "compute_tokens_per_s", "busy_fraction")
+    __slots__ = ("instance_id", "role", "model", "address", "running", "waiting", "queued_tokens", "free_kv_blocks", "total_kv_blocks", "bucket", "resident_prefixes", "sent_unix_ms", "draining", "block_size", "compute_tokens_per_s", "busy_fraction", "promised_kv_blocks", "held_requests", "reports_held")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,9 @@ class InstanceStatus(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    PROMISED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HELD_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_HELD_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: Role
     model: str
@@ -51,7 +54,10 @@ class InstanceStatus(_message.Message):
     block_size: int
     compute_tokens_per_s: float
     busy_fraction: float
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., address: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., bucket: _Optional[str] = ..., resident_prefixes: _Optional[_Iterable[bytes]] = ..., sent_unix_ms: _Optional[int] = ..., draining: _Optional[bool] = ..., block_size: _Optional[int] = ..., compute_tokens_per_s: _Optional[float] = ..., busy_fraction: _Optional[float] = ...) -> None: ...
+    promised_kv_blocks: int
+    held_requests: _containers.RepeatedScalarFieldContainer[int]
+    reports_held: bool
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., model: _Optional[str] = ..., address: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., bucket: _Optional[str] = ..., resident_prefixes: _Optional[_Iterable[bytes]] = ..., sent_unix_ms: _Optional[int] = ..., draining: _Optional[bool] = ..., block_size: _Optional[int] = ..., compute_tokens_per_s: _Optional[float] = ..., busy_fraction: _Optional[float] = ..., promised_kv_blocks: _Optional[int] = ..., held_requests: _Optional[_Iterable[int]] = ..., reports_held: _Optional[bool] = ...) -> None: ...
 
 class LoadStatus(_message.Message):
     __slots__ = ("instance_id", "role", "model", "source", "shards_done", "shards_total", "bytes_done", "bytes_total", "bytes_read", "seconds", "done", "error", "sent_unix_ms")

@@ -37,6 +37,7 @@ def instance_from_status(status: control_pb2.InstanceStatus) -> Instance:
         total_kv_blocks=status.total_kv_blocks,
         draining=status.draining,
         resident=frozenset(bytes(p[:DIGEST_BYTES]) for p in status.resident_prefixes),
+        promised_kv_blocks=status.promised_kv_blocks,
     )
 
 

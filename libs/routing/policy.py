@@ -107,6 +107,7 @@ class Instance:
     total_kv_blocks: int = 0
     draining: bool = False
     resident: frozenset[bytes] = frozenset()  # first DIGEST_BYTES of resident block digests
+    promised_kv_blocks: int = 0  # of the free blocks, what its requests will still grow into
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -385,7 +386,8 @@ class RoutingPolicy:
     def _decode_key(self, e: _Entry, request_id: str) -> tuple[int, int, bytes]:
         inst = e.instance
         total = max(inst.total_kv_blocks, 1)
-        used = min(max(total - inst.free_kv_blocks, 0), total) if inst.total_kv_blocks else 0
+        free = inst.free_kv_blocks - inst.promised_kv_blocks  # what no request has a claim on
+        used = min(max(total - free, 0), total) if inst.total_kv_blocks else 0
         return (
             used * KV_STEPS // total,
             inst.running + inst.waiting + e.sent_requests,

@@ -174,6 +174,18 @@ def test_decode_goes_to_the_most_free_kv_memory(clock: FakeClock) -> None:
     assert p.route(model="m", request_id="r").decode.instance_id == "d2"
 
 
+def test_decode_counts_free_blocks_its_requests_will_still_grow_into_as_taken(
+    clock: FakeClock,
+) -> None:
+    p = make(
+        clock,
+        prefill("p1"),
+        decode("d1", free_kv_blocks=900, total_kv_blocks=1000, promised_kv_blocks=600),
+        decode("d2", free_kv_blocks=500, total_kv_blocks=1000, promised_kv_blocks=0),
+    )
+    assert p.route(model="m", request_id="r").decode.instance_id == "d2"
+
+
 def test_decode_with_equal_memory_goes_to_fewer_running(clock: FakeClock) -> None:
     p = make(
         clock,

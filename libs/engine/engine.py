@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,7 +36,14 @@ from .engine_config import EngineConfig
 from .ep.eplb import Balance
 from .features import check
 from .grammar import GrammarBackend
-from .intake import Intake, InvalidRequest, RequestInfo, request_info, warmup_prompts
+from .intake import (
+    Intake,
+    InvalidRequest,
+    RequestInfo,
+    request_info,
+    warmup_batches,
+    warmup_prompts,
+)
 from .kv.block_manager import BlockManager, NoFreeBlocks
 from .kv.transfer import KVFormatError, KVIntegrityError, PeerKV
 from .kv_port import KVInput, KVPort, MissingPrefix, PreparedKV
@@ -250,14 +258,6 @@ class Engine:
             return local
         return bool(self.ep.group.all_max([int(local)])[0])
 
-    def load_counts(self) -> Any:
-        """With EP: tokens per (MoE layer, expert) this rank routed since the last call."""
-        return _ep_only(self.ep, "load counts are kept by expert-parallel engines").load_counts()
-
-    def apply_placement(self, new: Placement | Sequence[Placement]) -> None:
-        """With EP: move the experts to ``new`` (every rank, between the same two steps)."""
-        _ep_only(self.ep, "this engine is not expert-parallel").apply_placement(new)
-
     def ep_balance(self) -> Balance | None:
         """With EPLB: the routed experts' busiest-rank load over the mean (``.max_mean``,
         1.0 = even) over the current window under the placements in force, per layer, and the
@@ -320,21 +320,14 @@ class Engine:
         first real requests do not pay for kernel compilation and autotuning of new shapes;
         returns the seconds it took. Leaves no request behind; their blocks stay cached under a
         salt no client sends, evicted first as pages are needed."""
-        import time
-
         t0 = time.perf_counter()
         prompts = warmup_prompts(
             lengths, self.scheduler_config.max_model_len, self.model_config.vocab_size
         )
         params = SamplingParams(max_tokens=3, ignore_eos=True)
-        for batch in ([*enumerate(prompts)], *([(i, p)] for i, p in enumerate(prompts))):
-            fitting = [
-                (i, p)
-                for i, p in batch
-                if -(-len(p) // self.spec.block_size) + 1 < self.blocks.num_free
-            ]
-            for i, p in fitting:
-                self.add_request(f"__warmup-{i}", p, params, cache_salt=b"__warmup")
+        for batch in warmup_batches(prompts, self.spec.block_size, lambda: self.blocks.num_free):
+            for rid, p in batch:
+                self.add_request(rid, p, params, cache_salt=b"__warmup")
             while self.group_has_unfinished():
                 self.step()
         self.intake.reset_counts()  # served nobody
@@ -475,12 +468,6 @@ def _tokenizer_source(parts: EngineParts, model: str) -> str | None:
     if parts.loaded is not None:
         return parts.loaded.source
     return model if Path(model).is_dir() else None
-
-
-def _ep_only(ep: EPRuntime | None, why: str) -> EPRuntime:
-    if ep is None:
-        raise AttributeError(why)
-    return ep
 
 
 def _grammar_backend(tokenizer_source: str | None, cfg: ModelConfig) -> GrammarBackend:

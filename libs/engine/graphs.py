@@ -5,7 +5,7 @@ A :class:`GraphSet` is one computation captured once per padded row count of a l
 flat int64 input per replay -- per row the token id, position, cache slot, context length and
 ``max_blocks`` block-table entries -- that :func:`stage` fills on the host and sends in one
 transfer; padding rows have length 0 and write the cache's scratch slot, so they change
-nothing. :class:`~libs.engine.runner.ModelRunner` owns the sets, records and replays them;
+nothing. :class:`~libs.engine.graph_replay.GraphReplay` owns the sets, records and replays them;
 :class:`EagerReplay` stands in for a CUDA graph on the CPU (tests).
 """
 

@@ -13,7 +13,7 @@ report.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +85,16 @@ def warmup_prompts(lengths: Sequence[int], max_model_len: int, vocab_size: int) 
     (a preset's special tokens), for :meth:`Engine.warm_up`."""
     limit = max_model_len - 2
     return [[(i * 7919 + n) % (vocab_size - 3) + 3 for i in range(min(n, limit))] for n in lengths]
+
+
+def warmup_batches(
+    prompts: list[list[int]], block_size: int, num_free: Callable[[], int]
+) -> Iterator[list[tuple[str, list[int]]]]:
+    """The warm-up's batches of (request id, prompt): all prompts together, then each alone,
+    each batch cut to the prompts that fit the blocks free when it is taken."""
+    numbered = [(f"__warmup-{i}", p) for i, p in enumerate(prompts)]
+    for batch in (numbered, *([one] for one in numbered)):
+        yield [(rid, p) for rid, p in batch if -(-len(p) // block_size) + 1 < num_free()]
 
 
 def request_info(req: Request) -> RequestInfo:

@@ -136,10 +136,12 @@ def test_engine_of_one_rank_generates_as_without_ep(group, tiny_loaded) -> None:
     engine = Engine(EngineConfig(**ENGINE), copy.deepcopy(tiny_loaded), ep=group, placement=ODD_16)
     assert engine.runner.cuda_graphs is False
     llm = LLM(engine=engine)
+    runtime = engine.ep
+    assert runtime is not None
 
     def replace(step: int) -> None:
         if step == 3:
-            engine.apply_placement(Placement.contiguous(16, 1, redundant=3))
+            runtime.apply_placement(Placement.contiguous(16, 1, redundant=3))
 
     got = [o.token_ids for o in llm.generate(prompts, GREEDY, decode_text=False, on_step=replace)]
     assert got == want
@@ -147,7 +149,7 @@ def test_engine_of_one_rank_generates_as_without_ep(group, tiny_loaded) -> None:
         tiny_loaded.model.cfg.num_hidden_layers - tiny_loaded.model.cfg.first_k_dense_replace
     )
     tokens = sum(len(p) + GREEDY.max_tokens - 1 for p in prompts)
-    counts = engine.load_counts()
+    counts = runtime.load_counts()
     assert counts.shape == (moe_layers, 16)
     assert int(counts.sum()) == tokens * 4 * moe_layers
     engine.step()  # nothing scheduled: an empty step (0 tokens) still runs every MoE layer

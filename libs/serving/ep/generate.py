@@ -130,6 +130,8 @@ def run_rank(group: EPGroup, job: EPJob) -> RankResult:
     # The group's device: its GPU on this host (run_group picked it), or the CPU.
     config = EngineConfig(model=job.model, device=str(group.device), **job.engine_kwargs)
     engine = Engine(config, ep=group, placement=job.placement)
+    runtime = engine.ep
+    assert runtime is not None  # built with a group
     mine = [i for i in range(len(job.prompts)) if i % group.size == group.rank]
     steps = 0
 
@@ -137,7 +139,7 @@ def run_rank(group: EPGroup, job: EPJob) -> RankResult:
         nonlocal steps
         steps = step
         if job.replace is not None and step == job.replace[0]:
-            engine.apply_placement(job.replace[1])
+            runtime.apply_placement(job.replace[1])
 
     t0 = time.perf_counter()
     outs = LLM(engine=engine).generate(
@@ -147,5 +149,5 @@ def run_rank(group: EPGroup, job: EPJob) -> RankResult:
         on_step=on_step,
     )
     seconds = time.perf_counter() - t0
-    counts: torch.Tensor = engine.load_counts()
+    counts: torch.Tensor = runtime.load_counts()
     return RankResult(tuple(zip(mine, outs)), counts.tolist(), steps, seconds)

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deepserve.bench import engine_view, http_procs
+from deepserve.bench import admission_view, engine_view, http_procs
 from deepserve.bench.traces import TRACES, Session, TraceShape, make_sessions
 
 OFF_PEAK_PRICE = (0.15, 0.003, 0.60)  # $/M tokens: uncached input, cached input, output
@@ -365,7 +365,10 @@ def run(args: argparse.Namespace) -> int:
     processes = args.client_processes or http_procs.auto_processes(args.concurrency, args.rate)
     cpu: list[float] = []
     services0 = http_procs.service_cpu(args.stack_json)
+    entry = admission_view.url_from(args.stack_json)
+    admitted0 = admission_view.scrape(entry)
     results, seconds, engines = asyncio.run(measured())
+    admitted1 = admission_view.scrape(entry)
     summary = summarize(results, seconds, price=price, gpus=args.gpus, engine=engine)
     summary["client"] = http_procs.client_report(processes, cpu, seconds)
     shares = http_procs.service_shares(services0, http_procs.service_cpu(args.stack_json), seconds)
@@ -373,6 +376,8 @@ def run(args: argparse.Namespace) -> int:
         summary["services_cores"] = shares
     if engines is not None:
         summary["engines"] = engines
+    if admitted0 is not None and admitted1 is not None:
+        summary["admission"] = admission_view.report(admitted0, admitted1)
     report = {
         "bench": "serve-http",
         "url": args.url,
@@ -397,6 +402,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if engines is not None:
         print("\n".join(engine_view.summary_lines(engines)))
+    if "admission" in summary:
+        print(admission_view.summary_line(summary["admission"]))
     ceiling = summary.get("engine_ceiling")
     if ceiling:
         print(

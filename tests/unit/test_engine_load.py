@@ -77,22 +77,6 @@ def test_the_resident_run_is_looked_up_once_per_waiting_request() -> None:
     assert work._resident == {}  # forgotten once it left the queue
 
 
-def test_a_chunked_prompt_counts_its_rest_as_queued_work() -> None:
-    eng = build_fake_engine(
-        EngineConfig(
-            model=FAKE_MODEL, block_size=BS, num_kv_blocks=64, max_tokens_per_step=32,
-            time_budget_s=None,
-        ),
-        step_seconds=0.0,
-        token_seconds=0.0,
-    )  # fmt: skip
-    eng.add_request("long", prompt(100, 1), ONE)
-    assert engine_stats(eng).queued_tokens == 100
-    eng.step()  # its first 32-token chunk: it runs now, 68 tokens still to compute
-    assert [r.request_id for r in eng.scheduler.running] == ["long"]
-    assert engine_stats(eng).queued_tokens == 68
-
-
 def test_the_heartbeat_lists_held_requests_and_what_they_will_still_take() -> None:
     """What admission subtracts from the free blocks: each held request's growth to prompt +
     max_tokens beyond the blocks it holds, and which requests those figures cover."""

@@ -316,9 +316,10 @@ class Engine:
         return len(self.blocks.match_prefix(block_hashes))
 
     def warm_up(self, lengths: Sequence[int] = (1, 7, 16, 33, 130, 257, 1000, 4100)) -> float:
-        """Run throwaway prompts of these lengths (together, then one at a time) so that the
-        first real requests do not pay for kernel compilation and autotuning of new shapes;
-        returns the seconds it took. Leaves no request behind; their blocks stay cached under a
+        """Run throwaway prompts of these lengths (together, one at a time, then as follow-up
+        turns over their cached prefixes: :func:`~.intake.warmup_batches`) so that the first
+        real requests do not pay for kernel compilation of new shapes; returns the seconds it
+        took. Leaves no request behind; their blocks stay cached under a
         salt no client sends, evicted first as pages are needed."""
         t0 = time.perf_counter()
         prompts = warmup_prompts(

@@ -91,9 +91,14 @@ def warmup_batches(
     prompts: list[list[int]], block_size: int, num_free: Callable[[], int]
 ) -> Iterator[list[tuple[str, list[int]]]]:
     """The warm-up's batches of (request id, prompt): all prompts together, then each alone,
-    each batch cut to the prompts that fit the blocks free when it is taken."""
+    then each continued by the next one's tokens (a follow-up turn: prompt chunks over a cached
+    prefix, what most served steps are), each batch cut to the prompts that fit the blocks
+    free when it is taken."""
     numbered = [(f"__warmup-{i}", p) for i, p in enumerate(prompts)]
-    for batch in (numbered, *([one] for one in numbered)):
+    turns = [
+        (f"__warmup-{i}-turn", p + prompts[(i + 1) % len(prompts)]) for i, p in enumerate(prompts)
+    ]
+    for batch in (numbered, *([one] for one in numbered), turns):
         yield [(rid, p) for rid, p in batch if -(-len(p) // block_size) + 1 < num_free()]
 
 

@@ -411,6 +411,18 @@ def test_warm_up_leaves_an_engine_that_serves_as_a_fresh_one(tiny_loaded) -> Non
     assert run(engine, {"a": (p, GREEDY)})["a"] == alone(tiny_loaded, p, GREEDY)
 
 
+def test_warm_up_runs_follow_up_turns_over_cached_prefixes(tiny_loaded) -> None:
+    """Most served steps are prompt chunks over a cached prefix; the warm-up runs them too."""
+    engine = make(tiny_loaded, num_kv_blocks=64)
+    hits: list[int] = []
+    reset = engine.intake.reset_counts
+    engine.intake.reset_counts = lambda: (hits.append(engine.prefix_cache_hits), reset())[1]  # type: ignore[method-assign]
+    engine.warm_up(lengths=(1, 20, 100))
+    # One at a time, 20 and 100 find their own 1 + 6 full blocks of 16 from the first round;
+    # as turns, 20 + 100 finds 20's block and 100 + 1 finds 100's six: 112 tokens each time.
+    assert hits == [112 + 112]
+
+
 def test_signed_frames_import_and_forged_ones_never_do(tiny_loaded) -> None:
     """With a MAC key, exported frames carry a MAC over header and bytes; an engine with the
     key imports them, and refuses frames that are unsigned, altered, or signed by another key."""

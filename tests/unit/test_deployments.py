@@ -251,6 +251,15 @@ def test_compose_names_the_model_once_and_mounts_the_cache() -> None:
     assert services["entrypoint"]["environment"]["DEEPSERVE_MODEL_NAME"] == "deepseek-tiny"
 
 
+def test_compiled_kernels_live_on_the_model_cache_volume() -> None:
+    """The image keeps Triton's JIT cache under HF_HOME, the path compose and the manifests
+    mount the model-cache volume on (the two tests above): restarts do not compile again."""
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    (cache,) = re.findall(r"HF_HOME=(\S+)", dockerfile)
+    (triton,) = re.findall(r"TRITON_CACHE_DIR=(\S+)", dockerfile)
+    assert Path(triton).is_relative_to(cache)
+
+
 def test_monitoring_profile_scrapes_every_service_into_the_dashboard() -> None:
     services = _compose_config("monitoring", "gpu", "aggregated")["services"]
     prom, grafana = services["prometheus"], services["grafana"]

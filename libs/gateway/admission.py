@@ -132,7 +132,6 @@ class Admission:
             if not (w > 0 and math.isfinite(w)):
                 raise ValueError(f"tenant {tenant!r}: a weight must be > 0, got {w}")
         self.running = 0
-        self._held_by = ""  # what the last request that did not fit lacked (see on_admission)
         self._tenants: dict[str, _Tenant] = {}  # those with requests waiting
         self._vtime = 0.0  # V: the largest tag admitted
         self._waiting = 0
@@ -172,12 +171,12 @@ class Admission:
                 raise unfit
         why = "behind"
         if self._first_in_line(tenant, need):
-            grant = self._try(need, model)
+            grant, held = self._try(need, model)
             if grant is not None:
                 self._charge(self._tag_of_new(tenant, need))
                 self._note("admitted", None)
                 return grant
-            why = self._held_by
+            why = held
         if self._waiting >= self.max_waiting:
             victim = self._displaceable(tenant)
             if victim is None:
@@ -267,7 +266,7 @@ class Admission:
                 head.future.set_exception(unfit)
                 self._note("unfit", None)
                 continue
-            grant = self._try(head.need, head.model)
+            grant, _ = self._try(head.need, head.model)
             if grant is None:
                 return
             self._charge(t.head_tag)  # first: the next head's tag starts at V
@@ -375,25 +374,21 @@ class Admission:
         )
 
     # -- internals ----------------------------------------------------------------------------
-    def _try(self, need: Need, model: str) -> Grant | None:
+    def _try(self, need: Need, model: str) -> tuple[Grant | None, str]:
+        """A grant if ``need`` fits now; else None and what it lacks (``inflight``,
+        ``no_instance``, ``prefill_queue`` or ``decode_kv``: see :class:`AdmissionObserver`)."""
         if self.max_inflight and self.running >= self.max_inflight:
-            self._held_by = "inflight"
-            return None
+            return None, "inflight"
         grant = Grant()
         if self.capacity is not None:
             fit = self.capacity.fit(need, model)
             if not fit.ok:
-                self._held_by = (
-                    "no_instance"
-                    if fit.missing
-                    else "prefill_queue"
-                    if not fit.prefill
-                    else "decode_kv"
-                )
-                return None
+                if fit.missing:
+                    return None, "no_instance"
+                return None, "prefill_queue" if not fit.prefill else "decode_kv"
             grant = Grant(self.capacity.reserve(need, fit), fit.full)
         self.running += 1
-        return grant
+        return grant, ""
 
     def _wait_limit(self, model: str) -> float:
         cap = self.capacity

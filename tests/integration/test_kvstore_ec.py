@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -399,18 +398,27 @@ def test_kill_9_during_puts_leaves_whole_blocks_or_nothing(tmp_path: Path) -> No
             proc, channel = start_service(data, redis_port, tmp_path / "kv.log")
             stub = kvstore_pb2_grpc.KVStoreStub(channel)
 
+            # Killed once a random number of its puts have returned, with the rest still to
+            # stream (a timed kill can come after the whole round on a fast machine).
+            target, reached = rng.randint(3, 20), threading.Event()
+
             def stream(
-                stub: kvstore_pb2_grpc.KVStoreStub = stub, todo: list[list[BlockPut]] = todo
+                stub: kvstore_pb2_grpc.KVStoreStub = stub,
+                todo: list[list[BlockPut]] = todo,
+                target: int = target,
+                reached: threading.Event = reached,
             ) -> None:
-                for g in todo:
+                for i, g in enumerate(todo, 1):
                     try:
                         stub.Put(iter(to_msgs(g)), timeout=10)
                     except grpc.RpcError:
                         return
+                    if i == target:
+                        reached.set()
 
             t = threading.Thread(target=stream)
             t.start()
-            time.sleep(rng.uniform(0.3, 1.2))
+            assert reached.wait(30), "the kvstore took none of a round's first puts"
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)
             t.join(20)

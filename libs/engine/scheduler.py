@@ -238,12 +238,19 @@ class Scheduler:
         n = self._fit(step.shape, req, limit)
         if n == 0 or not self._reserve(req, n, step.scheduled, step.preempted):
             return 0  # out of time, or the request itself was preempted
+        self._claim(step, req, n)
         step.add(self._seq(req, n), req.num_computed + n)
         return n
 
     def _admit(self, step: StepBuilder, req: Request, limit: int) -> int:
-        """Start a waiting request with up to ``limit`` tokens; how many (0: it stays)."""
+        """Start a waiting request with up to ``limit`` tokens; how many (0: it stays). A
+        request whose next uncached block another request computes in this very step waits
+        for the next one, where it finds that block cached instead of computing it again
+        (a burst of prompts over one system prompt computes it once, not once each)."""
         hits = self._admit_prefix(req)
+        if self._computed_beside(step, req, len(hits)):
+            self._undo_prefix(req, hits)
+            return 0
         n = self._fit(step.shape, req, limit)
         if n == 0 or not self._try_allocate(req, n):
             self._undo_prefix(req, hits)
@@ -254,8 +261,24 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = Status.RUNNING
         self.running.append(req)
+        self._claim(step, req, n)
         step.add(self._seq(req, n), req.num_computed + n)
         return n
+
+    def _claim(self, step: StepBuilder, req: Request, n: int) -> None:
+        """Note the full prompt blocks ``req`` computes in ``step`` (its next ``n`` tokens)."""
+        bs = self.bm.block_size
+        end = min(req.num_computed + n, req.num_prompt_tokens)
+        if end // bs > req.num_computed // bs:
+            hashes = req.full_block_hashes(bs, end)
+            step.computing.update(hashes[req.num_computed // bs :])
+
+    def _computed_beside(self, step: StepBuilder, req: Request, hits: int) -> bool:
+        """Whether the first block ``req`` would compute is one this step computes already."""
+        if not step.computing or req.num_computed != hits * self.bm.block_size:
+            return False
+        hashes = req.full_block_hashes(self.bm.block_size, len(req.token_ids) - 1)
+        return len(hashes) > hits and hashes[hits] in step.computing
 
     def _fit(self, shape: list[tuple[int, int]], req: Request, budget: int) -> int:
         remaining = min(len(req.token_ids) - req.num_computed, budget)

@@ -64,6 +64,9 @@ class StepBuilder:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     scheduled: set[str] = field(default_factory=set)
     preempted: list[str] = field(default_factory=list)
+    # Chain digests of the full prompt blocks this step computes (Scheduler._claim): a
+    # request whose next uncached block is among them waits a step and finds it cached.
+    computing: set[bytes] = field(default_factory=set)
 
     def add(self, seq: ScheduledSeq, context: int) -> None:
         self.seqs.append(seq)

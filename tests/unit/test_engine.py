@@ -423,6 +423,18 @@ def test_warm_up_runs_follow_up_turns_over_cached_prefixes(tiny_loaded) -> None:
     assert hits == [112 + 112]
 
 
+def test_a_burst_over_one_system_prompt_computes_it_once_and_answers_as_alone(
+    tiny_loaded,
+) -> None:
+    system = prompt(64, 5)  # four full blocks of 16
+    reqs = {f"r{i}": (system + prompt(9 + i, 6 + i), GREEDY) for i in range(3)}
+    engine = make(tiny_loaded)
+    out = run(engine, reqs)
+    assert engine.prefix_cache_hits == 2 * 64  # the second and third found it cached
+    for rid, (p, sp) in reqs.items():
+        assert out[rid] == alone(tiny_loaded, p, sp)
+
+
 def test_signed_frames_import_and_forged_ones_never_do(tiny_loaded) -> None:
     """With a MAC key, exported frames carry a MAC over header and bytes; an engine with the
     key imports them, and refuses frames that are unsigned, altered, or signed by another key."""

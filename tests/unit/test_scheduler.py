@@ -84,6 +84,26 @@ def test_prefix_admission_never_counts_the_last_token() -> None:
     assert q.start == 128 and q.num_tokens == 128 and s.requests["b"].num_cached_tokens == 128
 
 
+def test_a_burst_over_one_prefix_computes_it_once() -> None:
+    """Requests that arrive together over a shared uncomputed prefix: the first computes it,
+    the others wait one step and find it cached (not each its own copy in the same step)."""
+    s = sched(max_tokens_per_step=8192)
+    shared = list(range(10, 10 + 256))  # two full blocks of 128
+    for i, rid in enumerate("abc"):
+        tail = [1000 + 100 * i + j for j in range(50)]
+        s.add(Request(rid, shared + tail, 306, SamplingParams(max_tokens=2, ignore_eos=True)))
+    other = list(range(5000, 5300))  # nothing shared: not held back by their prefix...
+    s.add(Request("other", other, 300, SamplingParams(max_tokens=2, ignore_eos=True)))
+    first = s.schedule()
+    # ...but starts after them, in arrival order: b waits, and so does everything behind it.
+    assert [q.request_id for q in first.seqs] == ["a"]
+    drive(s, first)
+    second = s.schedule()
+    starts = {q.request_id: (q.start, q.num_tokens) for q in second.seqs}
+    assert starts["b"] == (256, 50) and starts["c"] == (256, 50) and starts["other"] == (0, 300)
+    assert s.requests["b"].num_cached_tokens == 256
+
+
 def test_max_running_caps_the_batch() -> None:
     s = sched(max_running=2)
     for i in range(4):

@@ -246,7 +246,7 @@ class Scheduler:
         """Start a waiting request with up to ``limit`` tokens; how many (0: it stays). A
         request whose next uncached block another request computes in this very step waits
         for the next one, where it finds that block cached instead of computing it again
-        (a burst of prompts over one system prompt computes it once, not once each)."""
+        (prompts over one uncomputed prefix that would share a step compute it once)."""
         hits = self._admit_prefix(req)
         if self._computed_beside(step, req, len(hits)):
             self._undo_prefix(req, hits)

@@ -42,10 +42,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from libs.common.ready_queue import ReadyQueue
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, InvalidRequest, KVInput, PreparedKV
 from libs.engine.grammar import GrammarError
@@ -61,6 +60,7 @@ from .engine_stats import (
     WaitingWork,
     engine_stats,
 )
+from .request_stream import RequestStream
 
 if TYPE_CHECKING:
     from .engine_metrics import EngineMetrics
@@ -82,59 +82,6 @@ class EngineFailed(RuntimeError):
 # An idle EP group asks every 10 ms whether any rank has work (one all-reduce of 2 integers,
 # ~0.1 ms on gloo over loopback): <= 10 ms added to a request arriving at an idle group.
 LOCKSTEP_POLL_S = 0.01
-
-
-class RequestStream:
-    """The events of one request, in engine order; iteration ends after the finishing event.
-
-    ``async for ev in stream`` yields :class:`TokenEvent` s; an abort ends the stream with an
-    event whose ``finish_reason`` is ``"abort"`` and ``token_id`` is None. If the engine fails,
-    iteration raises :class:`EngineFailed`.
-    """
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self._items: ReadyQueue[TokenEvent | BaseException] = ReadyQueue()
-        self.finished = False
-        # What add_request returned: an event to wait on before a KV pool reference's owner
-        # may reuse the blocks it lent (None: nothing to wait for).
-        self.imported: Any = None
-
-    def _put(self, item: TokenEvent | BaseException) -> None:
-        self._items.put(item)
-
-    async def next(self) -> TokenEvent | None:
-        """The next event, or None once the stream has ended."""
-        if self.finished and not self._items:
-            return None
-        item = await self._items.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-    def ready_tokens(self) -> list[TokenEvent]:
-        """The token events already here, taken without waiting, up to and including a
-        finishing one; an abort or a failure stays for :meth:`next` (a relay that fell behind
-        the engine sends these in one message)."""
-        out: list[TokenEvent] = []
-        while not self.finished and self._items:
-            head = self._items.peek()
-            if isinstance(head, BaseException) or head.token_id is None:
-                break
-            self._items.take()
-            out.append(head)
-            self.finished = head.finished
-        return out
-
-    def __aiter__(self) -> AsyncIterator[TokenEvent]:
-        return self._iter()
-
-    async def _iter(self) -> AsyncIterator[TokenEvent]:
-        while (ev := await self.next()) is not None:
-            yield ev
 
 
 _Command = tuple[Callable[[Engine], Any], "concurrent.futures.Future[Any]"]
@@ -178,15 +125,15 @@ class EngineLoop:
         self._work = WaitingWork()
         self._held = HeldRequests()
         self.busy = BusyMeter()
-        self._stats = engine_stats(engine, work=self._work, held=self._held)
+        self._steps = 0
+        self._rate = 0.0
+        self._stats = self._measure()
         self._cond = threading.Condition()
         self._commands: deque[_Command] = deque()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._aio: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}  # asyncio thread only
-        self._steps = 0
-        self._rate = 0.0
         self._rates = ComputeRate(RATE_STEPS)
         self._resident_at = 0.0  # monotonic time the resident summary was last built
         if metrics is not None:
@@ -410,6 +357,10 @@ class EngineLoop:
             resident = self._stats.resident_prefixes
         else:
             self._resident_at = now
+        return self._measure(resident)
+
+    def _measure(self, resident: tuple[bytes, ...] | None = None) -> EngineStats:
+        """The engine's load now (``resident``: a summary to reuse; None: built now)."""
         return engine_stats(self.engine, self._steps, self._rate, resident, self._work, self._held)
 
     def _apply(self, fn: Callable[[Engine], Any], fut: concurrent.futures.Future[Any]) -> None:
@@ -455,9 +406,7 @@ class EngineLoop:
     def _shutdown(self) -> None:
         sched = self.engine.scheduler
         events = [ev for rid in list(sched.requests) if (ev := self.engine.abort(rid)) is not None]
-        self.stats = engine_stats(
-            self.engine, self._steps, self._rate, work=self._work, held=self._held
-        )
+        self.stats = self._measure()
         if events:
             self._emit(events)
         with self._cond:  # commands that raced with close(): refuse them

@@ -47,9 +47,10 @@ from libs.engine.engine import InvalidRequest, KVFormatError, NoFreeBlocks
 from libs.proto.deepserve.v1 import control_pb2
 from libs.serving.aborts import RecentAborts, RecentIds
 from libs.serving.convert import error_event
-from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed, RequestStream
+from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed
 from libs.serving.handoff import KVPusher
 from libs.serving.instance import drain_tasks, instance_status
+from libs.serving.request_stream import RequestStream
 from libs.transport.kvstore_client import Block, KVStore
 
 from .handoff import HandOff, PushFailed

@@ -8,7 +8,8 @@ import pytest
 
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig, InvalidRequest
-from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed, RequestStream
+from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed
+from libs.serving.request_stream import RequestStream
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True)

@@ -452,7 +452,7 @@ async def test_a_relay_behind_the_engine_sends_the_waiting_tokens_as_one_event(s
     order); an abort behind them is not swallowed, and a resend still starts anywhere."""
     from libs.engine.step_plan import TokenEvent
     from libs.proto.deepserve.v1 import kv_transfer_pb2
-    from libs.serving.engine_loop import RequestStream
+    from libs.serving.request_stream import RequestStream
 
     bus, _, decode, _, _ = stack
     relay = DecodeHandler(

@@ -28,8 +28,10 @@ engine thread replaces after every iteration, safe to read from anywhere (its
 
 What the heartbeat's load means: ``queued_tokens`` is what the engine will compute for its
 waiting requests -- a request's leading blocks already resident in this engine's prefix cache
-are not counted; ``tokens_per_s`` is the measured compute rate, ``busy_fraction`` the share of
-the last few seconds the engine spent stepping (the measures: :mod:`.engine_stats`).
+are not counted; ``promised_kv_blocks`` what its requests will still grow into and
+``held_requests`` which requests those are; ``tokens_per_s`` is the measured compute rate,
+``busy_fraction`` the share of the last second the engine spent stepping (the measures:
+:mod:`.engine_stats`).
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from typing import Any
 
 from deepserve.bench import admission_view, engine_view, http_procs
 from deepserve.bench.traces import TRACES, Session, TraceShape, make_sessions
+from deepserve.bench.ttft_floor import ttfts_at_ceiling
 
 OFF_PEAK_PRICE = (0.15, 0.003, 0.60)  # $/M tokens: uncached input, cached input, output
 RETRIES_429 = 5  # a turn refused with 429 is sent again this many times at most
@@ -60,6 +61,7 @@ class Result:
     cached_tokens: int = 0
     completion_tokens: int = 0
     allowed_cached_tokens: int = 0  # what the trace lets a prefix cache reuse (see below)
+    sent_at: float = 0.0  # time.time() when it was sent (client processes share the clock)
 
 
 def _cached(usage: Any) -> int:
@@ -85,6 +87,7 @@ async def one_request(
     if turn:
         messages.append({"role": "user", "content": session.users[turn]})
     text: list[str] = []
+    res.sent_at = time.time()
     t0 = time.perf_counter()
     last = t0
     try:
@@ -295,6 +298,11 @@ def summarize(
             "revenue_per_gpu_hour": ceiling,
             "stack_over_ceiling": per_gpu_hour / ceiling if ceiling else None,
         }
+        if ok and all(r.sent_at > 0 for r in ok):
+            floor = ttfts_at_ceiling(
+                [(r.sent_at, r.prompt_tokens - r.cached_tokens) for r in ok], prefill_rate
+            )
+            summary["engine_ceiling"]["ttft_at_ceiling"] = _pcts(floor)
     return summary
 
 
@@ -410,6 +418,13 @@ def run(args: argparse.Namespace) -> int:
             f"revenue ${summary['revenue_per_gpu_hour']:.2f}/GPU-h vs engine-only "
             f"${ceiling['revenue_per_gpu_hour']:.2f}: ratio {ceiling['stack_over_ceiling']:.3f}"
         )
+        floor = ceiling.get("ttft_at_ceiling")
+        if floor:
+            print(
+                f"TTFT p50 / p99 {summary['ttft']['p50_ms']:.0f} / {summary['ttft']['p99_ms']:.0f} "
+                f"ms; the engine's prefill ceiling alone, in send order: {floor['p50_ms']:.0f} / "
+                f"{floor['p99_ms']:.0f} ms"
+            )
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")

@@ -99,3 +99,23 @@ def test_off_thread_halves_round_trip_blocks_on_the_device() -> None:
     prepared = other.prepare_kv([frame])
     other.add_request("d", PROMPT, GREEDY, kv=prepared, hold_kv=True)
     assert other.export_blocks("d") == engine.export_blocks("s")  # the 4 full blocks
+
+
+def test_exports_reuse_host_buffers_without_mixing_their_blocks() -> None:
+    # The kvstore's write-back gathers each finished request's blocks into page-locked host
+    # buffers that are handed out again once read: exports in flight together get their own,
+    # a later one reuses a buffer, and each reads its own request's blocks.
+    engine = Engine(EngineConfig(**CONFIG))  # type: ignore[arg-type]
+    other = [(t * 31) % 120000 + 5 for t in PROMPT]
+    for rid, prompt in (("a", PROMPT), ("b", other)):
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=1), hold_kv=True)
+    while engine.has_unfinished():
+        engine.step()
+    finish_a = engine.export_blocks_async("a")
+    finish_b = engine.export_blocks_async("b")  # both in flight
+    assert finish_b() == engine.export_blocks("b")
+    assert finish_a() == engine.export_blocks("a")
+    pool = engine.cache._pinned
+    assert pool is not None and pool.allocated == 2
+    assert engine.export_blocks_async("b")() == engine.export_blocks("b")  # a reused buffer
+    assert pool.allocated == 2

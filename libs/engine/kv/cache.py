@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +11,7 @@ import torch
 
 from . import peer
 from .layout import CacheSpec
+from .pinned import PinnedRows
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -106,6 +107,7 @@ class PagedKVCache:
         self.layers = self._layer_views()
         self._handle: bytes | None = None
         self._copy_stream: Any = None  # gather_async's device-to-host copies (CUDA)
+        self._pinned: PinnedRows | None = None  # gather_async's host buffers (CUDA)
 
     def _layer_views(self) -> list[LayerCache]:
         by_layer: dict[int, dict[str, torch.Tensor]] = {}
@@ -129,7 +131,11 @@ class PagedKVCache:
     def _slots(self, blocks: Sequence[int], device: torch.device | None = None) -> torch.Tensor:
         bs = self.spec.block_size
         dev = device or self.device
-        b = torch.tensor(list(blocks), dtype=torch.int64, device=dev)
+        b = torch.from_numpy(np.asarray(blocks, dtype=np.int64).reshape(-1))
+        if dev.type == "cuda":
+            # Pinned and non-blocking: a plain copy from pageable memory waits for the step in
+            # flight, and this runs on the engine thread between steps (an export's gather).
+            b = b.pin_memory().to(dev, non_blocking=True)
         return (b[:, None] * bs + torch.arange(bs, device=dev)[None, :]).reshape(-1)
 
     def _gather(self, blocks: Sequence[int]) -> torch.Tensor:
@@ -180,17 +186,21 @@ class PagedKVCache:
         raw = self._gather(blocks)
         if raw.device.type != "cuda":
             return Pending(raw, None)
+        if self._pinned is None:
+            self._pinned = PinnedRows(self.spec.bytes_per_block)
+        buf = self._pinned.take(len(blocks))  # reused: allocating page-locked memory is slow
+        host = buf[: len(blocks)]
         with torch.cuda.device(raw.device):
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             copy = self._copy_stream
-            host = torch.empty(raw.shape, dtype=raw.dtype, pin_memory=True)
             copy.wait_stream(torch.cuda.current_stream(raw.device))
             with torch.cuda.stream(copy):
                 host.copy_(raw, non_blocking=True)
                 raw.record_stream(copy)  # its memory stays ours until the copy ran
                 event = _record(raw.device)
-        return Pending(host, event)
+        pool = self._pinned
+        return Pending(host, event, lambda: pool.give(buf))
 
     def stage(self, payloads: Sequence[bytes | memoryview]) -> Staged:
         """Upload whole blocks (``payloads`` joined) to the cache's device: any thread, touches
@@ -292,13 +302,23 @@ class Pending:
 
     raw: torch.Tensor | None  # on the host (pinned on CUDA, where ``event`` marks the copy)
     event: Any
+    release: Callable[[], None] | None = None  # gives a reused host buffer back, once read
+    done: bool = False  # read, and its buffer given back
 
     def result(self) -> bytes:
+        """The blocks' bytes. With ``release``, once: the buffer then goes back to its pool
+        (a second read could see another export's blocks, so it raises)."""
+        if self.done:
+            raise RuntimeError("these blocks were read already; their buffer is reused")
         if self.raw is None:
             return b""
         if self.event is not None:
             self.event.synchronize()
-        return self.raw.numpy().tobytes()
+        out = self.raw.numpy().tobytes()
+        if self.release is not None:
+            self.done, self.raw = True, None
+            self.release()
+        return out
 
 
 def _record(device: torch.device) -> Any:

@@ -322,6 +322,7 @@ class Engine:
         took. Leaves no request behind; their blocks stay cached under a
         salt no client sends, evicted first as pages are needed."""
         t0 = time.perf_counter()
+        self.runner.warm_kernels()
         prompts = warmup_prompts(
             lengths, self.scheduler_config.max_model_len, self.model_config.vocab_size
         )

@@ -106,6 +106,10 @@ class StepRunner(Protocol):
         """The request finished or was aborted: drop what the runner keeps for it."""
         ...
 
+    def warm_kernels(self) -> None:
+        """Compile the kernel variants serving can ask for, before it does (warm-up)."""
+        ...
+
 
 @dataclass(frozen=True)
 class EngineParts:

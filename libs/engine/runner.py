@@ -206,6 +206,17 @@ class ModelRunner(GraphReplay):
     def forget(self, request_id: str) -> None:
         """Nothing is kept per request here: its KV lives in the paged cache."""
 
+    def warm_kernels(self) -> None:
+        """With the Triton kernels: the decode kernel once per split count an eager step can
+        choose (:func:`~.kernels.mla_decode.warm`), over this cache, read only."""
+        if not self.use_kernels:
+            return
+        from .kernels.mla_decode import warm
+
+        layer = self.cache.layers[0]
+        dtype = self.model.dtype  # the activations (q)
+        warm(layer.latent, layer.rope, layer.scale, self.num_heads, self.block_size, dtype)
+
     def _history(
         self,
         sampling: list[ScheduledSeq],

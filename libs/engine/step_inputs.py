@@ -164,10 +164,11 @@ class EagerInputs:
         bs, dev = self.block_size, self.device
         lens = np.array([s.start + 1 for s in decodes], dtype=np.int32)
         if self.use_kernels:
-            from .kernels.mla_decode import choose_num_splits
+            from .kernels.mla_decode import TABLE_ALIGN, choose_num_splits
 
             pages = -(-lens.astype(np.int64) // bs)
-            table = np.zeros((len(decodes), int(pages.max())), dtype=np.int32)
+            width = -(-int(pages.max()) // TABLE_ALIGN) * TABLE_ALIGN  # one stride class
+            table = np.zeros((len(decodes), width), dtype=np.int32)
             fill_page_tables(table, decodes, pages)
             meta.decode_start = n - len(decodes)
             meta.block_table = self._to_device(table)

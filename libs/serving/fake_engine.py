@@ -130,6 +130,9 @@ class FakeRunner:
     def forget(self, request_id: str) -> None:
         """Nothing is kept per request."""
 
+    def warm_kernels(self) -> None:
+        """No kernels."""
+
 
 def fake_parts(
     config: EngineConfig,

@@ -67,3 +67,24 @@ def test_strided_inputs_as_the_model_passes_them() -> None:
     extend_attention(qn, qp, kv, kpe, out, plan, 0.2)
     ref = _reference(qn, qp, kv, kpe, [0, 4], [4, 8], [0, 10], [10, 30], 0.2)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_the_plan_s_index_arrays_start_16_bytes_apart_for_any_count() -> None:
+    # Triton specializes a kernel on each pointer's 16-byte alignment: arrays placed after
+    # counts that vary step by step would compile new kernels mid-serving.
+    for n in range(1, 9):
+        for rows in (1, 63, 64, 65, 130):
+            plan = ExtendPlan(
+                list(range(n)), [rows] * n, [rows + 3] * n, torch.device("cpu"), block_m=64
+            )
+            views = (plan.q_start, plan.q_len, plan.k_start, plan.k_len)
+            k_start = [(rows + 3) * i for i in range(n)]
+            assert [v.tolist() for v in views] == [
+                list(range(n)),
+                [rows] * n,
+                k_start,
+                [rows + 3] * n,
+            ]
+            for v in (*views, plan.tile_seq, plan.tile_row):
+                assert v.data_ptr() % 16 == 0
+            assert plan.tile_seq.numel() == plan.num_tiles == n * -(-rows // 64)

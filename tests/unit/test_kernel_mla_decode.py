@@ -14,11 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+import libs.engine.kernels.mla_decode as mla_decode_module
 from libs.engine.kernels.mla_decode import (
+    SPLITS,
     choose_num_splits,
     mla_decode,
     mla_decode_reference,
     quantize_latent_fp8,
+    warm,
 )
 
 
@@ -157,9 +160,38 @@ def test_quantize_latent_fp8() -> None:
 
 def test_choose_num_splits() -> None:
     assert choose_num_splits(256, 16, 2048) == 1
+    assert choose_num_splits(64, 16, 2048) == 4
     assert 8 <= choose_num_splits(1, 16, 2048) <= 16
     assert choose_num_splits(1, 16, 64) == 1  # too short to split
     assert choose_num_splits(16, 128, 4096) > 1
+
+
+def test_every_split_count_a_step_can_choose_is_compiled_before_serving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The split count is a compile-time constant of the combining kernel: a count that warm()
+    # did not launch would be compiled when a batch first needs it, on the engine thread.
+    chosen = {
+        choose_num_splits(b, h, ctx, sms)
+        for b in range(1, 300)
+        for h in (16, 128)
+        for ctx in (1, 100, 129, 1000, 4096, 163840)
+        for sms in (78, 132)
+    }
+    assert chosen == set(SPLITS)
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(64, 64 + 16, generator=gen)
+    before = kv.clone()
+    launched: list[int] = []
+
+    def spy(*args: object, **kw: object) -> torch.Tensor:
+        launched.append(kw["num_splits"])
+        return mla_decode(*args, **kw)
+
+    monkeypatch.setattr(mla_decode_module, "mla_decode", spy)
+    warm(kv[:, :64], kv[:, 64:], None, 4, 16, torch.float32)
+    assert sorted(launched) == sorted(SPLITS)
+    assert torch.equal(kv, before)  # the cache is only read
 
 
 class _KVCache:

@@ -370,10 +370,47 @@ def choose_num_splits(batch: int, num_heads: int, max_seq_len_hint: int, num_sms
     Aims at about two waves of programs (``2 * num_sms``): measured on the H200 (V2-Lite
     heads, 2K context), batch 64 runs best with 4 splits (64 us vs 70 us with 2) and batch 256
     with 1. No split is made shorter than 128 tokens of ``max_seq_len_hint``; at most 32.
+    Always a power of two (:data:`SPLITS`, rounded down): the count is a compile-time constant
+    of the combining kernel, so every other value compiled a kernel of its own -- on an H100,
+    profiled under the chat and agent traces, mid-serving on the engine thread (0.1-1.9 s in
+    15 s), whereas these few are compiled by :func:`warm` before an engine serves.
     """
     programs = batch * triton.cdiv(num_heads, _default_block_h(num_heads))
     cap = min(_MAX_SPLITS, max(1, triton.cdiv(max_seq_len_hint, _MIN_TOKENS_PER_SPLIT)))
-    return max(1, min(cap, (2 * num_sms) // programs))
+    n = max(1, min(cap, (2 * num_sms) // programs))
+    return 1 << (n.bit_length() - 1)
+
+
+# Every value choose_num_splits returns.
+SPLITS = tuple(1 << i for i in range(_MAX_SPLITS.bit_length()))
+
+# Rows of the eager path's page tables are padded to a multiple of this many pages, so the
+# table's row stride keeps one divisibility (Triton specializes integer arguments on it).
+TABLE_ALIGN = 16
+
+
+def warm(
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    num_heads: int,
+    block_size: int,
+    dtype: torch.dtype,
+) -> None:
+    """Launch the decode kernel once per split count it can be given (:data:`SPLITS`), over
+    this cache's tensors (read only), so that each specialization is compiled before the
+    engine serves rather than when a batch first needs it."""
+    dev = latent.device
+    r, p = latent.shape[-1], rope.shape[-1]
+    q_lat = torch.zeros(1, num_heads, r, dtype=dtype, device=dev)
+    q_pe = torch.zeros(1, num_heads, p, dtype=dtype, device=dev)
+    table = torch.zeros(1, TABLE_ALIGN, dtype=torch.int32, device=dev)
+    lens = torch.ones(1, dtype=torch.int32, device=dev)
+    for n in SPLITS:
+        mla_decode(
+            q_lat, q_pe, latent, rope, table, lens,
+            block_size=block_size, sm_scale=1.0, kv_scale=kv_scale, num_splits=n,
+        )  # fmt: skip
 
 
 # The cache's own quantizer (one per token: scale = amax / 448), under the name the kernel's

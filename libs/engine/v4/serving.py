@@ -206,6 +206,9 @@ class V4Runner(ModelRunner):
     def capture_all(self) -> None:
         """Nothing to capture: every step runs eagerly."""
 
+    def warm_kernels(self) -> None:
+        """Nothing beyond what the warm-up's prompts compile (no paged MLA decode kernel)."""
+
     def forget(self, request_id: str) -> None:
         """Drop the request's state; the block it was part-way through is written first (an
         export of a held request reads it)."""

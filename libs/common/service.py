@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
+import io
 import logging
 import signal
 import sys
@@ -83,19 +84,72 @@ class ServiceContext:
             self.stack.push_async_callback(close_nats, nc, self.log, drain_timeout)
         return nc
 
-    def background(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        """Run ``coro`` as a task until the stack closes, then cancel it."""
+    def background(
+        self, coro: Coroutine[Any, Any, None], name: str, stop_within: float | None = None
+    ) -> asyncio.Task[None]:
+        """Run ``coro`` as a task until the stack closes, then cancel it and wait for it to end:
+        for at most ``stop_within`` seconds if given (a task with nothing to clean up when
+        cancelled, e.g. a polling loop; see :func:`cancel_task`)."""
         task = asyncio.create_task(coro, name=name)
-        self.stack.push_async_callback(cancel_task, task)
+        self.stack.push_async_callback(cancel_task, task, self.log, stop_within)
         return task
 
 
-async def cancel_task(task: asyncio.Task[Any]) -> None:
+# What closing one thing at exit may take past its own bound (a drain: its drain time plus
+# this); past it, what is still running is logged with its stack and left behind, so a stuck
+# step is named in the log and the service still exits.
+STOP_MARGIN_S = 1.0
+
+
+async def cancel_task(
+    task: asyncio.Task[Any], log: logging.Logger | None = None, within: float | None = None
+) -> None:
+    """Cancel ``task`` and wait for it to end; what it raised (other than its cancellation)
+    is raised here.
+
+    ``within`` bounds the wait, for a task with nothing to clean up when cancelled. A cancel
+    can be lost: on Python 3.11 ``asyncio.wait_for`` returns the result when the cancel lands
+    as the awaited work finishes (redis-py awaits it inside every command), and a ``while
+    True`` loop then runs on. Such a task still running halfway is logged where it is and
+    cancelled once more; one still running after that is logged and left running. Without
+    ``within`` the task's cancellation takes what it takes: a second cancel would cut short
+    a task that is still cancelling work of its own (``natsutil._cancel``)."""
     task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
+    if within is None:
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        return
+    log = log or logging.getLogger(__name__)
+    done, _ = await asyncio.wait({task}, timeout=within / 2)
+    if not done:  # the cancel was lost, or the task ignores it
+        log.warning(
+            "task %r still running %.1fs after its cancellation (lost, or ignored); "
+            "cancelling it again. It is at:\n%s",
+            task.get_name(),
+            within / 2,
+            _stack(task),
+        )
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=within / 2)
+    if not done:
+        log.error(
+            "task %r still running %.1fs after two cancellations; not waiting for it:\n%s",
+            task.get_name(),
+            within,
+            _stack(task),
+        )
+        return
+    if not task.cancelled():
+        task.result()  # what it raised
+
+
+def _stack(task: asyncio.Task[Any]) -> str:
+    """Where a task is suspended (what it awaits), as ``Task.print_stack`` writes it."""
+    out = io.StringIO()
+    task.print_stack(file=out)
+    return out.getvalue().rstrip()
 
 
 def run_service(
@@ -154,4 +208,10 @@ def install_stop_handlers(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
-__all__ = ["ServiceContext", "cancel_task", "run_service", "setup_logging"]
+__all__ = [
+    "STOP_MARGIN_S",
+    "ServiceContext",
+    "cancel_task",
+    "run_service",
+    "setup_logging",
+]

@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY
 from libs.common.grpc_auth import server_interceptors
 from libs.common.grpc_server import NOT_SERVING, add_health_and_reflection, new_health
 from libs.common.redact import redact
-from libs.common.service import ServiceContext, run_service
+from libs.common.service import STOP_MARGIN_S, ServiceContext, run_service
 from libs.proto.deepserve.v1 import kvstore_pb2_grpc
 
 from .config import SERVICE, KVStoreConfig, build_parser, config_from
@@ -74,11 +74,15 @@ async def serve(cfg: KVStoreConfig, ctx: ServiceContext) -> int:
     await monitor.check()
     await _register_state_metrics(cfg, ctx, store, monitor)
     http_port = await ctx.start_ops(monitor.status)
-    ctx.background(monitor.run(), "redis-ping")
-    ctx.background(sweep_forever(store, cfg.sweep_interval), "retention-sweep")
+    # Loops with nothing to clean up when cancelled: their stop is bounded (a Redis command
+    # can lose the cancel, see cancel_task).
+    ctx.background(monitor.run(), "redis-ping", STOP_MARGIN_S)
+    ctx.background(sweep_forever(store, cfg.sweep_interval), "retention-sweep", STOP_MARGIN_S)
     if cfg.orphan_interval:
         ctx.background(
-            collect_orphans_forever(store, cfg.orphan_interval, cfg.orphan_grace), "orphans"
+            collect_orphans_forever(store, cfg.orphan_interval, cfg.orphan_grace),
+            "orphans",
+            STOP_MARGIN_S,
         )
     opts = [
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -115,7 +119,7 @@ async def _register_state_metrics(
     monitor sees Redis down, so a scrape never waits on it), target health from a probe."""
     targets = TargetHealth(store.targets)
     await targets.check()
-    ctx.background(targets.run(), "target-probe")
+    ctx.background(targets.run(), "target-probe", STOP_MARGIN_S)
     stats = RedisStats(cfg.redis_url)
     ctx.stack.callback(stats.close)
     collector = StoreCollector(
@@ -130,4 +134,13 @@ async def _stop_grpc(
 ) -> None:
     log.info("stopping: draining for up to %.1fs", grace)
     await health.enter_graceful_shutdown()
-    await server.stop(grace=grace)
+    # stop() cancels the RPCs still running after the grace, then waits for their handlers to
+    # return: bounded here, so a handler that ignores its cancellation cannot hold the exit.
+    stopping = asyncio.ensure_future(server.stop(grace=grace))
+    done, _ = await asyncio.wait({stopping}, timeout=grace + STOP_MARGIN_S)
+    if not done:
+        log.error(
+            "gRPC server not stopped %.1fs after draining began: an RPC handler ignores its "
+            "cancellation; not waiting for it",
+            grace + STOP_MARGIN_S,
+        )

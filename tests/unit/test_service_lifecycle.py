@@ -156,6 +156,46 @@ def test_an_exception_while_starting_closes_what_was_opened(
         _healthz(ops_port)
 
 
+def test_sigterm_exits_promptly_when_a_background_task_loses_its_cancellation(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """CI saw the kvstore never exit after SIGTERM: its Redis ping loop lost its cancel (on
+    Python 3.11 ``asyncio.wait_for``, also inside redis-py, returns the answer when the cancel
+    lands as the command finishes) and pinged on, and closing waited for it forever. The loop
+    here loses its first cancel the same way and would run on for 20 s; the service must still
+    exit at once, and say which task it had to cancel again and where it was."""
+    import time
+
+    ended: list[str] = []
+
+    async def pinger() -> None:
+        lost = False
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 20:
+            try:
+                await asyncio.sleep(0.01)  # stands for one ping
+            except asyncio.CancelledError:
+                if lost:
+                    ended.append("cancelled")
+                    raise
+                lost = True  # the first cancel lost, as wait_for loses it
+        ended.append("ran on")
+
+    async def serve(cfg: _Config, ctx: ServiceContext) -> int:
+        ctx.background(pinger(), "redis-ping", stop_within=1.0)
+        asyncio.get_running_loop().call_later(0.05, os.kill, os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(ctx.stop.wait(), 10)
+        return 0
+
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        assert run_service("test", [], _parser, _config, serve) == 0
+    assert time.monotonic() - t0 < 5, f"exit took {time.monotonic() - t0:.1f}s"
+    assert ended == ["cancelled"]
+    assert "task 'redis-ping' still running" in caplog.text
+    assert "in pinger" in caplog.text  # where it was: its stack
+
+
 def test_sigterm_ends_a_service_still_waiting_for_nats() -> None:
     dead = _free_port()  # nothing listens: connect_nats retries every second until stopped
     closed: list[str] = []

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig, InvalidRequest
-from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed
+from libs.serving.engine_loop import (
+    BACKGROUND_PER_ITERATION,
+    EngineFailed,
+    EngineLoop,
+    EngineLoopClosed,
+)
 from libs.serving.request_stream import RequestStream
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -180,5 +186,34 @@ async def test_an_add_cancelled_after_the_engine_took_it_leaves_nothing_behind(t
         await asyncio.sleep(0.5)
         left = await loop.call(lambda e: (list(e.scheduler.requests), e.blocks.num_used))
         assert left == ([], 0)
+    finally:
+        await loop.close()
+
+
+async def test_a_wave_of_background_copies_does_not_hold_a_clients_command(tiny_loaded) -> None:
+    # When a turn ends for many sessions at once, each finished request's blocks are copied out
+    # for the kvstore (background commands) just as the sessions' next turns arrive: those
+    # admissions must not wait for every copy, and the copies keep their own order.
+    loop = EngineLoop(make(tiny_loaded))
+    loop.start()
+    try:
+        busy = await loop.add("long", prompt(30, 9), SamplingParams(max_tokens=400))
+        order: list[int] = []
+
+        def copy(i: int) -> None:
+            time.sleep(0.02)  # a copy's host work
+            order.append(i)
+
+        copies = [
+            asyncio.ensure_future(loop.call(lambda e, i=i: copy(i), background=True))
+            for i in range(40)
+        ]
+        await asyncio.sleep(0)  # every copy is queued first
+        ran_before = await loop.call(lambda e: len(order))
+        assert ran_before <= 2 * BACKGROUND_PER_ITERATION  # not all 40 (0.8 s) before it
+        await asyncio.gather(*copies)
+        assert order == list(range(40))
+        await loop.abort("long")
+        await collect(busy)
     finally:
         await loop.close()

@@ -76,6 +76,8 @@ EOF
 fi
 
 cp "$venv/bin/nats-server" "$out/bin/nats-server"
+# Its symbol tables (1.4 MB) make room for py-spy within the carry limit (PROFILER=1).
+if command -v strip > /dev/null; then strip "$out/bin/nats-server"; fi
 redis=$(readlink -f "$(command -v redis-server)")
 cp "$redis" "$out/bin/redis-server"
 # Everything redis-server links beyond the C library itself travels beside it.

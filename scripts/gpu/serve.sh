@@ -9,7 +9,9 @@
 # results land in $OUT/serve-TRACE-SESSIONS.json; the plots, the services' logs, a /metrics
 # snapshot of each service after each run and (PROFILE=1, with a bundle built by
 # PROFILER=1 bash scripts/gpu/bundle.sh) py-spy dumps of every service PROFILE_AFTER seconds
-# into each run go into one $OUT/extra.tgz (the device tool brings back few files).
+# into each run (PROFILE=record: PROFILE_SECONDS (15) of samples of every engine's threads,
+# idle ones included, as raw stacks for scripts/gpu/profile_summary.py) go into one
+# $OUT/extra.tgz (the device tool brings back few files).
 # Env: MODEL (v2-lite), PORT (8000), ENGINE_JSON (bench/results/engine-cuda-h200.json),
 #      UP_ARGS (extra `deepserve up` flags), BENCH_ARGS (extra bench flags),
 #      BENCH_TIMEOUT (seconds one bench run may take: 300).
@@ -53,14 +55,23 @@ for name, port in state["ops_ports"].items():
 EOF
 }
 
-profile() {  # py-spy dumps of every service's process
+profile() {  # py-spy dumps of every service's process, or recordings of the engines'
   local tag=$1
   sleep "${PROFILE_AFTER:-20}"
   python3 -c 'import json,sys; [print(k, v) for k, v in json.load(open(sys.argv[1]))["pids"].items()]' \
-    "$RUN/stack.json" | while read -r name pid; do
-    case $name in nats|redis) continue ;; esac
-    py-spy dump --pid "$pid" > "$OUT/extra/profile-$tag-$name.txt" 2>&1 || true
-  done
+    "$RUN/stack.json" | {
+    while read -r name pid; do
+      case $name in nats|redis) continue ;; esac
+      if [ "${PROFILE}" = record ]; then
+        case $name in aggregated-*|prefill-*|decode-*) ;; *) continue ;; esac
+        py-spy record --pid "$pid" -d "${PROFILE_SECONDS:-15}" -r 100 --threads --idle \
+          --nonblocking -f raw -o "$OUT/extra/record-$tag-$name.txt" > /dev/null 2>&1 &
+      else
+        py-spy dump --pid "$pid" > "$OUT/extra/profile-$tag-$name.txt" 2>&1 || true
+      fi
+    done
+    wait  # the recordings (children of this group, not of the script)
+  }
 }
 
 status=0
@@ -69,7 +80,7 @@ for spec in "$@"; do
   tag="$trace-$n${clients:+-c$clients}"
   echo "== $tag"
   prof=""
-  if [ "${PROFILE:-0}" = 1 ]; then profile "$tag" & prof=$!; fi
+  case ${PROFILE:-0} in 1|record) profile "$tag" & prof=$! ;; esac
   # shellcheck disable=SC2086
   timeout "${BENCH_TIMEOUT:-300}" python3 -m deepserve.cli bench serve --url "http://127.0.0.1:$PORT/v1" \
     --model "deepseek-$MODEL" --trace "$trace" --sessions "$n" --concurrency "$n" --gpus 1 \

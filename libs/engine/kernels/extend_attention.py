@@ -192,8 +192,8 @@ class ExtendPlan:
         n, t = len(q_lens), len(tiles)
         # Each part starts 16 bytes in (4 int32s): Triton specializes pointers on 16-byte
         # alignment, so parts at offsets that followed the sequence and tile counts made a
-        # kernel of their own per remainder -- compiled mid-serving on an H100 (agent and chat
-        # traces: 1.9-2.5 s per 15 s of the engine thread).
+        # kernel of their own per remainder -- compiled mid-serving on an H100 (chat trace:
+        # 1.9-2.5 s in 15 s of the engine thread).
         pn, pt = -(-n // 4) * 4, -(-t // 4) * 4
         fill_n, fill_t = [0] * (pn - n), [0] * (pt - t)
         rows = [

@@ -197,7 +197,8 @@ async def test_a_wave_of_background_copies_does_not_hold_a_clients_command(tiny_
     loop = EngineLoop(make(tiny_loaded))
     loop.start()
     try:
-        busy = await loop.add("long", prompt(30, 9), SamplingParams(max_tokens=400))
+        steady = SamplingParams(max_tokens=400, ignore_eos=True)  # busy until aborted
+        busy = await loop.add("long", prompt(30, 9), steady)
         order: list[int] = []
 
         def copy(i: int) -> None:

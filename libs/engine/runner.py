@@ -47,11 +47,12 @@ from .graphs import (
     timing_event,
 )
 from .kv.cache import PagedKVCache
+from .kv.pinned import to_device
 from .model.attention import AttentionMetadata
 from .model.model import DeepseekForCausalLM
 from .sampler import LogprobRows, Sampler, TokenHistory
 from .scheduler import PLACEHOLDER, ScheduledSeq, StepPlan
-from .step_inputs import EagerInputs, fill_placeholders, to_device
+from .step_inputs import EagerInputs, fill_placeholders
 
 # Importable from here as before: the ladder and the staged-input layout (scripts, tests).
 __all__ = ["GRAPH_LADDER", "Launched", "ModelRunner", "graph_ladder", "staged_rows"]

@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from .kv.pinned import to_device
 from .model.attention import AttentionMetadata, SeqAttention
 from .scheduler import PLACEHOLDER, ScheduledSeq
 
@@ -29,15 +30,6 @@ class InFlight(Protocol):
 
     @property
     def index(self) -> Mapping[str, int]: ...  # request id -> row of ``tokens``
-
-
-def to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
-    """``arr`` on ``device``: pinned and non-blocking on CUDA (a plain copy to the device would
-    wait for the work queued before it)."""
-    t = torch.from_numpy(arr)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
 
 
 def fill_placeholders(

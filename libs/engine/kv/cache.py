@@ -11,7 +11,7 @@ import torch
 
 from . import peer
 from .layout import CacheSpec
-from .pinned import PinnedRows
+from .pinned import PinnedRows, to_device
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -131,11 +131,8 @@ class PagedKVCache:
     def _slots(self, blocks: Sequence[int], device: torch.device | None = None) -> torch.Tensor:
         bs = self.spec.block_size
         dev = device or self.device
-        b = torch.from_numpy(np.asarray(blocks, dtype=np.int64).reshape(-1))
-        if dev.type == "cuda":
-            # Pinned and non-blocking: a plain copy from pageable memory waits for the step in
-            # flight, and this runs on the engine thread between steps (an export's gather).
-            b = b.pin_memory().to(dev, non_blocking=True)
+        # Not waiting for the step in flight: this runs on the engine thread between steps.
+        b = to_device(np.asarray(blocks, dtype=np.int64).reshape(-1), dev)
         return (b[:, None] * bs + torch.arange(bs, device=dev)[None, :]).reshape(-1)
 
     def _gather(self, blocks: Sequence[int]) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""Page-locked host buffers for blocks copied off the device, kept and handed out again.
+"""Page-locked host memory: buffers for blocks copied off the device, kept and handed out
+again (:class:`PinnedRows`), and small host arrays sent to the device without waiting
+(:func:`to_device`).
 
 Every finished request's new blocks are gathered on the engine thread and copied to host memory
 for the kvstore (and a prefill's for a hand-off). Page-locked memory is what lets that copy run
@@ -14,7 +16,17 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
+
+
+def to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``arr`` on ``device``: pinned and non-blocking on CUDA (a plain copy to the device would
+    wait for the work queued before it)."""
+    t = torch.from_numpy(arr)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
 
 
 class PinnedRows:

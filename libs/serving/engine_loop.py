@@ -272,6 +272,17 @@ class EngineLoop:
             raise
         return stream
 
+    async def export_blocks(
+        self, request_id: str, start_block: int
+    ) -> Callable[[], list[tuple[bytes, bytes, bytes]]]:
+        """Start copying a finished request's full blocks from ``start_block`` on out for the
+        kvstore (:meth:`Engine.export_blocks_async`; call the result, off this loop, for the
+        frames). A background command: a wave of finishing requests' copies must not hold the
+        next turns' admissions behind it."""
+        return await self.call(
+            lambda e: e.export_blocks_async(request_id, start_block), background=True
+        )
+
     async def prepare_kv(self, frames: Sequence[bytes]) -> PreparedKV:
         """Parse, check and upload KV frames in a worker thread (:meth:`Engine.prepare_kv`
         touches no engine state), so the engine keeps stepping meanwhile; pass the result to
@@ -308,12 +319,9 @@ class EngineLoop:
                     and not self.engine.has_unfinished()
                 ):
                     self._cond.wait()
-                commands = list(self._commands)
-                self._commands.clear()
-                n = len(self._background)
-                if self.engine.has_unfinished() and not self._stopping:
-                    n = min(n, BACKGROUND_PER_ITERATION)  # else all: idle, or the last round
-                commands += [self._background.popleft() for _ in range(n)]
+                # Background ones all at once only when idle, or in the last round.
+                busy = self.engine.has_unfinished() and not self._stopping
+                commands = self._take(BACKGROUND_PER_ITERATION if busy else None)
                 stopping = self._stopping
             for fn, fut in commands:
                 self._apply(fn, fut)
@@ -330,7 +338,7 @@ class EngineLoop:
         """The EP loop: commands, then one tick with the peers, forever (module doc)."""
         while True:
             with self._cond:
-                commands = self._take_all()
+                commands = self._take()
                 stopping = self._stopping
             for fn, fut in commands:
                 self._apply(fn, fut)
@@ -355,7 +363,7 @@ class EngineLoop:
         log.error("%s: the EP group failed (%r); failing every request in flight", self.name, exc)
         with self._cond:
             self._stopping = True  # call() refuses from now on
-            late = self._take_all()
+            late = self._take()
         sched = self.engine.scheduler
         for rid in [r.request_id for r in (*sched.running, *sched.waiting)]:
             self.engine.abort(rid)  # local bookkeeping only: no collective
@@ -367,11 +375,12 @@ class EngineLoop:
         if self._on_group_failed is not None:
             self._call_soon(self._on_group_failed, exc)
 
-    def _take_all(self) -> list[_Command]:
-        """Every queued command, background ones last (hold ``_cond``)."""
-        out = [*self._commands, *self._background]
+    def _take(self, background: int | None = None) -> list[_Command]:
+        """The queued commands, then up to ``background`` background ones (None: all); hold
+        ``_cond``."""
+        n = len(self._background) if background is None else min(background, len(self._background))
+        out = [*self._commands, *(self._background.popleft() for _ in range(n))]
         self._commands.clear()
-        self._background.clear()
         return out
 
     def _snapshot(self) -> EngineStats:
@@ -436,7 +445,7 @@ class EngineLoop:
         if events:
             self._emit(events)
         with self._cond:  # commands that raced with close(): refuse them
-            late = self._take_all()
+            late = self._take()
         for _, fut in late:
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(EngineLoopClosed(f"{self.name} loop stopped"))

@@ -342,15 +342,10 @@ class DecodeHandler:
         start = kv_tokens(task) // self.block_size if start_block is None else start_block
         computed = kv_tokens(task) + outputs - 1  # the last token was never computed
         nbytes = max(0, computed // self.block_size - start) * self.bytes_per_block
-
-        def export() -> Awaitable[Callable[[], list[Block]]]:
-            # In the background: a wave's copies must not hold the next turns' admissions.
-            return self.loop.call(lambda e: e.export_blocks_async(rid, start), background=True)
-
         try:
             if nbytes and not await self.writes.submit(
                 nbytes,
-                export,
+                lambda: self.loop.export_blocks(rid, start),
                 lambda finish: self._put(task, finish),
             ):
                 STORE_DROPPED.inc()

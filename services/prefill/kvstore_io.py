@@ -81,7 +81,7 @@ class PrefixStore:
         rid = task.request_id
         if nbytes and not await self.writes.submit(
             nbytes,
-            lambda: self.loop.call(lambda e: e.export_blocks_async(rid, start), background=True),
+            lambda: self.loop.export_blocks(rid, start),
             lambda finish: self._store(task, finish),
         ):
             STORE_DROPPED.inc()

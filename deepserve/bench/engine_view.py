@@ -8,7 +8,8 @@ histograms: what happened during it, as differences) and every ``interval`` seco
 * ``steps``, ``step_ms`` (mean engine step), ``batch`` (mean requests per step),
   ``tokens_per_step``: from ``deepserve:engine_step_duration_seconds``,
   ``deepserve:engine_step_batch_size``, ``deepserve:iteration_tokens_total``;
-* ``ttft_ms`` (prefill: task taken -> first token) and ``itl_ms`` / ``e2e_ms`` (decode):
+* ``ttft_ms`` (prefill: task taken -> first token; ``ttft_parts_ms``: its intake, waiting and
+  prefill parts) and ``itl_ms`` / ``e2e_ms`` (decode):
   engine-side means of the latency histograms;
 * ``prefix_hit_rate`` (prompt tokens found in the engine's own cache / looked up),
   ``preemptions``, ``prompt_tokens``, ``generation_tokens``;
@@ -106,6 +107,10 @@ class Instance:
             "batch": mean("engine_step_batch_size"),
             "tokens_per_step": mean("iteration_tokens_total"),
             "ttft_ms": mean("time_to_first_token_seconds", 1e3),
+            # Its parts (they add up to it): intake, the scheduler's queue, the prompt's steps.
+            "ttft_parts_ms": {
+                part: mean(f"ttft_{part}_seconds", 1e3) for part in ("intake", "waiting", "prefill")
+            },
             "itl_ms": mean("inter_token_latency_seconds", 1e3),
             "e2e_ms": mean("e2e_request_latency_seconds", 1e3),
             "prefix_hit_rate": None if queries <= 0 else delta("prefix_cache_hits") / queries,
@@ -205,9 +210,13 @@ def summary_lines(view: dict[str, Any]) -> list[str]:
         if name == "scrape_errors":
             continue
         kv, busy = r["kv_usage"], r.get("busy")
+        parts = r.get("ttft_parts_ms") or {}
+        split = ""
+        if all(v is not None for v in parts.values()) and parts:
+            split = " (" + " + ".join(f"{k} {v:.0f}" for k, v in parts.items()) + ")"
         lines.append(
             f"{name:12s} steps {r['steps']:6d}  step {f(r['step_ms'], '.1f')} ms  "
-            f"batch {f(r['batch'], '.1f')}  ttft {f(r['ttft_ms'], '.1f')} ms  "
+            f"batch {f(r['batch'], '.1f')}  ttft {f(r['ttft_ms'], '.1f')} ms{split}  "
             f"itl {f(r['itl_ms'], '.1f')} ms  prefix hit {f(r['prefix_hit_rate'], '.2f')}  "
             f"kv max {f(kv and kv['max'], '.2f')}  preempt {r['preemptions']}  "
             f"busy {f(busy and busy['mean'], '.2f')}"

@@ -30,6 +30,7 @@ from __future__ import annotations
 import enum
 import itertools
 import math
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -102,6 +103,8 @@ class Request:
     pending_finish: str | None = None  # "length": finishes once its last placeholder is filled
     num_prior_outputs: int = 0  # of the prompt, generated elsewhere (prefill): penalties count
     weight: float = 1.0  # its tenant's weight when tenants share prompt tokens (prefill_fairness)
+    taken_at: float = 0.0  # time.monotonic() when the engine took it (Scheduler.add)
+    scheduled_at: float = 0.0  # when a step first computed any of it (0: not yet)
 
     @property
     def num_output_tokens(self) -> int:
@@ -159,6 +162,7 @@ class Scheduler:
                 f"this engine's cache holds {self.bm.num_blocks}"
             )
         req.arrival = next(self._arrivals)
+        req.taken_at = time.monotonic()
         self.requests[req.request_id] = req
         if req.status is Status.RUNNING:  # KV imported by the engine: continue where it stopped
             self.running.append(req)
@@ -353,6 +357,8 @@ class Scheduler:
 
     def _seq(self, req: Request, n: int) -> ScheduledSeq:
         req.admitted = True
+        if not req.scheduled_at:
+            req.scheduled_at = time.monotonic()
         end = req.num_computed + n
         return ScheduledSeq(
             request_id=req.request_id,
@@ -466,8 +472,11 @@ class Scheduler:
             reason = "stop"
         elif req.pending_finish is not None:
             reason = req.pending_finish
+        timing = (req.taken_at, req.scheduled_at) if req.num_output_tokens == 1 else None
         if reason is None:
-            return TokenEvent(req.request_id, token, num_cached_tokens=req.num_cached_tokens)
+            return TokenEvent(
+                req.request_id, token, num_cached_tokens=req.num_cached_tokens, timing=timing
+            )
         req.status, req.finish_reason = Status.FINISHED, reason
         if req in self.running:
             self.running.remove(req)
@@ -475,4 +484,4 @@ class Scheduler:
             self.waiting.remove(req)
         if not req.hold_kv:
             self.free(req)
-        return TokenEvent(req.request_id, token, True, reason, req.num_cached_tokens)
+        return TokenEvent(req.request_id, token, True, reason, req.num_cached_tokens, timing=timing)

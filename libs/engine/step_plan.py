@@ -51,6 +51,9 @@ class TokenEvent:
     logprobs: TokenLogprob | None = None  # when the request asked (SamplingParams.logprobs)
     # On a finishing event of a speculatively decoded request: (drafted, verified, accepted).
     speculative: tuple[int, int, int] | None = None
+    # On the request's first output token here: (taken, first scheduled), time.monotonic()
+    # when the engine took it and when a step first computed any of it.
+    timing: tuple[float, float] | None = None
 
 
 @dataclass

@@ -22,6 +22,12 @@ Where each value comes from -- the engine's own state, never an estimate:
   prefill: ``deepserve:time_to_first_token_seconds`` (arrival -> first token; the arrival is
   what the service passes to ``EngineLoop.add``: prefill, the task taken, before any kvstore
   load; decode, the KV push taken, before its upload) and ``deepserve:prompt_tokens_total``;
+  the same interval in three parts that add up to it, deepserve's own:
+  ``deepserve:ttft_intake_seconds`` (arrival -> the engine thread took the request: kvstore
+  load, KV upload, commands queued ahead of it), ``deepserve:ttft_waiting_seconds`` (taken ->
+  a step first computed any of it: the scheduler's queue) and
+  ``deepserve:ttft_prefill_seconds`` (-> its first token reached the service: the steps of
+  its prompt chunks and the hand-back of the last one's result);
   decode: ``deepserve:inter_token_latency_seconds`` (between two engine steps that gave the
   request tokens) and ``deepserve:e2e_request_latency_seconds`` (arrival -> the finishing
   token; aborted requests are not observed); both:
@@ -67,6 +73,12 @@ E2E_BUCKETS: tuple[float, ...] = (
     *(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0),
     *(60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
 )
+# The parts of time to first token, in order (they add up to it).
+TTFT_PHASES = (
+    ("intake", "arrival -> the engine took the request (kvstore load, commands ahead of it)"),
+    ("waiting", "taken -> a step first computed any of it (the scheduler's queue)"),
+    ("prefill", "first computed -> its first token reached the service"),
+)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -98,6 +110,7 @@ class EngineMetrics:
         self._itl: Histogram | None = None
         self._e2e: Histogram | None = None
         self._prompt: Counter | None = None
+        self._phases: tuple[Histogram, Histogram, Histogram] | None = None
         self._registered: list[Collector] = []
         if role != DECODE:
             self._ttft = self._add(
@@ -111,6 +124,18 @@ class EngineMetrics:
             )
             self._prompt = self._add(
                 Counter(PREFIX + "prompt_tokens", "Prompt tokens processed", LABELS, registry=None)
+            )
+            self._phases = tuple(  # type: ignore[assignment]
+                self._add(
+                    Histogram(
+                        PREFIX + f"ttft_{name}_seconds",
+                        f"Time to first token, in part: {help_}",
+                        LABELS,
+                        registry=None,
+                        buckets=TTFT_BUCKETS,
+                    )
+                )
+                for name, help_ in TTFT_PHASES
             )
         if role != PREFILL:
             self._itl = self._add(
@@ -223,7 +248,7 @@ class EngineMetrics:
                 self.generation_tokens += 1
                 self._gen.inc()
                 if t.last_token is None:
-                    self._first_token(t, now)
+                    self._first_token(t, now, ev.timing)
                 elif ev.request_id not in seen and self._itl is not None:
                     self._itl.observe(now - t.last_token)
                 seen.add(ev.request_id)
@@ -233,9 +258,19 @@ class EngineMetrics:
                 if ev.finish_reason != "abort" and self._e2e is not None:
                     self._e2e.observe(now - t.added)
 
-    def _first_token(self, t: _Timing, now: float) -> None:
+    def _first_token(self, t: _Timing, now: float, timing: tuple[float, float] | None) -> None:
         if self._ttft is not None and self._prompt is not None:
             self._ttft.observe(now - t.added)
+            if timing is not None and self._phases is not None:
+                taken, scheduled = timing
+                # Clamped into [added, now]: a request taken before its arrival was stamped
+                # (a caller's own arrival time) still splits the same total.
+                taken = min(max(taken, t.added), now)
+                scheduled = min(max(scheduled, taken), now)
+                for h, v in zip(
+                    self._phases, (taken - t.added, scheduled - taken, now - scheduled), strict=True
+                ):
+                    h.observe(v)
             self._prompt.inc(t.prompt_tokens)
             self.prompt_tokens += t.prompt_tokens
 

@@ -315,3 +315,41 @@ async def test_latencies_count_from_the_arrival_the_service_gives(reg: Collector
         assert 2.0 <= value(reg, "deepserve:e2e_request_latency_seconds_sum") < 10
     finally:
         await loop.close()
+
+
+async def test_time_to_first_token_splits_into_intake_waiting_and_prefill(
+    reg: CollectorRegistry,
+) -> None:
+    """Where a slow first token came from: the service's wait before the engine took the
+    request (intake), the scheduler's queue (waiting), the prompt's own step (prefill); the
+    three add up to the TTFT."""
+    import time
+
+    eng = build_fake_engine(
+        EngineConfig(model=FAKE_MODEL, block_size=BS, num_kv_blocks=64, max_running=1),
+        step_seconds=0.05,
+        token_seconds=0.0,
+    )
+    loop = EngineLoop(eng, metrics=EngineMetrics("m", PREFILL, reg))
+    loop.start()
+    try:
+        sp = SamplingParams(max_tokens=6, ignore_eos=True)
+        arrived = time.monotonic() - 0.5  # e.g. half a second of kvstore load before the add
+        a = await loop.add("a", prompt(8, 1), sp)
+        b = await loop.add("b", prompt(8, 2), sp, arrival=arrived)  # runs once a is done
+        await drain(a)
+        await drain(b)
+
+        def total(part: str) -> float:
+            return value(reg, f"deepserve:ttft_{part}_seconds_sum")
+
+        parts = {p: total(p) for p in ("intake", "waiting", "prefill")}
+        assert all(value(reg, f"deepserve:ttft_{p}_seconds_count") == 2 for p in parts)
+        assert sum(parts.values()) == pytest.approx(
+            value(reg, "deepserve:time_to_first_token_seconds_sum"), abs=1e-6
+        )
+        assert parts["intake"] >= 0.5  # b's: the time before the engine took it
+        assert parts["waiting"] >= 5 * 0.05  # b waited behind a's six steps
+        assert 2 * 0.05 <= parts["prefill"] < parts["waiting"]  # one step each
+    finally:
+        await loop.close()

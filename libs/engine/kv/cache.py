@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import peer
+from . import block_views, peer
 from .layout import CacheSpec
 from .pinned import PinnedRows, to_device
 
@@ -104,6 +104,8 @@ class PagedKVCache:
         self.offsets, total = pool_offsets(spec, num_blocks, self.ALIGN)
         self.backing = peer.allocate(total, device)
         self.tensors = pool_views(self.backing, spec, num_blocks, self.offsets)
+        # The same bytes a block at a time (block_views): exports, imports and peer copies.
+        self.blocks = block_views.block_views(self.backing, spec, num_blocks, self.offsets)
         self.layers = self._layer_views()
         self._handle: bytes | None = None
         self._copy_stream: Any = None  # gather_async's device-to-host copies (CUDA)
@@ -128,31 +130,16 @@ class PagedKVCache:
                 )
         return views
 
-    def _slots(self, blocks: Sequence[int], device: torch.device | None = None) -> torch.Tensor:
-        bs = self.spec.block_size
-        dev = device or self.device
+    def _ids(self, blocks: Sequence[int], device: torch.device | None = None) -> torch.Tensor:
         # Not waiting for the step in flight: this runs on the engine thread between steps.
-        b = to_device(np.asarray(blocks, dtype=np.int64).reshape(-1), dev)
-        return (b[:, None] * bs + torch.arange(bs, device=dev)[None, :]).reshape(-1)
+        return to_device(np.asarray(blocks, dtype=np.int64).reshape(-1), device or self.device)
 
     def _gather(self, blocks: Sequence[int]) -> torch.Tensor:
         """[n, bytes_per_block] uint8 on the cache's device: block-major, entries in order."""
-        slots = self._slots(blocks)
-        n = len(blocks)
-        parts = [
-            t.index_select(0, slots).reshape(n, -1).contiguous().view(torch.uint8)
-            for t in self.tensors
-        ]
-        return torch.cat(parts, dim=1)
+        return block_views.gather(self.blocks, self._ids(blocks))
 
     def _scatter(self, blocks: Sequence[int], raw: torch.Tensor) -> None:
-        slots = self._slots(blocks)
-        off = 0
-        for entry, t in zip(self.spec.paged, self.tensors):
-            width = entry.bytes_per_block(self.spec.block_size)
-            chunk = raw[:, off : off + width].contiguous().view(t.dtype).view(-1, *t.shape[1:])
-            t.index_copy_(0, slots, chunk)
-            off += width
+        block_views.scatter(self.blocks, self._ids(blocks), raw)
 
     def read_blocks(self, blocks: Sequence[int]) -> bytes:
         """Block-major bytes: for each block, its slice of every entry in spec order."""
@@ -249,7 +236,8 @@ class PagedKVCache:
             raise peer.PeerUnavailable(
                 f"peer pool is {backing.numel()} bytes; {num_blocks} blocks need {total}"
             )
-        return PeerPool(pool_views(backing, self.spec, num_blocks, offsets), num_blocks)
+        views = block_views.block_views(backing, self.spec, num_blocks, offsets)
+        return PeerPool(views, num_blocks)
 
     def copy_from_peer(
         self, src: PeerPool, src_blocks: Sequence[int], dst_blocks: Sequence[int]
@@ -262,19 +250,17 @@ class PagedKVCache:
             return None
         if any(not 0 <= b < src.num_blocks for b in src_blocks):
             raise ValueError(f"peer block ids must lie in [0, {src.num_blocks})")
-        src_dev = src.tensors[0].device
-        src_slots = self._slots(src_blocks, src_dev)
-        dst_slots = self._slots(dst_blocks)
-        for s, d in zip(src.tensors, self.tensors):
-            d.index_copy_(0, dst_slots, s.index_select(0, src_slots).to(self.device))
+        raw = block_views.gather(src.blocks, self._ids(src_blocks, src.blocks[0].device))
+        self._scatter(dst_blocks, raw.to(self.device))
         return _record(self.device)
 
 
 @dataclass
 class PeerPool:
-    """Another process's cache tensors, mapped into this one (same spec, its own size)."""
+    """Another process's pool, mapped into this one (same spec, its own size), as
+    :mod:`.block_views`' views."""
 
-    tensors: list[torch.Tensor]
+    blocks: list[torch.Tensor]
     num_blocks: int
 
 

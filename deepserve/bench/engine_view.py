@@ -45,6 +45,9 @@ HISTOGRAMS = (
     "engine_step_batch_size",
     "iteration_tokens_total",
     "time_to_first_token_seconds",
+    "ttft_intake_seconds",
+    "ttft_waiting_seconds",
+    "ttft_prefill_seconds",
     "inter_token_latency_seconds",
     "e2e_request_latency_seconds",
 )

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from deepserve.bench.engine_view import Instance, parse, summary_lines, targets_from
 from libs.engine.scheduler import TokenEvent
-from libs.serving.engine_metrics import DECODE, EngineMetrics
+from libs.serving.engine_metrics import DECODE, PREFILL, EngineMetrics
 from libs.serving.engine_stats import EngineStats
 
 
@@ -48,6 +48,24 @@ def test_a_run_is_the_difference_of_two_scrapes_plus_samples() -> None:
     assert r["running"] == {"mean": 3, "max": 3} and r["kv_usage"]["max"] == pytest.approx(0.25)
     assert r["generation_tokens"] == 2 and r["e2e_ms"] is not None and r["itl_ms"] is not None
     assert "decode-0" in summary_lines({"decode-0": r})[0]
+
+
+def test_a_first_tokens_wait_is_reported_in_its_parts() -> None:
+    import time
+
+    reg = CollectorRegistry()
+    m = EngineMetrics(PREFILL, "m", registry=reg)
+    before = parse(generate_latest(reg).decode())
+    now = time.monotonic()
+    m.on_add("r", 10, now - 0.9)  # arrived 0.9 s ago; taken 0.6 s ago, first computed 0.2 s ago
+    m.on_events([TokenEvent("r", 5, timing=(now - 0.6, now - 0.2))])
+    after = parse(generate_latest(reg).decode())
+    r = Instance("prefill-0", "http://x/metrics", before, after).report()
+    parts = r["ttft_parts_ms"]
+    assert parts["intake"] == pytest.approx(300, abs=5)
+    assert parts["waiting"] == pytest.approx(400, abs=5)
+    assert sum(parts.values()) == pytest.approx(r["ttft_ms"])
+    assert "(intake 300 + waiting 400 + prefill 2" in summary_lines({"prefill-0": r})[0]
 
 
 def test_targets_from_flags_and_a_stack_json(tmp_path: Path) -> None:

@@ -6,8 +6,8 @@
 * :mod:`.runtime` -- NATS connection and heartbeat helpers.
 """
 
-from .engine_loop import EngineFailed, EngineLoop, EngineLoopClosed
+from .engine_loop import EngineLoop
 from .engine_stats import EngineStats
-from .request_stream import RequestStream
+from .request_stream import EngineFailed, EngineLoopClosed, RequestStream
 
 __all__ = ["EngineFailed", "EngineLoop", "EngineLoopClosed", "EngineStats", "RequestStream"]

@@ -63,7 +63,7 @@ from .engine_stats import (
     WaitingWork,
     engine_stats,
 )
-from .request_stream import RequestStream
+from .request_stream import EngineFailed, EngineLoopClosed, NotAdded, RequestStream
 
 if TYPE_CHECKING:
     from .engine_metrics import EngineMetrics
@@ -76,14 +76,7 @@ T = TypeVar("T")
 # Background commands (call(..., background=True)) run between two steps while the engine has
 # work: 8 of a wave of 128 finished requests' copies, ~1-2 ms of host work each, per step.
 BACKGROUND_PER_ITERATION = 8
-
-
-class EngineLoopClosed(RuntimeError):
-    """The engine loop is stopped (or never started); no more work is taken."""
-
-
-class EngineFailed(RuntimeError):
-    """The engine raised while stepping; every request in flight at the time fails with this."""
+_NOT_ADDED = object()  # add(unless=...): the check said no
 
 
 # An idle EP group asks every 10 ms whether any rank has work (one all-reduce of 2 integers,
@@ -218,8 +211,14 @@ class EngineLoop:
         prior_outputs: int = 0,
         arrival: float | None = None,
         drafts: tuple[Sequence[int], Sequence[float]] | None = None,
+        unless: Callable[[Engine], bool] | None = None,
     ) -> RequestStream:
         """Queue a request; returns its event stream once the engine accepted it.
+
+        ``unless``: asked on the engine thread first, in the same command; when it says True
+        the request is not added and :class:`NotAdded` is raised (e.g. the kvstore holds
+        blocks this engine lacks: the caller fetches them and adds it with ``kv``). One
+        engine round trip where asking first would take two.
 
         ``arrival``: ``time.monotonic()`` when the request reached this instance (default:
         now); the latency metrics (time to first token, end to end) count from it.
@@ -246,20 +245,24 @@ class EngineLoop:
         tokens = list(prompt_token_ids)
         if self.metrics is not None:
             self.metrics.on_add(request_id, len(tokens), arrival)
-        try:
-            stream.imported = await self.call(
-                lambda e: e.add_request(
-                    request_id,
-                    tokens,
-                    params,
-                    cache_salt=cache_salt,
-                    weight=weight,
-                    kv=kv,
-                    hold_kv=hold_kv,
-                    prior_outputs=prior_outputs,
-                    drafts=drafts,
-                )
+
+        def _add(e: Engine) -> Any:
+            if unless is not None and unless(e):
+                return _NOT_ADDED
+            return e.add_request(
+                request_id,
+                tokens,
+                params,
+                cache_salt=cache_salt,
+                weight=weight,
+                kv=kv,
+                hold_kv=hold_kv,
+                prior_outputs=prior_outputs,
+                drafts=drafts,
             )
+
+        try:
+            imported = await self.call(_add)
         except BaseException as exc:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
@@ -270,6 +273,11 @@ class EngineLoop:
                 with contextlib.suppress(BaseException):
                     await asyncio.shield(self.call(lambda e: e.abort(request_id)))
             raise
+        if imported is _NOT_ADDED:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+            raise NotAdded(request_id)
+        stream.imported = imported
         return stream
 
     async def export_blocks(

@@ -10,12 +10,24 @@ from libs.common.ready_queue import ReadyQueue
 from libs.engine.scheduler import TokenEvent
 
 
+class NotAdded(Exception):
+    """:meth:`~.engine_loop.EngineLoop.add`'s ``unless`` said True: the request was not added."""
+
+
+class EngineLoopClosed(RuntimeError):
+    """The engine loop is stopped (or never started); no more work is taken."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine raised while stepping; every request in flight at the time fails with this."""
+
+
 class RequestStream:
     """The events of one request, in engine order; iteration ends after the finishing event.
 
     ``async for ev in stream`` yields :class:`TokenEvent` s; an abort ends the stream with an
     event whose ``finish_reason`` is ``"abort"`` and ``token_id`` is None. If the engine fails,
-    iteration raises :class:`~.engine_loop.EngineFailed`.
+    iteration raises :class:`EngineFailed`.
     """
 
     def __init__(self, request_id: str) -> None:

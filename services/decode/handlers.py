@@ -52,12 +52,12 @@ from libs.engine.kv.transfer import PeerKV
 from libs.proto.deepserve.v1 import common_pb2, control_pb2, kv_transfer_pb2
 from libs.serving.aborts import RecentAborts
 from libs.serving.convert import error_event
-from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed
+from libs.serving.engine_loop import EngineLoop
 from libs.serving.handoff import Holding
 from libs.serving.instance import drain_tasks, instance_status
 from libs.serving.peer_seal import PeerKVRefused, PeerSeals
 from libs.serving.replay import EventLog
-from libs.serving.request_stream import RequestStream
+from libs.serving.request_stream import EngineFailed, EngineLoopClosed, RequestStream
 from libs.serving.write_behind import WriteBehind
 from libs.transport.kvstore_client import Block, KVStore, write_back
 

@@ -16,8 +16,8 @@ import grpc
 from libs.engine.kv.peer import host_id
 from libs.engine.kv.transfer import MAX_HEADER_BYTES, PeerKV
 from libs.proto.deepserve.v1 import control_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
-from libs.serving.engine_loop import EngineLoopClosed
 from libs.serving.handoff import Holding, peer_from_proto
+from libs.serving.request_stream import EngineLoopClosed
 
 from .handlers import DecodeHandler, kv_tokens
 from .metrics import REQUESTS

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -47,10 +48,10 @@ from libs.engine.engine import InvalidRequest, KVFormatError, NoFreeBlocks
 from libs.proto.deepserve.v1 import control_pb2
 from libs.serving.aborts import RecentAborts, RecentIds
 from libs.serving.convert import error_event
-from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed
+from libs.serving.engine_loop import EngineLoop
 from libs.serving.handoff import KVPusher
 from libs.serving.instance import drain_tasks, instance_status
-from libs.serving.request_stream import RequestStream
+from libs.serving.request_stream import EngineFailed, EngineLoopClosed, NotAdded, RequestStream
 from libs.transport.kvstore_client import Block, KVStore
 
 from .handoff import HandOff, PushFailed
@@ -384,39 +385,38 @@ class PrefillHandler:
         hold_kv: bool = True,
     ) -> tuple[RequestStream | None, int]:
         """Queue the prompt (with cached KV if any); returns its stream and how many leading
-        blocks the kvstore holds already (new blocks from there on are worth storing)."""
+        blocks the kvstore holds already (new blocks from there on are worth storing).
+
+        One engine command where the engine's own prefix cache has what the kvstore has (or
+        loading would not pay): it checks that and adds the request at once. Otherwise the
+        blocks it lacks are fetched, and the request added with them."""
         rid = task.request_id
-        salt = task.cache_salt
+        add = functools.partial(
+            self.loop.add,
+            rid,
+            prompt,
+            params,
+            cache_salt=task.cache_salt,
+            weight=task.tenant_weight or 1.0,
+            hold_kv=hold_kv,
+            prior_outputs=task.num_prior_outputs,
+            arrival=arrived,
+        )
         try:
-            cached = await self.store.load(task, prompt) if self.store is not None else None
+            load = self.store.plan(task, prompt) if self.store is not None else None
+            try:
+                check = load.worth_it if load is not None else None
+                return await add(unless=check), max(task.cached_blocks, 0)
+            except NotAdded:  # the kvstore has blocks this engine lacks, worth loading
+                assert self.store is not None and load is not None
+            cached = await self.store.fetch(task, load)
             if cached is not None:
                 try:
-                    stream = await self.loop.add(
-                        rid,
-                        prompt,
-                        params,
-                        cache_salt=salt,
-                        weight=task.tenant_weight or 1.0,
-                        kv=cached,
-                        hold_kv=hold_kv,
-                        prior_outputs=task.num_prior_outputs,
-                        arrival=arrived,
-                    )
-                    return stream, task.cached_blocks
+                    return await add(kv=cached), task.cached_blocks
                 except (KVFormatError, NoFreeBlocks) as exc:
                     ERRORS.labels("kv_import").inc()
                     log.warning("request %s: cached KV not usable (%s); computing it", rid, exc)
-            stream = await self.loop.add(
-                rid,
-                prompt,
-                params,
-                cache_salt=salt,
-                weight=task.tenant_weight or 1.0,
-                hold_kv=hold_kv,
-                prior_outputs=task.num_prior_outputs,
-                arrival=arrived,
-            )
-            return stream, max(task.cached_blocks, 0)
+            return await add(), max(task.cached_blocks, 0)
         except InvalidRequest as exc:
             REQUESTS.labels("invalid").inc()
             await self._send(

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from libs.common.hashchain import chain_hashes
-from libs.engine.engine import KVFormatError, KVIntegrityError, PreparedKV
+from libs.engine.engine import Engine, KVFormatError, KVIntegrityError, PreparedKV
 from libs.kvstore.policy import LoadOrCompute
 from libs.proto.deepserve.v1 import control_pb2
 from libs.serving.engine_loop import EngineLoop
@@ -35,23 +35,23 @@ class PrefixStore:
         self.rates = LoadOrCompute()
         self.writes = WriteBehind()
 
-    async def load(self, task: control_pb2.PrefillTask, prompt: list[int]) -> PreparedKV | None:
-        """The kvstore's blocks of this prompt that this engine lacks, uploaded and ready to
-        import (None: nothing worth loading -- the engine's own prefix cache does the rest)."""
+    def plan(self, task: control_pb2.PrefillTask, prompt: list[int]) -> Load | None:
+        """The kvstore's blocks of this prompt (None: it holds none that could be used)."""
         if task.cached_blocks <= 0:
             return None
         usable = min(task.cached_blocks, (len(prompt) - 1) // self.block_size)
         if usable <= 0:
             return None
         hashes = chain_hashes(prompt[: usable * self.block_size], self.block_size, task.cache_salt)
-        own = await self.loop.call(lambda e: e.resident_blocks(hashes))
-        OWN_BLOCKS.inc(own)
         stats = self.loop.stats
         if stats.tokens_per_s:
             self.rates.observe_compute(stats.tokens_per_s)
-        bpb = self.loop.engine.spec.bytes_per_block
-        if not self.rates.worth_loading(usable - own, bpb, self.block_size):
-            return None
+        return Load(self, hashes)
+
+    async def fetch(self, task: control_pb2.PrefillTask, load: Load) -> PreparedKV | None:
+        """The blocks ``load`` found worth loading, uploaded and ready to import (None: the
+        kvstore failed or its bytes were unusable; the engine computes them)."""
+        own, hashes = load.own, load.hashes
         t0 = time.perf_counter()
         try:
             frames = await self.kvstore.get(hashes[own:])
@@ -96,3 +96,19 @@ class PrefixStore:
             ERRORS.labels("kvstore_put").inc()
         else:
             STORED_BLOCKS.inc(n)
+
+
+class Load:
+    """A prompt's blocks in the kvstore (``hashes``), and how many leading ones the engine
+    holds itself (``own``, once :meth:`worth_it` has run)."""
+
+    def __init__(self, store: PrefixStore, hashes: list[bytes]) -> None:
+        self.store, self.hashes, self.own = store, hashes, 0
+
+    def worth_it(self, engine: Engine) -> bool:
+        """On the engine thread: whether loading the blocks it lacks beats computing them
+        (at the measured load and compute rates)."""
+        self.own = engine.resident_blocks(self.hashes)
+        OWN_BLOCKS.inc(self.own)
+        bpb, bs = engine.spec.bytes_per_block, self.store.block_size
+        return self.store.rates.worth_loading(len(self.hashes) - self.own, bpb, bs)

@@ -9,13 +9,8 @@ import pytest
 
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig, InvalidRequest
-from libs.serving.engine_loop import (
-    BACKGROUND_PER_ITERATION,
-    EngineFailed,
-    EngineLoop,
-    EngineLoopClosed,
-)
-from libs.serving.request_stream import RequestStream
+from libs.serving.engine_loop import BACKGROUND_PER_ITERATION, EngineLoop
+from libs.serving.request_stream import EngineFailed, EngineLoopClosed, NotAdded, RequestStream
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True)
@@ -216,5 +211,38 @@ async def test_a_wave_of_background_copies_does_not_hold_a_clients_command(tiny_
         assert order == list(range(40))
         await loop.abort("long")
         await collect(busy)
+    finally:
+        await loop.close()
+
+
+async def test_an_add_the_engines_own_check_refuses_leaves_nothing_and_can_come_again(
+    tiny_loaded,
+) -> None:
+    """``add(unless=...)``: one command asks the engine first (the prefill service: does the
+    engine's own prefix cache hold what the kvstore would send?) and adds only if not; a
+    refused add leaves no request and no stream, and the same id can be added right after."""
+    import threading
+
+    loop = EngineLoop(make(tiny_loaded))
+    loop.start()
+    asked: list[str] = []
+
+    def check(answer: bool):
+        def unless(engine: Engine) -> bool:
+            asked.append(threading.current_thread().name)
+            assert engine.scheduler.requests == {}  # in the same command, before any add
+            return answer
+
+        return unless
+
+    try:
+        p, sp = REQS["a"]
+        with pytest.raises(NotAdded):
+            await loop.add("a", p, sp, unless=check(True))
+        assert loop.num_streams == 0
+        assert await loop.call(lambda e: list(e.scheduler.requests)) == []
+        stream = await loop.add("a", p, sp, unless=check(False))
+        assert await collect(stream) == (direct(tiny_loaded)["a"], "length")
+        assert len(asked) == 2 and threading.current_thread().name not in asked
     finally:
         await loop.close()

@@ -12,10 +12,11 @@ import pytest
 from libs.common.sampling import SamplingParams
 from libs.engine.engine import Engine, EngineConfig
 from libs.engine.ep.group import EPGroup
-from libs.serving.engine_loop import EngineFailed, EngineLoop, EngineLoopClosed
+from libs.serving.engine_loop import EngineLoop
 from libs.serving.ep import EPFlags, rank_instance_id
 from libs.serving.ep.launch import run_group
 from libs.serving.ep.lockstep import Lockstep
+from libs.serving.request_stream import EngineFailed, EngineLoopClosed
 from services.decode.config import build_parser as decode_parser
 from services.decode.config import config_from as decode_config
 from services.prefill.config import build_parser as prefill_parser

@@ -25,10 +25,16 @@ BS = 16
 M = {"model_name": "m"}
 
 
-def engine(num_kv_blocks: int = 64, step_s: float = 0.0, block_size: int = BS):
+def engine(
+    num_kv_blocks: int = 64, step_s: float = 0.0, block_size: int = BS, max_running: int = 256
+):
     return build_fake_engine(
         EngineConfig(
-            model=FAKE_MODEL, block_size=block_size, num_kv_blocks=num_kv_blocks, time_budget_s=None
+            model=FAKE_MODEL,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            time_budget_s=None,
+            max_running=max_running,
         ),
         step_seconds=step_s,
         token_seconds=0.0,
@@ -96,12 +102,7 @@ async def test_gauges_and_latencies_follow_one_request(reg: CollectorRegistry) -
 async def test_waiting_gauge_counts_requests_the_batch_has_no_room_for(
     reg: CollectorRegistry,
 ) -> None:
-    eng = build_fake_engine(
-        EngineConfig(model=FAKE_MODEL, block_size=BS, num_kv_blocks=64, max_running=1),
-        step_seconds=0.05,
-        token_seconds=0.0,
-    )
-    loop = EngineLoop(eng, metrics=EngineMetrics("m", DECODE, reg))
+    loop = EngineLoop(engine(step_s=0.05, max_running=1), metrics=EngineMetrics("m", DECODE, reg))
     loop.start()
     try:
         sp = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -325,12 +326,7 @@ async def test_time_to_first_token_splits_into_intake_waiting_and_prefill(
     three add up to the TTFT."""
     import time
 
-    eng = build_fake_engine(
-        EngineConfig(model=FAKE_MODEL, block_size=BS, num_kv_blocks=64, max_running=1),
-        step_seconds=0.05,
-        token_seconds=0.0,
-    )
-    loop = EngineLoop(eng, metrics=EngineMetrics("m", PREFILL, reg))
+    loop = EngineLoop(engine(step_s=0.05, max_running=1), metrics=EngineMetrics("m", PREFILL, reg))
     loop.start()
     try:
         sp = SamplingParams(max_tokens=6, ignore_eos=True)

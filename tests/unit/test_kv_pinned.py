@@ -3,11 +3,12 @@ exports in one buffer, never a read after it went back, and a bounded amount kep
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from libs.engine.kv.cache import Pending
-from libs.engine.kv.pinned import PinnedRows
+from libs.engine.kv.pinned import PinnedRows, StagingRing
 
 
 def test_a_buffer_is_handed_out_again_only_after_it_came_back() -> None:
@@ -39,3 +40,24 @@ def test_a_pending_copy_is_read_once_then_its_buffer_goes_back() -> None:
     assert pool.kept_bytes == buf.numel()  # back in the pool
     with pytest.raises(RuntimeError, match="read already"):
         pending.result()  # would read whatever the next export put there
+
+
+def test_the_staging_ring_sends_every_array_whole_across_its_wrap() -> None:
+    """Small host arrays pass through one reused buffer on their way to the device: each
+    arrives with its values, dtype and shape, also after the ring came round, and what was sent
+    earlier is not changed by what is sent later (on the CPU the copy is a clone; the CUDA
+    event that guards a span is tests/gpu/test_staging_ring_gpu.py's)."""
+    ring = StagingRing(torch.device("cpu"), nbytes=4096)
+    rng = np.random.default_rng(0)
+    sent = []
+    for i in range(60):  # ~60 * 256 bytes: the 4 KiB ring comes round several times
+        dtype = (np.int64, np.int32, np.float32)[i % 3]
+        arr = rng.integers(-1000, 1000, size=(int(rng.integers(1, 16)), 3)).astype(dtype)
+        sent.append((arr, ring.send(arr)))
+    for arr, out in sent:
+        assert out.shape == arr.shape and out.numpy().dtype == arr.dtype
+        assert np.array_equal(out.numpy(), arr)
+    big = np.arange(1024, dtype=np.int64)  # over an eighth of the ring: pinned on its own
+    assert np.array_equal(ring.send(big).numpy(), big)
+    strided = np.arange(40, dtype=np.int64)[::3]  # not contiguous: copied whole all the same
+    assert np.array_equal(ring.send(strided).numpy(), strided)

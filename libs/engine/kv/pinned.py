@@ -15,18 +15,102 @@ kept in all (beyond it a returned buffer is freed). Any thread.
 from __future__ import annotations
 
 import threading
+from collections import deque
+from typing import Any
 
 import numpy as np
 import torch
 
 
 def to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
-    """``arr`` on ``device``: pinned and non-blocking on CUDA (a plain copy to the device would
-    wait for the work queued before it)."""
-    t = torch.from_numpy(arr)
+    """``arr`` on ``device``: through page-locked memory and non-blocking on CUDA (a plain copy
+    to the device would wait for the work queued before it), from that device's
+    :class:`StagingRing` (allocating page-locked memory for each array cost the engine thread
+    ~0.5 ms a call: 10% of its time in the H100 chat profile, for two arrays a step)."""
     if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
+        return _ring(device).send(arr)
+    return torch.from_numpy(arr)
+
+
+_RINGS: dict[torch.device, StagingRing] = {}
+_RINGS_LOCK = threading.Lock()
+
+
+def _ring(device: torch.device) -> StagingRing:
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    ring = _RINGS.get(device)
+    if ring is None:
+        with _RINGS_LOCK:
+            ring = _RINGS.setdefault(device, StagingRing(device))
+    return ring
+
+
+class StagingRing:
+    """One page-locked buffer (``nbytes``) that small host arrays pass through on their way to
+    ``device``, used in turn: each array takes the next free span (256-byte aligned; wrapping
+    to the start), is copied there and sent with a non-blocking copy, after which an event is
+    recorded. A span is written again only once the copy that read it has run (its event,
+    waited for if need be: the oldest spans are always the next ones written, so only the
+    oldest is ever checked). Arrays over an eighth of the buffer are pinned on their own.
+    Off CUDA (tests) the copy is a plain clone. Any thread."""
+
+    ALIGN = 256
+
+    def __init__(self, device: torch.device, nbytes: int = 8 << 20) -> None:
+        self.device, self.cuda = device, device.type == "cuda"
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        self.pos = 0
+        self.waits = 0  # spans whose copy had not run when the ring came round to them
+        self._inflight: deque[tuple[int, int, Any]] = deque()  # (start, end, event), oldest first
+        self._spare: list[Any] = []  # events of spans done with, recorded again
+        self._lock = threading.Lock()
+
+    def send(self, arr: np.ndarray) -> torch.Tensor:
+        arr = np.ascontiguousarray(arr)
+        n = arr.nbytes
+        if not 0 < n <= self.buf.numel() // 8 or arr.dtype not in _TORCH:
+            t = torch.from_numpy(arr)
+            return t.pin_memory().to(self.device, non_blocking=True) if self.cuda else t.clone()
+        with self._lock:
+            start = self._claim(-(-n // self.ALIGN) * self.ALIGN)
+            span = self.buf[start : start + n]
+            span.numpy()[:] = arr.reshape(-1).view(np.uint8)
+            host = span.view(_TORCH[arr.dtype]).view(arr.shape)
+            if not self.cuda:
+                return host.clone()
+            out = host.to(self.device, non_blocking=True)
+            event = self._spare.pop() if self._spare else torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(self.device))
+            self._inflight.append((start, start + n, event))
+            return out
+
+    def _claim(self, size: int) -> int:
+        """The start of the next ``size`` bytes, free to write (hold ``_lock``)."""
+        if self.pos + size > self.buf.numel():
+            self.pos = 0
+        start, end = self.pos, self.pos + size
+        while self._inflight:
+            s, e, event = self._inflight[0]
+            if s < end and start < e:  # the copy that reads this span must have run
+                if not event.query():
+                    self.waits += 1
+                    event.synchronize()
+            elif not event.query():
+                break
+            self._inflight.popleft()
+            self._spare.append(event)
+        self.pos = end
+        return start
+
+
+_TORCH = {
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.bool_): torch.bool,
+    np.dtype(np.uint8): torch.uint8,
+}
 
 
 class PinnedRows:

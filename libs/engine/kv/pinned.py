@@ -76,32 +76,48 @@ class StagingRing:
             start = self._claim(-(-n // self.ALIGN) * self.ALIGN)
             span = self.buf[start : start + n]
             span.numpy()[:] = arr.reshape(-1).view(np.uint8)
-            host = span.view(_TORCH[arr.dtype]).view(arr.shape)
-            if not self.cuda:
-                return host.clone()
-            out = host.to(self.device, non_blocking=True)
-            event = self._spare.pop() if self._spare else torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(torch.cuda.current_stream(self.device))
-            self._inflight.append((start, start + n, event))
+            out, event = self._copy(span.view(_TORCH[arr.dtype]).view(arr.shape))
+            if event is not None:
+                self._inflight.append((start, start + n, event))
             return out
 
+    def _copy(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Start copying ``host`` (a span of the ring) to the device: (the copy, an event that
+        completes once the span has been read; None: read already)."""
+        if not self.cuda:
+            return host.clone(), None
+        out = host.to(self.device, non_blocking=True)
+        event = self._spare.pop() if self._spare else torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self.device))
+        return out, event
+
     def _claim(self, size: int) -> int:
-        """The start of the next ``size`` bytes, free to write (hold ``_lock``)."""
+        """The start of the next ``size`` bytes, free to write (hold ``_lock``). Spans are
+        taken in address order, so the oldest copies in flight read the spans written next:
+        on a wrap, first those in the tail it skips, then those under the new span."""
         if self.pos + size > self.buf.numel():
+            while self._inflight and self._inflight[0][0] >= self.pos:
+                self._retire(wait=True)
             self.pos = 0
         start, end = self.pos, self.pos + size
         while self._inflight:
             s, e, event = self._inflight[0]
             if s < end and start < e:  # the copy that reads this span must have run
-                if not event.query():
-                    self.waits += 1
-                    event.synchronize()
-            elif not event.query():
+                self._retire(wait=True)
+            elif event.query():
+                self._retire(wait=False)
+            else:
                 break
-            self._inflight.popleft()
-            self._spare.append(event)
         self.pos = end
         return start
+
+    def _retire(self, wait: bool) -> None:
+        """Forget the oldest copy in flight, once it has run (waiting for it if ``wait``)."""
+        _, _, event = self._inflight.popleft()
+        if wait and not event.query():
+            self.waits += 1
+            event.synchronize()
+        self._spare.append(event)
 
 
 _TORCH = {

@@ -688,8 +688,12 @@ def _down_kernel(
 
 
 # Pairs up to which alignment runs as one Triton launch (each of its E programs reads every id
-# twice); larger (prefill) batches use the sort-based torch path.
-ALIGN_KERNEL_MAX_PAIRS = 16384
+# twice); larger (prefill) batches use the sort-based torch path, ~30 torch ops. Up to an
+# aggregated engine's 8,192-token steps (x top-6 or top-8): its agent steps of ~2.7K tokens sat
+# just past the earlier 16,384, and the sort path's launches took 25% of its host-bound engine
+# thread (py-spy, H100). The kernel's device time at these sizes: scripts/gpu/bench_align.py.
+ALIGN_KERNEL_MAX_PAIRS = 65536
+ALIGN_INTERPRETED_MAX_PAIRS = 16384  # off CUDA (Triton's interpreter) the kernel is slow
 _ALIGN_BLOCK = 1024
 
 
@@ -774,12 +778,14 @@ def _align(
     padding; within an expert pairs keep their flat order), ``expert_ids`` (int32, expert per
     M-block, ``E - 1`` past the end), ``total`` (int64 [1], padded row count) and the number of
     M-blocks the buffers hold. Device ops only. ``method``: ``"kernel"`` (one Triton launch,
-    histogram + per-expert prefix ranks; the default up to ``ALIGN_KERNEL_MAX_PAIRS`` pairs) or
+    histogram + per-expert prefix ranks; the default up to ``ALIGN_KERNEL_MAX_PAIRS`` pairs on
+    CUDA, ``ALIGN_INTERPRETED_MAX_PAIRS`` elsewhere) or
     ``"sort"`` (torch ops around a stable argsort); both give identical buffers.
     """
     m = topk_ids.numel()
     if method is None:
-        method = "kernel" if m <= ALIGN_KERNEL_MAX_PAIRS else "sort"
+        limit = ALIGN_KERNEL_MAX_PAIRS if topk_ids.is_cuda else ALIGN_INTERPRETED_MAX_PAIRS
+        method = "kernel" if m <= limit else "sort"
     num_blocks = triton.cdiv(m + num_experts * (block_m - 1), block_m)
     dev = topk_ids.device
     if method == "kernel":

@@ -276,6 +276,8 @@ class EngineLoop:
         if imported is _NOT_ADDED:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
+                if self.metrics is not None:
+                    self.metrics.on_drop(request_id)
             raise NotAdded(request_id)
         stream.imported = imported
         return stream

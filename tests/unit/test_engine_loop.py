@@ -223,7 +223,12 @@ async def test_an_add_the_engines_own_check_refuses_leaves_nothing_and_can_come_
     refused add leaves no request and no stream, and the same id can be added right after."""
     import threading
 
-    loop = EngineLoop(make(tiny_loaded))
+    from prometheus_client import CollectorRegistry
+
+    from libs.serving.engine_metrics import PREFILL, EngineMetrics
+
+    metrics = EngineMetrics("m", PREFILL, CollectorRegistry())
+    loop = EngineLoop(make(tiny_loaded), metrics=metrics)
     loop.start()
     asked: list[str] = []
 
@@ -239,7 +244,7 @@ async def test_an_add_the_engines_own_check_refuses_leaves_nothing_and_can_come_
         p, sp = REQS["a"]
         with pytest.raises(NotAdded):
             await loop.add("a", p, sp, unless=check(True))
-        assert loop.num_streams == 0
+        assert loop.num_streams == 0 and metrics._timings == {}  # nothing left to time
         assert await loop.call(lambda e: list(e.scheduler.requests)) == []
         stream = await loop.add("a", p, sp, unless=check(False))
         assert await collect(stream) == (direct(tiny_loaded)["a"], "length")

@@ -67,16 +67,15 @@ class StagingRing:
         self._lock = threading.Lock()
 
     def send(self, arr: np.ndarray) -> torch.Tensor:
-        arr = np.ascontiguousarray(arr)
-        n = arr.nbytes
-        if not 0 < n <= self.buf.numel() // 8 or arr.dtype not in _TORCH:
-            t = torch.from_numpy(arr)
+        t = torch.from_numpy(arr)
+        n = t.numel() * t.element_size()
+        if not 0 < n <= self.buf.numel() // 8:
             return t.pin_memory().to(self.device, non_blocking=True) if self.cuda else t.clone()
         with self._lock:
             start = self._claim(-(-n // self.ALIGN) * self.ALIGN)
-            span = self.buf[start : start + n]
-            span.numpy()[:] = arr.reshape(-1).view(np.uint8)
-            out, event = self._copy(span.view(_TORCH[arr.dtype]).view(arr.shape))
+            host = self.buf[start : start + n].view(t.dtype).view(t.shape)
+            host.copy_(t)
+            out, event = self._copy(host)
             if event is not None:
                 self._inflight.append((start, start + n, event))
             return out
@@ -118,15 +117,6 @@ class StagingRing:
             self.waits += 1
             event.synchronize()
         self._spare.append(event)
-
-
-_TORCH = {
-    np.dtype(np.int64): torch.int64,
-    np.dtype(np.int32): torch.int32,
-    np.dtype(np.float32): torch.float32,
-    np.dtype(np.bool_): torch.bool,
-    np.dtype(np.uint8): torch.uint8,
-}
 
 
 class PinnedRows:

@@ -404,12 +404,13 @@ class PrefillHandler:
         )
         try:
             load = self.store.plan(task, prompt) if self.store is not None else None
+            if load is None:
+                return await add(), max(task.cached_blocks, 0)
             try:
-                check = load.worth_it if load is not None else None
-                return await add(unless=check), max(task.cached_blocks, 0)
+                return await add(unless=load.worth_it), max(task.cached_blocks, 0)
             except NotAdded:  # the kvstore has blocks this engine lacks, worth loading
-                assert self.store is not None and load is not None
-            cached = await self.store.fetch(task, load)
+                pass
+            cached = await load.store.fetch(task, load)
             if cached is not None:
                 try:
                     return await add(kv=cached), task.cached_blocks

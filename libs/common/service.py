@@ -33,6 +33,7 @@ from nats.aio.client import Client
 
 from .config import ServiceConfig
 from .logs import setup_logging
+from .loop_lag import watch_loop_lag
 from .natsutil import close_nats, connect_nats
 from .redact import redact_text
 from .telemetry import HealthFn, OpsRoute, OpsServer
@@ -180,9 +181,11 @@ async def _serve(
 ) -> int:
     stop = asyncio.Event()
     install_stop_handlers(stop)
+    lag = asyncio.create_task(watch_loop_lag(), name="loop-lag")
     try:
         async with AsyncExitStack() as stack:
             stack.callback(faulthandler.cancel_dump_traceback_later)  # runs last
+            stack.callback(lag.cancel)
             rc = await serve(cfg, ServiceContext(name, cfg.service, stack, stop, log))
             # Closing what it opened takes the drain and little more; a service still at
             # it 3 s past its drain writes every thread's stack to its log (stderr), so a

@@ -42,7 +42,7 @@ DEVICE = os.environ.get("DEVICE", "cuda")
 
 def sync() -> None:
     if DEVICE == "cuda":
-        sync()
+        torch.cuda.synchronize()
 
 
 def main() -> None:

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import sys
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -102,8 +101,6 @@ class InstanceRuntime:
         self.log.info("ops on %s:%d", self.ctx.config.host, await self.ctx.start_ops(self.healthy))
 
         from .engines import build_engine  # torch: after the ops port answers
-
-        sys.setswitchinterval(self.model.switch_interval_ms / 1000)  # the engine thread's turn
 
         build: Callable[[ModelFlags, ProgressSink], Engine] = build_engine
         if self.ep is not None:

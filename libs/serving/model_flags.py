@@ -53,10 +53,6 @@ class ModelFlags:
     # Checkpoint shards read at once while loading (libs/engine/checkpoint_stream.py); on CUDA
     # each holds a pinned buffer of one shard's size (about 4.3 GB for DeepSeek-V3's).
     read_workers: int = 4
-    # How long the engine thread may hold the GIL while the service's event loop waits for it
-    # (sys.setswitchinterval; Python's default is 5 ms): the event loop takes tasks and sends
-    # tokens, so every time it wants the GIL back it may wait this long.
-    switch_interval_ms: float = 5.0
 
     def __post_init__(self) -> None:
         if self.fake_step_ms < 0 or self.fake_token_us < 0:
@@ -88,10 +84,6 @@ class ModelFlags:
                     f"--gpu-memory-fraction applies to CUDA devices, not --device {self.device}; "
                     "on CPU size the cache with --num-kv-blocks"
                 )
-        if not 0 < self.switch_interval_ms <= 1000:
-            raise ValueError(
-                f"--switch-interval-ms must lie in (0, 1000], got {self.switch_interval_ms}"
-            )
         if not self.step_time_budget_s >= 0:
             raise ValueError(
                 f"--step-time-budget must be >= 0 (0: none), got {self.step_time_budget_s}"
@@ -234,14 +226,6 @@ def add_model_flags(
     )
     flag(
         parser,
-        "--switch-interval-ms",
-        type=float,
-        default=5.0,
-        help="milliseconds the engine thread may hold Python's GIL while the service's event "
-        "loop (tasks in, tokens out) waits for it (sys.setswitchinterval)",
-    )
-    flag(
-        parser,
         "--kv-cache-dtype",
         default="auto",
         help="fp8: e4m3 KV cache (1.79x the tokens per GiB); prefill and decode must agree",
@@ -359,5 +343,4 @@ def model_flags_from(args: argparse.Namespace) -> ModelFlags:
         grammar_compile_seconds=args.grammar_compile_seconds,
         grammar_memory_mib=args.grammar_memory_mib,
         read_workers=args.read_workers,
-        switch_interval_ms=args.switch_interval_ms,
     )

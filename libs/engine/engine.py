@@ -128,7 +128,6 @@ class Engine:
             config.time_budget_s,
             config.max_running,
             max_model_len(config, cfg),
-            config.chunk_beside_decodes,
         )
         self.scheduler = FairScheduler(  # prompt chunks interleave by tenant (cache salt)
             self.scheduler_config, self.blocks, self.cost, cfg.eos_token_ids

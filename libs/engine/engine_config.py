@@ -29,7 +29,6 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
     kv_cache_dtype: str | None = None  # None: the model dtype
     max_tokens_per_step: int = 32768
-    chunk_beside_decodes: int = 0  # prompt tokens a step takes beside decodes (0: no cap)
     time_budget_s: float | None = 1.0
     max_running: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings

@@ -128,7 +128,7 @@ class FairScheduler(Scheduler):
         if len(queues) < 2:
             self.fairness.reset()
             return super().schedule()
-        step = self._new_step()
+        step = StepBuilder(self.config.max_tokens_per_step)
         for req in list(self.running):  # decodes first, as ever
             if req.status is Status.RUNNING and step.budget > 0 and self._left(req) <= 1:
                 self._run_chunk(step, req, step.budget)
@@ -138,7 +138,7 @@ class FairScheduler(Scheduler):
         for turn in self.fairness.turns(demands, self._prompt_capacity(step, ctx)):
             left = turn.share
             for req in queues[turn.tenant]:
-                limit = min(left, step.prompt_limit)
+                limit = min(left, step.budget)
                 if limit <= 0:
                     break
                 n = 0
@@ -152,6 +152,10 @@ class FairScheduler(Scheduler):
                 left -= n
                 self.fairness.charge(turn.tenant, n, demands[turn.tenant].weight)
         return step.plan()
+
+    @staticmethod
+    def _left(req: Request) -> int:
+        return len(req.token_ids) - req.num_computed
 
     def _prompt_work(self) -> Iterator[Request]:
         """Requests with prompt tokens to compute (more than a decode's one), oldest first:
@@ -180,9 +184,8 @@ class FairScheduler(Scheduler):
     def _prompt_capacity(self, step: StepBuilder, ctx: int) -> int:
         """Prompt tokens the step still has room for: the token budget, or fewer where the
         time budget ends first (priced as one chunk after ``ctx`` tokens, the heads' mean)."""
-        limit = step.prompt_limit
-        if self.config.time_budget_s is None or limit <= 0:
-            return max(limit, 0)
+        if self.config.time_budget_s is None or step.budget <= 0:
+            return max(step.budget, 0)
         shape = StepShape(tuple(step.shape))
-        n = self.cost.max_chunk(shape, ctx, limit, self.config.time_budget_s)
-        return n if n or step.shape else min(limit, self.bm.block_size)
+        n = self.cost.max_chunk(shape, ctx, step.budget, self.config.time_budget_s)
+        return n if n or step.shape else min(step.budget, self.bm.block_size)

@@ -68,15 +68,8 @@ class SchedulerConfig:
     time_budget_s: float | None = 1.0
     max_running: int = 256
     max_model_len: int = 163840
-    # Prompt tokens a step may carry while requests decode in it (0: max_tokens_per_step): a
-    # prompt chunk delays every running decode's next token by its own compute time.
-    chunk_beside_decodes: int = 0
 
     def __post_init__(self) -> None:
-        if self.chunk_beside_decodes < 0:
-            raise ValueError(
-                f"chunk_beside_decodes must be >= 0 (0: none), got {self.chunk_beside_decodes}"
-            )
         if self.max_tokens_per_step <= 0:
             raise ValueError(
                 f"max_tokens_per_step must be positive, got {self.max_tokens_per_step}"
@@ -229,46 +222,28 @@ class Scheduler:
 
     # -- schedule -----------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        step = self._new_step()
+        step = StepBuilder(self.config.max_tokens_per_step)
         for req in list(self.running):
-            if req.status is not Status.RUNNING:
+            if req.status is not Status.RUNNING or step.budget <= 0:
                 continue
-            limit = step.budget if self._left(req) <= 1 else step.prompt_limit
-            if limit > 0:
-                self._run_chunk(step, req, limit)  # 0: out of time, later decodes may fit
+            self._run_chunk(step, req, step.budget)  # 0: out of time, later decodes may fit
         while (
             self.waiting
             and not step.preempted
-            and step.prompt_limit > 0
+            and step.budget > 0
             and len(self.running) < self.config.max_running
         ):
-            if not self._admit(step, self.waiting[0], step.prompt_limit):
+            if not self._admit(step, self.waiting[0], step.budget):
                 break
         return step.plan()
 
-    def _new_step(self) -> StepBuilder:
-        """An empty step; its prompt tokens capped at ``chunk_beside_decodes`` when any running
-        request decodes (checked before scheduling: decodes and older prompt chunks come in
-        arrival order, and the cap must hold for all of them)."""
-        step = StepBuilder(self.config.max_tokens_per_step)
-        cap = self.config.chunk_beside_decodes
-        if cap and any(r.status is Status.RUNNING and self._left(r) <= 1 for r in self.running):
-            step.prompt_budget = cap
-        return step
-
-    @staticmethod
-    def _left(req: Request) -> int:
-        """Tokens of ``req`` not yet computed: 1 for a decode, more for prompt work."""
-        return len(req.token_ids) - req.num_computed
-
     def _run_chunk(self, step: StepBuilder, req: Request, limit: int) -> int:
         """Schedule up to ``limit`` tokens of a running request; how many were."""
-        prompt = self._left(req) > 1
         n = self._fit(step.shape, req, limit)
         if n == 0 or not self._reserve(req, n, step.scheduled, step.preempted):
             return 0  # out of time, or the request itself was preempted
         self._claim(step, req, n)
-        step.add(self._seq(req, n), req.num_computed + n, prompt)
+        step.add(self._seq(req, n), req.num_computed + n)
         return n
 
     def _admit(self, step: StepBuilder, req: Request, limit: int) -> int:

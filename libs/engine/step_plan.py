@@ -71,24 +71,11 @@ class StepBuilder:
     # request whose next uncached block is among them waits a step and finds it cached.
     computing: set[bytes] = field(default_factory=set)
 
-    # Prompt tokens the step may still take beside its decodes (None: only ``budget`` bounds
-    # them; SchedulerConfig.chunk_beside_decodes).
-    prompt_budget: int | None = None
-
-    @property
-    def prompt_limit(self) -> int:
-        """Prompt tokens that still fit: the token budget, or less beside decodes."""
-        if self.prompt_budget is None:
-            return self.budget
-        return min(self.budget, self.prompt_budget)
-
-    def add(self, seq: ScheduledSeq, context: int, prompt: bool = True) -> None:
+    def add(self, seq: ScheduledSeq, context: int) -> None:
         self.seqs.append(seq)
         self.scheduled.add(seq.request_id)
         self.shape.append((seq.num_tokens, context))
         self.budget -= seq.num_tokens
-        if prompt and self.prompt_budget is not None:
-            self.prompt_budget -= seq.num_tokens
 
     def plan(self) -> StepPlan:
         return StepPlan(tuple(self.seqs), tuple(self.preempted), StepShape(tuple(self.shape)))

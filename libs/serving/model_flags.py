@@ -23,8 +23,6 @@ class ModelFlags:
     block_size: int = 128
     weights_seed: int = 0
     max_tokens_per_step: int = 32768
-    # Prompt tokens a step may carry while requests decode in it (0: max_tokens_per_step).
-    chunk_beside_decodes: int = 0
     max_running: int = 256  # requests in one batch (vLLM's --max-num-seqs)
     max_model_len: int = 0  # context limit in tokens; 0: the model's
     # Seconds one engine step may take by the cost model (prompt chunks are cut to fit it);
@@ -86,11 +84,6 @@ class ModelFlags:
                     f"--gpu-memory-fraction applies to CUDA devices, not --device {self.device}; "
                     "on CPU size the cache with --num-kv-blocks"
                 )
-        if self.chunk_beside_decodes < 0:
-            raise ValueError(
-                "--chunk-beside-decodes must be >= 0 (0: --max-tokens-per-step), "
-                f"got {self.chunk_beside_decodes}"
-            )
         if not self.step_time_budget_s >= 0:
             raise ValueError(
                 f"--step-time-budget must be >= 0 (0: none), got {self.step_time_budget_s}"
@@ -141,7 +134,6 @@ class ModelFlags:
             # The fraction sizes the cache once the weights are loaded (libs/engine/parts.py).
             num_kv_blocks=self.num_kv_blocks if fraction is None else None,
             max_tokens_per_step=self.max_tokens_per_step,
-            chunk_beside_decodes=self.chunk_beside_decodes,
             time_budget_s=self.step_time_budget_s or None,
             max_running=self.max_running,
             max_model_len=self.max_model_len or None,
@@ -163,7 +155,6 @@ def add_model_flags(
     *,
     max_tokens_per_step: int = 32768,
     step_time_budget: float = 1.0,
-    chunk_beside_decodes: int = 0,
 ) -> None:
     """The engine flags; a service whose steps mix roles passes its own step defaults."""
     flag(
@@ -208,14 +199,6 @@ def add_model_flags(
         default=max_tokens_per_step,
         help="token budget of one engine step (it also sizes the activation reserve)",
         aliases=("--max-num-batched-tokens",),
-    )
-    flag(
-        parser,
-        "--chunk-beside-decodes",
-        type=int,
-        default=chunk_beside_decodes,
-        help="prompt tokens one step may carry while requests decode in it: a chunk delays "
-        "their next token by its compute time (0: --max-tokens-per-step)",
     )
     flag(
         parser,
@@ -344,7 +327,6 @@ def model_flags_from(args: argparse.Namespace) -> ModelFlags:
         block_size=args.block_size,
         weights_seed=args.weights_seed,
         max_tokens_per_step=args.max_tokens_per_step,
-        chunk_beside_decodes=args.chunk_beside_decodes,
         max_running=args.max_running,
         max_model_len=args.max_model_len,
         step_time_budget_s=args.step_time_budget,

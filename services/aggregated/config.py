@@ -2,15 +2,11 @@
 
 The union of what prefill and decode take, with other step defaults: a step carries prompt
 chunks beside running decodes, so ``--max-tokens-per-step`` 8192 (against 32768 for a prefill
-engine) and, while any request decodes, ``--chunk-beside-decodes`` 2048: measured on an H100
-(scripts/gpu/profile_mixed.py, v2-lite, 128 decodes of 512 tokens, a 13.8 ms decode step) a
-chunk of 2048 prompt tokens adds 23 ms to their step and one of 8192 adds 88 ms -- the same
-prompt rate (90K against 93K tokens/s), a quarter of the wait for the decodes' next token and
-for a prompt that arrives while a step runs. No time budget (``--step-time-budget 0``): the
-cost model prices a step by a factor over a FLOP/byte estimate, and measured on the H100 a
-mixed step's fixed host work (~40 ms eager then, against ~3 ms estimated) read as slow tokens
-held chunks to ~200 tokens under a 0.1 s budget -- prompt work at a quarter of the engine's
-rate and chat TTFT p50 of 4.3 s.
+engine) bounds what a chunk adds to the time between their tokens (~0.15 s of v2-lite on an
+H100), and no time budget (``--step-time-budget 0``): the cost model prices a step by a
+factor over a FLOP/byte estimate, and measured on the H100 a mixed step's fixed host work
+(~40 ms eager, against ~3 ms estimated) read as slow tokens held chunks to ~200 tokens under a
+0.1 s budget -- prompt work at a quarter of the engine's rate and chat TTFT p50 of 4.3 s.
 """
 
 from __future__ import annotations
@@ -39,7 +35,6 @@ DESCRIPTION = (
 # engine's, leaving that room to KV. No time budget (module doc).
 STEP_TIME_BUDGET_S = 0.0
 MAX_TOKENS_PER_STEP = 8192
-CHUNK_BESIDE_DECODES = 2048  # module doc
 
 
 @dataclass(frozen=True)
@@ -64,10 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     common_flags(parser, SERVICE)
     add_service_token_flag(parser)
     add_model_flags(
-        parser,
-        max_tokens_per_step=MAX_TOKENS_PER_STEP,
-        step_time_budget=STEP_TIME_BUDGET_S,
-        chunk_beside_decodes=CHUNK_BESIDE_DECODES,
+        parser, max_tokens_per_step=MAX_TOKENS_PER_STEP, step_time_budget=STEP_TIME_BUDGET_S
     )
     flag(parser, "--grpc-port", type=int, default=0, help="KVTransfer gRPC port (0: any free)")
     add_handoff_flags(parser, "seconds for one KV push to another decode instance")

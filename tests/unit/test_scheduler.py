@@ -10,7 +10,6 @@ import pytest
 from libs.common.sampling import SamplingParams
 from libs.engine.cost_model import CostModel, StepShape
 from libs.engine.kv.block_manager import BlockManager
-from libs.engine.prefill_fairness import FairScheduler
 from libs.engine.presets import PRESETS
 from libs.engine.scheduler import Request, Scheduler, SchedulerConfig, Status, StepPlan
 
@@ -52,32 +51,6 @@ def test_decodes_go_first_and_prompts_fill_the_rest() -> None:
     s.add(req("b", 1000))
     plan = s.schedule()
     assert [(q.request_id, q.num_tokens) for q in plan.seqs] == [("a", 1), ("b", 299)]
-
-
-@pytest.mark.parametrize("fair", [False, True])
-def test_prompts_beside_decodes_take_the_smaller_chunk(fair: bool) -> None:
-    """With requests decoding, a step's prompt tokens stop at chunk_beside_decodes (their next
-    token waits for the chunk); with none decoding a prompt takes the whole token budget."""
-    cfg = SchedulerConfig(max_tokens_per_step=4096, time_budget_s=None, chunk_beside_decodes=512)
-    s = (FairScheduler if fair else Scheduler)(cfg, BlockManager(4096, 128), cost(), (1,))
-    s.add(req("a", 3000, max_tokens=50))
-    first = s.schedule()
-    assert first.num_tokens == 3000  # nothing decodes yet: the whole prompt at once
-    drive(s, first)
-    s.add(Request("b", list(range(5000, 7000)), 2000, SamplingParams(max_tokens=2), b"t1"))
-    s.add(Request("c", list(range(8000, 9000)), 1000, SamplingParams(max_tokens=2), b"t2"))
-    chunks: list[int] = []
-    while True:
-        prompts = {
-            r.request_id for r in [*s.running, *s.waiting] if r.num_computed < r.num_prompt_tokens
-        }
-        if not prompts:
-            break
-        plan = s.schedule()
-        assert any(q.request_id == "a" and q.num_tokens == 1 for q in plan.seqs)  # every step
-        chunks.append(sum(q.num_tokens for q in plan.seqs if q.request_id in prompts))
-        drive(s, plan)
-    assert max(chunks) == 512 and sum(chunks) == 3000
 
 
 def test_time_budget_limits_prefill_tokens_by_the_cost_model() -> None:

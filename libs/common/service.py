@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from nats.aio.client import Client
+from prometheus_client import disable_created_metrics
 
 from .config import ServiceConfig
 from .logs import setup_logging
@@ -161,7 +162,11 @@ def run_service(
     serve: Callable[[C, ServiceContext], Awaitable[int]],
 ) -> int:
     """The ``main`` of every service: parse flags, build the config (a bad one: one line on
-    stderr, exit code 2), set up logging, then serve until stopped; the exit code."""
+    stderr, exit code 2), set up logging, then serve until stopped; the exit code. Metrics
+    come without ``*_created`` series."""
+    # No *_created series on any service's /metrics (one per counter and histogram child, read
+    # by nothing we run): process-wide, so here at the process's edge.
+    disable_created_metrics()  # type: ignore[no-untyped-call]
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -13,7 +13,6 @@ import logging
 import grpc
 from grpc_health.v1.health import aio as health_aio
 from nats.aio.client import Client
-from prometheus_client import disable_created_metrics
 
 from libs.common.grpc_server import add_health_and_reflection
 from libs.common.service import ServiceContext, run_service
@@ -31,9 +30,6 @@ SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name
 
 
 def main(argv: list[str] | None = None) -> int:
-    # No *_created series on /metrics (one per counter and histogram child, read by nothing
-    # we run): process-wide, so here at the process's edge, not in the handlers.
-    disable_created_metrics()  # type: ignore[no-untyped-call]
     return run_service(SERVICE, argv, build_parser, config_from, serve)
 
 

@@ -14,7 +14,6 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from libs.common import subjects
 from libs.gateway.policy import Limits
 from libs.proto.deepserve.v1 import control_pb2
-from services.entrypoint import main as entrypoint_main
 from services.entrypoint.handlers import EntrypointHandlers, HandlerConfig
 from services.entrypoint.request_metrics import HISTOGRAMS, SUCCESS, finished_reason
 
@@ -253,11 +252,3 @@ def test_finished_reason_of_each_outcome() -> None:
     assert finished_reason("invalid", "") == "rejected"  # after validation: admission's unfit
     for outcome in ("timeout", "unavailable", "error"):
         assert finished_reason(outcome, "length") == "error"
-
-
-def test_main_turns_off_created_series(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[str] = []
-    monkeypatch.setattr(entrypoint_main, "disable_created_metrics", lambda: calls.append("off"))
-    monkeypatch.setattr(entrypoint_main, "run_service", lambda *a: calls.append("run") or 0)
-    assert entrypoint_main.main([]) == 0
-    assert calls == ["off", "run"]

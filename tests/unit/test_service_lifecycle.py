@@ -298,3 +298,26 @@ def test_sigterm_during_a_long_model_load_exits_at_once(monkeypatch: pytest.Monk
     assert run_service("test", argv, _parser, _config, serve) == 0
     assert time.monotonic() - t0 < 10
     assert seen == [0, None]
+
+
+def test_every_service_exports_its_loop_lag_and_no_created_series() -> None:
+    ops_port = _free_port()
+    seen: dict[str, str] = {}
+
+    async def serve(cfg: _Config, ctx: ServiceContext) -> int:
+        await ctx.start_ops(lambda: (True, "ok"))
+        await asyncio.sleep(0.1)  # a few of the lag timer's 20 ms rounds
+
+        def scrape() -> str:
+            url = f"http://127.0.0.1:{ops_port}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                return str(resp.read().decode())
+
+        seen["metrics"] = await asyncio.to_thread(scrape)
+        return 0
+
+    assert run_service("test", ["--http-port", str(ops_port)], _parser, _config, serve) == 0
+    lines = seen["metrics"].splitlines()
+    count = next(x for x in lines if x.startswith("deepserve_event_loop_lag_seconds_count"))
+    assert float(count.split()[-1]) >= 1
+    assert not [x for x in lines if x.split("{")[0].split(" ")[0].endswith("_created")]

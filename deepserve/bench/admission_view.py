@@ -9,7 +9,7 @@ run; the report is the difference:
 * ``queued_why``: what held each queued request when it began to wait (``behind``,
   ``inflight``, ``prefill_queue``, ``decode_kv``, ``no_instance``);
 * ``wait_mean_s``: mean wait of the queued requests that were admitted;
-* ``queued_busy``: per role, the heartbeats' busy fractions sampled while any request waited:
+* ``queued_busy``: per role, the busy fractions of the heartbeats whose window lay inside a wait:
   how many, their mean, and the share above :data:`BUSY_FLOOR` (issue 32 asks for requests to
   wait only while the engines are at least that busy).
 

@@ -54,6 +54,9 @@ PREFILL = "prefill"
 DECODE = "decode"
 ROLES = (PREFILL, DECODE)
 SETTLE_BEATS = 2  # heartbeats after which an instance's own figures surely include a request
+# The window a heartbeat's busy fraction covers (the engine side's own constant,
+# libs/serving/engine_stats.py, which imports torch: a test keeps the two equal).
+BUSY_WINDOW_S = 1.0
 FORGET_AFTER_DEAD = 10  # an instance silent this many dead_after periods is dropped
 
 
@@ -120,7 +123,7 @@ class Load:
     total_kv_blocks: int = 0  # 0: not reported, not KV-gated
     draining: bool = False
     tokens_per_s: float = 0.0  # the engine's measured compute rate (0: not measured yet)
-    busy_fraction: float = 0.0  # share of recent wall time the engine spent stepping
+    busy_fraction: float = 0.0  # share of the last BUSY_WINDOW_S the engine spent stepping
     promised_kv_blocks: int = 0  # of free_kv_blocks, what the engine's requests will still take
     # request_key() of each request the engine held when it took these figures (None: not
     # reported, an older engine: its requests are counted for SETTLE_BEATS heartbeats instead)

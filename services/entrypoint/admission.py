@@ -3,11 +3,12 @@ as Prometheus metrics. The policy itself is ``libs/gateway/{capacity,admission}.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from libs.gateway.capacity import PREFILL, ROLES, Capacity, Load, Need
+from libs.gateway.capacity import BUSY_WINDOW_S, PREFILL, ROLES, Capacity, Load, Need
 from libs.proto.deepserve.v1 import control_pb2
 from libs.routing.heartbeat import role_of
 from libs.routing.policy import resident_run
@@ -42,8 +43,9 @@ ENGINE_BUSY = Gauge(
 )
 QUEUED_BUSY = Histogram(
     "deepserve_entrypoint_admission_queued_busy_fraction",
-    "at each heartbeat while any request waits at admission: that instance's busy fraction, per "
-    "role (a request should wait only while the engines are busy)",
+    "at each heartbeat whose busy window lies inside a wait at admission (requests have waited "
+    "since before the window began): that instance's busy fraction, per role (a request should "
+    "wait only while the engines are busy)",
     ["role"],
     buckets=(0.1, 0.25, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0),
 )
@@ -72,10 +74,14 @@ class AdmissionMetrics:
     """Admission decisions, and the busy fraction of the engines admitted to (from
     ``capacity``'s heartbeats), as Prometheus metrics."""
 
-    def __init__(self, capacity: Capacity | None = None) -> None:
+    def __init__(
+        self, capacity: Capacity | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.capacity = capacity
         self._shown: set[tuple[str, str]] = set()  # (role, instance) series exported
         self.waiting = 0  # requests waiting at admission now
+        self._clock = clock
+        self._waiting_since: float | None = None  # when requests began to wait, without a gap
 
     def on_admission(self, result: str, waited: float | None, waiting: int, why: str = "") -> None:
         ADMISSIONS.labels(result).inc()
@@ -85,15 +91,21 @@ class AdmissionMetrics:
             ADMISSION_WAIT.labels(result).observe(waited)
         ADMISSION_WAITING.set(waiting)
         self.waiting = waiting
+        if waiting <= 0:
+            self._waiting_since = None
+        elif self._waiting_since is None:
+            self._waiting_since = self._clock()
 
     def on_heartbeat(self, load: Load | None = None) -> None:
         """After a heartbeat (``load``) was observed: the busy gauges of the live instances,
-        and, while requests wait, how busy the engine that sent it was over its last interval
-        (a heartbeat's busy fraction covers the second before it: one sampled when a request
-        starts waiting would describe the engine before the burst that made it wait)."""
+        and, once requests have waited a whole busy window, how busy the engine that sent it
+        was over that window. A heartbeat's busy fraction covers the second before it; one
+        that arrives sooner after the wait began describes, in part, the engine before the
+        burst that made requests wait, and is not a sample of the engine while they wait."""
         if self.capacity is None:
             return
-        if load is not None and self.waiting > 0:
+        since = self._waiting_since
+        if load is not None and since is not None and self._clock() - since >= BUSY_WINDOW_S:
             QUEUED_BUSY.labels(load.role).observe(load.busy_fraction)
         shown = set()
         for role in ROLES:

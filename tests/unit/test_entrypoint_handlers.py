@@ -517,10 +517,16 @@ async def test_a_prefill_heartbeat_with_a_measured_rate_admits_by_seconds_of_wor
         ) == pytest.approx(0.9)
         before = sample(queued_busy, role="prefill", le="0.85")
         before_all = sample(queued_busy, role="prefill", le="0.9")
+        now = [0.0]
+        h.admission_metrics._clock = lambda: now[0]  # the wait's length, without sleeping it
         call = asyncio.ensure_future(collect_with(h, req(list(range(1, 21))), FakeContext()))
-        if name == "unmeasured":  # it waits: the next heartbeat's 0.9 busy is seen
+        if name == "unmeasured":  # it waits: a heartbeat whose whole second lies in the wait
             await asyncio.sleep(0.02)
             assert sample(queued_busy, role="prefill", le="0.9") == before_all
+            now[0] = 0.5
+            h.on_status(status)  # half of its window before the wait: not a sample of it
+            assert sample(queued_busy, role="prefill", le="0.9") == before_all
+            now[0] = 1.0
             h.on_status(status)
             assert sample(queued_busy, role="prefill", le="0.85") == before
             assert sample(queued_busy, role="prefill", le="0.9") == before_all + 1

@@ -9,8 +9,8 @@ step(s) that carried the prompt tokens, what they added over a decode-only step,
 rate that addition stands for -- a fixed cost per step plus a cost per token, which is what
 the aggregated service's chunk size trades between (for short prompts: over long cached
 prefixes, PREFIX=5000 PROMPT=700 CONTEXT=5000 as the agent trace's, a chunk costs far more a
-token -- measured through the whole stack, docs/benchmarks.md). Then a torch.profiler table of one mixed
-step at ``PROFILE_N`` tokens by host time: where a mixed step's fixed cost goes.
+token -- measured through the whole stack, docs/benchmarks.md). Then a torch.profiler table of
+one mixed step at ``PROFILE_N`` tokens by host time: where a mixed step's fixed cost goes.
 
 Run: PYTHONPATH=$PWD python3 scripts/gpu/profile_mixed.py [preset] [batch] [sizes]
      [extra k=v ...]     (defaults: v2-lite 128 256,1024,2048,4096,8192)

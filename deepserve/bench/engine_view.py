@@ -10,7 +10,12 @@ histograms: what happened during it, as differences) and every ``interval`` seco
   ``deepserve:engine_step_batch_size``, ``deepserve:iteration_tokens_total``;
 * ``ttft_ms`` (prefill: task taken -> first token; ``ttft_parts_ms``: its intake, waiting and
   prefill parts) and ``itl_ms`` / ``e2e_ms`` (decode):
-  engine-side means of the latency histograms;
+  engine-side means of the latency histograms; ``ttft_p50_ms`` and ``ttft_parts_p50_ms`` their
+  medians, read from the histograms' buckets (a wave of first turns weighs on a mean, not on
+  a median);
+* ``loop_lag_ms`` (mean) and ``loop_lag_over_50ms`` (share of rounds): how late the instance's
+  event loop ran its timer (``deepserve_event_loop_lag_seconds``: tasks in and tokens out wait
+  as long);
 * ``prefix_hit_rate`` (prompt tokens found in the engine's own cache / looked up),
   ``preemptions``, ``prompt_tokens``, ``generation_tokens``;
 * ``running`` / ``waiting`` (mean and max of the samples), ``kv_usage`` and ``busy`` (the
@@ -59,7 +64,13 @@ COUNTERS = (
     "generation_tokens",
 )
 
-Sample = dict[str, float]  # "name" or "name_sum"/"name_count" -> value, summed over labels
+LAG = "deepserve_event_loop_lag_seconds"  # every service's, not an engine metric
+QUANTILED = ("time_to_first_token_seconds", "ttft_intake_seconds", "ttft_waiting_seconds",
+             "ttft_prefill_seconds")  # fmt: skip
+
+# "name" or "name_sum"/"name_count" -> value, summed over labels; "name_bucket:LE" for the
+# histograms whose quantiles the report reads
+Sample = dict[str, float]
 
 
 def parse(text: str) -> Sample:
@@ -68,6 +79,13 @@ def parse(text: str) -> Sample:
     out: dict[str, float] = defaultdict(float)
     for family in text_string_to_metric_families(text):
         name = family.name
+        if name == LAG:
+            for s in family.samples:
+                if s.name in (f"{LAG}_sum", f"{LAG}_count"):
+                    out[s.name] += s.value
+                elif s.name == f"{LAG}_bucket" and s.labels.get("le") == "0.05":
+                    out[f"{LAG}_bucket:0.05"] += s.value
+            continue
         if not name.startswith(P):
             continue
         short = name[len(P) :]
@@ -75,6 +93,8 @@ def parse(text: str) -> Sample:
             sample = s.name[len(P) :]
             if short in HISTOGRAMS and sample in (f"{short}_sum", f"{short}_count"):
                 out[sample] += s.value
+            elif short in QUANTILED and sample == f"{short}_bucket":
+                out[f"{sample}:{s.labels['le']}"] += s.value
             elif short in GAUGES and sample == short:
                 out[short] += s.value
             elif short in COUNTERS and sample in (short, f"{short}_total"):
@@ -98,6 +118,23 @@ class Instance:
             n = delta(f"{hist}_count")
             return None if n <= 0 else scale * delta(f"{hist}_sum") / n
 
+        def median(hist: str) -> float | None:
+            """The histogram's median over the run in ms, linear within its bucket."""
+            key = f"{hist}_bucket:"
+            bounds = sorted(
+                (float(k[len(key) :]), delta(k)) for k in self.after if k.startswith(key)
+            )
+            n = delta(f"{hist}_count")
+            lo, below = 0.0, 0.0
+            for le, cum in bounds:
+                if n > 0 and cum >= n / 2:
+                    if le == float("inf"):
+                        return lo * 1e3
+                    inside = cum - below
+                    return 1e3 * (lo + (le - lo) * (n / 2 - below) / inside if inside else le)
+                lo, below = le, cum
+            return None
+
         def spread(gauge: str) -> dict[str, float] | None:
             xs = [s[gauge] for s in self.samples if gauge in s]
             return None if not xs else {"mean": sum(xs) / len(xs), "max": max(xs)}
@@ -114,6 +151,16 @@ class Instance:
             "ttft_parts_ms": {
                 part: mean(f"ttft_{part}_seconds", 1e3) for part in ("intake", "waiting", "prefill")
             },
+            "ttft_p50_ms": median("time_to_first_token_seconds"),
+            "ttft_parts_p50_ms": {
+                part: median(f"ttft_{part}_seconds") for part in ("intake", "waiting", "prefill")
+            },
+            "loop_lag_ms": mean(LAG, 1e3),
+            "loop_lag_over_50ms": (
+                None
+                if delta(f"{LAG}_count") <= 0
+                else 1 - delta(f"{LAG}_bucket:0.05") / delta(f"{LAG}_count")
+            ),
             "itl_ms": mean("inter_token_latency_seconds", 1e3),
             "e2e_ms": mean("e2e_request_latency_seconds", 1e3),
             "prefix_hit_rate": None if queries <= 0 else delta("prefix_cache_hits") / queries,
@@ -219,9 +266,10 @@ def summary_lines(view: dict[str, Any]) -> list[str]:
             split = " (" + " + ".join(f"{k} {v:.0f}" for k, v in parts.items()) + ")"
         lines.append(
             f"{name:12s} steps {r['steps']:6d}  step {f(r['step_ms'], '.1f')} ms  "
-            f"batch {f(r['batch'], '.1f')}  ttft {f(r['ttft_ms'], '.1f')} ms{split}  "
+            f"batch {f(r['batch'], '.1f')}  ttft {f(r['ttft_ms'], '.1f')} ms{split}, "
+            f"p50 {f(r.get('ttft_p50_ms'), '.0f')} ms  "
             f"itl {f(r['itl_ms'], '.1f')} ms  prefix hit {f(r['prefix_hit_rate'], '.2f')}  "
             f"kv max {f(kv and kv['max'], '.2f')}  preempt {r['preemptions']}  "
-            f"busy {f(busy and busy['mean'], '.2f')}"
+            f"busy {f(busy and busy['mean'], '.2f')}  loop lag {f(r.get('loop_lag_ms'), '.1f')} ms"
         )
     return lines

@@ -87,3 +87,32 @@ def test_targets_from_flags_and_a_stack_json(tmp_path: Path) -> None:
     }
     with pytest.raises(ValueError, match="not an http"):
         targets_from("x=ftp://h/metrics")
+
+
+def test_medians_of_a_first_tokens_wait_and_the_loop_lag() -> None:
+    """A few slow first tokens (a wave of first turns) move the mean, not the median; the
+    event loop's lag is read from the same page."""
+    import time
+
+    from prometheus_client import Histogram
+
+    reg = CollectorRegistry()
+    m = EngineMetrics(PREFILL, "m", registry=reg)
+    lag = Histogram(
+        "deepserve_event_loop_lag_seconds", "lag", registry=reg, buckets=(0.005, 0.05, 1.0)
+    )
+    lag.observe(0.001)
+    before = parse(generate_latest(reg).decode())
+    now = time.monotonic()
+    for i, intake in enumerate((0.01, 0.02, 0.3, 0.3, 3.0)):
+        m.on_add(f"r{i}", 10, now - intake - 0.1)
+        m.on_events([TokenEvent(f"r{i}", 5, timing=(now - 0.1, now - 0.05))])
+    for x in (0.002, 0.003, 0.2):
+        lag.observe(x)
+    r = Instance("prefill-0", "http://x/metrics", before, parse(generate_latest(reg).decode()))
+    r = r.report()
+    assert r["ttft_parts_ms"]["intake"] > 700  # the mean, pulled up by the one 3 s wait
+    assert 250 <= r["ttft_parts_p50_ms"]["intake"] <= 500  # the median's bucket: 0.3 s
+    assert 250 <= r["ttft_p50_ms"] <= 1000
+    assert r["loop_lag_ms"] == pytest.approx(205 / 3)  # this run's three rounds, not before's
+    assert r["loop_lag_over_50ms"] == pytest.approx(1 / 3)

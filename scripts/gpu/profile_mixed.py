@@ -40,11 +40,7 @@ PREFIX = int(os.environ.get("PREFIX", "128"))
 PROMPT = int(os.environ.get("PROMPT", "256"))
 PROFILE_N = int(os.environ.get("PROFILE_N", "2048"))
 DEVICE = os.environ.get("DEVICE", "cuda")
-
-
-def sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
+sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
 
 
 def main() -> None:

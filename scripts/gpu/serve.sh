@@ -5,7 +5,8 @@
 #   OUT=/tmp/out bash scripts/gpu/serve.sh agent:32 agent:128 chat:128
 #
 # Each TRACE:SESSIONS[:CLIENTS] argument is one `deepserve bench serve --url` run at that
-# concurrency (CLIENTS: its --client-processes; default one per 32 sessions);
+# concurrency (CLIENTS: its --client-processes; default one per 32 sessions), the Nth with
+# --seed N (its own prompts: a run never finds the ones of a run before it in the caches);
 # results land in $OUT/serve-TRACE-SESSIONS.json; the plots, the services' logs, a /metrics
 # snapshot of each service after each run and (PROFILE=1, with a bundle built by
 # PROFILER=1 bash scripts/gpu/bundle.sh) py-spy dumps of every service PROFILE_AFTER seconds
@@ -75,6 +76,7 @@ profile() {  # py-spy dumps of every service's process, or recordings of the eng
 }
 
 status=0
+seed=0  # each run its own prompts: a later run must not find an earlier one's in the cache
 for spec in "$@"; do
   IFS=: read -r trace n clients <<< "$spec"  # TRACE:SESSIONS[:CLIENT_PROCESSES]
   tag="$trace-$n${clients:+-c$clients}"
@@ -85,8 +87,9 @@ for spec in "$@"; do
   timeout "${BENCH_TIMEOUT:-300}" python3 -m deepserve.cli bench serve --url "http://127.0.0.1:$PORT/v1" \
     --model "deepseek-$MODEL" --trace "$trace" --sessions "$n" --concurrency "$n" --gpus 1 \
     --engine-json "$ENGINE_JSON" --json "$OUT/serve-$tag.json" --plot "$OUT/extra/serve-$tag.png" \
-    --stack-json "$RUN/stack.json" ${clients:+--client-processes $clients} \
+    --stack-json "$RUN/stack.json" ${clients:+--client-processes $clients} --seed "$seed" \
     ${BENCH_ARGS:-} || status=$?
+  seed=$((seed + 1))
   if [ -n "$prof" ]; then wait "$prof" || true; fi  # not a bare wait: that waits for up too
   snapshot "$OUT/logs/metrics-$tag"
 done

@@ -261,23 +261,23 @@ class EngineLoop:
                 drafts=drafts,
             )
 
-        try:
-            imported = await self.call(_add)
-        except BaseException as exc:
+        def drop() -> None:  # the add failed or was refused: forget its stream
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
                 if self.metrics is not None:
                     self.metrics.on_drop(request_id)
+
+        try:
+            imported = await self.call(_add)
+        except BaseException as exc:
+            drop()
             if isinstance(exc, asyncio.CancelledError) and not self._stopping:
                 # The command may already have run: nobody will read this request, so drop it.
                 with contextlib.suppress(BaseException):
                     await asyncio.shield(self.call(lambda e: e.abort(request_id)))
             raise
         if imported is _NOT_ADDED:
-            if self._streams.get(request_id) is stream:
-                del self._streams[request_id]
-                if self.metrics is not None:
-                    self.metrics.on_drop(request_id)
+            drop()
             raise NotAdded(request_id)
         stream.imported = imported
         return stream

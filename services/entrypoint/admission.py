@@ -79,7 +79,6 @@ class AdmissionMetrics:
     ) -> None:
         self.capacity = capacity
         self._shown: set[tuple[str, str]] = set()  # (role, instance) series exported
-        self.waiting = 0  # requests waiting at admission now
         self._clock = clock
         self._waiting_since: float | None = None  # when requests began to wait, without a gap
 
@@ -90,7 +89,6 @@ class AdmissionMetrics:
         if waited is not None:
             ADMISSION_WAIT.labels(result).observe(waited)
         ADMISSION_WAITING.set(waiting)
-        self.waiting = waiting
         if waiting <= 0:
             self._waiting_since = None
         elif self._waiting_since is None:

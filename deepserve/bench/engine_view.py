@@ -65,6 +65,7 @@ COUNTERS = (
 )
 
 LAG = "deepserve_event_loop_lag_seconds"  # every service's, not an engine metric
+LAG_SLOW = "0.05"  # the bucket bound past which a round counts as slow (loop_lag_over_50ms)
 QUANTILED = ("time_to_first_token_seconds", "ttft_intake_seconds", "ttft_waiting_seconds",
              "ttft_prefill_seconds")  # fmt: skip
 
@@ -83,8 +84,8 @@ def parse(text: str) -> Sample:
             for s in family.samples:
                 if s.name in (f"{LAG}_sum", f"{LAG}_count"):
                     out[s.name] += s.value
-                elif s.name == f"{LAG}_bucket" and s.labels.get("le") == "0.05":
-                    out[f"{LAG}_bucket:0.05"] += s.value
+                elif s.name == f"{LAG}_bucket" and s.labels.get("le") == LAG_SLOW:
+                    out[f"{LAG}_bucket:{LAG_SLOW}"] += s.value
             continue
         if not name.startswith(P):
             continue
@@ -159,7 +160,7 @@ class Instance:
             "loop_lag_over_50ms": (
                 None
                 if delta(f"{LAG}_count") <= 0
-                else 1 - delta(f"{LAG}_bucket:0.05") / delta(f"{LAG}_count")
+                else 1 - delta(f"{LAG}_bucket:{LAG_SLOW}") / delta(f"{LAG}_count")
             ),
             "itl_ms": mean("inter_token_latency_seconds", 1e3),
             "e2e_ms": mean("e2e_request_latency_seconds", 1e3),

@@ -89,6 +89,33 @@ def test_the_fixed_exchange_replays_from_a_cuda_graph(group) -> None:
         torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("live", [None, 20])
+def test_the_fused_exchange_gives_the_torch_exchanges_numbers(group, live) -> None:
+    """The Triton dispatch and combine (libs/engine/kernels/ep_exchange.py, compiled here) and
+    the PyTorch ops they replace: the same outputs bit for bit and the same load counts, with
+    a group bound above the rank's tokens and, with ``live``, a graph's padding rows."""
+    placement = Placement(16, ((3, 5, 0, 7, 1, EMPTY, 6, 2, 5, 4, 0, 8, 9, 10, 11, 12, 13, 14),))
+    base = Experts(CFG, torch.bfloat16, torch.device("cuda"))
+    with torch.no_grad():
+        base.w13.normal_(0, 0.05)
+        base.w2.normal_(0, 0.05)
+    base.keep_slots(placement.experts_of(0))
+    base.use_kernels = True
+    x, w, idx = _routing(32, 3)
+    outs, loads = [], []
+    for fused in (False, True):
+        bound = fixed.StepBound(
+            tokens=48, live=None if live is None else torch.tensor([live]).cuda()
+        )
+        layer = EPExperts(copy.deepcopy(base), group, placement, bound)
+        layer.fused_exchange = fused
+        with torch.inference_mode():
+            outs.append(layer(x, w, idx)[: live or 32])
+        loads.append(layer.load.clone())
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    assert torch.equal(loads[1], loads[0]) and int(loads[0].sum()) == (live or 32) * 4
+
+
 def test_an_ep_engine_replays_decode_graphs_with_the_eager_tokens(group) -> None:
     """The tiny model (fp32) as rank 0 of a one-rank NCCL group: decode steps replay the
     graphs (MoE exchanges inside them) and give the tokens of the same engine without graphs."""

@@ -118,7 +118,6 @@ def pack(
 
 def unpack(buf: torch.Tensor, hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden rows [R, hidden] in ``dtype``, local slot per row [R, 1] int64) of a buffer
-    (views; the hidden rows are made contiguous for the experts' GEMMs)."""
+    (views: the fused MoE reads the rows at the buffer's stride)."""
     off, _ = row_bytes(hidden, dtype)
-    x = buf[:, : hidden * dtype.itemsize].view(dtype).contiguous()
-    return x, buf[:, off:].view(torch.int64).contiguous()
+    return buf[:, : hidden * dtype.itemsize].view(dtype), buf[:, off:].view(torch.int64)

@@ -146,6 +146,31 @@ def weigh_pairs(pairs: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -
     return out.to(pairs.dtype)
 
 
+def _pack_fused(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    table: RouteTable,
+    live: torch.Tensor | None,
+    load: torch.Tensor,
+    cap: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:meth:`RouteTable.route`, :func:`.fixed.rows_of`, :func:`.fixed.pack` and the load
+    count in two Triton launches (:mod:`libs.engine.kernels.ep_exchange`, the same bytes):
+    (the send buffer, each pair's row in it, 1 where the pair's token is real)."""
+    from ..kernels.ep_exchange import pack_rows, route_and_slots
+
+    off, width = fixed.row_bytes(x.shape[1], x.dtype)
+    buf = torch.empty(table.num_ranks * cap, width, dtype=torch.uint8, device=x.device)
+    slot = buf[:, off:].view(torch.int64).squeeze(1)
+    s = table.slots_per_rank
+    rows, real = route_and_slots(
+        idx, table.local, table.replicas, table.num_replicas, live, slot, load,
+        table.num_ranks, s, cap,
+    )  # fmt: skip
+    pack_rows(x, rows, idx.shape[1], buf[:, : x.shape[1] * x.dtype.itemsize].view(x.dtype))
+    return buf, rows, real
+
+
 class EPExperts(nn.Module):
     """A MoE layer's routed experts over an EP group; ``local`` holds this rank's slots.
 
@@ -177,6 +202,9 @@ class EPExperts(nn.Module):
         # The group's agreed bound for the step (shared by the runtime's layers): picks the
         # fixed-shape or the variable-size exchange and sizes the fixed buffers.
         self.shape = shape or fixed.StepBound()
+        # The fixed exchange's bookkeeping as Triton kernels (True), as PyTorch ops (False), or
+        # None: kernels on a GPU that runs the experts' kernels. Both give the same bytes.
+        self.fused_exchange: bool | None = None
 
     def set_placement(self, placement: Placement) -> None:
         """Route by ``placement`` from now on (``local`` must already hold its slots); with
@@ -194,14 +222,26 @@ class EPExperts(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        real = self.shape.real_pairs(idx)  # a graph's padding rows are no one's load
-        self.load.index_add_(0, idx.reshape(-1), real)
         if self.shape.fixed(x.shape[0]):
-            return self._forward_fixed(x, weights, idx, real)
+            return self._forward_fixed(x, weights, idx)
+        self._count_load(idx)
         return self._forward_variable(x, weights, idx)
 
+    @property
+    def fused(self) -> bool:
+        """Whether the fixed exchange's bookkeeping runs as Triton kernels: ``fused_exchange``
+        if set, else on a GPU whose experts run their kernels."""
+        if self.fused_exchange is not None:
+            return self.fused_exchange
+        return self.local.use_kernels and self.load.is_cuda
+
+    def _count_load(self, idx: torch.Tensor) -> torch.Tensor:
+        real = self.shape.real_pairs(idx)  # a graph's padding rows are no one's load
+        self.load.index_add_(0, idx.reshape(-1), real)
+        return real
+
     def _forward_fixed(
-        self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, real: torch.Tensor
+        self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
     ) -> torch.Tensor:
         """Fixed-capacity buffers, one exchange each way, no host sync (:mod:`.fixed`)."""
         n, s = self.table.num_ranks, self.table.slots_per_rank
@@ -209,13 +249,21 @@ class EPExperts(nn.Module):
         cap = fixed.capacity(self.shape.bound(t), k, s)
         if cap == 0:  # the group agreed: no rank has a token
             return torch.zeros_like(x)
-        dest = self.table.route(idx)
-        rows = fixed.rows_of(dest, n, s, cap)
         splits = [cap] * n
-        buf = fixed.pack(x, dest, rows, k, n * cap, s, real)
+        if self.fused:
+            buf, rows, real = _pack_fused(x, idx, self.table, self.shape.live, self.load, cap)
+        else:
+            real = self._count_load(idx)
+            dest = self.table.route(idx)
+            rows = fixed.rows_of(dest, n, s, cap)
+            buf = fixed.pack(x, dest, rows, k, n * cap, s, real)
         got = self.group.all_to_all(buf, splits, splits)
         x_recv, slot = fixed.unpack(got, x.shape[1], x.dtype)
         y_back = self.group.all_to_all(self._run_fixed(x_recv, slot), splits, splits)
+        if self.fused:
+            from ..kernels.ep_exchange import combine_rows
+
+            return combine_rows(y_back, rows, real, idx, weights)
         pairs = y_back.index_select(0, rows).view(t, k, x.shape[1])
         # A graph's padding rows got nothing back (no expert ran them): zeros, not garbage.
         pairs = torch.where(real.view(t, k, 1).bool(), pairs, 0)

@@ -920,7 +920,8 @@ def fused_moe(
         raise ValueError(f"FP4 weights need BLOCK_K to be a multiple of {_FP4_GROUP}, got {bk}")
     if fp8 and bk != FP8_BLOCK:
         raise ValueError(f"FP8 weights need BLOCK_K == {FP8_BLOCK} (their scale tile), got {bk}")
-    x = x.contiguous()
+    if fp8 or x.stride(1) != 1:  # rows may be strided (EP's receive buffer), elements not
+        x = x.contiguous()
     sorted_ids, expert_ids, total, num_pid_m = _align(topk_ids, e, bm)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     swap = bool(cfg.get("SWAP_AB", False))
@@ -975,7 +976,9 @@ def fused_moe(
         ia, i_s = quantize_fp8_tokens(inter, kernel=True)
     else:
         ia, i_s = inter, inter
-    pair_out = torch.empty(t * k, hidden, dtype=x.dtype, device=x.device)
+    # One slot per row (EP's received rows): the pairs are the rows, written in place.
+    direct = k == 1 and not invariant and out.is_contiguous()
+    pair_out = out if direct else torch.empty(t * k, hidden, dtype=x.dtype, device=x.device)
     grid2 = (num_pid_m * triton.cdiv(hidden, bn),)
     _down_kernel[grid2](
         ia,
@@ -1007,6 +1010,8 @@ def fused_moe(
         EVEN_K=inter_dim % bk == 0,
         **launch,
     )
+    if direct:
+        return out
     pairs = pair_out.view(t, k, hidden)
     if invariant:  # slot order, in fp32: torch.sum's reduction plan depends on T
         acc = pairs[:, 0].float()

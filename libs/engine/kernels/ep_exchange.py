@@ -152,7 +152,8 @@ def _combine_kernel(  # type: ignore[no-untyped-def]
         y = tl.load(y_ptr + row * y_stride + h, mask=m & (real != 0), other=0.0)
         acc = acc + y.to(tl.float32) * w
     if OUT_BF16:  # round to nearest even by hand (the interpreter's own cast truncates)
-        bits = acc.to(tl.uint32, bitcast=True)
+        nan = tl.full((BLOCK_H,), 0x7FC00000, tl.uint32)
+        bits = tl.where(acc != acc, nan, acc.to(tl.uint32, bitcast=True))
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         res = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:

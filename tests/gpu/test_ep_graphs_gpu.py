@@ -54,6 +54,17 @@ def _routing(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return x, torch.rand(t, 4, generator=gen).cuda(), idx
 
 
+def _local(placement: Placement) -> Experts:
+    """Random bf16 experts holding rank 0's slots of ``placement``, run by the fused kernel."""
+    local = Experts(CFG, torch.bfloat16, torch.device("cuda"))
+    with torch.no_grad():
+        local.w13.normal_(0, 0.05)
+        local.w2.normal_(0, 0.05)
+    local.keep_slots(placement.experts_of(0))
+    local.use_kernels = True
+    return local
+
+
 def test_the_fixed_exchange_replays_from_a_cuda_graph(group) -> None:
     """Captured once for 32 tokens under a group bound of 48 (another rank's step is bigger:
     a third of the buffer rows are padding), replayed with other tokens and routes: the same
@@ -61,13 +72,7 @@ def test_the_fixed_exchange_replays_from_a_cuda_graph(group) -> None:
     placement = Placement(
         16, ((3, 5, 0, 7, 1, EMPTY, 6, 2, 5, 4, 0, 8, 9, 10, 11, 12, 13, 14, 15),)
     )
-    local = Experts(CFG, torch.bfloat16, torch.device("cuda"))
-    with torch.no_grad():
-        local.w13.normal_(0, 0.05)
-        local.w2.normal_(0, 0.05)
-    local.keep_slots(placement.experts_of(0))
-    local.use_kernels = True
-    layer = EPExperts(local, group, placement, fixed.StepBound(tokens=48))
+    layer = EPExperts(_local(placement), group, placement, fixed.StepBound(tokens=48))
     x, w, idx = _routing(32, 0)
     static = [x.clone(), w.clone(), idx.clone()]
     side = torch.cuda.Stream()
@@ -95,12 +100,7 @@ def test_the_fused_exchange_gives_the_torch_exchanges_numbers(group, live) -> No
     the PyTorch ops they replace: the same outputs bit for bit and the same load counts, with
     a group bound above the rank's tokens and, with ``live``, a graph's padding rows."""
     placement = Placement(16, ((3, 5, 0, 7, 1, EMPTY, 6, 2, 5, 4, 0, 8, 9, 10, 11, 12, 13, 14),))
-    base = Experts(CFG, torch.bfloat16, torch.device("cuda"))
-    with torch.no_grad():
-        base.w13.normal_(0, 0.05)
-        base.w2.normal_(0, 0.05)
-    base.keep_slots(placement.experts_of(0))
-    base.use_kernels = True
+    base = _local(placement)
     x, w, idx = _routing(32, 3)
     outs, loads = [], []
     for fused in (False, True):

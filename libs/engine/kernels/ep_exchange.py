@@ -31,7 +31,8 @@ _CHUNK = 64  # pairs per step of the routing program's running count
 _FILL = 1024  # buffer rows per step of its slot fill
 
 
-@triton.jit
+# Never specialised to 1: the while loops below start from them times 0, a tensor.
+@triton.jit(do_not_specialize=["num_pairs", "total_rows", "cap"])
 def _route_kernel(  # type: ignore[no-untyped-def]
     idx_ptr,
     local_ptr,

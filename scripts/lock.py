@@ -102,10 +102,11 @@ def main(argv: list[str]) -> int:
     if "--installed" in argv:
         locked = pins(LOCK.read_text())
         left = left_out(argv)
-        differ = differences({n: v for n, v in locked.items() if n not in left})
+        kept = {n: v for n, v in locked.items() if n not in left}
+        differ = differences(kept)
         print(
-            f"requirements.lock: {len(locked) - len(left) - len(differ)} of "
-            f"{len(locked) - len(left)} packages at the lock's versions"
+            f"requirements.lock: {len(kept) - len(differ)} of {len(kept)} packages at the "
+            "lock's versions"
             + ("; differ: " + ", ".join(differ) if differ else "")
             + (f" (left out here: {', '.join(sorted(left))})" if left else "")
         )

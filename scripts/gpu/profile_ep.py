@@ -53,7 +53,7 @@ def _replay_us(g: torch.cuda.CUDAGraph, n: int = 200) -> float:
     return start.elapsed_time(end) * 1e3 / n
 
 
-def _kernels(g: torch.cuda.CUDAGraph, n: int = 10) -> tuple[float, list[tuple[str, int, float]]]:
+def _kernels(g: torch.cuda.CUDAGraph, n: int = 10) -> tuple[int, list[tuple[str, int, float]]]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             g.replay()
@@ -94,17 +94,14 @@ def main() -> None:
             w, idx = torch.softmax(logits, -1).topk(cfg.num_experts_per_tok, -1)
             cases = {"single": lambda: plain(x, w, idx)}
             for path in args.paths.split(","):
+                if path not in ("torch", "fused"):
+                    raise SystemExit(f"--paths: torch or fused, got {path!r}")
                 local = copy.deepcopy(plain)
                 placement = Placement.contiguous(cfg.n_routed_experts, 1)
                 local.keep_slots(placement.experts_of(0))
                 bound = StepBound(tokens=b, live=torch.full((1,), b, device=dev))
                 layer = EPExperts(local, group, placement, bound)
-                if path not in ("torch", "fused"):
-                    raise SystemExit(f"--paths: torch or fused, got {path!r}")
-                if hasattr(layer, "fused_exchange"):
-                    layer.fused_exchange = path == "fused"
-                elif path == "fused":
-                    continue
+                layer.fused_exchange = path == "fused"
                 cases[f"ep-{path}"] = lambda layer=layer: layer(x, w, idx)
             want = cases["single"]()
             base = None

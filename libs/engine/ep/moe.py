@@ -250,7 +250,8 @@ class EPExperts(nn.Module):
         if cap == 0:  # the group agreed: no rank has a token
             return torch.zeros_like(x)
         splits = [cap] * n
-        if self.fused:
+        fused = self.fused
+        if fused:
             buf, rows, real = _pack_fused(x, idx, self.table, self.shape.live, self.load, cap)
         else:
             real = self._count_load(idx)
@@ -260,7 +261,7 @@ class EPExperts(nn.Module):
         got = self.group.all_to_all(buf, splits, splits)
         x_recv, slot = fixed.unpack(got, x.shape[1], x.dtype)
         y_back = self.group.all_to_all(self._run_fixed(x_recv, slot), splits, splits)
-        if self.fused:
+        if fused:
             from ..kernels.ep_exchange import combine_rows
 
             return combine_rows(y_back, rows, real, idx, weights)

@@ -1,5 +1,5 @@
 """EP's fixed-shape dispatch and combine (:mod:`libs.engine.ep.fixed`) in three Triton launches
-instead of ~40 small PyTorch ops per MoE layer.
+instead of ~50 small PyTorch ops per MoE layer.
 
 Inside the decode step's CUDA graph each of those ops is a node of a few microseconds, so at
 decode batch sizes the layer's bookkeeping, not its bytes, set the price of EP over the

@@ -51,7 +51,7 @@ from .loader import LoadedModel
 from .model.model import DeepseekForCausalLM
 from .parts import EngineParts, max_model_len
 from .prefill_fairness import FairScheduler
-from .registry import build_parts
+from .registry import build_parts, family_for
 from .rows import join_logprobs, sampling_inputs
 from .runner import Launched, ModelRunner
 from .sampler import Sampler
@@ -465,10 +465,12 @@ def _eplb_start(
 ) -> Placement:
     """EPLB's starting placement: contiguous, with its spare slots per rank."""
     from .ep.placement import Placement
-    from .loader import model_config
 
-    cfg = loaded.model.cfg if loaded is not None else model_config(config.model)
-    return Placement.contiguous(cfg.n_routed_experts, ranks, redundant)
+    if loaded is not None:
+        experts = loaded.model.cfg.n_routed_experts
+    else:  # the model's family reads its config from the name (no weight is read)
+        experts = family_for(config.model).config(config.model).n_routed_experts
+    return Placement.contiguous(experts, ranks, redundant)
 
 
 def _tokenizer_source(parts: EngineParts, model: str) -> str | None:

@@ -123,12 +123,16 @@ async def test_a_broken_group_fails_its_requests_and_refuses_more(tiny_loaded) -
         group.close()
 
 
-def _stop_early(group: EPGroup, _: None) -> tuple[int, int]:
+def _stop_early(group: EPGroup, model: str) -> tuple[int, int]:
     """Rank 0 is stopping from the start and has no work; rank 1 has a request. Returns
     (tokens this rank got, rounds until the group stopped)."""
     from libs.engine.llm import LLM
 
-    engine = Engine(EngineConfig(**ENGINE), LLM("tiny", num_kv_blocks=8).engine.loaded, ep=group)
+    if model == "tiny":
+        loaded = LLM("tiny", num_kv_blocks=8).engine.loaded
+        engine = Engine(EngineConfig(**ENGINE), loaded, ep=group)
+    else:  # V4: each engine step is rounds of forwards, the idle rank's too
+        engine = Engine(EngineConfig(**{**ENGINE, "model": model}), ep=group)
     if group.rank == 1:
         engine.add_request("r", PROMPT, GREEDY)
     lockstep = Lockstep(engine, poll_s=0.001)
@@ -141,7 +145,8 @@ def _stop_early(group: EPGroup, _: None) -> tuple[int, int]:
         tokens += sum(ev.token_id is not None for ev in tick.events)
 
 
-def test_a_rank_that_stops_first_steps_on_until_its_peer_is_done() -> None:
-    (t0, r0), (t1, r1) = run_group(_stop_early, 2, None, timeout_s=60, deadline_s=120)
+@pytest.mark.parametrize("model", ["tiny", "v4-tiny"])
+def test_a_rank_that_stops_first_steps_on_until_its_peer_is_done(model: str) -> None:
+    (t0, r0), (t1, r1) = run_group(_stop_early, 2, model, timeout_s=60, deadline_s=120)
     assert (t0, t1) == (0, GREEDY.max_tokens)
     assert r0 == r1  # they left in the same round

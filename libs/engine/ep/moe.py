@@ -1,7 +1,8 @@
 """Dispatch and combine: one MoE layer's routed experts spread over the ranks of an EP group.
 
 :class:`EPExperts` takes the place of a layer's :class:`~libs.engine.model.moe.Experts`
-(same ``forward(x, weights, idx)``); its ``local`` Experts holds this rank's slots only.
+(same ``forward(x, weights, idx)``); its ``local`` experts hold this rank's slots only (any
+module with :class:`SlotExperts`' members: V2/V3's and V4's experts alike).
 Per layer and step, on every rank (a rank without tokens takes part with 0 rows):
 
 1. route: each (token, expert) pair picks a slot holding the expert -- a local replica if
@@ -23,15 +24,38 @@ Per layer and step, on every rank (a rank without tokens takes part with 0 rows)
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from ..model.moe import Experts
 from . import fixed
 from .group import EPGroup
 from .placement import EMPTY, Placement
+
+
+class SlotExperts(Protocol):
+    """What EP asks of a layer's routed experts: rows by slot (``slots``: the expert each row
+    holds, None while it holds all), called as ``(x, weights, idx)`` with ``idx`` row numbers,
+    and the slot methods that keep, read and replace rows (:class:`~libs.engine.model.moe.Experts`
+    and :class:`~libs.engine.v4.moe.Experts` have them)."""
+
+    slots: tuple[int, ...] | None
+    use_kernels: bool
+
+    def __call__(
+        self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
+    ) -> torch.Tensor: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def keep_slots(self, slots: tuple[int, ...]) -> None: ...
+
+    def slot_state(self) -> list[torch.Tensor]: ...
+
+    def set_slot_state(self, state: list[torch.Tensor], slots: tuple[int, ...]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -181,7 +205,7 @@ class EPExperts(nn.Module):
 
     def __init__(
         self,
-        local: Experts,
+        local: SlotExperts,
         group: EPGroup,
         placement: Placement,
         shape: fixed.StepBound | None = None,
@@ -195,7 +219,7 @@ class EPExperts(nn.Module):
         self.local = local
         self.group = group
         self.placement = placement
-        device = local.w13.device
+        device = next(local.parameters()).device
         self.table = RouteTable.build(placement, group.rank, device)
         self.load = torch.zeros(placement.num_experts, dtype=torch.int64, device=device)
         self._taken = torch.zeros_like(self.load)

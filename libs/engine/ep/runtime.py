@@ -18,20 +18,24 @@ The :class:`EPRuntime` it returns gives the engine:
   steps: group load counts, re-placement every ``rebalance_every`` steps, the balance gauge.
 
 MTP layers are not wrapped: the engine does not run them (the loader gives them all experts).
+V4 steps in rounds (a prompt chunk is fed up to each block end, one forward each:
+:class:`~libs.engine.v4.serving.V4Runner`): its runtime is built with ``rounds=True``, and
+a step ends when the group agrees on a round of no tokens (:meth:`EPRuntime.empty_step`
+then steps as many rounds as the busiest rank).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch import nn
 
-from ..model.model import DeepseekForCausalLM
-from ..model.moe import MoE
 from .eplb import Balance, Eplb, EplbConfig, Rebalance
 from .fixed import StepBound
 from .group import EPGroup
@@ -43,11 +47,26 @@ log = logging.getLogger(__name__)
 _ALL_ROWS = 2**62  # the live-row count outside a step: every row is real
 
 
-def apply_ep(model: DeepseekForCausalLM, group: EPGroup, placement: Placement) -> EPRuntime:
+class ShardableModel(Protocol):
+    """What :func:`apply_ep` reads of a model: its config (expert counts, widths), its decoder
+    ``model.layers`` and its parameters (V2/V3's and V4's causal LMs)."""
+
+    @property
+    def cfg(self) -> Any: ...
+
+    @property
+    def model(self) -> Any: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+
+def apply_ep(model: ShardableModel, group: EPGroup, placement: Placement) -> EPRuntime:
     """Shard ``model``'s routed experts over ``group`` by ``placement`` (every layer alike).
 
-    A layer whose experts already hold this rank's slots (loaded so) is taken as is; one that
-    holds all experts keeps copies of its slots and drops the rest.
+    ``model``: a V2/V3 or V4 model; each decoder layer whose ``mlp`` has routed ``experts``
+    with slots (:class:`~.moe.SlotExperts`) is wrapped, in forward order. A layer whose
+    experts already hold this rank's slots (loaded so) is taken as is; one that holds all
+    experts keeps copies of its slots and drops the rest.
     """
     if placement.num_ranks != group.size:
         raise ValueError(
@@ -63,16 +82,16 @@ def apply_ep(model: DeepseekForCausalLM, group: EPGroup, placement: Placement) -
     shape = StepBound()
     layers: list[EPExperts] = []
     for layer in model.model.layers:
-        moe = layer.mlp
-        if not isinstance(moe, MoE):
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        if experts is None or not hasattr(experts, "slots"):  # a dense layer
             continue
-        experts = moe.experts
         if experts.slots is None:
             experts.keep_slots(mine)
         wrapped = EPExperts(experts, group, placement, shape)
-        moe.add_module("experts", wrapped)
+        layer.mlp.add_module("experts", wrapped)
         layers.append(wrapped)
-    return EPRuntime(group, layers, cfg.hidden_size, cfg.num_experts_per_tok, model.dtype)
+    dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
+    return EPRuntime(group, layers, cfg.hidden_size, cfg.num_experts_per_tok, dtype)
 
 
 @dataclass(frozen=True)
@@ -158,6 +177,9 @@ class EPRuntime:
         # Replays the decode graph of the agreed rows with none of this rank's (the runner's
         # ModelRunner.replay_idle): an idle rank then steps through the graph like the others.
         self.idle: Callable[[int], bool] | None = None
+        # A step is rounds of forwards, ended by a round the group agrees has no tokens (V4's
+        # runner, module doc); False: one forward per step.
+        self.rounds = False
 
     def use_ladder(self, ladder: Sequence[int]) -> None:
         """Pad each step's rows to these sizes; up to the largest the exchange is fixed-shape
@@ -194,26 +216,35 @@ class EPRuntime:
             self.shape.live.fill_(_ALL_ROWS)
 
     def empty_step(self) -> None:
-        """This rank's part of one forward with no tokens: the step's agreement, then every
-        MoE layer's exchanges in the order the model runs them, with the buffers the other
-        ranks use (it may still compute experts for them): a replay of the decode graph of the
-        agreed rows, all padding, where :attr:`idle` has one; else only the MoE layers,
-        eagerly."""
+        """This rank's part of one step with no tokens: the step's agreement, then every MoE
+        layer's exchanges with the buffers the other ranks use (:meth:`empty_forward`); with
+        :attr:`rounds`, as many such rounds as the group's busiest rank takes, and the round
+        of no tokens that ends the step."""
         if not self.layers:
             return
-        rows = self.begin_step(0, self.ladder)
-        try:
-            if self.idle is not None and self.idle(rows):
+        while True:
+            rows = self.begin_step(0, self.ladder)
+            try:
+                self.empty_forward(rows)
+            finally:
+                self.end_step()
+            if not self.rounds or rows == 0:
                 return
-            device = self.layers[0].load.device
-            x = torch.empty(0, self._hidden, dtype=self._dtype, device=device)
-            weights = torch.empty(0, self._top_k, dtype=torch.float32, device=device)
-            idx = torch.empty(0, self._top_k, dtype=torch.int64, device=device)
-            with torch.inference_mode():
-                for layer in self.layers:
-                    layer(x, weights, idx)
-        finally:
-            self.end_step()
+
+    def empty_forward(self, rows: int) -> None:
+        """Every MoE layer's exchanges in the order the model runs them, with no row of this
+        rank's, inside a step begun with ``rows`` agreed (this rank may still compute experts
+        for the others): a replay of the decode graph of those rows, all padding, where
+        :attr:`idle` has one; else only the MoE layers, eagerly."""
+        if self.idle is not None and self.idle(rows):
+            return
+        device = self.layers[0].load.device
+        x = torch.empty(0, self._hidden, dtype=self._dtype, device=device)
+        weights = torch.empty(0, self._top_k, dtype=torch.float32, device=device)
+        idx = torch.empty(0, self._top_k, dtype=torch.int64, device=device)
+        with torch.inference_mode():
+            for layer in self.layers:
+                layer(x, weights, idx)
 
     def load_totals(self) -> torch.Tensor:
         """[MoE layers, experts] int64 on the layers' device: tokens this rank's routers sent

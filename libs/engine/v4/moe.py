@@ -63,6 +63,12 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
+    """Routed experts stored fused: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I].
+
+    ``slots``: the expert each row holds when this module keeps only some of them (one rank of
+    an expert-parallel group, :mod:`libs.engine.ep`, which asks for the slot methods below);
+    None: all ``n_routed_experts`` in order. Row ``s`` then answers ``idx == s``."""
+
     def __init__(self, cfg: V4Config) -> None:
         super().__init__()
         e, i, h = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
@@ -70,6 +76,31 @@ class Experts(nn.Module):
         self.down_proj = _param(e, h, i)
         self.limit = cfg.swiglu_limit
         self.use_kernels = False  # the fused Triton MoE (no host synchronization)
+        self.slots: tuple[int, ...] | None = None
+
+    def keep_slots(self, slots: tuple[int, ...]) -> None:
+        """Keep copies of these experts' weights (``-1``: an empty slot, zeros), drop the rest."""
+        if self.slots is not None:
+            raise ValueError(f"experts already hold slots {self.slots}")
+        state = []
+        for t in self.slot_state():
+            rows = torch.tensor([max(e, 0) for e in slots], dtype=torch.int64, device=t.device)
+            kept = t.index_select(0, rows)
+            kept[[s for s, e in enumerate(slots) if e < 0]] = 0
+            state.append(kept)
+        self.set_slot_state(state, slots)
+
+    def slot_state(self) -> list[torch.Tensor]:
+        """The tensors that hold the experts, one row per slot: what moves when a slot
+        changes hands."""
+        return [self.gate_up_proj.data, self.down_proj.data]
+
+    def set_slot_state(self, state: list[torch.Tensor], slots: tuple[int, ...]) -> None:
+        """Take ``state`` (laid out as :meth:`slot_state`) as the weights of ``slots``."""
+        gate_up, down = state
+        self.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
+        self.down_proj = nn.Parameter(down, requires_grad=False)
+        self.slots = slots
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         if self.use_kernels:

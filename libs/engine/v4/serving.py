@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from ..engine_config import EngineConfig
     from ..ep.group import EPGroup
     from ..ep.placement import Placement
+    from ..ep.runtime import EPRuntime
     from ..loader import LoadedModel
 
 _LEN = struct.Struct("<I")
@@ -192,9 +193,11 @@ class V4Runner(ModelRunner):
         sampler: Sampler,
         block_size: int,
         max_states: int,
+        ep: EPRuntime | None = None,
     ) -> None:
         # Not ModelRunner.__init__: no paged cache or CUDA graphs; launch, collect and the
         # sampling (history, placeholders) are ModelRunner's, on this _forward.
+        self.ep = ep  # one rank of an EP group: every round a step of the group's (_run)
         self.net = net
         self.store = store
         self.sampler = sampler
@@ -274,32 +277,49 @@ class V4Runner(ModelRunner):
         """Feed every request its tokens, cut at block ends, in rounds: each round one forward
         over the requests with tokens left, each up to its block's end (a filled block is
         written then). Decode rows all go in the first round; a long prompt chunk takes one
-        round per block it reaches into. Each request's last-token logits land in its work."""
+        round per block it reaches into. Each request's last-token logits land in its work.
+        With EP every round is agreed with the group, and the step ends with a round that no
+        rank has tokens for (:attr:`EPRuntime.rounds`): a rank done sooner steps empty rounds
+        while the others still compute, so the MoE exchanges pair up."""
         bs = self.block_size
-        while pending := [w for w in work if w.done < len(w.ids)]:
-            flat: list[int] = []
-            lengths = []
-            for w in pending:
-                st = w.run.state
-                if st.seen % bs == 0:
-                    w.run.before = _counts(st)
-                chunk = w.ids[w.done : w.done + bs - st.seen % bs]
-                flat += chunk
-                lengths.append(len(chunk))
-                w.done += len(chunk)
-            # One host-to-device copy for the round's tokens; each request's chunk a view.
-            chunks = torch.split(torch.tensor(flat, device=self.device), lengths)
-            logits = self.net.forward_batch(chunks, [w.run.state for w in pending])
-            for w, row in zip(pending, logits, strict=True):
-                st = w.run.state
-                if st.seen % bs == 0:
-                    self.store.put(
-                        w.seq.block_table[st.seen // bs - 1], encode_block(st, w.run.before)
-                    )
-                if w.done == len(w.ids):
-                    w.logits = row
+        while True:
+            pending = [w for w in work if w.done < len(w.ids)]
+            chunks = [w.ids[w.done : w.done + bs - w.run.state.seen % bs] for w in pending]
+            if self.ep is None:
+                if not pending:
+                    break
+                self._round(pending, chunks)
+                continue
+            rows = self.ep.begin_step(sum(map(len, chunks)), ())
+            try:
+                if pending:
+                    self._round(pending, chunks)
+                elif rows:
+                    self.ep.empty_forward(rows)
+            finally:
+                self.ep.end_step()
+            if rows == 0:
+                break
         for w in work:
             self._mark_open(w.run, w.seq)
+
+    def _round(self, pending: list[_Work], chunks: list[list[int]]) -> None:
+        """One forward over ``pending``, each fed its chunk (up to its block's end)."""
+        bs = self.block_size
+        for w, chunk in zip(pending, chunks, strict=True):
+            if w.run.state.seen % bs == 0:
+                w.run.before = _counts(w.run.state)
+            w.done += len(chunk)
+        # One host-to-device copy for the round's tokens; each request's chunk a view.
+        flat = [t for chunk in chunks for t in chunk]
+        ids = torch.split(torch.tensor(flat, device=self.device), list(map(len, chunks)))
+        logits = self.net.forward_batch(ids, [w.run.state for w in pending])
+        for w, row in zip(pending, logits, strict=True):
+            st = w.run.state
+            if st.seen % bs == 0:
+                self.store.put(w.seq.block_table[st.seen // bs - 1], encode_block(st, w.run.before))
+            if w.done == len(w.ids):
+                w.logits = row
 
     def _mark_open(self, run: _Running, seq: ScheduledSeq) -> None:
         """The block the request's state now ends inside (if any) becomes live; one it left
@@ -347,23 +367,30 @@ def build_v4_parts(
     placement: Placement | None = None,
 ) -> EngineParts:
     """The V4 family's entry in :mod:`libs.engine.registry`: :func:`v4_parts` for the model
-    ``config`` names, refusing what V4 does not take (expert parallelism, a V2/V3 model)."""
+    ``config`` names (``ep``: as one rank of that group, its experts placed by ``placement``,
+    default contiguous), refusing a V2/V3 model and what V4 does not take."""
     check(config.setup("deepseek-v4", ep is not None))
     if loaded is not None:
         raise ValueError("a loaded V2/V3 model cannot serve a DeepSeek-V4 name")
-    return v4_parts(config)
+    return v4_parts(config, ep=ep, placement=placement)
 
 
 def v4_parts(
-    config: EngineConfig, net: V4ForCausalLM | None = None, model_id: str = ""
+    config: EngineConfig,
+    net: V4ForCausalLM | None = None,
+    model_id: str = "",
+    ep: EPGroup | None = None,
+    placement: Placement | None = None,
 ) -> EngineParts:
     """Load the V4 model ``config`` names and build the engine's parts for it (module doc).
     Or take ``net``, a model built elsewhere, whose weights ``model_id`` names (KV frames of
-    another model id are refused)."""
+    another model id are refused). ``ep``: this process is one rank of that expert-parallel
+    group; the routed experts are sharded by ``placement`` (default contiguous) after the
+    whole model is loaded (:func:`libs.engine.ep.runtime.apply_ep`)."""
     from ..kernels.v4_attention import unsupported
     from ..loader import _checkpoint_digest
 
-    check(config.setup("deepseek-v4"))  # what V4 does not take (libs/engine/features.py)
+    check(config.setup("deepseek-v4", ep is not None))  # libs/engine/features.py
     device = torch.device(config.device)
     dtype = config.torch_dtype
     if net is not None:
@@ -384,11 +411,21 @@ def v4_parts(
     net.set_kernels(kernels)
     if kernels and device.type == "cuda":
         net.warm_kernels()
+    runtime = None
+    if ep is not None:
+        from ..ep.placement import Placement
+        from ..ep.runtime import apply_ep
+
+        placement = placement or Placement.contiguous(cfg.n_routed_experts, ep.size)
+        runtime = apply_ep(net, ep, placement)
+        runtime.rounds = True
     spec = v4_cache_spec(cfg, model_id, config.block_size, dtype)
     budget = config.kv_cache_bytes or 1 << 30  # host bytes, taken only by blocks written
     num_blocks = config.num_kv_blocks or max(1, budget // spec.bytes_per_block)
     store = V4BlockStore(spec.bytes_per_block)
     cost = v4_cost_model(net, *nominal_rates(device))
     sampler = Sampler(device, config.sampler_seed, cfg.eos_token_ids)
-    runner = V4Runner(net, store, sampler, config.block_size, config.max_running)
-    return EngineParts(model_id, engine_view(cfg), spec, store, num_blocks, cost, runner, device)
+    runner = V4Runner(net, store, sampler, config.block_size, config.max_running, runtime)
+    return EngineParts(
+        model_id, engine_view(cfg), spec, store, num_blocks, cost, runner, device, ep=runtime
+    )

@@ -343,14 +343,15 @@ def index_ties_to_lower_entry() -> Iterator[None]:
         hf_v4.DeepseekV4Indexer.forward = original
 
 
-def build_hf_v4(name: str, seed: int = 0) -> torch.nn.Module:
-    """A transformers DeepSeek-V4 model of the named config, seeded random weights (fp32,
-    eager), with the parameters transformers initializes to constants (sinks, pooling position
-    biases, hyper-connection biases, norms) and the buffers a checkpoint supplies (hash
-    routing table, score correction bias) randomized too, so a swapped one must show."""
+def build_hf_v4(name: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A transformers DeepSeek-V4 model of the named config (``overrides``: fields changed),
+    seeded random weights (fp32, eager), with the parameters transformers initializes to
+    constants (sinks, pooling position biases, hyper-connection biases, norms) and the buffers a
+    checkpoint supplies (hash routing table, score correction bias) randomized too, so a
+    swapped one must show."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-    kwargs = {**V4_BASE, **{**V4_CONFIGS, **V4_INDEXER_CONFIGS}[name]}
+    kwargs = {**V4_BASE, **{**V4_CONFIGS, **V4_INDEXER_CONFIGS}[name], **overrides}
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(DeepseekV4Config(**kwargs, attn_implementation="eager"))
     gen = torch.Generator().manual_seed(seed + 1)

@@ -1,4 +1,5 @@
-"""Block-scaled weights as DeepSeek releases them, back to full precision (no I/O).
+"""Block-scaled weights as DeepSeek releases them, back to full precision, or MXFP4 into the
+fused MoE's FP4 layout (:func:`mxfp4_as_kernel_fp4`) (no I/O).
 
 A quantized weight is stored as ``weight`` plus ``weight_scale_inv``, one scale per block of the
 [out, in] matrix; the value is ``element * scale`` block by block. What varies:
@@ -63,3 +64,24 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         )
     full = s.repeat_interleave(br, -2)[..., :rows, :].repeat_interleave(bc, -1)[..., :cols]
     return w * full
+
+
+def mxfp4_as_kernel_fp4(
+    packed: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MXFP4 matrix as the release stores it (``packed`` [N, K/2]: two e2m1 codes a byte,
+    element ``2i`` in the low nibble; ``scale`` [N, K/32] UE8M0 bytes or float) in the fused
+    MoE's FP4 layout (:class:`~libs.engine.kernels.fused_moe.Fp4Weight`: per 64 elements along
+    K, byte ``j`` holds element ``j`` low and ``j + 32`` high; bf16 scales, exact for powers
+    of two). The codes are the same e2m1 codes, moved: nothing is rounded."""
+    b = packed.contiguous().view(torch.uint8)
+    n, half = b.shape
+    k = 2 * half
+    if k % 64 or scale.shape != (n, k // 32):
+        raise ValueError(
+            f"an MXFP4 weight of {n}x{k} needs K a multiple of 64 and a {n}x{k // 32} scale "
+            f"grid, got {tuple(scale.shape)}"
+        )
+    codes = torch.stack((b & 0xF, b >> 4), dim=-1).view(n, k // 64, 2, 32)
+    repacked = codes[:, :, 0] | (codes[:, :, 1] << 4)
+    return repacked.reshape(n, half), scale_values(scale).to(torch.bfloat16)

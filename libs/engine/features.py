@@ -71,7 +71,6 @@ REFUSED: tuple[Refusal, ...] = (
     ),
     Refusal(("V4", "speculative decoding"), "V4", _v4(lambda s: s.speculative)),
     Refusal(("V4", "FP8 weights"), "V4", _v4(lambda s: s.weights == "fp8")),
-    Refusal(("V4", "FP4 experts"), "V4", _v4(lambda s: s.experts == "fp4")),
     Refusal(("V4", "a KV cache dtype"), "V4", _v4(lambda s: s.kv_cache_dtype)),
     Refusal(("V4", "batch-invariant mode"), "V4", _v4(lambda s: s.batch_invariant)),
 )

@@ -248,7 +248,13 @@ def add_model_flags(
         default="auto",
         help="fp8: e4m3 KV cache (1.79x the tokens per GiB); prefill and decode must agree",
     )
-    flag(parser, "--experts", default="bf16", help="fp4: routed experts in e2m1")
+    flag(
+        parser,
+        "--experts",
+        default="bf16",
+        help="fp4: routed experts in e2m1 with a scale per 32 (a DeepSeek-V4 release's MXFP4 "
+        "experts stay FP4 either way)",
+    )
     flag(
         parser,
         "--weights",

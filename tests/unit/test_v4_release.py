@@ -21,6 +21,7 @@ from deepserve.bench.release import shard_name, split_shards
 from libs.engine.block_scales import E2M1, dequantize
 from libs.engine.v4.load import canonical_name, generate_v4, load_v4
 from libs.engine.v4.model import V4State
+from libs.engine.v4.moe import Experts
 from tests.hf_reference import build_hf_v4, require_reference
 
 require_reference("transformers")
@@ -83,7 +84,9 @@ def release(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, 
     from transformers import DeepseekV4ForCausalLM
 
     root = tmp_path_factory.mktemp("v4")
-    hf = build_hf_v4("v4-mixed", seed=7)
+    # Expert widths of 64 (K of both expert matrices): the fused MoE's FP4 layout takes the
+    # release's MXFP4 as is, so the loader keeps it (a K of 32 would be dequantized).
+    hf = build_hf_v4("v4-mixed", seed=7, moe_intermediate_size=64)
     hf.save_pretrained(root / "saved")  # transformers writes the release's names back
     saved = load_file(str(root / "saved" / "model.safetensors"))
     stored: dict[str, torch.Tensor] = {}
@@ -166,8 +169,8 @@ def test_fp8_and_fp4_tensors_are_stored_as_released(
     fp4 = [k for k in tensors if FP4.search(k)]
     assert fp4 and all(tensors[k].dtype == torch.int8 for k in fp4)
     w1 = tensors["layers.1.ffn.experts.0.w1.weight"]
-    assert w1.shape == (32, 32) and tensors["layers.1.ffn.experts.0.w1.weight_scale_inv"].shape == (
-        32,
+    assert w1.shape == (64, 32) and tensors["layers.1.ffn.experts.0.w1.weight_scale_inv"].shape == (
+        64,
         2,
     )
     assert tensors["layers.1.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
@@ -186,6 +189,8 @@ def test_the_release_generates_as_transformers_does(
 ) -> None:
     hf, out, _ = release
     net = load_v4(str(out))
+    held = [m.fp4 for m in net.modules() if isinstance(m, Experts)]
+    assert held and all(w is not None for w in held)  # the routed experts stay in FP4
     ids = torch.tensor(PROMPT)
     with torch.no_grad():
         want = hf(ids[None], use_cache=False).logits[0]

@@ -18,7 +18,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ from ..presets import _name_key, init_random_weights
 from .blocks import V4BlockCache, prefill_blocks, restore
 from .config import V4Config
 from .model import V4ForCausalLM, V4State
+
+if TYPE_CHECKING:
+    from ..kernels.fused_moe import Fp4Weight
 
 _VOCAB = 129280
 _COMMON: dict[str, Any] = dict(vocab_size=_VOCAB, bos_token_id=0, eos_token_id=1)
@@ -117,9 +120,10 @@ def load_v4(
     progress: ProgressSink | None = None,
 ) -> V4ForCausalLM:
     """A preset with seeded random weights, or a checkpoint directory in DeepSeek's release
-    naming or transformers' (its block-scaled tensors -- FP8 e4m3 per 128x128 tile, the routed
-    experts' FP4 per 1x32 block, float32 or UE8M0 scales -- dequantized), ``read_workers``
-    shards read at once, ``progress`` told how far (a preset reads nothing, tells nothing)."""
+    naming or transformers' (FP8 e4m3 tensors per 128x128 tile dequantized; routed experts in
+    MXFP4 -- e2m1, a UE8M0 scale per 1x32 -- kept in FP4 for the fused MoE, other block-scaled
+    experts dequantized), ``read_workers`` shards read at once, ``progress`` told how far (a
+    preset reads nothing, tells nothing)."""
     device = torch.device(device)
     if model in V4_PRESETS:
         net = _build(V4Config.from_hf(V4_PRESETS[model]), device, dtype)
@@ -134,7 +138,8 @@ def load_v4(
     raw = json.loads((path / "config.json").read_text())
     net = _build(V4Config.from_hf(raw), device, dtype)
     net.hf_config = raw
-    net.load_hf_state(_read_state(path, device, read_workers, progress))
+    state, fp4 = _read_state(path, device, read_workers, progress)
+    net.load_hf_state(state, fp4)
     return net.eval()
 
 
@@ -239,37 +244,73 @@ def _read_state(
     device: torch.device,
     read_workers: int = DEFAULT_READ_WORKERS,
     progress: ProgressSink | None = None,
-) -> dict[str, torch.Tensor]:
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[Fp4Weight, Fp4Weight]]]:
     """Every tensor under our names, block-scaled ones (FP8 e4m3 or packed FP4, with their
     ``weight_scale_inv`` in any shard) dequantized (:mod:`..block_scales`); per-expert
     ``w1``/``w3``/``w2`` stacked into ``gate_up_proj`` (gate rows, then up rows) and
-    ``down_proj``. Shards are read ``read_workers`` at a time as the V3 loader reads them
+    ``down_proj`` -- or, where a layer's every expert matrix is MXFP4 (the release), kept in
+    FP4 as the fused MoE's weights (the second dict, by the experts' module name). Shards are
+    read ``read_workers`` at a time as the V3 loader reads them
     (:func:`~..checkpoint_stream.stream_tensors`: on CUDA copied in while the next shards are
     read), telling ``progress``."""
-    from ..block_scales import dequantize
+    from ..block_scales import dequantize, is_packed_fp4
 
     out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    experts: dict[str, dict[str, dict[int, tuple[torch.Tensor, torch.Tensor | None]]]] = {}
     on = device if device.type == "cuda" else None
     for k, t, scale in stream_tensors(path, workers=read_workers, device=on, progress=progress):
         if scale is not None and t.dim() != 2:
             raise ValueError(f"{path.name}: {k} is a {t.dim()}-D scaled tensor; only 2-D load")
-        t = dequantize(t, scale) if scale is not None else t
         name = canonical_name(k)
         m = _EXPERT.match(name)
-        if m:
-            experts.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = t
+        if m:  # raw until its layer's experts are all in: FP4 kept, or every one dequantized
+            experts.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = (
+                t,
+                scale,
+            )
         else:
-            out[name] = t
+            out[name] = dequantize(t, scale) if scale is not None else t
+    fp4: dict[str, tuple[Fp4Weight, Fp4Weight]] = {}
     for prefix, parts in experts.items():
         try:
             n = len(parts["w1"])
             w1, w2, w3 = ([parts[w][e] for e in range(n)] for w in ("w1", "w2", "w3"))
         except KeyError as exc:
             raise ValueError(f"{prefix}: expert tensor {exc} missing from the checkpoint") from None
-        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([a, b]) for a, b in zip(w1, w3)])
-        out[f"{prefix}.down_proj"] = torch.stack(w2)
-    return out
+        raw = [*w1, *w2, *w3]
+        if all(s is not None and is_packed_fp4(t) and _mx_grid(t, s) for t, s in raw):
+            fp4[prefix] = (_stack_fp4(w1, w3), _stack_fp4(w2))
+            continue
+        full = [dequantize(t, s) if s is not None else t for t, s in raw]
+        g, d, u = full[:n], full[n : 2 * n], full[2 * n :]
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([a, b]) for a, b in zip(g, u)])
+        out[f"{prefix}.down_proj"] = torch.stack(d)
+    return out, fp4
+
+
+def _mx_grid(packed: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether ``scale`` is one scale per 32 along K of this packed FP4 matrix, K a multiple
+    of 64 (the fused MoE's FP4 layout takes it as is)."""
+    n, half = packed.shape
+    return (2 * half) % 64 == 0 and tuple(scale.shape) == (n, 2 * half // 32)
+
+
+def _stack_fp4(
+    first: list[tuple[torch.Tensor, torch.Tensor | None]],
+    second: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+) -> Fp4Weight:
+    """One expert matrix per entry (``second``: rows appended to each, the up rows under the
+    gate rows) as the fused MoE's stacked FP4 weight."""
+    from ..block_scales import mxfp4_as_kernel_fp4
+    from ..kernels.fused_moe import Fp4Weight
+
+    packed, scales = [], []
+    for i, (t, s) in enumerate(first):
+        rows = [(t, s)] if second is None else [(t, s), second[i]]
+        pieces = [mxfp4_as_kernel_fp4(a, b) for a, b in rows if b is not None]
+        packed.append(torch.cat([p for p, _ in pieces]))
+        scales.append(torch.cat([q for _, q in pieces]))
+    return Fp4Weight(torch.stack(packed), torch.stack(scales))
 
 
 @dataclass(frozen=True)

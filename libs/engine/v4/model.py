@@ -30,8 +30,8 @@ The parts: :mod:`.layers` (norms, linears, RoPE, hyper-connections), :mod:`.stat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -41,6 +41,9 @@ from .config import CSA, V4Config
 from .layers import HyperConnection, HyperHead, RMSNorm, V4Rotary, _linear
 from .moe import Experts, MoE
 from .state import CompressorState, LayerState, V4State
+
+if TYPE_CHECKING:
+    from ..kernels.fused_moe import Fp4Weight
 
 __all__ = ["CompressorState", "DecoderLayer", "LayerState", "V4ForCausalLM", "V4State"]
 
@@ -106,6 +109,12 @@ class V4ForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (Attention, Experts, HyperConnection)):
                 module.use_kernels = on
+
+    def quantize_experts_fp4(self) -> None:
+        """Every layer's routed experts to FP4 (e2m1, a scale per 32): ``--experts fp4``."""
+        for module in self.modules():
+            if isinstance(module, Experts):
+                module.quantize_fp4()
 
     @torch.inference_mode()
     def warm_kernels(self) -> None:
@@ -186,14 +195,34 @@ class V4ForCausalLM(nn.Module):
         logits: torch.Tensor = self.lm_head(hidden)
         return logits.float()
 
-    def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
+    def load_hf_state(
+        self,
+        state: dict[str, torch.Tensor],
+        fp4: Mapping[str, tuple[Fp4Weight, Fp4Weight]] | None = None,
+    ) -> None:
         """A transformers ``DeepseekV4ForCausalLM`` state dict (rotary tables, which are
-        computed here, and the MTP layers, not run here yet, are skipped)."""
+        computed here, and the MTP layers, not run here yet, are skipped). ``fp4``: routed
+        experts held in FP4, by module name (``model.layers.N.mlp.experts``), in place of
+        their ``gate_up_proj`` and ``down_proj``."""
         keep = {
             k: v
             for k, v in state.items()
             if "rotary_emb" not in k and not k.startswith(("mtp.", "model.mtp."))
         }
+        modules = dict(self.named_modules())
+        for name, (gate_up, down) in (fp4 or {}).items():
+            experts = modules.get(name)
+            if not isinstance(experts, Experts):
+                raise ValueError(f"V4 checkpoint does not match the config: no experts {name}")
+            want = tuple(experts.gate_up_proj.shape), tuple(experts.down_proj.shape)
+            if (gate_up.shape, down.shape) != want:
+                raise ValueError(
+                    f"V4 checkpoint does not match the config: {name} holds "
+                    f"{gate_up.shape} / {down.shape}, the config {want[0]} / {want[1]}"
+                )
+            experts.set_fp4(gate_up, down)
+            for part in ("gate_up_proj", "down_proj"):  # the emptied parameters, loaded as such
+                keep[f"{name}.{part}"] = getattr(experts, part).data
         try:
             missing, unexpected = self.load_state_dict(keep, strict=False)
         except RuntimeError as exc:  # shapes: the checkpoint is another config's

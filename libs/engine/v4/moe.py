@@ -1,6 +1,11 @@
-"""DeepSeek-V4's MoE: sqrt-softplus or hash routing, clamped SwiGLU experts, a shared expert."""
+"""DeepSeek-V4's MoE: sqrt-softplus or hash routing, clamped SwiGLU experts, a shared expert.
+The routed experts are bf16 (or the model's dtype) or FP4 e2m1 with a scale per 32 (as the
+release stores them, or quantized at load: :meth:`Experts.set_fp4`), decoded inside the fused
+MoE's GEMMs on a GPU and one expert at a time in PyTorch."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -8,6 +13,9 @@ from torch import nn
 
 from .config import V4Config
 from .layers import _linear, _param
+
+if TYPE_CHECKING:  # the kernels' module imports Triton: only when FP4 is asked for
+    from ..kernels.fused_moe import Fp4Weight
 
 
 def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -77,6 +85,26 @@ class Experts(nn.Module):
         self.limit = cfg.swiglu_limit
         self.use_kernels = False  # the fused Triton MoE (no host synchronization)
         self.slots: tuple[int, ...] | None = None
+        self._fp4: tuple[Fp4Weight, Fp4Weight] | None = None
+
+    @property
+    def fp4(self) -> tuple[Fp4Weight, Fp4Weight] | None:
+        """The FP4 experts (gate/up, down) when held so; None: the parameters hold them."""
+        return self._fp4
+
+    def set_fp4(self, gate_up: Fp4Weight, down: Fp4Weight) -> None:
+        """Hold the experts as these FP4 weights (the parameters' copies are freed)."""
+        self._fp4 = (gate_up, down)
+        p = self.gate_up_proj
+        self.gate_up_proj = nn.Parameter(p.new_empty(0), requires_grad=False)
+        self.down_proj = nn.Parameter(p.new_empty(0), requires_grad=False)
+
+    def quantize_fp4(self) -> None:
+        """Quantize the experts to FP4 (e2m1, a scale per 32 along K); once."""
+        if self._fp4 is None:
+            from ..kernels.fused_moe import quantize_fp4
+
+            self.set_fp4(quantize_fp4(self.gate_up_proj.data), quantize_fp4(self.down_proj.data))
 
     def keep_slots(self, slots: tuple[int, ...]) -> None:
         """Keep copies of these experts' weights (``-1``: an empty slot, zeros), drop the rest."""
@@ -91,31 +119,45 @@ class Experts(nn.Module):
         self.set_slot_state(state, slots)
 
     def slot_state(self) -> list[torch.Tensor]:
-        """The tensors that hold the experts, one row per slot: what moves when a slot
-        changes hands."""
+        """The tensors that hold the experts, one row per slot (bf16: gate/up and down; FP4:
+        codes and scales of each): what moves when a slot changes hands."""
+        if self._fp4 is not None:
+            return [t for w in self._fp4 for t in (w.packed, w.scales)]
         return [self.gate_up_proj.data, self.down_proj.data]
 
     def set_slot_state(self, state: list[torch.Tensor], slots: tuple[int, ...]) -> None:
         """Take ``state`` (laid out as :meth:`slot_state`) as the weights of ``slots``."""
-        gate_up, down = state
-        self.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
-        self.down_proj = nn.Parameter(down, requires_grad=False)
+        if self._fp4 is not None:
+            from ..kernels.fused_moe import Fp4Weight
+
+            self._fp4 = (Fp4Weight(state[0], state[1]), Fp4Weight(state[2], state[3]))
+        else:
+            self.gate_up_proj = nn.Parameter(state[0], requires_grad=False)
+            self.down_proj = nn.Parameter(state[1], requires_grad=False)
         self.slots = slots
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self._fp4 or (self.gate_up_proj, self.down_proj)
         if self.use_kernels:
             from ..kernels.fused_moe import fused_moe
 
-            return fused_moe(
-                x, self.gate_up_proj, self.down_proj, w.float(), idx, swiglu_limit=self.limit
-            )
+            return fused_moe(x, gate_up, down, w.float(), idx, swiglu_limit=self.limit)
         out = torch.zeros_like(x)
         for e in torch.unique(idx).tolist():
             tok, slot = torch.nonzero(idx == e, as_tuple=True)
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(_clamped_swiglu(gate, up, self.limit), self.down_proj[e])
+            g, u = F.linear(x[tok], _expert(gate_up, e, x.dtype)).chunk(2, dim=-1)
+            y = F.linear(_clamped_swiglu(g, u, self.limit), _expert(down, e, x.dtype))
             out.index_add_(0, tok, (y * w[tok, slot, None]).to(out.dtype))
         return out
+
+
+def _expert(w: torch.Tensor | Fp4Weight, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``e``'s matrix in ``dtype`` (FP4: decoded, code times scale in fp32, then cast)."""
+    if isinstance(w, torch.Tensor):
+        return w[e]
+    from ..kernels.fused_moe import Fp4Weight, dequantize_fp4
+
+    return dequantize_fp4(Fp4Weight(w.packed[e : e + 1], w.scales[e : e + 1]), dtype)[0]
 
 
 class MoE(nn.Module):

@@ -407,6 +407,8 @@ def v4_parts(
         path = Path(config.model)
         model_id = f"{path.name}@{_checkpoint_digest(path)}"
     cfg = net.cfg
+    if config.expert_dtype == "fp4":  # --experts fp4 (a release checkpoint's are FP4 already)
+        net.quantize_experts_fp4()
     kernels = kernels_on(config, lambda: unsupported(cfg.head_dim, cfg.index_head_dim))
     net.set_kernels(kernels)
     if kernels and device.type == "cuda":

@@ -70,7 +70,6 @@ REFUSED: tuple[Refusal, ...] = (
         lambda s: s.speculative and s.expert_parallel,
     ),
     Refusal(("V4", "speculative decoding"), "V4", _v4(lambda s: s.speculative)),
-    Refusal(("V4", "FP8 weights"), "V4", _v4(lambda s: s.weights == "fp8")),
     Refusal(("V4", "a KV cache dtype"), "V4", _v4(lambda s: s.kv_cache_dtype)),
     Refusal(("V4", "batch-invariant mode"), "V4", _v4(lambda s: s.batch_invariant)),
 )

@@ -261,7 +261,8 @@ def add_model_flags(
         default="auto",
         help="fp8: e4m3 weights with 128x128 block scales (a bf16 model quantized at load); "
         "auto: fp8 for DeepSeek's FP8 checkpoints (kept as they are), bf16 otherwise and with "
-        "--experts fp4 or --batch-invariant; bf16: FP8 checkpoints dequantized at load",
+        "--experts fp4 or --batch-invariant (a DeepSeek-V4 release keeps both its FP8 "
+        "projections and its FP4 experts); bf16: FP8 checkpoints dequantized at load",
     )
     flag(
         parser,

@@ -53,10 +53,10 @@ def test_every_row_of_the_table_refuses_by_name(row) -> None:
 
 
 def test_v4_hears_every_feature_it_lacks_in_one_sentence() -> None:
-    setup = Setup(family="deepseek-v4", speculative=True, weights="fp8", kv_cache_dtype=True)
+    setup = Setup(family="deepseek-v4", speculative=True, batch_invariant=True, kv_cache_dtype=True)
     assert refusals(setup) == [
-        "DeepSeek-V4 models are served without speculative decoding, FP8 weights, "
-        "a KV cache dtype for now"
+        "DeepSeek-V4 models are served without speculative decoding, a KV cache dtype, "
+        "batch-invariant mode for now"
     ]
 
 

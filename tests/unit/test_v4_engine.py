@@ -155,8 +155,8 @@ def test_another_models_state_is_refused(net: V4ForCausalLM) -> None:
 
 
 def test_features_the_v4_engine_does_not_have_are_refused_by_name(net: V4ForCausalLM) -> None:
-    config = EngineConfig(model="v4", speculative_tokens=2, weight_dtype="fp8")
-    with pytest.raises(ValueError, match="speculative decoding, FP8 weights"):
+    config = EngineConfig(model="v4", speculative_tokens=2, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="speculative decoding, a KV cache dtype"):
         v4_parts(config, net, "net-a")
 
 

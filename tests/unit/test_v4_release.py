@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from deepserve.bench.release import shard_name, split_shards
 from libs.engine.block_scales import E2M1, dequantize
+from libs.engine.model.layers import Fp8Linear
 from libs.engine.v4.load import canonical_name, generate_v4, load_v4
 from libs.engine.v4.model import V4State
 from libs.engine.v4.moe import Experts
@@ -188,7 +189,7 @@ def test_the_release_generates_as_transformers_does(
     release: tuple[torch.nn.Module, Path, Path],
 ) -> None:
     hf, out, _ = release
-    net = load_v4(str(out))
+    net = load_v4(str(out), weights="bf16")  # FP8 projections dequantized: transformers' math
     held = [m.fp4 for m in net.modules() if isinstance(m, Experts)]
     assert held and all(w is not None for w in held)  # the routed experts stay in FP4
     ids = torch.tensor(PROMPT)
@@ -200,3 +201,34 @@ def test_the_release_generates_as_transformers_does(
     with torch.no_grad():
         tokens = hf.generate(ids[None], max_new_tokens=6, do_sample=False)[0, len(PROMPT) :]
     assert list(generate_v4(net, PROMPT, 6, ignore_eos=True).token_ids) == tokens.tolist()
+
+
+def test_the_release_keeps_its_fp8_projections_in_fp8(
+    release: tuple[torch.nn.Module, Path, Path],
+) -> None:
+    """By default the release's e4m3 projections load as FP8 linears holding the stored bytes
+    and scales (the GEMMs quantize activations per token and 128 channels, as DeepSeek's FP8
+    inference does); ``weights="bf16"`` gives the same matrices dequantized."""
+    _, out, _ = release
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    fp8, plain = load_v4(str(out)), load_v4(str(out), weights="bf16")
+    modules, plain_modules = dict(fp8.named_modules()), dict(plain.named_modules())
+    held = [n for n in fp8.fp8_projections() if isinstance(modules[n], Fp8Linear)]
+    stored = [k for k, t in tensors.items() if t.dtype == torch.float8_e4m3fn and ".wo_a." not in k]
+    assert len(held) == len(stored) > 0  # every FP8 projection we run as FP8 stayed FP8
+    layer = modules["model.layers.1.self_attn.q_a_proj"]
+    release_w = tensors["layers.1.attn.wq_a.weight"]
+    assert torch.equal(layer.weight.view(torch.uint8), release_w.view(torch.uint8))
+    for name in held:
+        want = plain_modules[name].weight
+        assert torch.equal(modules[name].dequantized(torch.float32), want), name
+    assert isinstance(modules["model.layers.1.self_attn.o_a_proj"].weight, torch.Tensor)
+    ids = torch.tensor(PROMPT)
+    got = fp8(ids, V4State.empty(fp8.cfg))
+    want = plain(ids, V4State.empty(plain.cfg))
+    # This random 4-layer model amplifies the activations' e4m3 rounding (~3% per GEMM input)
+    # to ~22% of the logits' norm; scales misread (a tile off, UE8M0 taken as a float) are
+    # orders of magnitude off.
+    assert (got - want).norm() / want.norm() < 0.35

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -118,17 +118,23 @@ def load_v4(
     seed: int = 0,
     read_workers: int = DEFAULT_READ_WORKERS,
     progress: ProgressSink | None = None,
+    weights: str = "auto",
 ) -> V4ForCausalLM:
     """A preset with seeded random weights, or a checkpoint directory in DeepSeek's release
-    naming or transformers' (FP8 e4m3 tensors per 128x128 tile dequantized; routed experts in
-    MXFP4 -- e2m1, a UE8M0 scale per 1x32 -- kept in FP4 for the fused MoE, other block-scaled
-    experts dequantized), ``read_workers`` shards read at once, ``progress`` told how far (a
-    preset reads nothing, tells nothing)."""
+    naming or transformers' (routed experts in MXFP4 -- e2m1, a UE8M0 scale per 1x32 -- kept in
+    FP4 for the fused MoE, other block-scaled experts dequantized; FP8 e4m3 projections per
+    128x128 tile kept in FP8 where :meth:`V4ForCausalLM.fp8_projections` runs them so, others
+    dequantized), ``read_workers`` shards read at once, ``progress`` told how far (a preset
+    reads nothing, tells nothing). ``weights``: ``auto`` as stored, ``bf16`` every FP8
+    projection dequantized, ``fp8`` every one of :meth:`V4ForCausalLM.fp8_projections` in
+    FP8 (quantized at load where the checkpoint has it in full precision)."""
     device = torch.device(device)
     if model in V4_PRESETS:
         net = _build(V4Config.from_hf(V4_PRESETS[model]), device, dtype)
         net.hf_config = dict(V4_PRESETS[model])
         _init_preset(net, seed)
+        if weights == "fp8":
+            net.quantize_weights_fp8()
         return net.eval()
     path = Path(model)
     if not is_v4(model):
@@ -138,8 +144,12 @@ def load_v4(
     raw = json.loads((path / "config.json").read_text())
     net = _build(V4Config.from_hf(raw), device, dtype)
     net.hf_config = raw
-    state, fp4 = _read_state(path, device, read_workers, progress)
+    keep = net.fp8_projections() if weights != "bf16" else ()
+    state, fp4, fp8 = _read_state(path, device, read_workers, progress, keep)
+    net.quantize_weights_fp8(only=fp8, empty=True)  # filled with the checkpoint's bytes
     net.load_hf_state(state, fp4)
+    if weights == "fp8":
+        net.quantize_weights_fp8()  # any the checkpoint stored in bf16
     return net.eval()
 
 
@@ -244,18 +254,22 @@ def _read_state(
     device: torch.device,
     read_workers: int = DEFAULT_READ_WORKERS,
     progress: ProgressSink | None = None,
-) -> tuple[dict[str, torch.Tensor], dict[str, tuple[Fp4Weight, Fp4Weight]]]:
+    keep_fp8: Collection[str] = (),
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[Fp4Weight, Fp4Weight]], set[str]]:
     """Every tensor under our names, block-scaled ones (FP8 e4m3 or packed FP4, with their
-    ``weight_scale_inv`` in any shard) dequantized (:mod:`..block_scales`); per-expert
-    ``w1``/``w3``/``w2`` stacked into ``gate_up_proj`` (gate rows, then up rows) and
-    ``down_proj`` -- or, where a layer's every expert matrix is MXFP4 (the release), kept in
-    FP4 as the fused MoE's weights (the second dict, by the experts' module name). Shards are
-    read ``read_workers`` at a time as the V3 loader reads them
-    (:func:`~..checkpoint_stream.stream_tensors`: on CUDA copied in while the next shards are
-    read), telling ``progress``."""
-    from ..block_scales import dequantize, is_packed_fp4
+    ``weight_scale_inv`` in any shard) dequantized (:mod:`..block_scales`) -- except an e4m3
+    weight in 128x128 tiles of a module named in ``keep_fp8``, kept as it is with its scales
+    as fp32 ``weight_scale_inv`` (:class:`~..model.layers.Fp8Linear`'s parameters; those
+    modules are the third value); per-expert ``w1``/``w3``/``w2`` stacked into
+    ``gate_up_proj`` (gate rows, then up rows) and ``down_proj`` -- or, where a layer's every
+    expert matrix is MXFP4 (the release), kept in FP4 as the fused MoE's weights (the second
+    dict, by the experts' module name). Shards are read ``read_workers`` at a time as the V3
+    loader reads them (:func:`~..checkpoint_stream.stream_tensors`: on CUDA copied in while
+    the next shards are read), telling ``progress``."""
+    from ..block_scales import dequantize, is_packed_fp4, scale_values
 
     out: dict[str, torch.Tensor] = {}
+    fp8: set[str] = set()
     experts: dict[str, dict[str, dict[int, tuple[torch.Tensor, torch.Tensor | None]]]] = {}
     on = device if device.type == "cuda" else None
     for k, t, scale in stream_tensors(path, workers=read_workers, device=on, progress=progress):
@@ -268,6 +282,10 @@ def _read_state(
                 t,
                 scale,
             )
+        elif scale is not None and name[: -len(".weight")] in keep_fp8 and _fp8_tiles(t, scale):
+            module = name[: -len(".weight")]
+            out[name], out[module + ".weight_scale_inv"] = t, scale_values(scale)
+            fp8.add(module)
         else:
             out[name] = dequantize(t, scale) if scale is not None else t
     fp4: dict[str, tuple[Fp4Weight, Fp4Weight]] = {}
@@ -285,7 +303,16 @@ def _read_state(
         g, d, u = full[:n], full[n : 2 * n], full[2 * n :]
         out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([a, b]) for a, b in zip(g, u)])
         out[f"{prefix}.down_proj"] = torch.stack(d)
-    return out, fp4
+    return out, fp4, fp8
+
+
+def _fp8_tiles(weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether ``weight`` is e4m3 with one scale per 128x128 tile (the last ones partial)."""
+    rows, cols = weight.shape
+    return weight.dtype == torch.float8_e4m3fn and tuple(scale.shape) == (
+        -(-rows // 128),
+        -(-cols // 128),
+    )
 
 
 def _mx_grid(packed: torch.Tensor, scale: torch.Tensor) -> bool:

@@ -30,16 +30,18 @@ The parts: :mod:`.layers` (norms, linears, RoPE, hyper-connections), :mod:`.stat
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from ..model.layers import Fp8Linear
 from .attention import Attention, _rotary_of
+from .compressor import Indexer
 from .config import CSA, V4Config
 from .layers import HyperConnection, HyperHead, RMSNorm, V4Rotary, _linear
-from .moe import Experts, MoE
+from .moe import Experts, MoE, SharedMLP
 from .state import CompressorState, LayerState, V4State
 
 if TYPE_CHECKING:
@@ -104,11 +106,51 @@ class V4ForCausalLM(nn.Module):
         }
 
     def set_kernels(self, on: bool) -> None:
-        """Decode attention, the indexer, the routed experts and the hyper-connections'
-        mixing weights through the Triton kernels (on) or plain PyTorch (the reference)."""
+        """Decode attention, the indexer, the routed experts, the hyper-connections' mixing
+        weights and the FP8 projections through the Triton kernels (on) or plain PyTorch (the
+        reference)."""
         for module in self.modules():
-            if isinstance(module, (Attention, Experts, HyperConnection)):
+            if isinstance(module, (Attention, Experts, HyperConnection, Fp8Linear)):
                 module.use_kernels = on
+
+    def fp8_projections(self) -> list[str]:
+        """The projections DeepSeek's release stores in FP8 (e4m3, a scale per 128x128 tile)
+        that run as FP8 GEMMs here, by module name: attention's query, key/value and output
+        projections (not the grouped ``o_a_proj``, which stays in the model dtype), the
+        indexer's query projection and the shared experts. The compressors' and the
+        indexer's own key/value, gate and weight projections are bf16 in the release too."""
+        names: list[str] = []
+        for name, module in self.named_modules():
+            children: tuple[str, ...]
+            if isinstance(module, Attention):
+                children = ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj")
+            elif isinstance(module, Indexer):
+                children = ("q_b_proj",)
+            elif isinstance(module, SharedMLP):
+                children = ("gate_proj", "up_proj", "down_proj")
+            else:
+                continue
+            names += [f"{name}.{child}" for child in children]
+        return names
+
+    def quantize_weights_fp8(
+        self, only: Collection[str] | None = None, empty: bool = False
+    ) -> None:
+        """:meth:`fp8_projections` (``only``: those of them) become :class:`Fp8Linear` layers,
+        their weights quantized (``empty``: left for the loader to fill); once."""
+        modules = dict(self.named_modules())
+        for name in self.fp8_projections():
+            layer = modules[name]
+            if (only is not None and name not in only) or not isinstance(layer, nn.Linear):
+                continue
+            w = layer.weight
+            fp8 = (
+                Fp8Linear(layer.out_features, layer.in_features, False, w.dtype, w.device)
+                if empty
+                else Fp8Linear.from_linear(layer)
+            )
+            parent, child = name.rsplit(".", 1)
+            setattr(modules[parent], child, fp8)
 
     def quantize_experts_fp4(self) -> None:
         """Every layer's routed experts to FP4 (e2m1, a scale per 32): ``--experts fp4``."""

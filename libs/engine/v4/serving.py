@@ -398,17 +398,25 @@ def v4_parts(
             raise ValueError("a V4 model passed in needs the model_id that names its weights")
         device, dtype = next(net.parameters()).device, next(net.parameters()).dtype
     elif config.model in V4_PRESETS:
-        net = load_v4(config.model, device, dtype, config.seed)
+        net = load_v4(config.model, device, dtype, config.seed, weights=config.weight_dtype)
         model_id = f"{config.model}-seed{config.seed}@{layout_hash(net)}"
     else:
         net = load_v4(
-            config.model, device, dtype, config.seed, config.read_workers, config.load_progress
+            config.model,
+            device,
+            dtype,
+            config.seed,
+            config.read_workers,
+            config.load_progress,
+            config.weight_dtype,
         )
         path = Path(config.model)
         model_id = f"{path.name}@{_checkpoint_digest(path)}"
     cfg = net.cfg
     if config.expert_dtype == "fp4":  # --experts fp4 (a release checkpoint's are FP4 already)
         net.quantize_experts_fp4()
+    if config.weight_dtype == "fp8":  # a model passed in too (load_v4 did the others)
+        net.quantize_weights_fp8()
     kernels = kernels_on(config, lambda: unsupported(cfg.head_dim, cfg.index_head_dim))
     net.set_kernels(kernels)
     if kernels and device.type == "cuda":

@@ -1,7 +1,8 @@
-"""DeepSeek-V4's routed experts held in FP4 (e2m1, a scale per 32 along K): the release's MXFP4
-moved into the fused MoE's layout without rounding, ``--experts fp4`` on a preset, the PyTorch
-and kernel paths (Triton's interpreter here), and FP4 slots under expert parallelism. The
-release checkpoint itself loads with its experts in FP4 in tests/unit/test_v4_release.py."""
+"""DeepSeek-V4 quantized as released: routed experts held in FP4 (e2m1, a scale per 32 along
+K) -- the release's MXFP4 moved into the fused MoE's layout without rounding, ``--experts fp4``
+on a preset, the PyTorch and kernel paths (Triton's interpreter here), FP4 slots under expert
+parallelism -- and ``--weights fp8`` on a preset. The release checkpoint itself loads with its
+experts in FP4 and its projections in FP8 in tests/unit/test_v4_release.py."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from libs.engine.engine import Engine, EngineConfig
 from libs.engine.ep.placement import EMPTY, Placement
 from libs.engine.kernels.fused_moe import Fp4Weight, dequantize_fp4
 from libs.engine.llm import LLM
+from libs.engine.model.layers import Fp8Linear
 from libs.engine.v4.load import generate_v4, load_v4
 from libs.engine.v4.model import V4ForCausalLM, V4State
 from libs.engine.v4.moe import Experts
@@ -96,7 +98,7 @@ def test_engine_with_fp4_experts_generates_the_reference_tokens() -> None:
     assert got == [generate_v4(net, p, 5, ignore_eos=True).token_ids for p in PROMPTS]
 
 
-def test_fp4_slots_move_between_ranks(tmp_path) -> None:
+def test_fp4_slots_move_between_ranks() -> None:
     """Three ranks hold FP4 slots (codes and scales travel together), replicated and then
     re-placed live: the tokens of one FP4 engine."""
     llm = LLM(engine=Engine(EngineConfig(model="v4-tiny", expert_dtype="fp4", **ENGINE)))
@@ -114,3 +116,15 @@ def test_fp4_slots_move_between_ranks(tmp_path) -> None:
         **ENGINE,
     )
     assert [o.token_ids for o in collect_outputs(results, len(PROMPTS))] == want
+
+
+def test_engine_with_fp8_projections_generates_the_reference_tokens() -> None:
+    """``--weights fp8`` on a V4 preset: its FP8 projections are e4m3 linears, and the
+    engine's greedy tokens are the reference generator's on the same quantized model."""
+    llm = LLM(engine=Engine(EngineConfig(model="v4-tiny", weight_dtype="fp8", **ENGINE)))
+    net = llm.engine.runner.net
+    modules = dict(net.named_modules())
+    assert all(isinstance(modules[n], Fp8Linear) for n in net.fp8_projections())
+    got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, decode_text=False)]
+    ref = load_v4("v4-tiny", weights="fp8")
+    assert got == [generate_v4(ref, p, 5, ignore_eos=True).token_ids for p in PROMPTS]

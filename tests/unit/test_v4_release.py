@@ -232,3 +232,34 @@ def test_the_release_keeps_its_fp8_projections_in_fp8(
     # to ~22% of the logits' norm; scales misread (a tile off, UE8M0 taken as a float) are
     # orders of magnitude off.
     assert (got - want).norm() / want.norm() < 0.35
+
+
+def test_an_ep_rank_reads_only_its_experts(release: tuple[torch.nn.Module, Path, Path]) -> None:
+    """``expert_slots``: each layer holds those experts in slot order (an empty slot zeros),
+    still in FP4, and never the others; an EP group of two ranks loading the release so gives
+    one engine's greedy tokens."""
+    from libs.common.sampling import SamplingParams
+    from libs.engine.engine import Engine, EngineConfig
+    from libs.engine.llm import LLM
+    from libs.serving.ep.generate import collect_outputs, generate_ranks
+
+    _, out, _ = release
+    full, part = load_v4(str(out)), load_v4(str(out), expert_slots=(5, -1, 2))
+    pairs = zip(
+        [m for m in full.modules() if isinstance(m, Experts)],
+        [m for m in part.modules() if isinstance(m, Experts)],
+        strict=True,
+    )
+    for whole, mine in pairs:
+        assert mine.slots == (5, -1, 2) and whole.fp4 is not None and mine.fp4 is not None
+        for a, b in zip(whole.fp4, mine.fp4, strict=True):
+            assert b.packed.shape[0] == 3 and not b.packed[1].any()  # the empty slot: zeros
+            for t, u in ((a.packed, b.packed), (a.scales, b.scales)):
+                assert torch.equal(u[0], t[5]) and torch.equal(u[2], t[2])
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompts = [PROMPT, PROMPT[:5]]
+    engine = dict(block_size=16, num_kv_blocks=32, time_budget_s=None)
+    one = LLM(engine=Engine(EngineConfig(model=str(out), **engine)))
+    want = [o.token_ids for o in one.generate(prompts, params, decode_text=False)]
+    results = generate_ranks(str(out), prompts, params, ep=2, decode_text=False, **engine)
+    assert [o.token_ids for o in collect_outputs(results, 2)] == want

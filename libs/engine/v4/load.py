@@ -28,6 +28,7 @@ from ..presets import _name_key, init_random_weights
 from .blocks import V4BlockCache, prefill_blocks, restore
 from .config import V4Config
 from .model import V4ForCausalLM, V4State
+from .moe import Experts
 
 if TYPE_CHECKING:
     from ..kernels.fused_moe import Fp4Weight
@@ -119,6 +120,7 @@ def load_v4(
     read_workers: int = DEFAULT_READ_WORKERS,
     progress: ProgressSink | None = None,
     weights: str = "auto",
+    expert_slots: tuple[int, ...] | None = None,
 ) -> V4ForCausalLM:
     """A preset with seeded random weights, or a checkpoint directory in DeepSeek's release
     naming or transformers' (routed experts in MXFP4 -- e2m1, a UE8M0 scale per 1x32 -- kept in
@@ -127,12 +129,19 @@ def load_v4(
     dequantized), ``read_workers`` shards read at once, ``progress`` told how far (a preset
     reads nothing, tells nothing). ``weights``: ``auto`` as stored, ``bf16`` every FP8
     projection dequantized, ``fp8`` every one of :meth:`V4ForCausalLM.fp8_projections` in
-    FP8 (quantized at load where the checkpoint has it in full precision)."""
+    FP8 (quantized at load where the checkpoint has it in full precision). ``expert_slots``:
+    the routed experts each layer keeps, in slot order (``-1``: an empty slot), one rank of an
+    EP group -- a checkpoint's other experts are never held (a preset's are made, then
+    dropped: their values come from the whole model's seeded draws)."""
     device = torch.device(device)
     if model in V4_PRESETS:
         net = _build(V4Config.from_hf(V4_PRESETS[model]), device, dtype)
         net.hf_config = dict(V4_PRESETS[model])
         _init_preset(net, seed)
+        if expert_slots is not None:
+            for module in net.modules():
+                if isinstance(module, Experts):
+                    module.keep_slots(expert_slots)
         if weights == "fp8":
             net.quantize_weights_fp8()
         return net.eval()
@@ -142,10 +151,10 @@ def load_v4(
             f"{model!r} is neither a V4 preset ({', '.join(V4_PRESETS)}) nor a V4 checkpoint"
         )
     raw = json.loads((path / "config.json").read_text())
-    net = _build(V4Config.from_hf(raw), device, dtype)
+    net = _build(V4Config.from_hf(raw), device, dtype, expert_slots)
     net.hf_config = raw
     keep = net.fp8_projections() if weights != "bf16" else ()
-    state, fp4, fp8 = _read_state(path, device, read_workers, progress, keep)
+    state, fp4, fp8 = _read_state(path, device, read_workers, progress, keep, expert_slots)
     net.quantize_weights_fp8(only=fp8, empty=True)  # filled with the checkpoint's bytes
     net.load_hf_state(state, fp4)
     if weights == "fp8":
@@ -153,13 +162,18 @@ def load_v4(
     return net.eval()
 
 
-def _build(cfg: V4Config, device: torch.device, dtype: torch.dtype) -> V4ForCausalLM:
+def _build(
+    cfg: V4Config,
+    device: torch.device,
+    dtype: torch.dtype,
+    expert_slots: tuple[int, ...] | None = None,
+) -> V4ForCausalLM:
     """Parameters allocated in ``dtype`` on ``device`` (V4-Flash's widths would not fit twice)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            net = V4ForCausalLM(cfg)
+            net = V4ForCausalLM(cfg, expert_slots)
     finally:
         torch.set_default_dtype(previous)
     with torch.no_grad():
@@ -255,6 +269,7 @@ def _read_state(
     read_workers: int = DEFAULT_READ_WORKERS,
     progress: ProgressSink | None = None,
     keep_fp8: Collection[str] = (),
+    expert_slots: tuple[int, ...] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[Fp4Weight, Fp4Weight]], set[str]]:
     """Every tensor under our names, block-scaled ones (FP8 e4m3 or packed FP4, with their
     ``weight_scale_inv`` in any shard) dequantized (:mod:`..block_scales`) -- except an e4m3
@@ -263,16 +278,22 @@ def _read_state(
     modules are the third value); per-expert ``w1``/``w3``/``w2`` stacked into
     ``gate_up_proj`` (gate rows, then up rows) and ``down_proj`` -- or, where a layer's every
     expert matrix is MXFP4 (the release), kept in FP4 as the fused MoE's weights (the second
-    dict, by the experts' module name). Shards are read ``read_workers`` at a time as the V3
-    loader reads them (:func:`~..checkpoint_stream.stream_tensors`: on CUDA copied in while
-    the next shards are read), telling ``progress``."""
+    dict, by the experts' module name); with ``expert_slots``, only those experts, in slot
+    order (``-1``: zeros), the others never read. Shards are read ``read_workers`` at a
+    time as the V3 loader reads them (:func:`~..checkpoint_stream.stream_tensors`: on CUDA
+    copied in while the next shards are read), telling ``progress``."""
     from ..block_scales import dequantize, is_packed_fp4, scale_values
 
     out: dict[str, torch.Tensor] = {}
     fp8: set[str] = set()
     experts: dict[str, dict[str, dict[int, tuple[torch.Tensor, torch.Tensor | None]]]] = {}
     on = device if device.type == "cuda" else None
-    for k, t, scale in stream_tensors(path, workers=read_workers, device=on, progress=progress):
+
+    def wanted(k: str) -> bool:  # an EP rank reads only its own experts
+        m = _EXPERT.match(canonical_name(k))
+        return m is None or expert_slots is None or int(m.group(2)) in expert_slots
+
+    for k, t, scale in stream_tensors(path, wanted, read_workers, on, progress):
         if scale is not None and t.dim() != 2:
             raise ValueError(f"{path.name}: {k} is a {t.dim()}-D scaled tensor; only 2-D load")
         name = canonical_name(k)
@@ -290,11 +311,12 @@ def _read_state(
             out[name] = dequantize(t, scale) if scale is not None else t
     fp4: dict[str, tuple[Fp4Weight, Fp4Weight]] = {}
     for prefix, parts in experts.items():
+        order = expert_slots if expert_slots is not None else range(len(parts.get("w1", ())))
         try:
-            n = len(parts["w1"])
-            w1, w2, w3 = ([parts[w][e] for e in range(n)] for w in ("w1", "w2", "w3"))
+            w1, w2, w3 = ([_slot(parts[w], e) for e in order] for w in ("w1", "w2", "w3"))
         except KeyError as exc:
             raise ValueError(f"{prefix}: expert tensor {exc} missing from the checkpoint") from None
+        n = len(order)
         raw = [*w1, *w2, *w3]
         if all(s is not None and is_packed_fp4(t) and _mx_grid(t, s) for t, s in raw):
             fp4[prefix] = (_stack_fp4(w1, w3), _stack_fp4(w2))
@@ -313,6 +335,17 @@ def _fp8_tiles(weight: torch.Tensor, scale: torch.Tensor) -> bool:
         -(-rows // 128),
         -(-cols // 128),
     )
+
+
+def _slot(
+    held: dict[int, tuple[torch.Tensor, torch.Tensor | None]], expert: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Expert ``expert``'s (tensor, scale) of one matrix; ``-1`` (an empty slot): zeros shaped
+    as another expert's (KeyError for an expert the checkpoint lacks)."""
+    if expert >= 0:
+        return held[expert]
+    t, s = next(iter(held.values()))
+    return torch.zeros_like(t), None if s is None else torch.zeros_like(s)
 
 
 def _mx_grid(packed: torch.Tensor, scale: torch.Tensor) -> bool:

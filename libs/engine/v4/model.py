@@ -51,10 +51,10 @@ __all__ = ["CompressorState", "DecoderLayer", "LayerState", "V4ForCausalLM", "V4
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: V4Config, layer: int) -> None:
+    def __init__(self, cfg: V4Config, layer: int, slots: tuple[int, ...] | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MoE(cfg, layer)
+        self.mlp = MoE(cfg, layer, slots)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn_hc = HyperConnection(cfg)
@@ -81,23 +81,26 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: V4Config) -> None:
+    def __init__(self, cfg: V4Config, slots: tuple[int, ...] | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        n = cfg.num_hidden_layers
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, slots) for i in range(n))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg)
 
 
 class V4ForCausalLM(nn.Module):
-    """The model (module doc). ``forward(ids, state)`` runs the next chunk of one sequence."""
+    """The model (module doc). ``forward(ids, state)`` runs the next chunk of one sequence.
+    ``expert_slots``: the routed experts every layer holds, in slot order (one rank of an EP
+    group: :func:`libs.engine.ep.runtime.apply_ep`); None: all of them."""
 
-    def __init__(self, cfg: V4Config) -> None:
+    def __init__(self, cfg: V4Config, expert_slots: tuple[int, ...] | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.hf_config: dict[str, Any] | None = None  # the config.json it was read from, if known
-        self.model = Backbone(cfg)
+        self.model = Backbone(cfg, expert_slots)
         self.lm_head = _linear(cfg.vocab_size, cfg.hidden_size)
         r = cfg.qk_rope_head_dim
         self.rotary = {
@@ -189,7 +192,8 @@ class V4ForCausalLM(nn.Module):
         layer = self.model.layers[0]
         assert isinstance(layer, DecoderLayer)
         layer.attn_hc(torch.zeros(1, cfg.hc_mult, cfg.hidden_size, device=dev, dtype=dt))
-        e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        slots = layer.mlp.experts.slots  # an EP rank's experts: its slots are the rows
+        e, k = (cfg.n_routed_experts if slots is None else len(slots)), cfg.num_experts_per_tok
         for rows_per_expert in (1, 13, 97):
             t = -(-rows_per_expert * e // k)
             idx = torch.arange(t * k, device=dev).remainder(e).view(t, k)

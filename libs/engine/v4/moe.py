@@ -77,14 +77,15 @@ class Experts(nn.Module):
     an expert-parallel group, :mod:`libs.engine.ep`, which asks for the slot methods below);
     None: all ``n_routed_experts`` in order. Row ``s`` then answers ``idx == s``."""
 
-    def __init__(self, cfg: V4Config) -> None:
+    def __init__(self, cfg: V4Config, slots: tuple[int, ...] | None = None) -> None:
         super().__init__()
-        e, i, h = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        e = cfg.n_routed_experts if slots is None else len(slots)
+        i, h = cfg.moe_intermediate_size, cfg.hidden_size
         self.gate_up_proj = _param(e, 2 * i, h)
         self.down_proj = _param(e, h, i)
         self.limit = cfg.swiglu_limit
         self.use_kernels = False  # the fused Triton MoE (no host synchronization)
-        self.slots: tuple[int, ...] | None = None
+        self.slots = slots
         self._fp4: tuple[Fp4Weight, Fp4Weight] | None = None
 
     @property
@@ -161,10 +162,10 @@ def _expert(w: torch.Tensor | Fp4Weight, e: int, dtype: torch.dtype) -> torch.Te
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: V4Config, layer: int) -> None:
+    def __init__(self, cfg: V4Config, layer: int, slots: tuple[int, ...] | None = None) -> None:
         super().__init__()
         self.gate = Router(cfg, cfg.mlp_layer_types[layer] == "hash_moe")
-        self.experts = Experts(cfg)
+        self.experts = Experts(cfg, slots)
         self.shared_experts = SharedMLP(cfg)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ from ..scheduler import PLACEHOLDER, ScheduledSeq, StepPlan
 from .blocks import MAGIC, V4BlockError, _counts, encode_block, layout_hash, restore_open
 from .config import CSA, HCA, V4Config
 from .cost import v4_cost_model
-from .load import V4_PRESETS, load_v4
+from .load import V4_PRESETS, load_v4, v4_config
 from .model import V4ForCausalLM, V4State
 
 if TYPE_CHECKING:
@@ -385,20 +385,34 @@ def v4_parts(
     """Load the V4 model ``config`` names and build the engine's parts for it (module doc).
     Or take ``net``, a model built elsewhere, whose weights ``model_id`` names (KV frames of
     another model id are refused). ``ep``: this process is one rank of that expert-parallel
-    group; the routed experts are sharded by ``placement`` (default contiguous) after the
-    whole model is loaded (:func:`libs.engine.ep.runtime.apply_ep`)."""
+    group; the routed experts are sharded by ``placement`` (default contiguous): a checkpoint's
+    other experts are never held (:func:`libs.engine.ep.runtime.apply_ep` wraps the layers)."""
     from ..kernels.v4_attention import unsupported
     from ..loader import _checkpoint_digest
 
     check(config.setup("deepseek-v4", ep is not None))  # libs/engine/features.py
     device = torch.device(config.device)
     dtype = config.torch_dtype
+    slots = None  # an EP rank loads only the experts its placement gives it
+    if ep is not None:
+        from ..ep.placement import Placement
+
+        n = (net.cfg if net is not None else v4_config(config.model)).n_routed_experts
+        placement = placement or Placement.contiguous(n, ep.size)
+        slots = placement.experts_of(ep.rank)
     if net is not None:
         if not model_id:
             raise ValueError("a V4 model passed in needs the model_id that names its weights")
         device, dtype = next(net.parameters()).device, next(net.parameters()).dtype
     elif config.model in V4_PRESETS:
-        net = load_v4(config.model, device, dtype, config.seed, weights=config.weight_dtype)
+        net = load_v4(
+            config.model,
+            device,
+            dtype,
+            config.seed,
+            weights=config.weight_dtype,
+            expert_slots=slots,
+        )
         model_id = f"{config.model}-seed{config.seed}@{layout_hash(net)}"
     else:
         net = load_v4(
@@ -409,6 +423,7 @@ def v4_parts(
             config.read_workers,
             config.load_progress,
             config.weight_dtype,
+            slots,
         )
         path = Path(config.model)
         model_id = f"{path.name}@{_checkpoint_digest(path)}"
@@ -423,11 +438,10 @@ def v4_parts(
         net.warm_kernels()
     runtime = None
     if ep is not None:
-        from ..ep.placement import Placement
         from ..ep.runtime import apply_ep
 
-        placement = placement or Placement.contiguous(cfg.n_routed_experts, ep.size)
-        runtime = apply_ep(net, ep, placement)
+        assert placement is not None
+        runtime = apply_ep(net, ep, placement)  # a model passed in keeps its slots here
         runtime.rounds = True
     spec = v4_cache_spec(cfg, model_id, config.block_size, dtype)
     budget = config.kv_cache_bytes or 1 << 30  # host bytes, taken only by blocks written

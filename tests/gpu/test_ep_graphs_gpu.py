@@ -99,7 +99,7 @@ def test_the_fused_exchange_gives_the_torch_exchanges_numbers(group, live) -> No
     """The Triton dispatch and combine (libs/engine/kernels/ep_exchange.py, compiled here) and
     the PyTorch ops they replace: the same outputs bit for bit and the same load counts, with
     a group bound above the rank's tokens and, with ``live``, a graph's padding rows."""
-    placement = Placement(16, ((3, 5, 0, 7, 1, EMPTY, 6, 2, 5, 4, 0, 8, 9, 10, 11, 12, 13, 14),))
+    placement = Placement(16, ((3, 5, 0, 7, 1, EMPTY, 6, 2, 5, 4, 15, 8, 9, 10, 11, 12, 13, 14),))
     base = _local(placement)
     x, w, idx = _routing(32, 3)
     outs, loads = [], []

@@ -42,7 +42,9 @@ def _torch_pack(
 
 
 @pytest.mark.parametrize(("name", "placement", "rank"), CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize(("t", "agreed", "live"), [(37, 0, None), (37, 48, 29), (5, 16, 5)])
+@pytest.mark.parametrize(
+    ("t", "agreed", "live"), [(37, 0, None), (37, 48, 29), (5, 16, 5), (90, 96, 70)]
+)
 def test_the_fused_pack_writes_the_torch_packs_bytes(name, placement, rank, t, agreed, live):
     x, _, idx = _routing(t)
     table = RouteTable.build(placement, rank, torch.device("cpu"))

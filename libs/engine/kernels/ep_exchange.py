@@ -1,4 +1,4 @@
-"""EP's fixed-shape dispatch and combine (:mod:`libs.engine.ep.fixed`) in three Triton launches
+"""EP's fixed-shape dispatch and combine (:mod:`libs.engine.ep.fixed`) in four Triton launches
 instead of ~50 small PyTorch ops per MoE layer.
 
 Inside the decode step's CUDA graph each of those ops is a node of a few microseconds, so at
@@ -6,11 +6,14 @@ decode batch sizes the layer's bookkeeping, not its bytes, set the price of EP o
 single-device layer. The kernels compute exactly what the PyTorch functions compute (the unit
 tests compare them bit for bit):
 
-1. :func:`route_and_slots` (one program): each pair's global slot (:meth:`RouteTable.route`),
-   whether its token is real (:meth:`StepBound.real_pairs`), its row in the send buffer
-   (:func:`~libs.engine.ep.fixed.rows_of`: a running count per destination rank, kept in
-   registers over chunks of pairs), the buffer's slot field of every row (``S``, "no expert",
-   unless a real pair lands there) and the layer's load counter;
+1. :func:`route_and_slots` (two launches, one program per chunk of 64 pairs each): each
+   pair's global slot (:meth:`RouteTable.route`), whether its token is real
+   (:meth:`StepBound.real_pairs`), its row in the send buffer
+   (:func:`~libs.engine.ep.fixed.rows_of`: the pairs before it to the same rank -- within its
+   chunk counted by the first launch, in earlier chunks summed from their per-rank counts by
+   the second), the buffer's slot field of every row (``S``, "no expert", unless a real pair
+   lands there) and the layer's load counter. (One program walking the chunks in turn took
+   181 us a layer at batch 256 on an H100: a chain of dependent loads per chunk.)
 2. :func:`pack_rows` (one program per pair and hidden block): the pair's token row into its
    buffer row;
 3. :func:`combine_rows` (one program per token and hidden block): the token's ``k`` returned
@@ -27,37 +30,37 @@ import torch
 import triton
 import triton.language as tl
 
-_CHUNK = 64  # pairs per step of the routing program's running count
-_FILL = 1024  # buffer rows per step of its slot fill
+_CHUNK = 64  # pairs per routing program
+_FILL = 1024  # buffer rows per step of the slot fill
 
 
 # Never specialised to 1: the while loops below start from them times 0, a tensor.
-@triton.jit(do_not_specialize=["num_pairs", "total_rows", "cap"])
-def _route_kernel(  # type: ignore[no-untyped-def]
+@triton.jit(do_not_specialize=["num_pairs", "total_rows"])
+def _route_count_kernel(  # type: ignore[no-untyped-def]
     idx_ptr,
     local_ptr,
     rep_ptr,
     nrep_ptr,
-    live_ptr,
-    rows_ptr,
-    real_ptr,
+    dest_ptr,
+    inner_ptr,
+    count_ptr,
     slot_ptr,
-    load_ptr,
     num_pairs,
     total_rows,
-    cap,
     rep_width,
     slot_stride,
     K: tl.constexpr,
     S: tl.constexpr,
     N_P2: tl.constexpr,
-    HAS_LIVE: tl.constexpr,
     CHUNK: tl.constexpr,
     FILL: tl.constexpr,
 ):
-    # Every row says "no expert" first; real pairs overwrite theirs below (same program).
-    # (while loops: Triton's interpreter on numpy >= 2.4 rejects runtime bounds in range())
-    start = total_rows * 0
+    """One program per chunk of pairs: each pair's global slot and its place among the
+    chunk's pairs to the same rank, the chunk's pairs per rank; and a share of the buffer's
+    rows told "no expert" (the next launch writes the real pairs' over them)."""
+    c = tl.program_id(0)
+    step = tl.num_programs(0) * FILL
+    start = c * FILL + total_rows * 0
     while start < total_rows:
         r = start + tl.arange(0, FILL)
         tl.store(
@@ -65,39 +68,72 @@ def _route_kernel(  # type: ignore[no-untyped-def]
             tl.full((FILL,), S, tl.int64),
             mask=r < total_rows,
         )
-        start += FILL
-    tl.debug_barrier()
-    live = tl.load(live_ptr) if HAS_LIVE else 0
-    ranks = tl.arange(0, N_P2)
-    seen = tl.zeros((N_P2,), tl.int64)  # pairs so far per destination rank
+        start += step
     i = tl.arange(0, CHUNK)
-    start = num_pairs * 0
-    while start < num_pairs:
-        p = start + i
-        m = p < num_pairs
-        e = tl.load(idx_ptr + p, mask=m, other=0).to(tl.int64)
-        token = p // K
-        loc = tl.load(local_ptr + e, mask=m, other=0)
-        n = tl.load(nrep_ptr + e, mask=m, other=1)
-        rem = tl.load(rep_ptr + e * rep_width + token % n, mask=m, other=0)
-        dest = tl.where(loc >= 0, loc, rem)
-        rank = dest // S
-        if HAS_LIVE:
-            real = (token < live).to(tl.int64)
-        else:
-            real = tl.full((CHUNK,), 1, tl.int64)
-        # Earlier pairs of this chunk to the same rank, then those of earlier chunks.
-        same = (rank[:, None] == rank[None, :]) & (i[None, :] < i[:, None]) & m[None, :]
-        inner = tl.sum(same.to(tl.int64), axis=1)
-        hit = (rank[:, None] == ranks[None, :]) & m[:, None]
-        base = tl.sum(tl.where(hit, seen[None, :], 0), axis=1)
-        seen += tl.sum(hit.to(tl.int64), axis=0)
-        row = rank * cap + base + inner
-        tl.store(rows_ptr + p, row, mask=m)
-        tl.store(real_ptr + p, real, mask=m)
-        tl.store(slot_ptr + row * slot_stride, tl.where(real != 0, dest % S, S), mask=m)
-        tl.atomic_add(load_ptr + e, real, mask=m)
-        start += CHUNK
+    p = c * CHUNK + i
+    m = p < num_pairs
+    e = tl.load(idx_ptr + p, mask=m, other=0).to(tl.int64)
+    token = p // K
+    loc = tl.load(local_ptr + e, mask=m, other=0)
+    n = tl.load(nrep_ptr + e, mask=m, other=1)
+    rem = tl.load(rep_ptr + e * rep_width + token % n, mask=m, other=0)
+    dest = tl.where(loc >= 0, loc, rem)
+    rank = dest // S
+    same = (rank[:, None] == rank[None, :]) & (i[None, :] < i[:, None]) & m[None, :]
+    tl.store(dest_ptr + p, dest, mask=m)
+    tl.store(inner_ptr + p, tl.sum(same.to(tl.int64), axis=1), mask=m)
+    ranks = tl.arange(0, N_P2)
+    hit = (rank[:, None] == ranks[None, :]) & m[:, None]
+    tl.store(count_ptr + c * N_P2 + ranks, tl.sum(hit.to(tl.int64), axis=0))
+
+
+@triton.jit(do_not_specialize=["num_pairs", "cap"])
+def _route_rows_kernel(  # type: ignore[no-untyped-def]
+    idx_ptr,
+    dest_ptr,
+    inner_ptr,
+    count_ptr,
+    live_ptr,
+    rows_ptr,
+    real_ptr,
+    slot_ptr,
+    load_ptr,
+    num_pairs,
+    cap,
+    slot_stride,
+    K: tl.constexpr,
+    S: tl.constexpr,
+    N_P2: tl.constexpr,
+    C_P2: tl.constexpr,
+    HAS_LIVE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """One program per chunk: the pairs of earlier chunks per rank (their counts summed), so
+    each pair's buffer row; whether its token is real; its row's slot field; the load."""
+    c = tl.program_id(0)
+    ranks = tl.arange(0, N_P2)
+    earlier = tl.arange(0, C_P2)
+    counts = tl.load(
+        count_ptr + earlier[:, None] * N_P2 + ranks[None, :],
+        mask=(earlier < c)[:, None],
+        other=0,
+    )
+    before = tl.sum(counts, axis=0)  # [N_P2]: earlier chunks' pairs per rank
+    p = c * CHUNK + tl.arange(0, CHUNK)
+    m = p < num_pairs
+    dest = tl.load(dest_ptr + p, mask=m, other=0)
+    rank = dest // S
+    base = tl.sum(tl.where(rank[:, None] == ranks[None, :], before[None, :], 0), axis=1)
+    row = rank * cap + base + tl.load(inner_ptr + p, mask=m, other=0)
+    if HAS_LIVE:
+        real = (p // K < tl.load(live_ptr)).to(tl.int64)
+    else:
+        real = tl.full((CHUNK,), 1, tl.int64)
+    tl.store(rows_ptr + p, row, mask=m)
+    tl.store(real_ptr + p, real, mask=m)
+    tl.store(slot_ptr + row * slot_stride, tl.where(real != 0, dest % S, S), mask=m)
+    e = tl.load(idx_ptr + p, mask=m, other=0).to(tl.int64)
+    tl.atomic_add(load_ptr + e, real, mask=m)
 
 
 @triton.jit
@@ -183,31 +219,26 @@ def route_and_slots(
     real pairs to ``load`` [E] int64."""
     flat = idx.reshape(-1).contiguous()
     p = flat.numel()
-    rows = torch.empty(p, dtype=torch.int64, device=idx.device)
-    real = torch.empty(p, dtype=torch.int64, device=idx.device)
-    _route_kernel[(1,)](
-        flat,
-        local,
-        replicas,
-        num_replicas,
-        live if live is not None else rows,
-        rows,
-        real,
-        slot,
-        load,
-        p,
-        slot.shape[0],
-        cap,
-        replicas.stride(0),
-        slot.stride(0),
-        K=max(idx.shape[1], 1),
-        S=slots_per_rank,
-        N_P2=triton.next_power_of_2(num_ranks),
-        HAS_LIVE=live is not None,
-        CHUNK=_CHUNK,
-        FILL=_FILL,
-        num_warps=4,
-    )
+    dev = idx.device
+    rows = torch.empty(p, dtype=torch.int64, device=dev)
+    real = torch.empty(p, dtype=torch.int64, device=dev)
+    dest = torch.empty(p, dtype=torch.int64, device=dev)
+    inner = torch.empty(p, dtype=torch.int64, device=dev)
+    chunks = max(1, triton.cdiv(p, _CHUNK))  # one program at least: it fills the slot field
+    n_p2 = triton.next_power_of_2(num_ranks)
+    counts = torch.empty(chunks * n_p2, dtype=torch.int64, device=dev)
+    k, s = max(idx.shape[1], 1), slots_per_rank
+    _route_count_kernel[(chunks,)](
+        flat, local, replicas, num_replicas, dest, inner, counts, slot,
+        p, slot.shape[0], replicas.stride(0), slot.stride(0),
+        K=k, S=s, N_P2=n_p2, CHUNK=_CHUNK, FILL=_FILL, num_warps=4,
+    )  # fmt: skip
+    _route_rows_kernel[(chunks,)](
+        flat, dest, inner, counts, live if live is not None else rows, rows, real, slot, load,
+        p, cap, slot.stride(0),
+        K=k, S=s, N_P2=n_p2, C_P2=triton.next_power_of_2(chunks),
+        HAS_LIVE=live is not None, CHUNK=_CHUNK, num_warps=4,
+    )  # fmt: skip
     return rows, real
 
 

@@ -29,3 +29,16 @@ def test_bench_ep_cpu_compares_the_paths(tmp_path: Path, capsys) -> None:
     for m in r["greedy_match"].values():  # fp32 PyTorch experts on both paths: same tokens
         assert m["matching_prefix_tokens"] == m["tokens"] == 4 and m["matching_sequences"] == 2
     assert "ep_redundant" in capsys.readouterr().out
+
+
+def test_bench_ep_takes_a_v4_model(tmp_path: Path) -> None:
+    """V4's experts placed by the family's own config: 8 experts, one spare slot each."""
+    out = tmp_path / "ep.json"
+    args = ["bench", "ep", "--model", "v4-tiny", "--batch", "2", "--steps", "1", "--warmup", "1"]
+    args += ["--context", "8", "--redundant", "1", "--match-prompts", "2", "--match-tokens", "2"]
+    assert cli([*args, "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    paths = {p["name"]: p for p in r["paths"]}
+    assert paths["ep"]["slots_per_rank"] == 8 and paths["ep_redundant"]["slots_per_rank"] == 9
+    for m in r["greedy_match"].values():
+        assert m["matching_prefix_tokens"] == m["tokens"] == 4

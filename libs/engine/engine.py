@@ -361,20 +361,12 @@ class Engine:
         if launched is not None:
             self.scheduler.advance(plan)
             self.last_step_tokens = plan.num_tokens
-            if self.config.use_overlap and not self._finish_now(plan):
+            if self.config.use_overlap:
                 self._inflight = launched
                 return events
             events += self._finish(launched)
         self._inflight = None
         return events
-
-    def _finish_now(self, plan: StepPlan) -> bool:
-        """Whether an overlapped engine waits for ``plan`` before scheduling the next step:
-        when it computes ``sync_prompt_tokens`` prompt tokens or more (a long step; what
-        arrives meanwhile joins the next step, not the one after)."""
-        limit = self.config.sync_prompt_tokens
-        prompt = sum(s.num_tokens for s in plan.seqs if s.num_tokens > 1 + s.num_drafts)
-        return limit > 0 and prompt >= limit
 
     def _launch(self, plan: StepPlan, prev: Launched | None, early: list[TokenEvent]) -> Launched:
         """Queue ``plan``. With a constrained request running, its mask needs the token of the

@@ -58,11 +58,6 @@ class EngineConfig:
     # it; nobody else holds it). None: frames are neither signed nor checked.
     kv_mac_key: bytes | None = field(default=None, repr=False)
     overlap: bool | None = None  # None: on for CUDA
-    # With overlap: a step computing at least this many prompt tokens is finished before the
-    # next one is scheduled, so requests that arrive while it runs start in the very next step
-    # instead of the one after it (beside such a step the host work overlap hides is small).
-    # 0: every step overlapped.
-    sync_prompt_tokens: int = 2048
     # With expert parallelism: EPLB's window and re-placement interval ("decode", "prefill":
     # EplbConfig's defaults for that role, or an EplbConfig); None: no EPLB, placement fixed.
     # Its redundant_per_rank sizes the default placement's spare slots. Ignored without EP.

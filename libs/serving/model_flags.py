@@ -28,9 +28,6 @@ class ModelFlags:
     # Seconds one engine step may take by the cost model (prompt chunks are cut to fit it);
     # 0: none, a step's prompt tokens are bounded by max_tokens_per_step alone.
     step_time_budget_s: float = 1.0
-    # An overlapped engine finishes a step of this many prompt tokens or more before it
-    # schedules the next (libs/engine/engine_config.py); 0: always overlapped.
-    sync_prompt_tokens: int = 2048
     fake_step_ms: float = 2.0  # --model fake: cost of one step
     fake_token_us: float = 2.0  # --model fake: and of each token computed in it
     kv_cache_dtype: str = "auto"  # or fp8 (both instances of a prefill -> decode pair must agree)
@@ -91,11 +88,6 @@ class ModelFlags:
             raise ValueError(
                 f"--step-time-budget must be >= 0 (0: none), got {self.step_time_budget_s}"
             )
-        if self.sync_prompt_tokens < 0:
-            raise ValueError(
-                f"--sync-prompt-tokens must be >= 0 (0: always overlap), "
-                f"got {self.sync_prompt_tokens}"
-            )
         if self.max_model_len < 0:
             raise ValueError(
                 f"--max-model-len must be >= 0 (0: the model's), got {self.max_model_len}"
@@ -143,7 +135,6 @@ class ModelFlags:
             num_kv_blocks=self.num_kv_blocks if fraction is None else None,
             max_tokens_per_step=self.max_tokens_per_step,
             time_budget_s=self.step_time_budget_s or None,
-            sync_prompt_tokens=self.sync_prompt_tokens,
             max_running=self.max_running,
             max_model_len=self.max_model_len or None,
             kv_cache_dtype="fp8" if self.kv_cache_dtype == "fp8" else None,
@@ -232,15 +223,6 @@ def add_model_flags(
         help="seconds one engine step may take by the calibrated cost model: prompt chunks "
         "are cut to fit it (beside running decodes it bounds the time between their tokens); "
         "0: none (--max-tokens-per-step alone bounds a step)",
-    )
-    flag(
-        parser,
-        "--sync-prompt-tokens",
-        type=int,
-        default=2048,
-        help="on CUDA, where the engine overlaps each step's host work with the step before: "
-        "a step computing this many prompt tokens or more is finished before the next is "
-        "scheduled, so requests arriving during it start one step sooner; 0: always overlap",
     )
     flag(
         parser,
@@ -355,7 +337,6 @@ def model_flags_from(args: argparse.Namespace) -> ModelFlags:
         max_running=args.max_running,
         max_model_len=args.max_model_len,
         step_time_budget_s=args.step_time_budget,
-        sync_prompt_tokens=args.sync_prompt_tokens,
         fake_step_ms=args.fake_step_ms,
         fake_token_us=args.fake_token_us,
         kv_cache_dtype=args.kv_cache_dtype,

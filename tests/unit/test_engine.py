@@ -534,19 +534,3 @@ def test_prior_outputs_count_as_output_for_the_penalties(tiny_loaded) -> None:
     assert out == whole[1:]
     as_prompt = run(make(tiny_loaded), {"d": ([*p, whole[0]], rest)})["d"]
     assert as_prompt != out  # counted as prompt, the first token gets no boost
-
-
-def test_a_long_prompt_step_comes_back_in_its_own_call(tiny_loaded) -> None:
-    """Overlapped, a step's tokens come back one call late; a step of ``sync_prompt_tokens``
-    prompt tokens or more is finished in its own call, so whatever is added after it starts
-    in the very next step. Decode-only steps stay overlapped; the tokens are the same."""
-    calls = {}
-    for limit in (0, 64):
-        engine = make(tiny_loaded, overlap=True, sync_prompt_tokens=limit)
-        engine.add_request("long", prompt(80, 4), GREEDY)
-        calls[limit] = [len(engine.step()) for _ in range(4)]  # tokens each call gave back
-    # 0: every step a call late; 64: the 80-token prompt's token at once, then decode steps
-    # overlapped again (the first of them in flight when its call returns).
-    assert calls == {0: [0, 1, 1, 1], 64: [1, 0, 1, 1]}
-    outs = [run(make(tiny_loaded, overlap=True, sync_prompt_tokens=n), REQS) for n in (0, 40)]
-    assert outs[0] == outs[1] == run(make(tiny_loaded, overlap=False), REQS)

@@ -196,15 +196,7 @@ class Experts(SummedBy, nn.Module):
         """Keep copies of these experts' weights (``-1``: an empty slot, zeros), drop the rest."""
         if self.slots is not None:
             raise ValueError(f"experts already hold slots {self.slots}")
-        state = []
-        for t in self.slot_state():
-            rows = torch.tensor([max(e, 0) for e in slots], dtype=torch.int64, device=t.device)
-            kept = t.index_select(0, rows)
-            for s, e in enumerate(slots):
-                if e < 0:
-                    kept[s].zero_()
-            state.append(kept)
-        self.set_slot_state(state, slots)
+        self.set_slot_state(slot_rows(self.slot_state(), slots), slots)
 
     def slot_state(self) -> list[torch.Tensor]:
         """The tensors that hold the experts, each with one row per slot (bf16: ``w13``, ``w2``;
@@ -228,6 +220,20 @@ class Experts(SummedBy, nn.Module):
         # many others chose its experts).
         ffn, n = self.method.ffn(self, x, self.arith)
         return _route_grouped(x, weights, idx, n, ffn)
+
+
+def slot_rows(state: list[torch.Tensor], slots: tuple[int, ...]) -> list[torch.Tensor]:
+    """Copies of the rows of ``state`` (tensors with one row per expert) that ``slots`` name,
+    in slot order; ``-1`` (an empty slot) a row of zeros."""
+    out = []
+    for t in state:
+        rows = torch.tensor([max(e, 0) for e in slots], dtype=torch.int64, device=t.device)
+        kept = t.index_select(0, rows)
+        for s, e in enumerate(slots):
+            if e < 0:
+                kept[s].zero_()  # any dtype: FP8 codes and scales too
+        out.append(kept)
+    return out
 
 
 def _route_grouped(

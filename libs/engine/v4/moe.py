@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..model.moe import slot_rows
 from .config import V4Config
 from .layers import _linear, _param
 
@@ -111,13 +112,7 @@ class Experts(nn.Module):
         """Keep copies of these experts' weights (``-1``: an empty slot, zeros), drop the rest."""
         if self.slots is not None:
             raise ValueError(f"experts already hold slots {self.slots}")
-        state = []
-        for t in self.slot_state():
-            rows = torch.tensor([max(e, 0) for e in slots], dtype=torch.int64, device=t.device)
-            kept = t.index_select(0, rows)
-            kept[[s for s, e in enumerate(slots) if e < 0]] = 0
-            state.append(kept)
-        self.set_slot_state(state, slots)
+        self.set_slot_state(slot_rows(self.slot_state(), slots), slots)
 
     def slot_state(self) -> list[torch.Tensor]:
         """The tensors that hold the experts, one row per slot (bf16: gate/up and down; FP4:

@@ -154,17 +154,14 @@ def _generate_ep(args: argparse.Namespace, prompt: str | list[int], params: Any)
     """One prompt on an EP group: rank 0 serves it, the others run empty steps beside it.
     None on a host without rank 0."""
     from libs.engine.ep.placement import Placement
-    from libs.engine.hub import resolve_model
-    from libs.engine.registry import family_for
+    from libs.engine.registry import routed_experts
     from libs.serving.ep.generate import generate_ranks
     from libs.serving.ep.launch import RankFailed
 
     if args.ep < 1 or args.ep_redundant < 0:
         raise ValueError("--ep must be >= 1 and --ep-redundant >= 0")
     ranks = _host_ranks(args)
-    source = resolve_model(args.model)  # a Hub repo id: its snapshot directory
-    experts = family_for(source).config(source).n_routed_experts
-    placement = Placement.contiguous(experts, args.ep, args.ep_redundant)
+    placement = Placement.contiguous(routed_experts(args.model), args.ep, args.ep_redundant)
     try:
         results = generate_ranks(
             args.model,

@@ -37,7 +37,7 @@ from libs.engine.engine import Engine, EngineConfig
 from libs.engine.ep.group import EPGroup
 from libs.engine.ep.placement import Placement
 from libs.engine.llm import LLM
-from libs.engine.registry import family_for
+from libs.engine.registry import routed_experts
 
 from .hf_peer import decode_prompts, free_memory, sync
 
@@ -220,7 +220,7 @@ def main(args: argparse.Namespace) -> int:
     group = EPGroup.single(args.device)
     try:
         ep_config = _config(args, str(group.device), batches, context)
-        experts = family_for(args.model).config(args.model).n_routed_experts
+        experts = routed_experts(args.model)
         for name, r in (("ep", 0), ("ep_redundant", args.redundant)):
             if name == "ep_redundant" and r == 0:
                 continue

@@ -51,7 +51,7 @@ from .loader import LoadedModel
 from .model.model import DeepseekForCausalLM
 from .parts import EngineParts, max_model_len
 from .prefill_fairness import FairScheduler
-from .registry import build_parts, family_for
+from .registry import build_parts, routed_experts
 from .rows import join_logprobs, sampling_inputs
 from .runner import Launched, ModelRunner
 from .sampler import Sampler
@@ -460,8 +460,8 @@ def _eplb_start(
 
     if loaded is not None:
         experts = loaded.model.cfg.n_routed_experts
-    else:  # the model's family reads its config from the name (no weight is read)
-        experts = family_for(config.model).config(config.model).n_routed_experts
+    else:  # from the config alone: no weight is read
+        experts = routed_experts(config.model)
     return Placement.contiguous(experts, ranks, redundant)
 
 

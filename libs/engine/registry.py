@@ -85,6 +85,13 @@ def family_for(model: str) -> ModelFamily:
     return next(f for f in FAMILIES if f.claims(model))
 
 
+def routed_experts(model: str) -> int:
+    """How many routed experts ``model`` (a preset, a checkpoint directory or a Hub repo id)
+    has, from its config alone: what an EP placement is sized by before a weight is read."""
+    source = resolve_model(model)  # a Hub repo id: its snapshot directory
+    return int(family_for(source).config(source).n_routed_experts)
+
+
 def build_parts(
     config: EngineConfig,
     loaded: LoadedModel | None = None,

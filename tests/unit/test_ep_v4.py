@@ -55,20 +55,26 @@ def test_two_ranks_with_uneven_experts(want) -> None:
     _check_counts(results, PROMPTS)
 
 
-def test_three_ranks_with_replicas_then_replaced_live(want) -> None:
-    """3 ranks x (3 experts + 1 spare slot holding a replica); after step 3 the experts move
-    to a shuffled placement with an empty slot, tokens unchanged."""
+def replaced_live(prompts, **engine):
+    """v4-tiny's greedy tokens over 3 ranks x (3 experts + 1 spare slot holding a replica);
+    after step 3 the experts move to a shuffled placement with an empty slot."""
     moved = Placement(8, ((7, 3, EMPTY, 0), (1, 4, 6, 3), (2, 5, 0, 7)))
-    results = generate_ranks(
+    return generate_ranks(
         "v4-tiny",
-        PROMPTS,
+        prompts,
         GREEDY,
         ep=3,
         placement=Placement.contiguous(8, 3, redundant=1),
         replace=(3, moved),
         decode_text=False,
         **ENGINE,
+        **engine,
     )
+
+
+def test_three_ranks_with_replicas_then_replaced_live(want) -> None:
+    """3 ranks with spare replicas, re-placed live after step 3: tokens unchanged."""
+    results = replaced_live(PROMPTS)
     assert [o.token_ids for o in collect_outputs(results, len(PROMPTS))] == want
     assert len({r.steps for r in results}) == 1 and results[0].steps > 3
     _check_counts(results, PROMPTS)

@@ -14,14 +14,14 @@ import torch
 from libs.common.sampling import SamplingParams
 from libs.engine.block_scales import dequantize, mxfp4_as_kernel_fp4
 from libs.engine.engine import Engine, EngineConfig
-from libs.engine.ep.placement import EMPTY, Placement
 from libs.engine.kernels.fused_moe import Fp4Weight, dequantize_fp4
 from libs.engine.llm import LLM
 from libs.engine.model.layers import Fp8Linear
 from libs.engine.v4.load import generate_v4, load_v4
 from libs.engine.v4.model import V4ForCausalLM, V4State
 from libs.engine.v4.moe import Experts
-from libs.serving.ep.generate import collect_outputs, generate_ranks
+from libs.serving.ep.generate import collect_outputs
+from tests.unit.test_ep_v4 import replaced_live
 
 GREEDY = SamplingParams(max_tokens=5, ignore_eos=True)
 ENGINE = dict(block_size=16, num_kv_blocks=48, time_budget_s=None)
@@ -103,18 +103,7 @@ def test_fp4_slots_move_between_ranks() -> None:
     re-placed live: the tokens of one FP4 engine."""
     llm = LLM(engine=Engine(EngineConfig(model="v4-tiny", expert_dtype="fp4", **ENGINE)))
     want = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, decode_text=False)]
-    moved = Placement(8, ((7, 3, EMPTY, 0), (1, 4, 6, 3), (2, 5, 0, 7)))
-    results = generate_ranks(
-        "v4-tiny",
-        PROMPTS,
-        GREEDY,
-        ep=3,
-        placement=Placement.contiguous(8, 3, redundant=1),
-        replace=(3, moved),
-        decode_text=False,
-        expert_dtype="fp4",
-        **ENGINE,
-    )
+    results = replaced_live(PROMPTS, expert_dtype="fp4")
     assert [o.token_ids for o in collect_outputs(results, len(PROMPTS))] == want
 
 

@@ -34,7 +34,8 @@ _CHUNK = 64  # pairs per routing program
 _FILL = 1024  # buffer rows per step of the slot fill
 
 
-# Never specialised to 1: the while loops below start from them times 0, a tensor.
+# Never specialised to 1: the while loop below starts from total_rows times 0, a tensor.
+# (while loops: Triton's interpreter on numpy >= 2.4 rejects runtime bounds in range())
 @triton.jit(do_not_specialize=["num_pairs", "total_rows"])
 def _route_count_kernel(  # type: ignore[no-untyped-def]
     idx_ptr,

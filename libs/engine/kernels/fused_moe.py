@@ -128,7 +128,7 @@ def dequantize_fp4(q: Fp4Weight, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def _expert_weight(w: torch.Tensor | Fp4Weight | Fp8Weight, e: int) -> torch.Tensor:
+def expert_weight(w: torch.Tensor | Fp4Weight | Fp8Weight, e: int) -> torch.Tensor:
     """Expert ``e`` of ``w`` in fp32 (FP4/FP8 decoded)."""
     if isinstance(w, Fp4Weight):
         one = Fp4Weight(w.packed[e : e + 1], w.scales[e : e + 1])
@@ -160,13 +160,13 @@ def fused_moe_reference(
     out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids).tolist():
         tokens, slots = torch.nonzero(topk_ids == e, as_tuple=True)
-        gate, up = F.linear(xf[tokens], _expert_weight(w13, e)).chunk(2, dim=-1)
+        gate, up = F.linear(xf[tokens], expert_weight(w13, e)).chunk(2, dim=-1)
         if swiglu_limit is not None:
             gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
         h = F.silu(gate) * up
         if fp8:
             h = _fp8_activations(h.to(x.dtype))
-        y = F.linear(h, _expert_weight(w2, e))
+        y = F.linear(h, expert_weight(w2, e))
         out.index_add_(0, tokens, y * topk_weights[tokens, slots].to(torch.float32)[:, None])
     return out.to(x.dtype)
 

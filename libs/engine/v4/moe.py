@@ -151,9 +151,9 @@ def _expert(w: torch.Tensor | Fp4Weight, e: int, dtype: torch.dtype) -> torch.Te
     """Expert ``e``'s matrix in ``dtype`` (FP4: decoded, code times scale in fp32, then cast)."""
     if isinstance(w, torch.Tensor):
         return w[e]
-    from ..kernels.fused_moe import Fp4Weight, dequantize_fp4
+    from ..kernels.fused_moe import expert_weight
 
-    return dequantize_fp4(Fp4Weight(w.packed[e : e + 1], w.scales[e : e + 1]), dtype)[0]
+    return expert_weight(w, e).to(dtype)
 
 
 class MoE(nn.Module):

@@ -404,6 +404,8 @@ def v4_parts(
         if not model_id:
             raise ValueError("a V4 model passed in needs the model_id that names its weights")
         device, dtype = next(net.parameters()).device, next(net.parameters()).dtype
+        if config.weight_dtype == "fp8":  # load_v4 does this for the models it loads
+            net.quantize_weights_fp8()
     elif config.model in V4_PRESETS:
         net = load_v4(
             config.model,
@@ -430,8 +432,6 @@ def v4_parts(
     cfg = net.cfg
     if config.expert_dtype == "fp4":  # --experts fp4 (a release checkpoint's are FP4 already)
         net.quantize_experts_fp4()
-    if config.weight_dtype == "fp8":  # a model passed in too (load_v4 did the others)
-        net.quantize_weights_fp8()
     kernels = kernels_on(config, lambda: unsupported(cfg.head_dim, cfg.index_head_dim))
     net.set_kernels(kernels)
     if kernels and device.type == "cuda":
